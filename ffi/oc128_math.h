@@ -1,0 +1,298 @@
+// The single source of truth for jax_oc128's math, compiled into the CPU handlers (g++) and the CUDA
+// kernels (nvcc). Everything here is plain arithmetic on pointers: no XLA, CUDA runtime or nanobind.
+//
+// Per work item ("channel" d of one row of one layer) it defines what the compress, verify and commit
+// ops do. The CPU handlers loop over work items; the CUDA kernels map them onto threads.
+//
+// State layout (row-major): state[layers][banks][slots][3][dim], the 3 fields being
+// [max | sum | mean] of the online softmax pooling of the open 128-token block (SPEC section 3).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#ifdef __CUDACC__
+#define OC128_FN __host__ __device__ __forceinline__
+#else
+#define OC128_FN inline
+#endif
+
+namespace oc128 {
+
+constexpr int kBlock = 128;    // tokens per compressed block (C128)
+constexpr int kMaxDraft = 16;  // most verify tokens per request (banks 1..16)
+
+// ---------------------------------------------------------------------------------------------
+// Storage types. bfloat16 is handled as raw bits so that host and device share one rounding rule
+// (round to nearest even, as jnp.astype(jnp.bfloat16)).
+
+struct Bf16 {
+  uint16_t bits;
+};
+
+OC128_FN float float_from_bits(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+OC128_FN uint32_t bits_from_float(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
+OC128_FN float to_float(float x) { return x; }
+OC128_FN float to_float(Bf16 x) { return float_from_bits(uint32_t(x.bits) << 16); }
+
+template <typename T>
+OC128_FN T from_float(float x);
+
+template <>
+OC128_FN float from_float<float>(float x) {
+  return x;
+}
+
+template <>
+OC128_FN Bf16 from_float<Bf16>(float x) {
+  if (x != x) return Bf16{0x7FC0};  // quiet NaN
+  const uint32_t u = bits_from_float(x);
+  return Bf16{uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)};
+}
+
+// ---------------------------------------------------------------------------------------------
+// The online recurrence of SPEC section 3 for one channel.
+
+struct Online {
+  float m;  // running max of the scores
+  float s;  // sum of exp(score - m)
+  float a;  // normalised weighted mean of kv
+};
+
+// Fold one token at block position `pos` (kv `v`, score incl. ape `sigma`) into `st`.
+// pos == 0 starts a new block: whatever `st` holds is ignored.
+OC128_FN Online fold(Online st, int pos, float v, float sigma) {
+  if (pos == 0) return Online{sigma, 1.0f, v};
+  const float m = fmaxf(st.m, sigma);
+  const float s0 = st.s * expf(st.m - m);
+  const float e = expf(sigma - m);
+  const float s = s0 + e;
+  return Online{m, s, (st.a * s0 + v * e) / s};
+}
+
+// Stored states keep (m, s) consistent after rounding: m is rounded first and s is rescaled to the
+// rounded max, so a bf16 state loses precision in s and a only (for fp32 the rescale is exact: x*1).
+template <typename T>
+OC128_FN void store_state(T* row, int64_t dim, int64_t d, Online st) {
+  const T m = from_float<T>(st.m);
+  row[d] = m;
+  row[dim + d] = from_float<T>(st.s * expf(st.m - to_float(m)));
+  row[2 * dim + d] = from_float<T>(st.a);
+}
+
+template <typename T>
+OC128_FN Online load_state(const T* row, int64_t dim, int64_t d) {
+  return Online{to_float(row[d]), to_float(row[dim + d]), to_float(row[2 * dim + d])};
+}
+
+// A row is processed only if its slot is inside the state and its position is not negative;
+// anything else is padding (slot -1) or out of range, and is neither read nor written.
+OC128_FN bool row_is_valid(int32_t slot, int32_t seq_len, int64_t num_slots) {
+  return slot >= 0 && slot < num_slots && seq_len >= 0;
+}
+
+// Where bank 0 of `slot` lives, for layer `layer` (absolute) of the state.
+struct StateLayout {
+  int64_t banks;  // 1 + max_draft
+  int64_t slots;
+  int64_t dim;
+  OC128_FN int64_t offset(int64_t layer, int64_t bank, int64_t slot) const {
+    return ((layer * banks + bank) * slots + slot) * 3 * dim;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// compress: fold new_lens[row] tokens into bank 0, emit an entry for each block that closes.
+//
+// Work item (lk, row, g, d): segment g of the row is the part of its new tokens lying in the
+// g-th block touched (g = 0 is the block of the first new token). Segments are independent except
+// that segment 0 reads bank 0 and the trailing open segment writes it, so both are done by the
+// work item of segment 0 (read before write, in one thread: no race between CUDA blocks).
+
+template <typename T>
+struct CompressArgs {
+  T* state;
+  const float* kv_score;  // [call_layers, rows, tokens, 2*dim]
+  const int32_t* seq_lens;
+  const int32_t* new_lens;
+  const int32_t* slots;
+  const float* ape;       // [call_layers, 128, dim]
+  float* entries;         // [call_layers, rows, entries_per_row, dim]
+  int32_t* entry_blocks;  // [rows, entries_per_row]
+  StateLayout layout;
+  int64_t layer0;
+  int64_t rows;
+  int64_t tokens;
+  int64_t entries_per_row;
+};
+
+// Segments a call of `tokens` tokens can touch: ceil((127 + tokens) / 128).
+OC128_FN int64_t max_segments(int64_t tokens) { return (tokens + 2 * kBlock - 2) / kBlock; }
+
+template <typename T>
+OC128_FN Online fold_segment(const CompressArgs<T>& a, int64_t lk, int64_t row, int p0, int n, int64_t g,
+                             Online st, int64_t d) {
+  const int64_t dim = a.layout.dim;
+  const int64_t first = g == 0 ? 0 : g * kBlock - p0;
+  const int64_t end = (g + 1) * kBlock - p0 < n ? (g + 1) * kBlock - p0 : n;
+  const float* kv = a.kv_score + (lk * a.rows + row) * a.tokens * 2 * dim;
+  const float* ape = a.ape + lk * kBlock * dim;
+  for (int64_t t = first; t < end; ++t) {
+    const int pos = int(p0 + t - g * kBlock);
+    st = fold(st, pos, kv[t * 2 * dim + d], kv[t * 2 * dim + dim + d] + ape[pos * dim + d]);
+  }
+  return st;
+}
+
+template <typename T>
+OC128_FN void compress_channel(const CompressArgs<T>& a, int64_t lk, int64_t row, int64_t g, int64_t d) {
+  const int64_t dim = a.layout.dim;
+  const int32_t slot = a.slots[row], seq = a.seq_lens[row];
+  const int32_t n_raw = a.new_lens[row];
+  const bool valid = row_is_valid(slot, seq, a.layout.slots) && n_raw >= 0 && n_raw <= a.tokens;
+  const int n = valid ? n_raw : 0;
+  const int p0 = valid ? seq % kBlock : 0;
+  const int64_t closed = (p0 + n) / kBlock;
+  const int64_t segments = (p0 + n + kBlock - 1) / kBlock;
+  const int64_t trailing = (p0 + n) % kBlock != 0 ? segments - 1 : -1;  // the open segment, if any
+  float* entry = a.entries + ((lk * a.rows + row) * a.entries_per_row + g) * dim;
+
+  if (g < a.entries_per_row) {
+    if (lk == 0 && d == 0) a.entry_blocks[row * a.entries_per_row + g] = g < closed ? seq / kBlock + int32_t(g) : -1;
+    if (g >= closed) entry[d] = 0.0f;
+  }
+  if (g >= segments || (g == trailing && g != 0)) return;
+
+  T* bank0 = a.state + a.layout.offset(a.layer0 + lk, 0, slot);
+  Online st = g == 0 && p0 != 0 ? load_state(bank0, dim, d) : Online{0.0f, 0.0f, 0.0f};
+  st = fold_segment(a, lk, row, p0, n, g, st, d);
+  if (g < closed) {
+    entry[d] = st.a;
+  } else {
+    store_state(bank0, dim, d, st);  // g == trailing == 0
+  }
+  if (g == 0 && trailing > 0) {
+    st = fold_segment(a, lk, row, p0, n, trailing, st, d);
+    store_state(bank0, dim, d, st);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// verify: fold the N tokens of a chain verify starting from bank 0; the state after token k goes
+// to bank k unless the block closed at that token; bank 0 is not written.
+//
+// Work item (lk, row, d). The N tokens' loads are issued before the serial fold.
+
+template <typename T>
+struct VerifyArgs {
+  T* state;
+  const float* kv_score;  // [call_layers, rows, tokens, 2*dim]
+  const int32_t* seq_lens;
+  const int32_t* slots;
+  const float* ape;       // [call_layers, 128, dim]
+  float* entries;         // [call_layers, rows, 1, dim]
+  int32_t* entry_blocks;  // [rows, 1]
+  StateLayout layout;
+  int64_t layer0;
+  int64_t rows;
+  int64_t tokens;  // N, 1 <= N <= min(layout.banks - 1, kMaxDraft)
+};
+
+template <typename T>
+OC128_FN void verify_channel(const VerifyArgs<T>& a, int64_t lk, int64_t row, int64_t d) {
+  const int64_t dim = a.layout.dim;
+  const int32_t slot = a.slots[row], seq = a.seq_lens[row];
+  float* entry = a.entries + (lk * a.rows + row) * dim;
+  if (!row_is_valid(slot, seq, a.layout.slots)) {
+    entry[d] = 0.0f;
+    if (lk == 0 && d == 0) a.entry_blocks[row] = -1;
+    return;
+  }
+  const int p0 = seq % kBlock;
+  const float* kv = a.kv_score + (lk * a.rows + row) * a.tokens * 2 * dim;
+  const float* ape = a.ape + lk * kBlock * dim;
+  float v[kMaxDraft], sigma[kMaxDraft];
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+  for (int k = 0; k < kMaxDraft; ++k) {
+    if (k < a.tokens) {
+      v[k] = kv[k * 2 * dim + d];
+      sigma[k] = kv[k * 2 * dim + dim + d] + ape[((p0 + k) % kBlock) * dim + d];
+    }
+  }
+  T* bank0 = a.state + a.layout.offset(a.layer0 + lk, 0, slot);
+  const int64_t bank_stride = a.layout.slots * 3 * dim;
+  Online st = p0 != 0 ? load_state(bank0, dim, d) : Online{0.0f, 0.0f, 0.0f};
+  float closed_entry = 0.0f;
+  int32_t closed_block = -1;
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+  for (int k = 0; k < kMaxDraft; ++k) {
+    if (k < a.tokens) {
+      const int pos = (p0 + k) % kBlock;
+      st = fold(st, pos, v[k], sigma[k]);
+      if (pos == kBlock - 1) {
+        closed_entry = st.a;
+        closed_block = (seq + k) / kBlock;
+      } else {
+        store_state(bank0 + (k + 1) * bank_stride, dim, d, st);
+      }
+    }
+  }
+  entry[d] = closed_entry;
+  if (lk == 0 && d == 0) a.entry_blocks[row] = closed_block;
+}
+
+// ---------------------------------------------------------------------------------------------
+// commit: bank0 = bank[accept] where accept > 0 and (seq + accept) % 128 != 0.
+//
+// Work item (l, row, w): one 16-byte word of a slot's state (3*dim values; dim % 32 == 0 makes
+// that a whole number of words for fp32 and bf16). The copy is bitwise.
+
+struct alignas(16) Word16 {
+  uint32_t x[4];
+};
+
+struct CommitArgs {
+  Word16* state;
+  const int32_t* seq_lens;
+  const int32_t* accept_lens;
+  const int32_t* slots;
+  int64_t banks;
+  int64_t slots_per_bank;
+  int64_t words_per_slot;  // 3 * dim * sizeof(T) / 16
+  int64_t layer0;
+  int64_t rows;
+};
+
+OC128_FN void commit_word(const CommitArgs& a, int64_t l, int64_t row, int64_t w) {
+  const int32_t slot = a.slots[row], seq = a.seq_lens[row], accept = a.accept_lens[row];
+  if (!row_is_valid(slot, seq, a.slots_per_bank) || accept < 1 || accept >= a.banks ||
+      (seq + accept) % kBlock == 0)
+    return;
+  Word16* bank0 = a.state + ((a.layer0 + l) * a.banks * a.slots_per_bank + slot) * a.words_per_slot;
+  bank0[w] = bank0[accept * a.slots_per_bank * a.words_per_slot + w];
+}
+
+}  // namespace oc128

@@ -1,0 +1,11 @@
+"""jax_oc128: DeepSeek-V4 online C128 KV compression that survives speculative (MTP/EAGLE) decoding.
+
+Ops (native XLA FFI handlers on CPU and CUDA, jnp twins in :mod:`jax_oc128.reference`):
+:func:`compress`, :func:`verify`, :func:`commit`, and :func:`init_state` for a zeroed state.
+"""
+
+from jax_oc128 import reference
+from jax_oc128.ops import commit, compress, init_state, verify
+
+__all__ = ["commit", "compress", "init_state", "reference", "verify"]
+__version__ = "0.1.0"

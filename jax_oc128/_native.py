@@ -1,0 +1,23 @@
+"""Registers the native XLA FFI targets with jax, for every platform whose module imports."""
+
+from __future__ import annotations
+
+import jax
+
+from jax_oc128 import _oc128_cpu
+
+try:
+    from jax_oc128 import _oc128_cuda
+except ImportError:  # built without nvcc, or JAX_OC128_CUDA=OFF
+    _oc128_cuda = None
+
+#: platform name (as in ``jax.lax.platform_dependent``) -> names of the targets registered for it
+TARGETS: dict[str, tuple[str, ...]] = {}
+
+for _platform, _module in (("cpu", _oc128_cpu), ("cuda", _oc128_cuda)):
+    if _module is None:
+        continue
+    _registrations = _module.registrations()
+    for _name, _capsule in _registrations.items():
+        jax.ffi.register_ffi_target(_name, _capsule, platform=_platform)
+    TARGETS[_platform] = tuple(sorted(_registrations))

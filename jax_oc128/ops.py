@@ -1,0 +1,215 @@
+"""The public ops: argument checks at trace time, then the native target of the platform.
+
+Every op takes and returns the whole state array and updates it in place through
+``input_output_aliases``; jit the caller with the state donated (``donate_argnames``) so that no
+copy is made, and never read a state array after passing it to an op.
+
+On-device policy for values that cannot be checked at trace time: a row whose slot is outside
+``[0, slots)`` (``-1`` marks padding), whose ``seq_lens`` is negative, or (compress) whose ``new_lens`` is
+outside ``[0, T]``, or (commit) whose ``accept_lens`` is outside ``[0, max_draft]`` is skipped: nothing
+is read or written for it, its entries are zero and its ``entry_blocks`` are -1. When the values are
+concrete (not traced), the same conditions raise a ``ValueError`` instead. Valid rows of one call must
+use distinct slots.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_oc128 import _native, reference
+
+BLOCK = 128
+MAX_DRAFT = 16
+STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def init_state(layers: int, slots: int, head_dim: int, max_draft: int, dtype=jnp.float32) -> jax.Array:
+    """A zeroed state ``[layers, 1 + max_draft, slots, 3, head_dim]`` of ``dtype`` (float32 or bfloat16).
+
+    Bank 0 holds the committed ``[max | sum | mean]`` rows of each slot, banks ``1..max_draft`` the
+    verify scratch. ``head_dim`` must be a multiple of 32; ``max_draft`` is at most 16.
+    """
+    dtype = jnp.dtype(dtype)
+    if dtype not in STATE_DTYPES:
+        raise TypeError(f"dtype: must be float32 or bfloat16, got {dtype}")
+    for name, value, low in (("layers", layers, 1), ("slots", slots, 0), ("max_draft", max_draft, 0)):
+        if int(value) < low:
+            raise ValueError(f"{name}: must be >= {low}, got {value}")
+    if max_draft > MAX_DRAFT:
+        raise ValueError(f"max_draft: at most {MAX_DRAFT}, got {max_draft}")
+    if head_dim <= 0 or head_dim % 32:
+        raise ValueError(f"head_dim: must be a positive multiple of 32, got {head_dim}")
+    return jnp.zeros((layers, 1 + max_draft, slots, 3, head_dim), dtype)
+
+
+def _check_state(state) -> tuple[int, int, int, int]:
+    if state.ndim != 5 or state.shape[3] != 3:
+        raise ValueError(
+            f"state: expected shape [layers, 1 + max_draft, slots, 3, head_dim], got {tuple(state.shape)}"
+        )
+    if jnp.dtype(state.dtype) not in STATE_DTYPES:
+        raise TypeError(f"state: dtype must be float32 or bfloat16, got {state.dtype}")
+    layers, banks, slots, _, dim = state.shape
+    if dim % 32:
+        raise ValueError(f"state: head_dim must be a multiple of 32, got {dim}")
+    return layers, banks, slots, dim
+
+
+def _check_array(name, x, shape, dtype):
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(x.shape)}")
+    if jnp.dtype(x.dtype) != jnp.dtype(dtype):
+        raise TypeError(f"{name}: expected dtype {jnp.dtype(dtype)}, got {x.dtype}")
+
+
+def _check_layers(layer, count, state_layers):
+    if not isinstance(layer, int | np.integer):
+        raise TypeError(f"layer: must be a Python int (static), got {type(layer).__name__}")
+    if layer < 0 or count < 1 or layer + count > state_layers:
+        raise ValueError(f"layer: layers [{layer}, {layer + count}) are not inside the state's {state_layers}")
+
+
+def _concrete(x):
+    """``x`` as a numpy array when its value is known at trace time, else None."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def _check_values(name, x, low, high):
+    value = _concrete(x)
+    if value is not None and value.size and (value.min() < low or value.max() > high):
+        raise ValueError(f"{name}: values must be in [{low}, {high}], got [{value.min()}, {value.max()}]")
+
+
+def _check_rows(state_slots, seq_lens, slots, rows):
+    _check_array("seq_lens", seq_lens, (rows,), jnp.int32)
+    _check_array("slots", slots, (rows,), jnp.int32)
+    _check_values("slots", slots, -1, state_slots - 1)
+    slot_values, seq_values = _concrete(slots), _concrete(seq_lens)
+    if slot_values is not None and seq_values is not None and np.any(seq_values[slot_values >= 0] < 0):
+        raise ValueError("seq_lens: must be >= 0 for rows with a slot")
+
+
+def _dispatch(target, ref_fn, results, args, attrs):
+    """Run ``target`` natively where it is registered for the platform, else the jnp reference."""
+
+    def native(*operands):
+        call = jax.ffi.ffi_call(target, results, input_output_aliases={0: 0}, vmap_method="sequential")
+        return call(*operands, **{k: np.int64(v) for k, v in attrs.items()})
+
+    def ref(*operands):
+        return ref_fn(*operands, **attrs)
+
+    branches = {p: native if target in _native.TARGETS.get(p, ()) else ref for p in ("cpu", "cuda")}
+    return jax.lax.platform_dependent(*args, default=ref, **branches)
+
+
+def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0):
+    """Fold new tokens into bank 0 and emit the entries of the blocks they close (prefill, chunked
+    prefill, decode).
+
+    Args:
+      state: ``[L, 1 + B, S, 3, D]`` float32 or bfloat16, updated in place (donate it).
+      kv_score: ``[Lk, bs, T, 2*D]`` float32, per token ``[kv | score]``, score without ape; the ``Lk``
+        layers are ``layer .. layer + Lk - 1`` of the state.
+      seq_lens: ``[bs]`` int32, tokens already folded in (the position of the first new token).
+      new_lens: ``[bs]`` int32 in ``[0, T]``, valid new tokens of the row; the rest is padding.
+      slots: ``[bs]`` int32, the row's state slot; -1 marks a padding row.
+      ape: ``[Lk, 128, D]`` float32, the learned position bias of the score.
+      layer: first state layer of the call (static).
+
+    Returns:
+      ``(state, entries, entry_blocks)``: the updated state; ``entries`` ``[Lk, bs, E, D]`` float32 with
+      ``E = T // 128 + 1``, the pre-norm entries of the blocks this call closed, in block order, zero where
+      none; ``entry_blocks`` ``[bs, E]`` int32, each entry's block index, -1 where none.
+    """
+    layers, _, num_slots, dim = _check_state(state)
+    if kv_score.ndim != 4:
+        raise ValueError(f"kv_score: expected rank 4 [layers, batch, tokens, 2*head_dim], got {kv_score.shape}")
+    call_layers, rows, tokens, _ = kv_score.shape
+    _check_array("kv_score", kv_score, (call_layers, rows, tokens, 2 * dim), jnp.float32)
+    _check_layers(layer, call_layers, layers)
+    _check_rows(num_slots, seq_lens, slots, rows)
+    _check_array("new_lens", new_lens, (rows,), jnp.int32)
+    _check_values("new_lens", new_lens, 0, tokens)
+    _check_array("ape", ape, (call_layers, BLOCK, dim), jnp.float32)
+    per_row = tokens // BLOCK + 1
+    results = (
+        jax.ShapeDtypeStruct(state.shape, state.dtype),
+        jax.ShapeDtypeStruct((call_layers, rows, per_row, dim), jnp.float32),
+        jax.ShapeDtypeStruct((rows, per_row), jnp.int32),
+    )
+    args = (state, kv_score, seq_lens, new_lens, slots, ape)
+    return _dispatch("oc128_compress", reference.compress, results, args, {"layer": layer})
+
+
+def verify(state, kv_score, seq_lens, slots, ape, *, layer: int = 0):
+    """Fold the N tokens of a chain verify and store the state after token k into bank k.
+
+    Starting from bank 0 (empty when ``seq_lens % 128 == 0``), the tokens at positions
+    ``seq_lens .. seq_lens + N - 1`` are folded in order; the state after token k goes to bank k except
+    where ``(seq_lens + k) % 128 == 0`` (that token closed the block). Bank 0 is not modified.
+
+    Args:
+      state: ``[L, 1 + B, S, 3, D]`` float32 or bfloat16, updated in place (donate it).
+      kv_score: ``[Lk, bs, N, 2*D]`` float32: the last accepted token and N-1 drafts, all valid,
+        ``1 <= N <= min(B, 16)``.
+      seq_lens: ``[bs]`` int32, tokens in the state before the verify.
+      slots: ``[bs]`` int32, -1 for padding rows.
+      ape: ``[Lk, 128, D]`` float32.
+      layer: first state layer of the call (static).
+
+    Returns:
+      ``(state, entries, entry_blocks)``: ``entries`` ``[Lk, bs, 1, D]`` float32 is the pre-norm entry of
+      a block that closes inside the window (zero if none); ``entry_blocks`` ``[bs, 1]`` int32 its block
+      index, -1 if none. The entry is only meaningful if the closing token is later accepted.
+    """
+    layers, banks, num_slots, dim = _check_state(state)
+    if kv_score.ndim != 4:
+        raise ValueError(f"kv_score: expected rank 4 [layers, batch, N, 2*head_dim], got {kv_score.shape}")
+    call_layers, rows, tokens, _ = kv_score.shape
+    _check_array("kv_score", kv_score, (call_layers, rows, tokens, 2 * dim), jnp.float32)
+    if not 1 <= tokens <= min(banks - 1, MAX_DRAFT):
+        raise ValueError(f"kv_score: N = {tokens} verify tokens, but the state holds max_draft = {banks - 1}")
+    _check_layers(layer, call_layers, layers)
+    _check_rows(num_slots, seq_lens, slots, rows)
+    _check_array("ape", ape, (call_layers, BLOCK, dim), jnp.float32)
+    results = (
+        jax.ShapeDtypeStruct(state.shape, state.dtype),
+        jax.ShapeDtypeStruct((call_layers, rows, 1, dim), jnp.float32),
+        jax.ShapeDtypeStruct((rows, 1), jnp.int32),
+    )
+    args = (state, kv_score, seq_lens, slots, ape)
+    return _dispatch("oc128_verify", reference.verify, results, args, {"layer": layer})
+
+
+def commit(state, seq_lens, accept_lens, slots, *, layer: int = 0, num_layers: int | None = None):
+    """Keep ``accept_lens`` tokens of the last verify: ``bank0 = bank[accept]`` where ``accept > 0`` and
+    ``(seq_lens + accept) % 128 != 0``, for layers ``layer .. layer + num_layers - 1`` (default: all
+    from ``layer`` on) in one call.
+
+    Args:
+      state: ``[L, 1 + B, S, 3, D]`` float32 or bfloat16, updated in place (donate it).
+      seq_lens: ``[bs]`` int32, as given to :func:`verify`.
+      accept_lens: ``[bs]`` int32 in ``[0, N]``, the verify tokens kept (0 keeps nothing).
+      slots: ``[bs]`` int32, -1 for padding rows.
+
+    Returns:
+      The updated state.
+    """
+    layers, banks, num_slots, _ = _check_state(state)
+    num_layers = layers - layer if num_layers is None else num_layers
+    _check_layers(layer, num_layers, layers)
+    rows = seq_lens.shape[0] if seq_lens.ndim == 1 else -1
+    if rows < 0:
+        raise ValueError(f"seq_lens: expected shape [batch], got {list(seq_lens.shape)}")
+    _check_rows(num_slots, seq_lens, slots, rows)
+    _check_array("accept_lens", accept_lens, (rows,), jnp.int32)
+    _check_values("accept_lens", accept_lens, 0, banks - 1)
+    results = jax.ShapeDtypeStruct(state.shape, state.dtype)
+    args = (state, seq_lens, accept_lens, slots)
+    return _dispatch("oc128_commit", reference.commit, results, args, {"layer": layer, "num_layers": num_layers})

@@ -1,0 +1,143 @@
+"""Pure-jnp twins of the native ops: the oracle in tests and the fallback where no native target exists.
+
+Each function has the signature, shapes and semantics of its namesake in :mod:`jax_oc128` (see there) and
+runs the same recurrence as ``ffi/oc128_math.h`` in float32, so native and reference agree to rounding.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+BLOCK = 128
+
+
+def fold(m, s, a, pos, v, sigma):
+    """One token of the online recurrence (SPEC section 3), elementwise.
+
+    ``(m, s, a)`` is the running state, ``v`` the token's kv and ``sigma`` its score plus ape, ``pos``
+    its position in the block (broadcastable); ``pos == 0`` starts a new block and ignores the state.
+    """
+    m2 = jnp.maximum(m, sigma)
+    s0 = s * jnp.exp(m - m2)
+    e = jnp.exp(sigma - m2)
+    s2 = s0 + e
+    a2 = (a * s0 + v * e) / s2
+    start = pos == 0
+    return jnp.where(start, sigma, m2), jnp.where(start, 1.0, s2), jnp.where(start, v, a2)
+
+
+def load_state(rows):
+    """``[..., 3, D]`` stored rows -> float32 ``(m, s, a)``, each ``[..., D]``."""
+    rows = rows.astype(jnp.float32)
+    return rows[..., 0, :], rows[..., 1, :], rows[..., 2, :]
+
+
+def store_state(m, s, a, dtype):
+    """float32 ``(m, s, a)`` -> ``[..., 3, D]`` rows of ``dtype``; ``s`` is rescaled to the rounded max."""
+    mq = m.astype(dtype)
+    sq = (s * jnp.exp(m - mq.astype(jnp.float32))).astype(dtype)
+    return jnp.stack([mq, sq, a.astype(dtype)], axis=-2)
+
+
+def _valid_rows(slots, seq_lens, num_slots):
+    return (slots >= 0) & (slots < num_slots) & (seq_lens >= 0)
+
+
+def _dropped_unless(ok, slots, num_slots):
+    """Slot indices for a scatter with mode="drop": rows that are not ``ok`` go out of range."""
+    return jnp.where(ok, slots, num_slots)
+
+
+def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer=0):
+    """Reference of :func:`jax_oc128.compress`.
+
+    The tokens of each row are laid out by block segment (segment g holds block positions 0..127 of the
+    g-th block touched), and a scan over the 128 positions folds every segment at once.
+    """
+    num_layers, rows, tokens, two_d = kv_score.shape
+    dim = two_d // 2
+    num_slots = state.shape[2]
+    per_row = tokens // BLOCK + 1
+    segments = (tokens + 2 * BLOCK - 2) // BLOCK
+    valid = _valid_rows(slots, seq_lens, num_slots) & (new_lens >= 0) & (new_lens <= tokens)
+    n = jnp.where(valid, new_lens, 0)
+    p0 = jnp.where(valid, seq_lens % BLOCK, 0)
+
+    # t[row, g, j]: the token at position j of segment g.
+    t = (jnp.arange(segments)[:, None] * BLOCK + jnp.arange(BLOCK))[None] - p0[:, None, None]
+    active = (t >= 0) & (t < n[:, None, None])
+    if tokens == 0:
+        kv_score = jnp.zeros((num_layers, rows, 1, two_d), jnp.float32)
+    index = jnp.clip(t, 0, kv_score.shape[2] - 1).reshape(1, rows, segments * BLOCK, 1)
+    x = jnp.take_along_axis(kv_score, index, axis=2).reshape(num_layers, rows, segments, BLOCK, two_d)
+
+    bank0 = state[layer : layer + num_layers, 0][:, jnp.where(valid, slots, 0)]
+    init = tuple(jnp.broadcast_to(f[:, :, None], (num_layers, rows, segments, dim)) for f in load_state(bank0))
+
+    def body(carry, inputs):
+        j, xj, ape_j, act = inputs
+        new = fold(*carry, j, xj[..., :dim], xj[..., dim:] + ape_j[:, None, None, :])
+        act = act[None, :, :, None]
+        return tuple(jnp.where(act, nw, old) for nw, old in zip(new, carry, strict=True)), None
+
+    xs = (jnp.arange(BLOCK), jnp.moveaxis(x, 3, 0), jnp.moveaxis(ape, 1, 0), jnp.moveaxis(active, 2, 0))
+    (m, s, a), _ = lax.scan(body, init, xs)
+
+    g = jnp.arange(per_row)
+    closed = (g[None] * BLOCK + BLOCK - 1 - p0[:, None]) < n[:, None]  # [rows, per_row]
+    entries = jnp.where(closed[None, :, :, None], a[:, :, :per_row], 0.0)
+    entry_blocks = jnp.where(closed, seq_lens[:, None] // BLOCK + g[None], -1).astype(jnp.int32)
+
+    trailing = jnp.clip((p0 + n - 1) // BLOCK, 0, segments - 1)
+    pick = trailing[None, :, None, None]
+    final = [jnp.take_along_axis(f, pick, axis=2)[:, :, 0] for f in (m, s, a)]
+    write = valid & (n > 0) & ((p0 + n) % BLOCK != 0)
+    rows_out = store_state(*final, state.dtype)
+    state = state.at[layer : layer + num_layers, 0, _dropped_unless(write, slots, num_slots)].set(
+        rows_out, mode="drop"
+    )
+    return state, entries, entry_blocks
+
+
+def verify(state, kv_score, seq_lens, slots, ape, *, layer=0):
+    """Reference of :func:`jax_oc128.verify`: N <= 16 steps, statically unrolled."""
+    num_layers, rows, tokens, two_d = kv_score.shape
+    dim = two_d // 2
+    num_slots = state.shape[2]
+    valid = _valid_rows(slots, seq_lens, num_slots)
+    p0 = jnp.where(valid, seq_lens % BLOCK, 0)
+    m, s, a = load_state(state[layer : layer + num_layers, 0][:, jnp.where(valid, slots, 0)])
+    entry = jnp.zeros((num_layers, rows, dim), jnp.float32)
+    entry_block = jnp.full((rows,), -1, jnp.int32)
+    banks = []
+    for k in range(tokens):
+        pos = (p0 + k) % BLOCK
+        sigma = kv_score[:, :, k, dim:] + ape[:, pos]
+        m, s, a = fold(m, s, a, pos[None, :, None], kv_score[:, :, k, :dim], sigma)
+        closes = pos == BLOCK - 1
+        entry = jnp.where(closes[None, :, None], a, entry)
+        entry_block = jnp.where(closes, (seq_lens + k) // BLOCK, entry_block)
+        banks.append((closes, store_state(m, s, a, state.dtype)))
+    entry = jnp.where(valid[None, :, None], entry, 0.0)[:, :, None]
+    entry_block = jnp.where(valid, entry_block, -1)[:, None].astype(jnp.int32)
+    for k, (closes, rows_k) in enumerate(banks, start=1):
+        index = _dropped_unless(valid & ~closes, slots, num_slots)
+        state = state.at[layer : layer + num_layers, k, index].set(rows_k, mode="drop")
+    return state, entry, entry_block
+
+
+def commit(state, seq_lens, accept_lens, slots, *, layer=0, num_layers=None):
+    """Reference of :func:`jax_oc128.commit`."""
+    num_layers = state.shape[0] - layer if num_layers is None else num_layers
+    num_banks, num_slots = state.shape[1], state.shape[2]
+    ok = (
+        _valid_rows(slots, seq_lens, num_slots)
+        & (accept_lens >= 1)
+        & (accept_lens < num_banks)
+        & ((seq_lens + accept_lens) % BLOCK != 0)
+    )
+    src = state[layer : layer + num_layers, jnp.where(ok, accept_lens, 0), jnp.where(ok, slots, 0)]
+    index = _dropped_unless(ok, slots, num_slots)
+    return state.at[layer : layer + num_layers, 0, index].set(src, mode="drop")
+
