@@ -43,9 +43,9 @@ ffi::Error check_shape(const char* name, const Dims& dims, std::initializer_list
   return invalid(std::string(name) + ": expected shape " + want + "], got " + shape_string(dims));
 }
 
-#define OC128_RETURN_IF_ERROR(expr)     \
-  do {                                  \
-    ffi::Error oc128_error_ = (expr);   \
+#define OC128_RETURN_IF_ERROR(expr)                  \
+  do {                                               \
+    ffi::Error oc128_error_ = (expr);                \
     if (oc128_error_.failure()) return oc128_error_; \
   } while (0)
 
@@ -166,8 +166,8 @@ ffi::Error verify(Backend& backend, ffi::AnyBuffer state_in, ffi::Buffer<ffi::F3
 
 template <typename Backend>
 ffi::Error commit(Backend& backend, ffi::AnyBuffer state_in, ffi::Buffer<ffi::S32> seq_lens,
-                  ffi::Buffer<ffi::S32> accept_lens, ffi::Buffer<ffi::S32> slots,
-                  ffi::Result<ffi::AnyBuffer> state_out, int64_t layer, int64_t num_layers) {
+                  ffi::Buffer<ffi::S32> accept_lens, ffi::Buffer<ffi::S32> slots, ffi::Result<ffi::AnyBuffer> state_out,
+                  int64_t layer, int64_t num_layers) {
   StateShape st;
   OC128_RETURN_IF_ERROR(check_state(backend, state_in, state_out, &st));
   OC128_RETURN_IF_ERROR(check_layers(layer, num_layers, st.layers));
@@ -192,7 +192,8 @@ ffi::Error commit(Backend& backend, ffi::AnyBuffer state_in, ffi::Buffer<ffi::S3
 // The operand lists, in the order of the functions above; the platform prepends its context.
 template <typename B>
 auto bind_compress(B binding) {
-  return std::move(binding).template Arg<ffi::AnyBuffer>()
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::F32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
@@ -206,7 +207,8 @@ auto bind_compress(B binding) {
 
 template <typename B>
 auto bind_verify(B binding) {
-  return std::move(binding).template Arg<ffi::AnyBuffer>()
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::F32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
@@ -219,7 +221,8 @@ auto bind_verify(B binding) {
 
 template <typename B>
 auto bind_commit(B binding) {
-  return std::move(binding).template Arg<ffi::AnyBuffer>()
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()

@@ -149,8 +149,8 @@ struct CompressArgs {
 OC128_FN int64_t max_segments(int64_t tokens) { return (tokens + 2 * kBlock - 2) / kBlock; }
 
 template <typename T>
-OC128_FN Online fold_segment(const CompressArgs<T>& a, int64_t lk, int64_t row, int p0, int n, int64_t g,
-                             Online st, int64_t d) {
+OC128_FN Online fold_segment(const CompressArgs<T>& a, int64_t lk, int64_t row, int p0, int n, int64_t g, Online st,
+                             int64_t d) {
   const int64_t dim = a.layout.dim;
   const int64_t first = g == 0 ? 0 : g * kBlock - p0;
   const int64_t end = (g + 1) * kBlock - p0 < n ? (g + 1) * kBlock - p0 : n;
@@ -288,8 +288,7 @@ struct CommitArgs {
 
 OC128_FN void commit_word(const CommitArgs& a, int64_t l, int64_t row, int64_t w) {
   const int32_t slot = a.slots[row], seq = a.seq_lens[row], accept = a.accept_lens[row];
-  if (!row_is_valid(slot, seq, a.slots_per_bank) || accept < 1 || accept >= a.banks ||
-      (seq + accept) % kBlock == 0)
+  if (!row_is_valid(slot, seq, a.slots_per_bank) || accept < 1 || accept >= a.banks || (seq + accept) % kBlock == 0)
     return;
   Word16* bank0 = a.state + ((a.layer0 + l) * a.banks * a.slots_per_bank + slot) * a.words_per_slot;
   bank0[w] = bank0[accept * a.slots_per_bank * a.words_per_slot + w];

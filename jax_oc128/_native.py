@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import jax
 
-from jax_oc128 import _oc128_cpu
+try:
+    from jax_oc128 import _oc128_cpu
+except ImportError as error:  # pragma: no cover - a source checkout that was never built
+    raise ImportError(
+        "jax_oc128's native CPU module is missing: install the package (pip install .) instead of "
+        "importing it from the source tree"
+    ) from error
 
 try:
     from jax_oc128 import _oc128_cuda

@@ -68,7 +68,9 @@ def _check_layers(layer, count, state_layers):
     if not isinstance(layer, int | np.integer):
         raise TypeError(f"layer: must be a Python int (static), got {type(layer).__name__}")
     if layer < 0 or count < 1 or layer + count > state_layers:
-        raise ValueError(f"layer: layers [{layer}, {layer + count}) are not inside the state's {state_layers}")
+        raise ValueError(
+            f"layer: layers [{layer}, {layer + count}) are not inside the state's {state_layers}"
+        )
 
 
 def _concrete(x):
@@ -129,7 +131,9 @@ def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0)
     """
     layers, _, num_slots, dim = _check_state(state)
     if kv_score.ndim != 4:
-        raise ValueError(f"kv_score: expected rank 4 [layers, batch, tokens, 2*head_dim], got {kv_score.shape}")
+        raise ValueError(
+            f"kv_score: expected rank 4 [layers, batch, tokens, 2*head_dim], got {kv_score.shape}"
+        )
     call_layers, rows, tokens, _ = kv_score.shape
     _check_array("kv_score", kv_score, (call_layers, rows, tokens, 2 * dim), jnp.float32)
     _check_layers(layer, call_layers, layers)
@@ -212,4 +216,6 @@ def commit(state, seq_lens, accept_lens, slots, *, layer: int = 0, num_layers: i
     _check_values("accept_lens", accept_lens, 0, banks - 1)
     results = jax.ShapeDtypeStruct(state.shape, state.dtype)
     args = (state, seq_lens, accept_lens, slots)
-    return _dispatch("oc128_commit", reference.commit, results, args, {"layer": layer, "num_layers": num_layers})
+    return _dispatch(
+        "oc128_commit", reference.commit, results, args, {"layer": layer, "num_layers": num_layers}
+    )

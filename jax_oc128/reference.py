@@ -73,7 +73,9 @@ def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer=0):
     x = jnp.take_along_axis(kv_score, index, axis=2).reshape(num_layers, rows, segments, BLOCK, two_d)
 
     bank0 = state[layer : layer + num_layers, 0][:, jnp.where(valid, slots, 0)]
-    init = tuple(jnp.broadcast_to(f[:, :, None], (num_layers, rows, segments, dim)) for f in load_state(bank0))
+    init = tuple(
+        jnp.broadcast_to(f[:, :, None], (num_layers, rows, segments, dim)) for f in load_state(bank0)
+    )
 
     def body(carry, inputs):
         j, xj, ape_j, act = inputs
@@ -140,4 +142,3 @@ def commit(state, seq_lens, accept_lens, slots, *, layer=0, num_layers=None):
     src = state[layer : layer + num_layers, jnp.where(ok, accept_lens, 0), jnp.where(ok, slots, 0)]
     index = _dropped_unless(ok, slots, num_slots)
     return state.at[layer : layer + num_layers, 0, index].set(src, mode="drop")
-

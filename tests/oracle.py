@@ -48,7 +48,8 @@ class Stream:
         return (w * self.kv(lo, hi)).sum(axis=1) / w.sum(axis=1)
 
     def open_state(self, ape, length):
-        """``(m, s, a)`` of the open block after ``length`` tokens (``length % 128 != 0``), each ``[layers, dim]``."""
+        """``(m, s, a)`` of the open block after ``length`` tokens (``length % 128 != 0``), each
+        ``[layers, dim]``."""
         lo = length // BLOCK * BLOCK
         sigma = self.sigma(ape, lo, length)
         m = sigma.max(axis=1)

@@ -162,7 +162,11 @@ def test_donated_state_is_updated_in_place():
     state = oc.init_state(LAYERS, 4, DIM, MAX_DRAFT)
     kv = jnp.asarray(random_tokens(rng, (CALL_LAYERS, 2, 200), DIM))
     ape = jnp.asarray(random_ape(rng, CALL_LAYERS, DIM))
-    rows = jnp.asarray([0, 200], jnp.int32), jnp.asarray([200, 200], jnp.int32), jnp.asarray([1, 3], jnp.int32)
+    rows = (
+        jnp.asarray([0, 200], jnp.int32),
+        jnp.asarray([200, 200], jnp.int32),
+        jnp.asarray([1, 3], jnp.int32),
+    )
     step = jax.jit(lambda s, *a: oc.compress(s, *a, layer=CALL_LAYER), donate_argnums=0)
     hlo = step.lower(state, kv, *rows, ape).compile().as_text()
     assert "input_output_alias" in hlo
@@ -192,7 +196,12 @@ def _valid_args(rows=2, tokens=3, layers=2, dim=DIM, max_draft=MAX_DRAFT):
     kv = jnp.zeros((layers, rows, tokens, 2 * dim), jnp.float32)
     ints = jnp.zeros((rows,), jnp.int32)
     return dict(
-        state=state, kv_score=kv, seq_lens=ints, new_lens=ints, slots=ints, ape=jnp.zeros((layers, BLOCK, dim))
+        state=state,
+        kv_score=kv,
+        seq_lens=ints,
+        new_lens=ints,
+        slots=ints,
+        ape=jnp.zeros((layers, BLOCK, dim)),
     )
 
 
@@ -207,7 +216,11 @@ def _valid_args(rows=2, tokens=3, layers=2, dim=DIM, max_draft=MAX_DRAFT):
         (dict(kv_score=jnp.zeros((2, 2, 3, 128), jnp.bfloat16)), TypeError, "kv_score: expected dtype"),
         (dict(kv_score=jnp.zeros((3, 2, 3, 128))), ValueError, "layer: layers"),
         (dict(seq_lens=jnp.zeros((3,), jnp.int32)), ValueError, "seq_lens: expected shape"),
-        (dict(seq_lens=jnp.zeros((2,), jnp.int64 if jax.config.x64_enabled else jnp.float32)), TypeError, "seq_lens"),
+        (
+            dict(seq_lens=jnp.zeros((2,), jnp.int64 if jax.config.x64_enabled else jnp.float32)),
+            TypeError,
+            "seq_lens",
+        ),
         (dict(new_lens=jnp.asarray([1, 4], jnp.int32)), ValueError, "new_lens: values"),
         (dict(new_lens=jnp.asarray([-1, 0], jnp.int32)), ValueError, "new_lens: values"),
         (dict(slots=jnp.asarray([0, 4], jnp.int32)), ValueError, "slots: values"),
