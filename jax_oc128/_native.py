@@ -20,10 +20,11 @@ except ImportError:  # built without nvcc, or JAX_OC128_CUDA=OFF
 #: platform name (as in ``jax.lax.platform_dependent``) -> names of the targets registered for it
 TARGETS: dict[str, tuple[str, ...]] = {}
 
-for _platform, _module in (("cpu", _oc128_cpu), ("cuda", _oc128_cuda)):
+# (platform_dependent's name, XLA's platform name: jax >= 0.11 matches the latter case-sensitively)
+for _platform, _xla_platform, _module in (("cpu", "cpu", _oc128_cpu), ("cuda", "CUDA", _oc128_cuda)):
     if _module is None:
         continue
     _registrations = _module.registrations()
     for _name, _capsule in _registrations.items():
-        jax.ffi.register_ffi_target(_name, _capsule, platform=_platform)
+        jax.ffi.register_ffi_target(_name, _capsule, platform=_xla_platform)
     TARGETS[_platform] = tuple(sorted(_registrations))
