@@ -22,11 +22,11 @@ struct CpuBackend {
     return ffi::Error::Success();
   }
 
-  template <typename T>
+  template <int N, typename T>
   ffi::Error verify(const VerifyArgs<T>& args, int64_t call_layers) {
     for (int64_t lk = 0; lk < call_layers; ++lk)
       for (int64_t row = 0; row < args.rows; ++row)
-        for (int64_t d = 0; d < args.layout.dim; ++d) verify_channel(args, lk, row, d);
+        for (int64_t d = 0; d < args.layout.dim; ++d) verify_channel<N>(args, lk, row, d);
     return ffi::Error::Success();
   }
 

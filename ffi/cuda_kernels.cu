@@ -1,6 +1,8 @@
-// CUDA handlers of jax_oc128: one CUDA block per (layer, row[, segment]) work unit and one thread per
-// channel, running the work items of oc128_math.h. Handlers only launch kernels on XLA's stream (no
-// allocation, no host synchronisation), so XLA may capture them in command buffers.
+// CUDA handlers of jax_oc128: one thread per channel (one 16-byte word for commit), running the work
+// items of oc128_math.h. A CUDA block covers a chunk of 128 channels (32 where head_dim is not a multiple
+// of 128) of one (layer, row[, segment]) unit: small blocks keep many units resident per SM, which is
+// what hides the memory latency of these short, bandwidth-bound kernels. Handlers only launch kernels
+// on XLA's stream (no allocation, no host synchronisation), so XLA may capture them in command buffers.
 #include <cuda_runtime.h>
 
 #include "oc128_ffi.h"
@@ -8,27 +10,30 @@
 namespace oc128 {
 namespace {
 
-constexpr int kChannelThreads = 512;  // threads per block for the per-channel kernels
-constexpr int kCommitThreads = 128;
+constexpr unsigned kThreads = 128;
 
-int channel_threads(int64_t dim) { return dim < kChannelThreads ? int(dim) : kChannelThreads; }
-
-template <typename T>
-__global__ void compress_kernel(CompressArgs<T> args, int64_t segments) {
-  const int64_t g = blockIdx.x % segments, unit = blockIdx.x / segments;
-  const int64_t row = unit % args.rows, lk = unit / args.rows;
-  for (int64_t d = threadIdx.x; d < args.layout.dim; d += blockDim.x) compress_channel(args, lk, row, g, d);
-}
+// Threads per block of the per-channel kernels: head_dim is a multiple of 32.
+unsigned channel_threads(int64_t dim) { return dim % kThreads == 0 ? kThreads : 32; }
 
 template <typename T>
-__global__ void verify_kernel(VerifyArgs<T> args) {
-  const int64_t row = blockIdx.x % args.rows, lk = blockIdx.x / args.rows;
-  for (int64_t d = threadIdx.x; d < args.layout.dim; d += blockDim.x) verify_channel(args, lk, row, d);
+__global__ void __launch_bounds__(kThreads) compress_kernel(CompressArgs<T> args, unsigned segments) {
+  const unsigned chunks = unsigned(args.layout.dim) / blockDim.x, unit = blockIdx.x / chunks;
+  const int64_t d = (blockIdx.x % chunks) * blockDim.x + threadIdx.x;
+  const unsigned g = unit % segments, row = (unit / segments) % unsigned(args.rows);
+  compress_channel(args, unit / segments / unsigned(args.rows), row, g, d);
 }
 
-__global__ void commit_kernel(CommitArgs args) {
-  const int64_t row = blockIdx.x % args.rows, l = blockIdx.x / args.rows;
-  for (int64_t w = threadIdx.x; w < args.words_per_slot; w += blockDim.x) commit_word(args, l, row, w);
+template <int N, typename T>
+__global__ void __launch_bounds__(kThreads) verify_kernel(VerifyArgs<T> args) {
+  const unsigned chunks = unsigned(args.layout.dim) / blockDim.x, unit = blockIdx.x / chunks;
+  const int64_t d = (blockIdx.x % chunks) * blockDim.x + threadIdx.x;
+  verify_channel<N>(args, unit / unsigned(args.rows), unit % unsigned(args.rows), d);
+}
+
+__global__ void __launch_bounds__(kThreads) commit_kernel(CommitArgs args, unsigned chunks) {
+  const unsigned unit = blockIdx.x / chunks;
+  const int64_t w = (blockIdx.x % chunks) * blockDim.x + threadIdx.x;
+  if (w < args.words_per_slot) commit_word(args, unit / unsigned(args.rows), unit % unsigned(args.rows), w);
 }
 
 ffi::Error launched(const char* kernel) {
@@ -52,24 +57,27 @@ struct CudaBackend {
 
   template <typename T>
   ffi::Error compress(const CompressArgs<T>& args, int64_t call_layers, int64_t segments) {
-    const int64_t blocks = call_layers * args.rows * segments;
+    const unsigned threads = channel_threads(args.layout.dim);
+    const int64_t blocks = call_layers * args.rows * segments * (args.layout.dim / threads);
     OC128_RETURN_IF_ERROR(check_grid(blocks));
-    compress_kernel<<<unsigned(blocks), channel_threads(args.layout.dim), 0, stream>>>(args, segments);
+    compress_kernel<<<unsigned(blocks), threads, 0, stream>>>(args, unsigned(segments));
     return launched("compress");
   }
 
-  template <typename T>
+  template <int N, typename T>
   ffi::Error verify(const VerifyArgs<T>& args, int64_t call_layers) {
-    const int64_t blocks = call_layers * args.rows;
+    const unsigned threads = channel_threads(args.layout.dim);
+    const int64_t blocks = call_layers * args.rows * (args.layout.dim / threads);
     OC128_RETURN_IF_ERROR(check_grid(blocks));
-    verify_kernel<<<unsigned(blocks), channel_threads(args.layout.dim), 0, stream>>>(args);
+    verify_kernel<N><<<unsigned(blocks), threads, 0, stream>>>(args);
     return launched("verify");
   }
 
   ffi::Error commit(const CommitArgs& args, int64_t num_layers) {
-    const int64_t blocks = num_layers * args.rows;
+    const int64_t chunks = (args.words_per_slot + kThreads - 1) / kThreads;
+    const int64_t blocks = num_layers * args.rows * chunks;
     OC128_RETURN_IF_ERROR(check_grid(blocks));
-    commit_kernel<<<unsigned(blocks), kCommitThreads, 0, stream>>>(args);
+    commit_kernel<<<unsigned(blocks), kThreads, 0, stream>>>(args, unsigned(chunks));
     return launched("commit");
   }
 };

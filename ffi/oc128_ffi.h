@@ -2,7 +2,7 @@
 // argument structs of oc128_math.h. The platform supplies a Backend with
 //   ffi::Error copy(void* dst, const void* src, size_t bytes);
 //   template <class T> ffi::Error compress(const CompressArgs<T>&, int64_t call_layers, int64_t segments);
-//   template <class T> ffi::Error verify(const VerifyArgs<T>&, int64_t call_layers);
+//   template <int N, class T> ffi::Error verify(const VerifyArgs<T>&, int64_t call_layers);
 //   ffi::Error commit(const CommitArgs&, int64_t num_layers);
 // Only Buffer, AnyBuffer, Result, Attr, Ctx and Error are used, so this compiles against the FFI
 // headers of jaxlib 0.10 and 0.11 alike.
@@ -82,6 +82,16 @@ inline ffi::Error check_layers(int64_t layer, int64_t call_layers, int64_t state
   return ffi::Error::Success();
 }
 
+// f(std::integral_constant<int, N>) for the runtime n in [1, kMaxDraft]: verify is compiled per N.
+template <int N = 1, typename F>
+ffi::Error with_draft_tokens(int64_t n, F&& f) {
+  if constexpr (N > kMaxDraft) {
+    return invalid("verify: N must be in [1, 16], got " + std::to_string(n));
+  } else {
+    return n == N ? f(std::integral_constant<int, N>{}) : with_draft_tokens<N + 1>(n, f);
+  }
+}
+
 template <typename Backend>
 ffi::Error compress(Backend& backend, ffi::AnyBuffer state_in, ffi::Buffer<ffi::F32> kv_score,
                     ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> new_lens, ffi::Buffer<ffi::S32> slots,
@@ -156,9 +166,9 @@ ffi::Error verify(Backend& backend, ffi::AnyBuffer state_in, ffi::Buffer<ffi::F3
                              entry_blocks->typed_data(),
                              st.layout(),
                              layer,
-                             rows,
-                             tokens};
-    return backend.verify(args, call_layers);
+                             rows};
+    return with_draft_tokens(tokens,
+                             [&](auto n) { return backend.template verify<decltype(n)::value>(args, call_layers); });
   };
   void* data = state_out->untyped_data();
   return state_in.element_type() == ffi::F32 ? run(static_cast<float*>(data)) : run(static_cast<Bf16*>(data));

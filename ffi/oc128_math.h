@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #ifdef __CUDACC__
 #define OC128_FN __host__ __device__ __forceinline__
@@ -90,13 +91,22 @@ OC128_FN Online fold(Online st, int pos, float v, float sigma) {
 }
 
 // Stored states keep (m, s) consistent after rounding: m is rounded first and s is rescaled to the
-// rounded max, so a bf16 state loses precision in s and a only (for fp32 the rescale is exact: x*1).
+// rounded max, so a bf16 state loses precision in s and a only (fp32 stores m exactly: no rescale).
 template <typename T>
 OC128_FN void store_state(T* row, int64_t dim, int64_t d, Online st) {
   const T m = from_float<T>(st.m);
   row[d] = m;
-  row[dim + d] = from_float<T>(st.s * expf(st.m - to_float(m)));
+  row[dim + d] = std::is_same<T, float>::value ? from_float<T>(st.s) : from_float<T>(st.s * expf(st.m - to_float(m)));
   row[2 * dim + d] = from_float<T>(st.a);
+}
+
+// Loads of the read-only inputs (tokens, ape) go through the read-only data cache on the GPU.
+OC128_FN float load_input(const float* p) {
+#ifdef __CUDA_ARCH__
+  return __ldg(p);
+#else
+  return *p;
+#endif
 }
 
 template <typename T>
@@ -158,7 +168,8 @@ OC128_FN Online fold_segment(const CompressArgs<T>& a, int64_t lk, int64_t row, 
   const float* ape = a.ape + lk * kBlock * dim;
   for (int64_t t = first; t < end; ++t) {
     const int pos = int(p0 + t - g * kBlock);
-    st = fold(st, pos, kv[t * 2 * dim + d], kv[t * 2 * dim + dim + d] + ape[pos * dim + d]);
+    st = fold(st, pos, load_input(kv + t * 2 * dim + d),
+              load_input(kv + t * 2 * dim + dim + d) + load_input(ape + pos * dim + d));
   }
   return st;
 }
@@ -200,7 +211,8 @@ OC128_FN void compress_channel(const CompressArgs<T>& a, int64_t lk, int64_t row
 // verify: fold the N tokens of a chain verify starting from bank 0; the state after token k goes
 // to bank k unless the block closed at that token; bank 0 is not written.
 //
-// Work item (lk, row, d). The N tokens' loads are issued before the serial fold.
+// Work item (lk, row, d). N (the verify's token count, 1..16) is a compile-time constant so that the
+// N tokens' loads are all issued, into registers, before the serial fold.
 
 template <typename T>
 struct VerifyArgs {
@@ -214,11 +226,11 @@ struct VerifyArgs {
   StateLayout layout;
   int64_t layer0;
   int64_t rows;
-  int64_t tokens;  // N, 1 <= N <= min(layout.banks - 1, kMaxDraft)
 };
 
-template <typename T>
+template <int N, typename T>
 OC128_FN void verify_channel(const VerifyArgs<T>& a, int64_t lk, int64_t row, int64_t d) {
+  static_assert(1 <= N && N <= kMaxDraft, "1 <= N <= 16 verify tokens");
   const int64_t dim = a.layout.dim;
   const int32_t slot = a.slots[row], seq = a.seq_lens[row];
   float* entry = a.entries + (lk * a.rows + row) * dim;
@@ -228,17 +240,15 @@ OC128_FN void verify_channel(const VerifyArgs<T>& a, int64_t lk, int64_t row, in
     return;
   }
   const int p0 = seq % kBlock;
-  const float* kv = a.kv_score + (lk * a.rows + row) * a.tokens * 2 * dim;
+  const float* kv = a.kv_score + (lk * a.rows + row) * N * 2 * dim;
   const float* ape = a.ape + lk * kBlock * dim;
-  float v[kMaxDraft], sigma[kMaxDraft];
+  float v[N], sigma[N];
 #ifdef __CUDA_ARCH__
 #pragma unroll
 #endif
-  for (int k = 0; k < kMaxDraft; ++k) {
-    if (k < a.tokens) {
-      v[k] = kv[k * 2 * dim + d];
-      sigma[k] = kv[k * 2 * dim + dim + d] + ape[((p0 + k) % kBlock) * dim + d];
-    }
+  for (int k = 0; k < N; ++k) {
+    v[k] = load_input(kv + k * 2 * dim + d);
+    sigma[k] = load_input(kv + k * 2 * dim + dim + d) + load_input(ape + ((p0 + k) % kBlock) * dim + d);
   }
   T* bank0 = a.state + a.layout.offset(a.layer0 + lk, 0, slot);
   const int64_t bank_stride = a.layout.slots * 3 * dim;
@@ -248,16 +258,14 @@ OC128_FN void verify_channel(const VerifyArgs<T>& a, int64_t lk, int64_t row, in
 #ifdef __CUDA_ARCH__
 #pragma unroll
 #endif
-  for (int k = 0; k < kMaxDraft; ++k) {
-    if (k < a.tokens) {
-      const int pos = (p0 + k) % kBlock;
-      st = fold(st, pos, v[k], sigma[k]);
-      if (pos == kBlock - 1) {
-        closed_entry = st.a;
-        closed_block = (seq + k) / kBlock;
-      } else {
-        store_state(bank0 + (k + 1) * bank_stride, dim, d, st);
-      }
+  for (int k = 0; k < N; ++k) {
+    const int pos = (p0 + k) % kBlock;
+    st = fold(st, pos, v[k], sigma[k]);
+    if (pos == kBlock - 1) {
+      closed_entry = st.a;
+      closed_block = (seq + k) / kBlock;
+    } else {
+      store_state(bank0 + (k + 1) * bank_stride, dim, d, st);
     }
   }
   entry[d] = closed_entry;

@@ -97,7 +97,11 @@ def _check_rows(state_slots, seq_lens, slots, rows):
 
 
 def _dispatch(target, ref_fn, results, args, attrs):
-    """Run ``target`` natively where it is registered for the platform, else the jnp reference."""
+    """Run ``target`` natively where it is registered for the platform, else the jnp reference.
+
+    Where every platform has the target, the custom call is emitted directly (XLA picks each platform's
+    handler); otherwise ``platform_dependent`` selects native or reference per platform.
+    """
 
     def native(*operands):
         call = jax.ffi.ffi_call(target, results, input_output_aliases={0: 0}, vmap_method="sequential")
@@ -106,7 +110,10 @@ def _dispatch(target, ref_fn, results, args, attrs):
     def ref(*operands):
         return ref_fn(*operands, **attrs)
 
-    branches = {p: native if target in _native.TARGETS.get(p, ()) else ref for p in ("cpu", "cuda")}
+    has_native = {p: target in _native.TARGETS.get(p, ()) for p in ("cpu", "cuda")}
+    if all(has_native.values()):
+        return native(*args)
+    branches = {p: native if has else ref for p, has in has_native.items()}
     return jax.lax.platform_dependent(*args, default=ref, **branches)
 
 

@@ -18,8 +18,12 @@ NATIVE_VS_REFERENCE_BF16 = 2**-8
 
 
 def poisoned_state(rng, layers, slots, dim, max_draft, dtype=jnp.float32):
-    """A state full of finite random values, so untouched rows can be checked bit for bit."""
+    """A state full of random values, so untouched rows can be checked bit for bit.
+
+    Each row is a valid online state (sum > 0): a row read as the start of a fold is well conditioned.
+    """
     values = rng.normal(size=(layers, 1 + max_draft, slots, 3, dim)).astype(np.float32)
+    values[..., 1, :] = np.abs(values[..., 1, :]) + 0.5
     return jnp.asarray(values, dtype)
 
 

@@ -15,6 +15,7 @@ from checks import (
     NATIVE_VS_REFERENCE_FP32,
     assert_outputs_match,
     assert_state_close,
+    poisoned_state,
 )
 from oracle import BLOCK, random_ape, random_tokens
 
@@ -49,7 +50,7 @@ def test_cuda_matches_cpu(dtype):
     gpu, cpu = jax.devices("gpu")[0], jax.devices("cpu")[0]
     rng = np.random.default_rng(0)
     rows = 7
-    state = jnp.asarray(rng.normal(size=(LAYERS, 1 + MAX_DRAFT, SLOTS, 3, DIM)), dtype)
+    state = poisoned_state(rng, LAYERS, SLOTS, DIM, MAX_DRAFT, dtype)
     ape = jnp.asarray(random_ape(rng, LAYERS - 1, DIM))
     kv = jnp.asarray(random_tokens(rng, (LAYERS - 1, rows, 3 * BLOCK + 5), DIM))
     seq = jnp.asarray([0, 5, 127, 128, 300, 0, 64], jnp.int32)
