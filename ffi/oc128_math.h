@@ -73,21 +73,25 @@ OC128_FN Bf16 from_float<Bf16>(float x) {
 // ---------------------------------------------------------------------------------------------
 // The online recurrence of SPEC section 3 for one channel.
 
+// In registers the mean is carried as its numerator (mean * sum), so that a fold has one exp and two
+// fmas on its critical path and no division; the stored state holds the normalised mean.
 struct Online {
-  float m;  // running max of the scores
-  float s;  // sum of exp(score - m)
-  float a;  // normalised weighted mean of kv
+  float m;    // running max of the scores
+  float s;    // sum of exp(score - m)
+  float num;  // sum of exp(score - m) * kv; the mean is num / s
+
+  OC128_FN float mean() const { return num / s; }
 };
 
 // Fold one token at block position `pos` (kv `v`, score incl. ape `sigma`) into `st`.
-// pos == 0 starts a new block: whatever `st` holds is ignored.
+// pos == 0 starts a new block: whatever `st` holds is ignored. Of the two rescale factors
+// exp(m - max) and exp(sigma - max) one is 1, so a single exp of -|sigma - m| gives both.
 OC128_FN Online fold(Online st, int pos, float v, float sigma) {
   if (pos == 0) return Online{sigma, 1.0f, v};
-  const float m = fmaxf(st.m, sigma);
-  const float s0 = st.s * expf(st.m - m);
-  const float e = expf(sigma - m);
-  const float s = s0 + e;
-  return Online{m, s, (st.a * s0 + v * e) / s};
+  const bool new_max = sigma > st.m;
+  const float t = expf(new_max ? st.m - sigma : sigma - st.m);
+  const float keep = new_max ? t : 1.0f, add = new_max ? 1.0f : t;
+  return Online{new_max ? sigma : st.m, st.s * keep + add, st.num * keep + v * add};
 }
 
 // Stored states keep (m, s) consistent after rounding: m is rounded first and s is rescaled to the
@@ -97,7 +101,7 @@ OC128_FN void store_state(T* row, int64_t dim, int64_t d, Online st) {
   const T m = from_float<T>(st.m);
   row[d] = m;
   row[dim + d] = std::is_same<T, float>::value ? from_float<T>(st.s) : from_float<T>(st.s * expf(st.m - to_float(m)));
-  row[2 * dim + d] = from_float<T>(st.a);
+  row[2 * dim + d] = from_float<T>(st.mean());
 }
 
 // Loads of the read-only inputs (tokens, ape) go through the read-only data cache on the GPU.
@@ -111,7 +115,8 @@ OC128_FN float load_input(const float* p) {
 
 template <typename T>
 OC128_FN Online load_state(const T* row, int64_t dim, int64_t d) {
-  return Online{to_float(row[d]), to_float(row[dim + d]), to_float(row[2 * dim + d])};
+  const float s = to_float(row[dim + d]);
+  return Online{to_float(row[d]), s, to_float(row[2 * dim + d]) * s};
 }
 
 // A row is processed only if its slot is inside the state and its position is not negative;
@@ -197,7 +202,7 @@ OC128_FN void compress_channel(const CompressArgs<T>& a, int64_t lk, int64_t row
   Online st = g == 0 && p0 != 0 ? load_state(bank0, dim, d) : Online{0.0f, 0.0f, 0.0f};
   st = fold_segment(a, lk, row, p0, n, g, st, d);
   if (g < closed) {
-    entry[d] = st.a;
+    entry[d] = st.mean();
   } else {
     store_state(bank0, dim, d, st);  // g == trailing == 0
   }
@@ -262,7 +267,7 @@ OC128_FN void verify_channel(const VerifyArgs<T>& a, int64_t lk, int64_t row, in
     const int pos = (p0 + k) % kBlock;
     st = fold(st, pos, v[k], sigma[k]);
     if (pos == kBlock - 1) {
-      closed_entry = st.a;
+      closed_entry = st.mean();
       closed_block = (seq + k) / kBlock;
     } else {
       store_state(bank0 + (k + 1) * bank_stride, dim, d, st);

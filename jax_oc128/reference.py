@@ -12,32 +12,34 @@ from jax import lax
 BLOCK = 128
 
 
-def fold(m, s, a, pos, v, sigma):
-    """One token of the online recurrence (SPEC section 3), elementwise.
+def fold(m, s, num, pos, v, sigma):
+    """One token of the online recurrence (SPEC section 3), elementwise, as ``Online fold`` of
+    ``ffi/oc128_math.h``.
 
-    ``(m, s, a)`` is the running state, ``v`` the token's kv and ``sigma`` its score plus ape, ``pos``
-    its position in the block (broadcastable); ``pos == 0`` starts a new block and ignores the state.
+    ``(m, s, num)`` is the running state with the mean carried as its numerator ``num = mean * s``,
+    ``v`` the token's kv and ``sigma`` its score plus ape, ``pos`` its position in the block
+    (broadcastable); ``pos == 0`` starts a new block and ignores the state.
     """
-    m2 = jnp.maximum(m, sigma)
-    s0 = s * jnp.exp(m - m2)
-    e = jnp.exp(sigma - m2)
-    s2 = s0 + e
-    a2 = (a * s0 + v * e) / s2
+    new_max = sigma > m
+    t = jnp.exp(jnp.where(new_max, m - sigma, sigma - m))
+    keep, add = jnp.where(new_max, t, 1.0), jnp.where(new_max, 1.0, t)
+    m2, s2, num2 = jnp.where(new_max, sigma, m), s * keep + add, num * keep + v * add
     start = pos == 0
-    return jnp.where(start, sigma, m2), jnp.where(start, 1.0, s2), jnp.where(start, v, a2)
+    return jnp.where(start, sigma, m2), jnp.where(start, 1.0, s2), jnp.where(start, v, num2)
 
 
 def load_state(rows):
-    """``[..., 3, D]`` stored rows -> float32 ``(m, s, a)``, each ``[..., D]``."""
+    """``[..., 3, D]`` stored ``[max | sum | mean]`` rows -> float32 ``(m, s, num)``, each ``[..., D]``."""
     rows = rows.astype(jnp.float32)
-    return rows[..., 0, :], rows[..., 1, :], rows[..., 2, :]
+    return rows[..., 0, :], rows[..., 1, :], rows[..., 2, :] * rows[..., 1, :]
 
 
-def store_state(m, s, a, dtype):
-    """float32 ``(m, s, a)`` -> ``[..., 3, D]`` rows of ``dtype``; ``s`` is rescaled to the rounded max."""
+def store_state(m, s, num, dtype):
+    """float32 ``(m, s, num)`` -> ``[..., 3, D]`` rows of ``dtype``. For bf16 the max is rounded first
+    and the sum rescaled to it, so that the stored pair stays consistent."""
     mq = m.astype(dtype)
-    sq = (s * jnp.exp(m - mq.astype(jnp.float32))).astype(dtype)
-    return jnp.stack([mq, sq, a.astype(dtype)], axis=-2)
+    sq = s if jnp.dtype(dtype) == jnp.float32 else s * jnp.exp(m - mq.astype(jnp.float32))
+    return jnp.stack([mq, sq.astype(dtype), (num / s).astype(dtype)], axis=-2)
 
 
 def _valid_rows(slots, seq_lens, num_slots):
@@ -84,16 +86,16 @@ def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer=0):
         return tuple(jnp.where(act, nw, old) for nw, old in zip(new, carry, strict=True)), None
 
     xs = (jnp.arange(BLOCK), jnp.moveaxis(x, 3, 0), jnp.moveaxis(ape, 1, 0), jnp.moveaxis(active, 2, 0))
-    (m, s, a), _ = lax.scan(body, init, xs)
+    (m, s, num), _ = lax.scan(body, init, xs)
 
     g = jnp.arange(per_row)
     closed = (g[None] * BLOCK + BLOCK - 1 - p0[:, None]) < n[:, None]  # [rows, per_row]
-    entries = jnp.where(closed[None, :, :, None], a[:, :, :per_row], 0.0)
+    entries = jnp.where(closed[None, :, :, None], (num / s)[:, :, :per_row], 0.0)
     entry_blocks = jnp.where(closed, seq_lens[:, None] // BLOCK + g[None], -1).astype(jnp.int32)
 
     trailing = jnp.clip((p0 + n - 1) // BLOCK, 0, segments - 1)
     pick = trailing[None, :, None, None]
-    final = [jnp.take_along_axis(f, pick, axis=2)[:, :, 0] for f in (m, s, a)]
+    final = [jnp.take_along_axis(f, pick, axis=2)[:, :, 0] for f in (m, s, num)]
     write = valid & (n > 0) & ((p0 + n) % BLOCK != 0)
     rows_out = store_state(*final, state.dtype)
     state = state.at[layer : layer + num_layers, 0, _dropped_unless(write, slots, num_slots)].set(
@@ -109,18 +111,18 @@ def verify(state, kv_score, seq_lens, slots, ape, *, layer=0):
     num_slots = state.shape[2]
     valid = _valid_rows(slots, seq_lens, num_slots)
     p0 = jnp.where(valid, seq_lens % BLOCK, 0)
-    m, s, a = load_state(state[layer : layer + num_layers, 0][:, jnp.where(valid, slots, 0)])
+    m, s, num = load_state(state[layer : layer + num_layers, 0][:, jnp.where(valid, slots, 0)])
     entry = jnp.zeros((num_layers, rows, dim), jnp.float32)
     entry_block = jnp.full((rows,), -1, jnp.int32)
     banks = []
     for k in range(tokens):
         pos = (p0 + k) % BLOCK
         sigma = kv_score[:, :, k, dim:] + ape[:, pos]
-        m, s, a = fold(m, s, a, pos[None, :, None], kv_score[:, :, k, :dim], sigma)
+        m, s, num = fold(m, s, num, pos[None, :, None], kv_score[:, :, k, :dim], sigma)
         closes = pos == BLOCK - 1
-        entry = jnp.where(closes[None, :, None], a, entry)
+        entry = jnp.where(closes[None, :, None], num / s, entry)
         entry_block = jnp.where(closes, (seq_lens + k) // BLOCK, entry_block)
-        banks.append((closes, store_state(m, s, a, state.dtype)))
+        banks.append((closes, store_state(m, s, num, state.dtype)))
     entry = jnp.where(valid[None, :, None], entry, 0.0)[:, :, None]
     entry_block = jnp.where(valid, entry_block, -1)[:, None].astype(jnp.int32)
     for k, (closes, rows_k) in enumerate(banks, start=1):
