@@ -1,0 +1,112 @@
+"""The compressed-state pytrees: the online state (banks + pending table) and the offline baseline.
+
+Both are registered dataclasses whose leaves are device arrays and whose layout is derived from the
+arrays' shapes, so they pass through ``jax.jit`` (donated) and ``jax.tree`` untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_oc128 import ops
+
+BLOCK = ops.BLOCK
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CompressState:
+    """Online C128 state of every slot of every C128 layer.
+
+    Attributes:
+      state: ``[layers, 1 + max_draft, slots, 3, head_dim]`` float32 or bfloat16: ``[max | sum | mean]``
+        per slot per bank; bank 0 is committed, banks ``1..max_draft`` hold the last verify's prefixes.
+      pending: ``[slots]`` int32: the slot's sequence length at its last verify whose acceptance has not
+        been committed yet, -1 when nothing is pending.
+    """
+
+    state: jax.Array
+    pending: jax.Array
+
+    @classmethod
+    def create(
+        cls, layers: int, slots: int, head_dim: int, max_draft: int, dtype=jnp.float32
+    ) -> CompressState:
+        """A zeroed state with nothing pending."""
+        return cls(
+            ops.init_state(layers, slots, head_dim, max_draft, dtype), jnp.full((slots,), -1, jnp.int32)
+        )
+
+    layers = property(lambda self: self.state.shape[0])
+    max_draft = property(lambda self: self.state.shape[1] - 1)
+    slots = property(lambda self: self.state.shape[2])
+    head_dim = property(lambda self: self.state.shape[4])
+    dtype = property(lambda self: self.state.dtype)
+
+    def state_bytes(self) -> int:
+        """Device bytes of this state, all slots (also for a ``jax.eval_shape`` of it)."""
+        return _nbytes(self.state) + _nbytes(self.pending)
+
+    def alloc(self, slots) -> CompressState:
+        """Give ``slots`` ([n] int32, -1 ignored) to new requests: their rows are cleared in every bank and
+        layer and nothing is pending for them."""
+        index = _scatter_index(slots, self.slots)
+        return CompressState(
+            self.state.at[:, :, index].set(0, mode="drop"), self.pending.at[index].set(-1, mode="drop")
+        )
+
+    def free(self, slots) -> CompressState:
+        """Release ``slots``: whatever is pending for them is dropped (their rows are cleared on reuse)."""
+        return CompressState(
+            self.state, self.pending.at[_scatter_index(slots, self.slots)].set(-1, mode="drop")
+        )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class OfflineState:
+    """Offline C128 state, the baseline: raw rows of the open block per slot, addressed by position.
+
+    Attributes:
+      rows: ``[layers, slots, 128 + max_draft, 2 * head_dim]``: ``[kv | score]`` (score without ape) of
+        position p in row ``p % (128 + max_draft)``: the open block plus a verify's drafts fit without
+        overlap, so rejected drafts are simply overwritten later (rollback by position).
+    """
+
+    rows: jax.Array
+
+    @classmethod
+    def create(
+        cls, layers: int, slots: int, head_dim: int, max_draft: int, dtype=jnp.float32
+    ) -> OfflineState:
+        return cls(jnp.zeros((layers, slots, BLOCK + max_draft, 2 * head_dim), dtype))
+
+    layers = property(lambda self: self.rows.shape[0])
+    max_draft = property(lambda self: self.rows.shape[2] - BLOCK)
+    slots = property(lambda self: self.rows.shape[1])
+    head_dim = property(lambda self: self.rows.shape[3] // 2)
+    dtype = property(lambda self: self.rows.dtype)
+
+    def state_bytes(self) -> int:
+        """Device bytes of this state, all slots (also for a ``jax.eval_shape`` of it)."""
+        return _nbytes(self.rows)
+
+    def alloc(self, slots) -> OfflineState:
+        return OfflineState(self.rows.at[:, _scatter_index(slots, self.slots)].set(0, mode="drop"))
+
+    def free(self, slots) -> OfflineState:
+        return self
+
+
+def _nbytes(x) -> int:
+    return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+
+
+def _scatter_index(slots, num_slots):
+    """Slots for a ``mode="drop"`` scatter: -1 and out-of-range slots write nothing."""
+    slots = jnp.asarray(slots, jnp.int32)
+    return jnp.where((slots >= 0) & (slots < num_slots), slots, num_slots)
