@@ -4,12 +4,14 @@ Per speculative step a server runs one verify (all layers, one launch) and one c
 launch). This script times both inside one jit-compiled executable with the state donated, unrolled
 ``--repeat`` times so that host dispatch is amortised, and reports against two floors:
 
-* launch floor: the same executable with a do-nothing launch in place of each op (commit of one padding
-  row), i.e. what two kernel launches cost in this setting;
+* launch floor: the same executable with do-nothing launches (commits of one padding row), i.e. what
+  one kernel launch costs in this setting;
 * bandwidth floor: bytes the step must move / the copy bandwidth of the device (read + write of a
   large array, measured here).
 
-A per-layer variant (one verify and one commit launch per layer, as SGLang does) is timed for comparison.
+Steps timed: ``ops`` (verify + commit ops), ``lazy_step`` and ``eager_step`` (the controller's two
+paths, with its pending-table updates), ``verify`` and ``commit`` alone, and ``per_layer`` (one verify and
+one commit launch per layer, as SGLang does) for comparison.
 Usage: python bench/bench_ops.py [--batches 8 256] [--draft 4] [--out results.json]
 """
 
@@ -24,6 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_oc128 as oc
+from jax_oc128.controller import Controller, ForwardMode
+from jax_oc128.state import CompressState
+
+CONTROLLER = Controller()
 
 LAYERS, DIM, BLOCK = 20, 512, 128
 
@@ -51,11 +57,11 @@ def copy_bandwidth():
 
 
 def step_bytes(rows, n, dtype_bytes):
-    """Bytes one verify + commit must move for all layers (ape is shared by all rows and not counted)."""
+    """Bytes one verify + commit must move for all layers (ape is shared by all rows and not counted):
+    verify reads bank 0 and the tokens and writes N banks and the entry; commit copies one slot's row."""
     state_row = 3 * DIM * dtype_bytes
-    verify = state_row + n * 2 * DIM * 4 + n * state_row + DIM * 4  # bank 0 in, tokens in, banks + entry out
-    commit = 2 * state_row
-    return LAYERS * rows * (verify + commit), LAYERS * rows * verify, LAYERS * rows * commit
+    verify = state_row + n * 2 * DIM * 4 + n * state_row + DIM * 4
+    return LAYERS * rows * (verify + 2 * state_row)
 
 
 def make_inputs(rows, n, dtype, seed=0):
@@ -69,32 +75,59 @@ def make_inputs(rows, n, dtype, seed=0):
     return state, kv, seq, slots, ape, accept
 
 
-def build(kind, repeat):
-    """A jitted step running ``kind`` ``repeat`` times, the state donated."""
+def _ops_step(state, kv, seq, slots, ape, accept):
+    state, _, _ = oc.verify(state, kv, seq, slots, ape)
+    return oc.commit(state, seq, accept, slots), seq + accept
 
-    def step(state, kv, seq, slots, ape, accept):
+
+def _per_layer_step(state, kv, seq, slots, ape, accept):
+    for layer in range(LAYERS):
+        state, _, _ = oc.verify(state, kv[layer : layer + 1], seq, slots, ape[layer : layer + 1], layer=layer)
+    for layer in range(LAYERS):
+        state = oc.commit(state, seq, accept, slots, layer=layer, num_layers=1)
+    return state, seq + accept
+
+
+def _lazy_step(cs, kv, seq, slots, ape, accept):
+    """Controller, lazy path: prepare_forward commits the previous verify, then write_prefix."""
+    cs = CONTROLLER.prepare_forward(cs, ForwardMode.TARGET_VERIFY, slots, seq)
+    return CONTROLLER.write_prefix(cs, kv, seq, slots, ape)[0], seq + accept
+
+
+def _eager_step(cs, kv, seq, slots, ape, accept):
+    """Controller, eager path: write_prefix, then commit once acceptance is known."""
+    cs = CONTROLLER.write_prefix(cs, kv, seq, slots, ape)[0]
+    return CONTROLLER.commit(cs, slots, seq, accept), seq + accept
+
+
+def _launch_step(state, kv, seq, slots, ape, accept):
+    """Two do-nothing launches: commits of a single padding row."""
+    pad = jnp.full((1,), -1, jnp.int32)
+    for _ in range(2):
+        state = oc.commit(state, pad, pad, pad, num_layers=1)
+    return state, seq
+
+
+STEPS = {
+    "launch2": _launch_step,
+    "ops": _ops_step,
+    "verify": lambda state, kv, seq, slots, ape, accept: (oc.verify(state, kv, seq, slots, ape)[0], seq),
+    "commit": lambda state, kv, seq, slots, ape, accept: (oc.commit(state, seq, accept, slots), seq),
+    "per_layer": _per_layer_step,
+    "lazy_step": _lazy_step,
+    "eager_step": _eager_step,
+}
+
+
+def build(kind, repeat):
+    """A jitted function running step ``kind`` ``repeat`` times (positions advancing), the state donated."""
+
+    def run(state, kv, seq, slots, ape, accept):
         for _ in range(repeat):
-            if kind == "fused":
-                state, _, _ = oc.verify(state, kv, seq, slots, ape)
-                state = oc.commit(state, seq, accept, slots)
-            elif kind == "verify":
-                state, _, _ = oc.verify(state, kv, seq, slots, ape)
-            elif kind == "commit":
-                state = oc.commit(state, seq, accept, slots)
-            elif kind == "per_layer":
-                for layer in range(LAYERS):
-                    state, _, _ = oc.verify(
-                        state, kv[layer : layer + 1], seq, slots, ape[layer : layer + 1], layer=layer
-                    )
-                for layer in range(LAYERS):
-                    state = oc.commit(state, seq, accept, slots, layer=layer, num_layers=1)
-            elif kind == "launch":  # two do-nothing launches: commit of a single padding row
-                pad = jnp.full((1,), -1, jnp.int32)
-                state = oc.commit(state, pad, pad, pad, num_layers=1)
-                state = oc.commit(state, pad, pad, pad, num_layers=1)
+            state, seq = STEPS[kind](state, kv, seq, slots, ape, accept)
         return (state,)
 
-    return jax.jit(step, donate_argnums=0)
+    return jax.jit(run, donate_argnums=0)
 
 
 def main():
@@ -107,44 +140,43 @@ def main():
     args = parser.parse_args()
 
     bandwidth = copy_bandwidth()
-    print(f"device: {jax.devices()[0].device_kind}  copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    results = {"device": jax.devices()[0].device_kind, "copy_bandwidth": bandwidth, "rows": []}
+    device = jax.devices()[0].device_kind
+    print(f"device: {device}  copy bandwidth {bandwidth / 1e12:.2f} TB/s  (us per step, all {LAYERS} layers)")
     print(
-        "dtype     N  batch | launch2 us | fused us  x_launch | verify us  commit us | fused GB/s  %copy",
+        "dtype     N batch | launch |  ops  x_launch | lazy   x_launch | eager  x_launch | verify commit |",
         end="",
     )
-    print(" | per-layer us")
+    print(" ops GB/s %copy | per-layer")
+    results = {"device": device, "copy_bandwidth": bandwidth, "layers": LAYERS, "head_dim": DIM, "rows": []}
     for dtype in args.dtypes:
         for n in args.draft:
             for rows in args.batches:
-                t = {}
-                for kind in ("launch", "fused", "verify", "commit", "per_layer"):
+                us = {}
+                for kind in STEPS:
                     repeat = max(1, args.repeat // 4) if kind == "per_layer" else args.repeat  # 40 calls each
-                    fn = build(kind, repeat)
-                    t[kind] = timed(fn, *make_inputs(rows, n, jnp.dtype(dtype))) / repeat
-                total, verify_bytes, commit_bytes = step_bytes(rows, n, jnp.dtype(dtype).itemsize)
-                row = {
-                    "dtype": dtype,
-                    "draft": n,
-                    "batch": rows,
-                    "launch2_us": t["launch"] * 1e6,
-                    "fused_us": t["fused"] * 1e6,
-                    "verify_us": t["verify"] * 1e6,
-                    "commit_us": t["commit"] * 1e6,
-                    "per_layer_us": t["per_layer"] * 1e6,
-                    "bytes": total,
-                    "fused_bandwidth": total / t["fused"],
-                    "verify_bandwidth": verify_bytes / t["verify"],
-                    "commit_bandwidth": commit_bytes / t["commit"],
-                }
+                    state, *inputs = make_inputs(rows, n, jnp.dtype(dtype))
+                    if kind.endswith("_step"):
+                        state = CompressState(state, jnp.full((rows,), -1, jnp.int32))
+                    us[kind] = timed(build(kind, repeat), state, *inputs) / repeat * 1e6
+                launch = us["launch2"] / 2
+                total = step_bytes(rows, n, jnp.dtype(dtype).itemsize)
+                row = dict(
+                    dtype=dtype,
+                    draft=n,
+                    batch=rows,
+                    launch_us=launch,
+                    bytes=total,
+                    **{f"{k}_us": v for k, v in us.items()},
+                )
+                row["ops_bandwidth"] = total / (us["ops"] * 1e-6)
                 results["rows"].append(row)
-                x_launch = row["fused_us"] / (row["launch2_us"] / 2)
-                pct_copy = 100 * row["fused_bandwidth"] / bandwidth
+                ratio = {k: v / launch for k, v in us.items()}
                 print(
-                    f"{dtype:8s} {n:2d} {rows:6d} | {row['launch2_us']:10.2f} | {row['fused_us']:8.2f} "
-                    f"{x_launch:8.2f} | {row['verify_us']:9.2f} {row['commit_us']:10.2f} "
-                    f"| {row['fused_bandwidth'] / 1e9:10.0f} {pct_copy:5.0f}% "
-                    f"| {row['per_layer_us']:12.2f}"
+                    f"{dtype:8s} {n:2d} {rows:5d} | {launch:6.2f} | {us['ops']:6.1f} {ratio['ops']:5.2f} | "
+                    f"{us['lazy_step']:6.1f} {ratio['lazy_step']:5.2f} | {us['eager_step']:6.1f} "
+                    f"{ratio['eager_step']:5.2f} | {us['verify']:6.1f} {us['commit']:6.1f} | "
+                    f"{row['ops_bandwidth'] / 1e9:8.0f} {100 * row['ops_bandwidth'] / bandwidth:4.0f}% | "
+                    f"{us['per_layer']:8.1f}"
                 )
     if args.out:
         with open(args.out, "w") as f:
