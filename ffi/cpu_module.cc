@@ -47,11 +47,11 @@ ffi::Error CompressCpu(ffi::AnyBuffer state, ffi::Buffer<ffi::F32> kv_score, ffi
 }
 
 ffi::Error VerifyCpu(ffi::AnyBuffer state, ffi::Buffer<ffi::F32> kv_score, ffi::Buffer<ffi::S32> seq_lens,
-                     ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> ape, ffi::Result<ffi::AnyBuffer> state_out,
-                     ffi::Result<ffi::Buffer<ffi::F32>> entries, ffi::Result<ffi::Buffer<ffi::S32>> entry_blocks,
-                     int64_t layer) {
+                     ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> ape, ffi::Buffer<ffi::S32> pending,
+                     ffi::Result<ffi::AnyBuffer> state_out, ffi::Result<ffi::Buffer<ffi::F32>> entries,
+                     ffi::Result<ffi::Buffer<ffi::S32>> entry_blocks, int64_t layer) {
   CpuBackend backend;
-  return verify(backend, state, kv_score, seq_lens, slots, ape, state_out, entries, entry_blocks, layer);
+  return verify(backend, state, kv_score, seq_lens, slots, ape, pending, state_out, entries, entry_blocks, layer);
 }
 
 ffi::Error CommitCpu(ffi::AnyBuffer state, ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> accept_lens,

@@ -93,10 +93,11 @@ ffi::Error CompressCuda(cudaStream_t stream, ffi::AnyBuffer state, ffi::Buffer<f
 
 ffi::Error VerifyCuda(cudaStream_t stream, ffi::AnyBuffer state, ffi::Buffer<ffi::F32> kv_score,
                       ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> ape,
-                      ffi::Result<ffi::AnyBuffer> state_out, ffi::Result<ffi::Buffer<ffi::F32>> entries,
-                      ffi::Result<ffi::Buffer<ffi::S32>> entry_blocks, int64_t layer) {
+                      ffi::Buffer<ffi::S32> pending, ffi::Result<ffi::AnyBuffer> state_out,
+                      ffi::Result<ffi::Buffer<ffi::F32>> entries, ffi::Result<ffi::Buffer<ffi::S32>> entry_blocks,
+                      int64_t layer) {
   CudaBackend backend{stream};
-  return verify(backend, state, kv_score, seq_lens, slots, ape, state_out, entries, entry_blocks, layer);
+  return verify(backend, state, kv_score, seq_lens, slots, ape, pending, state_out, entries, entry_blocks, layer);
 }
 
 ffi::Error CommitCuda(cudaStream_t stream, ffi::AnyBuffer state, ffi::Buffer<ffi::S32> seq_lens,

@@ -136,8 +136,9 @@ ffi::Error compress(Backend& backend, ffi::AnyBuffer state_in, ffi::Buffer<ffi::
 template <typename Backend>
 ffi::Error verify(Backend& backend, ffi::AnyBuffer state_in, ffi::Buffer<ffi::F32> kv_score,
                   ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> ape,
-                  ffi::Result<ffi::AnyBuffer> state_out, ffi::Result<ffi::Buffer<ffi::F32>> entries,
-                  ffi::Result<ffi::Buffer<ffi::S32>> entry_blocks, int64_t layer) {
+                  ffi::Buffer<ffi::S32> pending, ffi::Result<ffi::AnyBuffer> state_out,
+                  ffi::Result<ffi::Buffer<ffi::F32>> entries, ffi::Result<ffi::Buffer<ffi::S32>> entry_blocks,
+                  int64_t layer) {
   StateShape st;
   OC128_RETURN_IF_ERROR(check_state(backend, state_in, state_out, &st));
   const auto kd = kv_score.dimensions();
@@ -152,6 +153,7 @@ ffi::Error verify(Backend& backend, ffi::AnyBuffer state_in, ffi::Buffer<ffi::F3
   OC128_RETURN_IF_ERROR(check_shape("seq_lens", seq_lens.dimensions(), {rows}));
   OC128_RETURN_IF_ERROR(check_shape("slots", slots.dimensions(), {rows}));
   OC128_RETURN_IF_ERROR(check_shape("ape", ape.dimensions(), {call_layers, kBlock, st.dim}));
+  if (pending.element_count() != 0) OC128_RETURN_IF_ERROR(check_shape("pending", pending.dimensions(), {st.slots}));
   OC128_RETURN_IF_ERROR(check_shape("entries", entries->dimensions(), {call_layers, rows, 1, st.dim}));
   OC128_RETURN_IF_ERROR(check_shape("entry_blocks", entry_blocks->dimensions(), {rows, 1}));
   if (rows == 0) return ffi::Error::Success();
@@ -162,6 +164,7 @@ ffi::Error verify(Backend& backend, ffi::AnyBuffer state_in, ffi::Buffer<ffi::F3
                              seq_lens.typed_data(),
                              slots.typed_data(),
                              ape.typed_data(),
+                             pending.element_count() ? pending.typed_data() : nullptr,
                              entries->typed_data(),
                              entry_blocks->typed_data(),
                              st.layout(),
@@ -223,6 +226,7 @@ auto bind_verify(B binding) {
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
       .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::Buffer<ffi::F32>>()
       .template Ret<ffi::Buffer<ffi::S32>>()

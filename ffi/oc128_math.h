@@ -125,6 +125,14 @@ OC128_FN bool row_is_valid(int32_t slot, int32_t seq_len, int64_t num_slots) {
   return slot >= 0 && slot < num_slots && seq_len >= 0;
 }
 
+// The commit rule (SPEC section 4): after keeping `accept` tokens of the verify at `seq`, bank 0 becomes
+// bank `accept`, except when nothing was kept, `accept` is out of range, or the block closed at the last
+// kept token (bank 0 is then never read: the next token starts a block). Returns the bank to copy into
+// bank 0, 0 for none.
+OC128_FN int32_t committed_bank(int32_t seq, int32_t accept, int64_t banks) {
+  return accept >= 1 && accept < banks && (seq + accept) % kBlock != 0 ? accept : 0;
+}
+
 // Where bank 0 of `slot` lives, for layer `layer` (absolute) of the state.
 struct StateLayout {
   int64_t banks;  // 1 + max_draft
@@ -216,6 +224,10 @@ OC128_FN void compress_channel(const CompressArgs<T>& a, int64_t lk, int64_t row
 // verify: fold the N tokens of a chain verify starting from bank 0; the state after token k goes
 // to bank k unless the block closed at that token; bank 0 is not written.
 //
+// With a pending table ([slots], the seq length of each slot's previous verify, -1 for none), the row
+// first commits that verify (accept = seq - pending[slot]) in the call's layers: the lazy commit and
+// the next verify in one launch.
+//
 // Work item (lk, row, d). N (the verify's token count, 1..16) is a compile-time constant so that the
 // N tokens' loads are all issued, into registers, before the serial fold.
 
@@ -225,9 +237,10 @@ struct VerifyArgs {
   const float* kv_score;  // [call_layers, rows, tokens, 2*dim]
   const int32_t* seq_lens;
   const int32_t* slots;
-  const float* ape;       // [call_layers, 128, dim]
-  float* entries;         // [call_layers, rows, 1, dim]
-  int32_t* entry_blocks;  // [rows, 1]
+  const float* ape;        // [call_layers, 128, dim]
+  const int32_t* pending;  // [slots] or nullptr
+  float* entries;          // [call_layers, rows, 1, dim]
+  int32_t* entry_blocks;   // [rows, 1]
   StateLayout layout;
   int64_t layer0;
   int64_t rows;
@@ -257,7 +270,12 @@ OC128_FN void verify_channel(const VerifyArgs<T>& a, int64_t lk, int64_t row, in
   }
   T* bank0 = a.state + a.layout.offset(a.layer0 + lk, 0, slot);
   const int64_t bank_stride = a.layout.slots * 3 * dim;
-  Online st = p0 != 0 ? load_state(bank0, dim, d) : Online{0.0f, 0.0f, 0.0f};
+  const int32_t before = a.pending != nullptr ? a.pending[slot] : -1;
+  const int32_t bank = before >= 0 ? committed_bank(before, seq - before, a.layout.banks) : 0;
+  const T* start = bank0 + bank * bank_stride;
+  Online st = p0 != 0 ? load_state(start, dim, d) : Online{0.0f, 0.0f, 0.0f};
+  if (bank != 0)
+    for (int f = 0; f < 3; ++f) bank0[f * dim + d] = start[f * dim + d];
   float closed_entry = 0.0f;
   int32_t closed_block = -1;
 #ifdef __CUDA_ARCH__
@@ -300,11 +318,12 @@ struct CommitArgs {
 };
 
 OC128_FN void commit_word(const CommitArgs& a, int64_t l, int64_t row, int64_t w) {
-  const int32_t slot = a.slots[row], seq = a.seq_lens[row], accept = a.accept_lens[row];
-  if (!row_is_valid(slot, seq, a.slots_per_bank) || accept < 1 || accept >= a.banks || (seq + accept) % kBlock == 0)
-    return;
+  const int32_t slot = a.slots[row], seq = a.seq_lens[row];
+  if (!row_is_valid(slot, seq, a.slots_per_bank)) return;
+  const int32_t bank = committed_bank(seq, a.accept_lens[row], a.banks);
+  if (bank == 0) return;
   Word16* bank0 = a.state + ((a.layer0 + l) * a.banks * a.slots_per_bank + slot) * a.words_per_slot;
-  bank0[w] = bank0[accept * a.slots_per_bank * a.words_per_slot + w];
+  bank0[w] = bank0[bank * a.slots_per_bank * a.words_per_slot + w];
 }
 
 }  // namespace oc128

@@ -53,44 +53,58 @@ class Controller:
     """Transitions of the online backend (:class:`~jax_oc128.state.CompressState`); no state of its own."""
 
     def begin_verify(self, cs: CompressState, slots, seq_lens) -> CompressState:
-        """Record ``seq_lens`` as the pending verify of ``slots`` (SGLang's mark_pending)."""
+        """Record ``seq_lens`` as the pending verify of ``slots`` (SGLang's mark_pending); what was pending
+        for them becomes what their write_prefix commits first (``committing``)."""
         index = _scatter_index(jnp.where(seq_lens >= 0, slots, -1), cs.slots)
-        return dataclasses.replace(cs, pending=cs.pending.at[index].set(seq_lens, mode="drop"))
+        previous = cs.pending[jnp.clip(slots, 0, cs.slots - 1)]
+        return cs.replace(
+            pending=cs.pending.at[index].set(seq_lens, mode="drop"),
+            committing=cs.committing.at[index].set(previous, mode="drop"),
+        )
 
     def prepare_forward(self, cs: CompressState, mode: ForwardMode, slots, seq_lens, verify_bs=None):
         """Before a forward of ``slots`` at their current ``seq_lens``: commit what is pending for them
         (accept = seq_lens - pending), then for a verify forward begin the verify. Rows ``>= verify_bs``
         are padding. An idle forward changes nothing, and slots not in the batch keep their pending
-        verify."""
+        verify.
+
+        For a verify forward the commit is not a launch of its own: it is handed to write_prefix, whose
+        kernel commits each row before folding (so a lazily committed speculative step is one launch).
+        write_prefix must then run once for every C128 layer, as the protocol requires anyway.
+        """
         if mode is ForwardMode.IDLE:
             return cs
         slots = active_slots(slots, verify_bs)
+        if mode is ForwardMode.TARGET_VERIFY:
+            return self.begin_verify(cs, slots, seq_lens)
         ok = (slots >= 0) & (slots < cs.slots)
         pending = jnp.where(ok, cs.pending[jnp.where(ok, slots, 0)], -1)
         has = pending >= 0
         accept = jnp.where(has, seq_lens - pending, 0)
-        cs = self.commit(cs, jnp.where(has, slots, -1), jnp.where(has, pending, 0), accept)
-        if mode is ForwardMode.TARGET_VERIFY:
-            cs = self.begin_verify(cs, slots, seq_lens)
-        return cs
+        return self.commit(cs, jnp.where(has, slots, -1), jnp.where(has, pending, 0), accept)
 
     def write_prefix(self, cs: CompressState, kv_score, seq_lens, slots, ape, *, layer: int = 0):
         """The verify's bank writes for layers ``layer .. layer + Lk - 1`` (all layers in one call when
-        ``kv_score`` has them all). Returns ``(cs, entries [Lk, bs, 1, D], entry_blocks [bs, 1])``."""
-        state, entries, blocks = ops.verify(cs.state, kv_score, seq_lens, slots, ape, layer=layer)
-        return dataclasses.replace(cs, state=state), entries, blocks
+        ``kv_score`` has them all), after committing the rows' previous verify where prepare_forward left
+        it pending. Returns ``(cs, entries [Lk, bs, 1, D], entry_blocks [bs, 1])``."""
+        state, entries, blocks = ops.verify(
+            cs.state, kv_score, seq_lens, slots, ape, layer=layer, pending=cs.committing
+        )
+        return cs.replace(state=state), entries, blocks
 
     def commit(self, cs: CompressState, slots, seq_lens, accept_lens) -> CompressState:
         """Keep ``accept_lens`` tokens of the verify at ``seq_lens`` (the eager path), all layers, and clear
         the slots' pending verify."""
         state = ops.commit(cs.state, seq_lens, accept_lens, slots)
-        return CompressState(state, cs.pending.at[_scatter_index(slots, cs.slots)].set(-1, mode="drop"))
+        return cs.replace(
+            state=state, pending=cs.pending.at[_scatter_index(slots, cs.slots)].set(-1, mode="drop")
+        )
 
     def compress(self, cs: CompressState, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0):
         """An extend or decode forward's compression. Returns ``(cs, entries [Lk, bs, T//128+1, D],
         entry_blocks [bs, T//128+1])``."""
         state, entries, blocks = ops.compress(cs.state, kv_score, seq_lens, new_lens, slots, ape, layer=layer)
-        return dataclasses.replace(cs, state=state), entries, blocks
+        return cs.replace(state=state), entries, blocks
 
     def open_state(self, cs: CompressState, slots, seq_lens, ape):
         """``(max, sum, mean)`` float32 ``[layers, bs, D]`` of each row's open block at ``seq_lens``, as it

@@ -158,7 +158,7 @@ def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0)
     return _dispatch("oc128_compress", reference.compress, results, args, {"layer": layer})
 
 
-def verify(state, kv_score, seq_lens, slots, ape, *, layer: int = 0):
+def verify(state, kv_score, seq_lens, slots, ape, *, layer: int = 0, pending=None):
     """Fold the N tokens of a chain verify and store the state after token k into bank k.
 
     Starting from bank 0 (empty when ``seq_lens % 128 == 0``), the tokens at positions
@@ -173,6 +173,10 @@ def verify(state, kv_score, seq_lens, slots, ape, *, layer: int = 0):
       slots: ``[bs]`` int32, -1 for padding rows.
       ape: ``[Lk, 128, D]`` float32.
       layer: first state layer of the call (static).
+      pending: optional ``[S]`` int32, per slot the ``seq_lens`` of its previous verify whose acceptance is
+        not committed yet (-1 for none). Each row first commits it, with ``accept = seq_lens - pending``,
+        exactly as :func:`commit` would, in the call's layers: the lazy commit and the next verify in one
+        launch.
 
     Returns:
       ``(state, entries, entry_blocks)``: ``entries`` ``[Lk, bs, 1, D]`` float32 is the pre-norm entry of
@@ -189,12 +193,16 @@ def verify(state, kv_score, seq_lens, slots, ape, *, layer: int = 0):
     _check_layers(layer, call_layers, layers)
     _check_rows(num_slots, seq_lens, slots, rows)
     _check_array("ape", ape, (call_layers, BLOCK, dim), jnp.float32)
+    if pending is None:
+        pending = jnp.zeros((0,), jnp.int32)
+    else:
+        _check_array("pending", pending, (num_slots,), jnp.int32)
     results = (
         jax.ShapeDtypeStruct(state.shape, state.dtype),
         jax.ShapeDtypeStruct((call_layers, rows, 1, dim), jnp.float32),
         jax.ShapeDtypeStruct((rows, 1), jnp.int32),
     )
-    args = (state, kv_score, seq_lens, slots, ape)
+    args = (state, kv_score, seq_lens, slots, ape, pending)
     return _dispatch("oc128_verify", reference.verify, results, args, {"layer": layer})
 
 

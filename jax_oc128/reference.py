@@ -104,12 +104,17 @@ def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer=0):
     return state, entries, entry_blocks
 
 
-def verify(state, kv_score, seq_lens, slots, ape, *, layer=0):
-    """Reference of :func:`jax_oc128.verify`: N <= 16 steps, statically unrolled."""
+def verify(state, kv_score, seq_lens, slots, ape, pending=None, *, layer=0):
+    """Reference of :func:`jax_oc128.verify`: the pending commit, then N <= 16 steps, statically unrolled."""
     num_layers, rows, tokens, two_d = kv_score.shape
     dim = two_d // 2
     num_slots = state.shape[2]
     valid = _valid_rows(slots, seq_lens, num_slots)
+    if pending is not None and pending.shape[0]:
+        before = jnp.where(valid, pending[jnp.where(valid, slots, 0)], -1)
+        has = before >= 0
+        args = jnp.where(has, before, 0), jnp.where(has, seq_lens - before, 0), jnp.where(has, slots, -1)
+        state = commit(state, *args, layer=layer, num_layers=num_layers)
     p0 = jnp.where(valid, seq_lens % BLOCK, 0)
     m, s, num = load_state(state[layer : layer + num_layers, 0][:, jnp.where(valid, slots, 0)])
     entry = jnp.zeros((num_layers, rows, dim), jnp.float32)

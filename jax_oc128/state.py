@@ -27,19 +27,21 @@ class CompressState:
         per slot per bank; bank 0 is committed, banks ``1..max_draft`` hold the last verify's prefixes.
       pending: ``[slots]`` int32: the slot's sequence length at its last verify whose acceptance has not
         been committed yet, -1 when nothing is pending.
+      committing: ``[slots]`` int32: for the slots of the current verify forward, the pending verify that
+        its write_prefix commits before folding (-1 for none); set by ``prepare_forward``.
     """
 
     state: jax.Array
     pending: jax.Array
+    committing: jax.Array
 
     @classmethod
     def create(
         cls, layers: int, slots: int, head_dim: int, max_draft: int, dtype=jnp.float32
     ) -> CompressState:
-        """A zeroed state with nothing pending."""
-        return cls(
-            ops.init_state(layers, slots, head_dim, max_draft, dtype), jnp.full((slots,), -1, jnp.int32)
-        )
+        """A zeroed state with nothing pending; every leaf is its own buffer, so the pytree can be donated."""
+        state = ops.init_state(layers, slots, head_dim, max_draft, dtype)
+        return cls(state, jnp.full((slots,), -1, jnp.int32), jnp.full((slots,), -1, jnp.int32))
 
     layers = property(lambda self: self.state.shape[0])
     max_draft = property(lambda self: self.state.shape[1] - 1)
@@ -49,20 +51,23 @@ class CompressState:
 
     def state_bytes(self) -> int:
         """Device bytes of this state, all slots (also for a ``jax.eval_shape`` of it)."""
-        return _nbytes(self.state) + _nbytes(self.pending)
+        return _nbytes(self.state) + _nbytes(self.pending) + _nbytes(self.committing)
+
+    def replace(self, **fields) -> CompressState:
+        return dataclasses.replace(self, **fields)
 
     def alloc(self, slots) -> CompressState:
         """Give ``slots`` ([n] int32, -1 ignored) to new requests: their rows are cleared in every bank and
         layer and nothing is pending for them."""
-        index = _scatter_index(slots, self.slots)
-        return CompressState(
-            self.state.at[:, :, index].set(0, mode="drop"), self.pending.at[index].set(-1, mode="drop")
-        )
+        cleared = self.state.at[:, :, _scatter_index(slots, self.slots)].set(0, mode="drop")
+        return self.free(slots).replace(state=cleared)
 
     def free(self, slots) -> CompressState:
         """Release ``slots``: whatever is pending for them is dropped (their rows are cleared on reuse)."""
-        return CompressState(
-            self.state, self.pending.at[_scatter_index(slots, self.slots)].set(-1, mode="drop")
+        index = _scatter_index(slots, self.slots)
+        return self.replace(
+            pending=self.pending.at[index].set(-1, mode="drop"),
+            committing=self.committing.at[index].set(-1, mode="drop"),
         )
 
 

@@ -246,11 +246,15 @@ def test_pending_commit_survives_unrelated_forwards_and_idle():
 
 def test_alloc_clears_the_slot_and_its_pending_verify():
     cs = CompressState.create(LAYERS, 3, DIM, MAX_DRAFT)
-    cs = CompressState(cs.state + 1.0, cs.pending.at[1].set(50))
+    cs = cs.replace(
+        state=cs.state + 1.0, pending=cs.pending.at[1].set(50), committing=cs.committing.at[1].set(9)
+    )
     cs = cs.alloc(jnp.asarray([1, -1], jnp.int32))
-    assert not np.any(np.asarray(cs.state[:, :, 1])) and int(cs.pending[1]) == -1
+    assert (
+        not np.any(np.asarray(cs.state[:, :, 1])) and int(cs.pending[1]) == -1 and int(cs.committing[1]) == -1
+    )
     assert np.all(np.asarray(cs.state[:, :, [0, 2]]) == 1.0)
-    assert CompressState(cs.state, cs.pending.at[2].set(7)).free(jnp.asarray([2], jnp.int32)).pending[2] == -1
+    assert cs.replace(pending=cs.pending.at[2].set(7)).free(jnp.asarray([2], jnp.int32)).pending[2] == -1
 
 
 def test_step_is_in_place_under_jit():
@@ -279,5 +283,5 @@ def test_step_is_in_place_under_jit():
 def test_state_bytes():
     online = jax.eval_shape(lambda: CompressState.create(20, 1, 512, 4))
     offline = jax.eval_shape(lambda: OfflineState.create(20, 1, 512, 4))
-    assert CompressState.state_bytes(online) == 20 * 5 * 3 * 512 * 4 + 4
+    assert CompressState.state_bytes(online) == 20 * 5 * 3 * 512 * 4 + 2 * 4
     assert OfflineState.state_bytes(offline) == 20 * 132 * 2 * 512 * 4

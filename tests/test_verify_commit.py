@@ -295,3 +295,40 @@ def test_commit_bad_arguments_are_named(kwargs, error, match):
     )
     with pytest.raises(error, match=match):
         oc.commit(**(args | kwargs))
+
+
+def test_verify_with_pending_commits_first():
+    """verify(pending=p) does, per row, what commit(accept = seq_lens - p) followed by verify does; rows
+    without a pending verify (-1), or whose commit rule keeps bank 0, start from bank 0."""
+    rng = np.random.default_rng(13)
+    max_draft, rows = 4, 6
+    state = poisoned_state(rng, LAYERS, 8, DIM, max_draft)
+    slots = jnp.asarray([0, 3, 5, 7, -1, 2], jnp.int32)
+    seq = jnp.asarray([130, 257, 640, 70, 9, 300], jnp.int32)
+    pending = np.full(8, -1, np.int32)
+    pending[[0, 3, 5, 7, 2]] = [127, 253, 637, 70, 299]  # accept 3, 4, 3 (closes a block), 0, 1
+    pending = jnp.asarray(pending)
+    kv = jnp.asarray(random_tokens(rng, (CALL_LAYERS, rows, 3), DIM))
+    ape = jnp.asarray(random_ape(rng, CALL_LAYERS, DIM))
+    before = jnp.where(slots >= 0, pending[jnp.maximum(slots, 0)], -1)
+    commit_args = (
+        jnp.maximum(before, 0),
+        jnp.where(before >= 0, seq - before, 0),
+        jnp.where(before >= 0, slots, -1),
+    )
+    for ops in (oc, reference):
+        fused = ops.verify(state, kv, seq, slots, ape, layer=CALL_LAYER, pending=pending)
+        committed = ops.commit(state, *commit_args, layer=CALL_LAYER)
+        np.testing.assert_array_equal(
+            np.asarray(committed[CALL_LAYER:, 0]), np.asarray(fused[0][CALL_LAYER:, 0])
+        )
+        two_step = ops.verify(committed, kv, seq, slots, ape, layer=CALL_LAYER)
+        for got, want in zip(fused, two_step, strict=True):
+            np.testing.assert_array_equal(got, want)
+    assert_outputs_match(
+        oc.verify(state, kv, seq, slots, ape, layer=CALL_LAYER, pending=pending),
+        reference.verify(state, kv, seq, slots, ape, pending, layer=CALL_LAYER),
+        NATIVE_VS_REFERENCE_FP32,
+    )
+    with pytest.raises(ValueError, match="pending: expected shape"):
+        oc.verify(state, kv, seq, slots, ape, pending=pending[:4])
