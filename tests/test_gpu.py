@@ -45,7 +45,7 @@ def test_cuda_targets_are_registered_and_used():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_cuda_matches_cpu(dtype):
-    """A prefill with ragged and padding rows, a verify and a commit, on both devices."""
+    """A prefill with ragged and padding rows, a verify with lazy commits and a commit, on both devices."""
     tol = NATIVE_VS_REFERENCE_FP32 if dtype == jnp.float32 else NATIVE_VS_REFERENCE_BF16
     gpu, cpu = jax.devices("gpu")[0], jax.devices("cpu")[0]
     rng = np.random.default_rng(0)
@@ -60,7 +60,8 @@ def test_cuda_matches_cpu(dtype):
     for device in (gpu, cpu):
         s, e1, b1 = oc.compress(*on(device, state, kv, seq, new, slots, ape), layer=1)
         drafts = jnp.asarray(random_tokens(np.random.default_rng(1), (LAYERS - 1, rows, MAX_DRAFT), DIM))
-        s, e2, b2 = oc.verify(*on(device, s, drafts, seq + new, slots, ape), layer=1)
+        pending = jnp.asarray([-1, 250, -1, 120, -1, 2, -1, 380, -1, 125], jnp.int32)  # some lazy commits
+        s, e2, b2 = oc.verify(*on(device, s, drafts, seq + new, slots, ape), layer=1, pending=pending)
         accept = jnp.asarray([0, 1, 2, 3, 8, 5, 4], jnp.int32)
         s = oc.commit(*on(device, s, seq + new, accept, slots))
         outputs.append([np.asarray(x) for x in (s, e1, b1, e2, b2)])
