@@ -156,7 +156,7 @@ def main():
                     repeat = max(1, args.repeat // 4) if kind == "per_layer" else args.repeat  # 40 calls each
                     state, *inputs = make_inputs(rows, n, jnp.dtype(dtype))
                     if kind.endswith("_step"):
-                        state = CompressState(state, jnp.full((rows,), -1, jnp.int32))
+                        state = CompressState.create(LAYERS, rows, DIM, n, dtype).replace(state=state)
                     us[kind] = timed(build(kind, repeat), state, *inputs) / repeat * 1e6
                 launch = us["launch2"] / 2
                 total = step_bytes(rows, n, jnp.dtype(dtype).itemsize)
