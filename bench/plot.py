@@ -1,4 +1,5 @@
-"""Plot a bench_ops.py result file: time per speculative step vs batch, against the launch and bandwidth floors.
+"""Plot a bench_ops.py result file: time per speculative step vs batch, against the launch and bandwidth
+floors.
 
 Usage: python bench/plot.py bench/results_h200.json bench/bench_h200.png   (needs matplotlib)
 """
@@ -11,7 +12,7 @@ import sys
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def main(source, target):
@@ -32,7 +33,12 @@ def main(source, target):
         ax.plot(batch, [r["launch_us"] for r in rows], "k-", lw=0.8, label="floor: one kernel launch")
         floor = [r["bytes"] / results["copy_bandwidth"] * 1e6 for r in rows]
         ax.plot(batch, floor, "k--", lw=0.8, label="floor: bytes / copy bandwidth")
-        ax.set(xscale="log", yscale="log", xlabel="batch (requests)", title=f"{dtype} state, N = {rows[0]['draft']}")
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="batch (requests)",
+            title=f"{dtype} state, N = {rows[0]['draft']}",
+        )
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel(f"us per speculative step, all {results['layers']} C128 layers")
     axes[0].legend(fontsize=8)

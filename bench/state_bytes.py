@@ -1,0 +1,41 @@
+"""Compressed-state bytes per request, online vs offline, at DeepSeek-V4-Flash shapes (markdown table).
+
+Usage: python bench/state_bytes.py [--layers 20] [--head-dim 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+from jax_oc128.state import CompressState, OfflineState
+
+
+def per_request(cls, layers, head_dim, max_draft, dtype):
+    slots = 64
+    shapes = jax.eval_shape(lambda: cls.create(layers, slots, head_dim, max_draft, dtype))
+    return cls.state_bytes(shapes) / slots
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=20)
+    parser.add_argument("--head-dim", type=int, default=512)
+    args = parser.parse_args()
+    print(
+        "| draft tokens (banks) | online fp32 | offline fp32 | ratio | online bf16 | offline bf16 | ratio |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for draft in range(1, 9):
+        cells = []
+        for dtype in (jnp.float32, jnp.bfloat16):
+            online = per_request(CompressState, args.layers, args.head_dim, draft, dtype)
+            offline = per_request(OfflineState, args.layers, args.head_dim, draft, dtype)
+            cells += [f"{online / 1024:.1f} KiB", f"{offline / 1024:.0f} KiB", f"{offline / online:.1f}x"]
+        print(f"| {draft} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
