@@ -1,0 +1,361 @@
+"""Flax NNX DeepSeek-V4 attention with the C128 compressed state threaded through explicitly.
+
+:class:`DeepseekV4Attention` follows Hugging Face transformers' ``DeepseekV4Attention`` (5.24.0) for the
+layer types ``sliding_attention`` and ``heavily_compressed_attention`` (HCA, C128). Compressed sparse
+attention (CSA, C4 with the lightning indexer) is not supported yet. Modules hold parameters only; the
+cache is a pytree that goes in and comes out (donate it to the enclosing jit)::
+
+    y, cache = attn(x, positions)                  # prefill from position 0 (cache=None: a fresh cache)
+    y, cache = attn(x, positions, cache)           # chunked prefill / decode continue the sequence
+    y, cache = attn(x, positions, cache, verify=True)   # N draft tokens; then attn.commit(...) or nothing
+
+Shapes: ``x`` ``[batch, T, hidden]`` float32 (the layer input after its input norm), ``positions``
+``[batch, T]`` int32, consecutive per row. Everything is computed in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_oc128.controller import Controller, ForwardMode, OfflineController
+from jax_oc128.state import BLOCK, CompressState, OfflineState
+
+SLIDING, HCA, CSA = "sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Interleaved RoPE on the trailing ``dim`` channels: base ``theta``, YaRN when ``factor`` is set."""
+
+    dim: int
+    theta: float
+    factor: float | None = None  # YaRN
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+    @classmethod
+    def from_hf(cls, params: dict, head_dim: int) -> RopeConfig:
+        rope_type = params.get("rope_type", "default")
+        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        if rope_type == "default":
+            return cls(dim, float(params["rope_theta"]))
+        if rope_type != "yarn":
+            raise NotImplementedError(f"rope_type {rope_type!r}: only 'default' and 'yarn' are supported")
+        factor = float(params["factor"])
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:
+            attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        return cls(
+            dim,
+            float(params["rope_theta"]),
+            factor,
+            int(params["original_max_position_embeddings"]),
+            float(params.get("beta_fast") or 32.0),
+            float(params.get("beta_slow") or 1.0),
+            float(attention_factor),
+            bool(params.get("truncate", True)),
+        )
+
+    def inv_freq(self) -> np.ndarray:
+        """``[dim // 2]`` float32, as transformers computes it (default or YaRN)."""
+        exponents = np.arange(0, self.dim, 2, dtype=np.float32) / self.dim
+        pos_freqs = np.float32(self.theta) ** exponents
+        if self.factor is None:
+            return (1.0 / pos_freqs).astype(np.float32)
+
+        def correction_dim(rotations):
+            return (
+                self.dim
+                * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(self.theta))
+            )
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, self.dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(self.dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+        extrapolation = 1 - ramp
+        inv = (1.0 / (self.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+        return inv.astype(np.float32)
+
+    def apply(self, x, positions, inverse=False):
+        """Rotate the trailing ``dim`` channels of ``x`` ``[..., T, (heads,) D]`` at ``positions``
+        ``[..., T]`` (``inverse``: by minus the angle)."""
+        freqs = positions[..., None].astype(jnp.float32) * jnp.asarray(self.inv_freq())
+        cos, sin = jnp.cos(freqs) * self.attention_factor, jnp.sin(freqs) * self.attention_factor
+        if inverse:
+            sin = -sin
+        if x.ndim == positions.ndim + 2:  # a heads axis
+            cos, sin = cos[..., None, :], sin[..., None, :]
+        nope, rope = x[..., : -self.dim], x[..., -self.dim :]
+        even, odd = rope[..., 0::2], rope[..., 1::2]
+        rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1).reshape(rope.shape)
+        return jnp.concatenate([nope, rotated], axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Static configuration of one attention layer (the fields of transformers' ``DeepseekV4Config``)."""
+
+    layer_type: str
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf(cls, config: dict, layer_idx: int) -> AttentionConfig:
+        """From ``DeepseekV4Config.to_dict()``."""
+        layer_type = config["layer_types"][layer_idx]
+        if layer_type == CSA:
+            raise NotImplementedError(
+                "compressed_sparse_attention (C4 with the lightning indexer) is not supported yet; "
+                "jax_oc128 implements sliding_attention and heavily_compressed_attention layers"
+            )
+        if layer_type not in (SLIDING, HCA):
+            raise ValueError(f"layer_types[{layer_idx}]: unknown layer type {layer_type!r}")
+        if config.get("compress_rates", {}).get(HCA, BLOCK) != BLOCK:
+            raise NotImplementedError(f"compress_rates[{HCA!r}] must be {BLOCK}")
+        rope_kind = "main" if layer_type == SLIDING else "compress"
+        return cls(
+            layer_type=layer_type,
+            hidden_size=config["hidden_size"],
+            num_heads=config["num_attention_heads"],
+            head_dim=config["head_dim"],
+            q_lora_rank=config["q_lora_rank"],
+            o_groups=config["o_groups"],
+            o_lora_rank=config["o_lora_rank"],
+            sliding_window=config["sliding_window"],
+            rms_norm_eps=config["rms_norm_eps"],
+            rope=RopeConfig.from_hf(config["rope_parameters"][rope_kind], config["head_dim"]),
+            max_position_embeddings=config["max_position_embeddings"],
+        )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionCache:
+    """Per-layer cache for a batch, a pytree.
+
+    Attributes:
+      window: ``[batch, W, D]`` float32: the last ``W = sliding_window`` rotated K=V rows, row ``p % W``
+        holding position p.
+      window_positions: ``[batch, W]`` int32: the position held by each window row, -1 for none.
+      entries: ``[batch, max_entries, D]`` float32: normed, rotated compressed entries by block index (HCA;
+        zero-sized for sliding layers).
+      compress: the compressor state (:class:`CompressState` or :class:`OfflineState`, slot = batch row), or
+        None for sliding layers.
+    """
+
+    window: jax.Array
+    window_positions: jax.Array
+    entries: jax.Array
+    compress: CompressState | OfflineState | None
+
+
+# transformers state-dict name (within the layer's self_attn) -> attribute
+HF_WEIGHT_NAMES = {
+    "q_a_proj.weight": "q_a_proj",
+    "q_a_norm.weight": "q_a_norm",
+    "q_b_proj.weight": "q_b_proj",
+    "kv_proj.weight": "kv_proj",
+    "kv_norm.weight": "kv_norm",
+    "o_a_proj.weight": "o_a_proj",
+    "o_b_proj.weight": "o_b_proj",
+    "sinks": "sinks",
+    "compressor.kv_proj.weight": "compressor_kv_proj",
+    "compressor.gate_proj.weight": "compressor_gate_proj",
+    "compressor.position_bias": "compressor_ape",
+    "compressor.kv_norm.weight": "compressor_kv_norm",
+}
+
+
+def _rms(x, weight, eps):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+class DeepseekV4Attention(nnx.Module):
+    """DeepSeek-V4 attention (sliding or HCA) with an explicit cache.
+
+    Args:
+      config: the layer's :class:`AttentionConfig`.
+      backend: ``"online"`` (the C128 online state, :class:`CompressState`) or ``"offline"`` (raw rows).
+      max_draft: the most tokens a verify call may feed (banks of the online state).
+      rngs: parameter initialisation.
+    """
+
+    def __init__(
+        self, config: AttentionConfig, *, backend: str = "online", max_draft: int = 4, rngs: nnx.Rngs
+    ):
+        if backend not in ("online", "offline"):
+            raise ValueError(f"backend: 'online' or 'offline', got {backend!r}")
+        self.config, self.backend, self.max_draft = config, backend, max_draft
+        c = config
+
+        def param(*shape, scale=None):
+            scale = shape[-1] ** -0.5 if scale is None else scale
+            return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32) * scale)
+
+        self.q_a_proj = param(c.q_lora_rank, c.hidden_size)
+        self.q_a_norm = nnx.Param(jnp.ones((c.q_lora_rank,), jnp.float32))
+        self.q_b_proj = param(c.num_heads * c.head_dim, c.q_lora_rank)
+        self.kv_proj = param(c.head_dim, c.hidden_size)
+        self.kv_norm = nnx.Param(jnp.ones((c.head_dim,), jnp.float32))
+        self.o_a_proj = param(c.o_groups * c.o_lora_rank, c.num_heads * c.head_dim // c.o_groups)
+        self.o_b_proj = param(c.hidden_size, c.o_groups * c.o_lora_rank)
+        self.sinks = nnx.Param(jnp.zeros((c.num_heads,), jnp.float32))
+        if c.layer_type == HCA:
+            self.compressor_kv_proj = param(c.head_dim, c.hidden_size)
+            self.compressor_gate_proj = param(c.head_dim, c.hidden_size)
+            self.compressor_ape = nnx.Param(jnp.zeros((BLOCK, c.head_dim), jnp.float32))
+            self.compressor_kv_norm = nnx.Param(jnp.ones((c.head_dim,), jnp.float32))
+
+    @classmethod
+    def from_hf(cls, config: dict, layer_idx: int, weights: dict, **kwargs) -> DeepseekV4Attention:
+        """A layer with transformers weights.
+
+        Args:
+          config: ``DeepseekV4Config.to_dict()``.
+          layer_idx: the layer.
+          weights: that layer's state-dict entries (numpy arrays), named as in transformers, with or without
+            the ``model.layers.{i}.self_attn.`` prefix.
+          kwargs: ``backend``, ``max_draft``, ``rngs`` of the constructor.
+        """
+        module = cls(
+            AttentionConfig.from_hf(config, layer_idx), rngs=kwargs.pop("rngs", nnx.Rngs(0)), **kwargs
+        )
+        given = {name.split("self_attn.")[-1]: value for name, value in weights.items()}
+        for name, attr in HF_WEIGHT_NAMES.items():
+            if not hasattr(module, attr):
+                continue
+            if name not in given:
+                raise KeyError(f"weights: missing {name!r} for layer {layer_idx}")
+            current = getattr(module, attr)
+            value = jnp.asarray(given[name], jnp.float32)
+            if value.shape != current.shape:
+                raise ValueError(f"weights[{name!r}]: expected shape {current.shape}, got {value.shape}")
+            current[...] = value
+        return module
+
+    @property
+    def controller(self):
+        return Controller() if self.backend == "online" else OfflineController()
+
+    def init_cache(self, batch: int, max_len: int | None = None) -> AttentionCache:
+        """An empty cache for ``batch`` rows and sequences up to ``max_len`` tokens (default: the config's
+        ``max_position_embeddings``)."""
+        c = self.config
+        max_len = c.max_position_embeddings if max_len is None else max_len
+        hca = c.layer_type == HCA
+        compress = None
+        if hca:
+            state_type = CompressState if self.backend == "online" else OfflineState
+            compress = state_type.create(1, batch, c.head_dim, self.max_draft)
+        return AttentionCache(
+            window=jnp.zeros((batch, c.sliding_window, c.head_dim), jnp.float32),
+            window_positions=jnp.full((batch, c.sliding_window), -1, jnp.int32),
+            entries=jnp.zeros((batch, max_len // BLOCK if hca else 0, c.head_dim), jnp.float32),
+            compress=compress,
+        )
+
+    def __call__(self, x, positions, cache: AttentionCache | None = None, *, verify: bool = False):
+        """Attention over the window, the new tokens (causal) and the visible compressed entries.
+
+        Returns ``(y [batch, T, hidden], cache)``. With ``verify=True`` the T tokens are a chain verify
+        (1 <= T <= max_draft): the compressor writes its banks, and the caller then keeps ``accept`` of them
+        with :meth:`commit` (or leaves them pending: the next call commits them from its positions).
+        """
+        c = self.config
+        batch, tokens, _ = x.shape
+        cache = self.init_cache(batch) if cache is None else cache
+        q_res = _rms(x @ self.q_a_proj[...].T, self.q_a_norm[...], c.rms_norm_eps)
+        q = (q_res @ self.q_b_proj[...].T).reshape(batch, tokens, c.num_heads, c.head_dim)
+        q = c.rope.apply(
+            q * jax.lax.rsqrt(jnp.mean(q * q, axis=-1, keepdims=True) + c.rms_norm_eps), positions
+        )
+        kv = c.rope.apply(_rms(x @ self.kv_proj[...].T, self.kv_norm[...], c.rms_norm_eps), positions)
+
+        keys = jnp.concatenate([cache.window, kv], axis=1)
+        key_positions = jnp.concatenate([cache.window_positions, positions], axis=1)
+        t, k = positions[:, :, None], key_positions[:, None, :]
+        visible = (k >= 0) & (k <= t) & (k > t - c.sliding_window)
+        if c.layer_type == HCA:
+            cache = self._compress(x, positions, cache, verify)
+            keys = jnp.concatenate([keys, cache.entries], axis=1)
+            entry = jnp.arange(cache.entries.shape[1])[None, None, :]
+            visible = jnp.concatenate([visible, entry < (t + 1) // BLOCK], axis=2)
+
+        logits = jnp.einsum("bthd,bkd->bhtk", q, keys) * c.head_dim**-0.5
+        logits = jnp.where(visible[:, None], logits, -jnp.inf)
+        sink = self.sinks[...][None, :, None]
+        top = jnp.maximum(jnp.max(logits, axis=-1), sink)
+        weights = jnp.exp(logits - top[..., None])
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + jnp.exp(sink - top)[..., None])
+        out = c.rope.apply(jnp.einsum("bhtk,bkd->bthd", weights, keys), positions, inverse=True)
+
+        grouped = out.reshape(batch, tokens, c.o_groups, -1)
+        o_a = self.o_a_proj[...].reshape(c.o_groups, c.o_lora_rank, -1)
+        y = jnp.einsum("btgi,goi->btgo", grouped, o_a).reshape(batch, tokens, -1) @ self.o_b_proj[...].T
+        return y, self._update_window(cache, kv, positions)
+
+    def _update_window(self, cache, kv, positions):
+        """Write the last ``W`` new rows into the window ring (row ``p % W``)."""
+        window = self.config.sliding_window
+        last = positions[:, -window:]
+        rows = jnp.arange(positions.shape[0])[:, None]
+        return dataclasses.replace(
+            cache,
+            window=cache.window.at[rows, last % window].set(kv[:, -window:]),
+            window_positions=cache.window_positions.at[rows, last % window].set(last),
+        )
+
+    def _compress(self, x, positions, cache, verify):
+        """Run the compressor (compress, or verify's bank writes) and store the entries it closed."""
+        c = self.config
+        batch, tokens, _ = x.shape
+        kv_score = jnp.concatenate(
+            [x @ self.compressor_kv_proj[...].T, x @ self.compressor_gate_proj[...].T], -1
+        )
+        kv_score, ape = kv_score[None], self.compressor_ape[...][None]
+        seq_lens, slots = positions[:, 0], jnp.arange(batch, dtype=jnp.int32)
+        controller, state = self.controller, cache.compress
+        if verify:
+            state = controller.prepare_forward(state, ForwardMode.TARGET_VERIFY, slots, seq_lens)
+            state, entries, blocks = controller.write_prefix(state, kv_score, seq_lens, slots, ape)
+        else:
+            mode = ForwardMode.DECODE if tokens == 1 else ForwardMode.EXTEND
+            state = controller.prepare_forward(state, mode, slots, seq_lens)
+            new_lens = jnp.full((batch,), tokens, jnp.int32)
+            state, entries, blocks = controller.compress(state, kv_score, seq_lens, new_lens, slots, ape)
+        normed = _rms(entries[0], self.compressor_kv_norm[...], c.rms_norm_eps)
+        normed = c.rope.apply(normed, jnp.maximum(blocks, 0) * BLOCK)
+        index = jnp.where(blocks >= 0, blocks, cache.entries.shape[1])
+        stored = cache.entries.at[jnp.arange(batch)[:, None], index].set(normed, mode="drop")
+        return dataclasses.replace(cache, entries=stored, compress=state)
+
+    def commit(self, cache: AttentionCache, seq_lens, accept_lens) -> AttentionCache:
+        """Keep ``accept_lens`` ``[batch]`` tokens of the verify call at ``seq_lens`` (the eager commit)."""
+        if cache.compress is None:
+            return cache
+        slots = jnp.arange(seq_lens.shape[0], dtype=jnp.int32)
+        return dataclasses.replace(
+            cache, compress=self.controller.commit(cache.compress, slots, seq_lens, accept_lens)
+        )
