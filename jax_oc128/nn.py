@@ -276,16 +276,22 @@ class DeepseekV4Attention(nnx.Module):
             compress=compress,
         )
 
-    def __call__(self, x, positions, cache: AttentionCache | None = None, *, verify: bool = False):
+    def __call__(
+        self, x, positions, cache: AttentionCache | None = None, *, lengths=None, verify: bool = False
+    ):
         """Attention over the window, the new tokens (causal) and the visible compressed entries.
 
+        ``lengths`` ``[batch]`` int32 (default: all T) is the number of valid tokens of each row; the rest is
+        padding, and a row of length 0 leaves its cache untouched (outputs of padding are meaningless).
         Returns ``(y [batch, T, hidden], cache)``. With ``verify=True`` the T tokens are a chain verify
-        (1 <= T <= max_draft): the compressor writes its banks, and the caller then keeps ``accept`` of them
-        with :meth:`commit` (or leaves them pending: the next call commits them from its positions).
+        (1 <= T <= max_draft, rows of length T or 0): the compressor writes its banks, and the caller then
+        keeps ``accept`` of them with :meth:`commit` or leaves them pending (the row's next call commits
+        them from its positions).
         """
         c = self.config
         batch, tokens, _ = x.shape
         cache = self.init_cache(batch) if cache is None else cache
+        lengths = jnp.full((batch,), tokens, jnp.int32) if lengths is None else lengths
         q_res = _rms(x @ self.q_a_proj[...].T, self.q_a_norm[...], c.rms_norm_eps)
         q = (q_res @ self.q_b_proj[...].T).reshape(batch, tokens, c.num_heads, c.head_dim)
         q = c.rope.apply(
@@ -298,7 +304,7 @@ class DeepseekV4Attention(nnx.Module):
         t, k = positions[:, :, None], key_positions[:, None, :]
         visible = (k >= 0) & (k <= t) & (k > t - c.sliding_window)
         if c.layer_type == HCA:
-            cache = self._compress(x, positions, cache, verify)
+            cache = self._compress(x, positions, lengths, cache, verify)
             keys = jnp.concatenate([keys, cache.entries], axis=1)
             entry = jnp.arange(cache.entries.shape[1])[None, None, :]
             visible = jnp.concatenate([visible, entry < (t + 1) // BLOCK], axis=2)
@@ -314,20 +320,22 @@ class DeepseekV4Attention(nnx.Module):
         grouped = out.reshape(batch, tokens, c.o_groups, -1)
         o_a = self.o_a_proj[...].reshape(c.o_groups, c.o_lora_rank, -1)
         y = jnp.einsum("btgi,goi->btgo", grouped, o_a).reshape(batch, tokens, -1) @ self.o_b_proj[...].T
-        return y, self._update_window(cache, kv, positions)
+        return y, self._update_window(cache, kv, positions, lengths)
 
-    def _update_window(self, cache, kv, positions):
-        """Write the last ``W`` new rows into the window ring (row ``p % W``)."""
+    def _update_window(self, cache, kv, positions, lengths):
+        """Write the last ``W`` valid new rows into the window ring (row ``p % W``)."""
         window = self.config.sliding_window
-        last = positions[:, -window:]
+        t = jnp.arange(positions.shape[1])[None]
+        write = (t < lengths[:, None]) & (t >= lengths[:, None] - window)
+        index = jnp.where(write, positions % window, window)
         rows = jnp.arange(positions.shape[0])[:, None]
         return dataclasses.replace(
             cache,
-            window=cache.window.at[rows, last % window].set(kv[:, -window:]),
-            window_positions=cache.window_positions.at[rows, last % window].set(last),
+            window=cache.window.at[rows, index].set(kv, mode="drop"),
+            window_positions=cache.window_positions.at[rows, index].set(positions, mode="drop"),
         )
 
-    def _compress(self, x, positions, cache, verify):
+    def _compress(self, x, positions, lengths, cache, verify):
         """Run the compressor (compress, or verify's bank writes) and store the entries it closed."""
         c = self.config
         batch, tokens, _ = x.shape
@@ -335,7 +343,8 @@ class DeepseekV4Attention(nnx.Module):
             [x @ self.compressor_kv_proj[...].T, x @ self.compressor_gate_proj[...].T], -1
         )
         kv_score, ape = kv_score[None], self.compressor_ape[...][None]
-        seq_lens, slots = positions[:, 0], jnp.arange(batch, dtype=jnp.int32)
+        seq_lens = positions[:, 0]
+        slots = jnp.where(lengths > 0, jnp.arange(batch, dtype=jnp.int32), -1)
         controller, state = self.controller, cache.compress
         if verify:
             state = controller.prepare_forward(state, ForwardMode.TARGET_VERIFY, slots, seq_lens)
@@ -343,8 +352,7 @@ class DeepseekV4Attention(nnx.Module):
         else:
             mode = ForwardMode.DECODE if tokens == 1 else ForwardMode.EXTEND
             state = controller.prepare_forward(state, mode, slots, seq_lens)
-            new_lens = jnp.full((batch,), tokens, jnp.int32)
-            state, entries, blocks = controller.compress(state, kv_score, seq_lens, new_lens, slots, ape)
+            state, entries, blocks = controller.compress(state, kv_score, seq_lens, lengths, slots, ape)
         normed = _rms(entries[0], self.compressor_kv_norm[...], c.rms_norm_eps)
         normed = c.rope.apply(normed, jnp.maximum(blocks, 0) * BLOCK)
         index = jnp.where(blocks >= 0, blocks, cache.entries.shape[1])

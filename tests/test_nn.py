@@ -132,3 +132,24 @@ def test_missing_weight_is_named():
     weights = {k.split("/", 1)[1]: v for k, v in FIXTURE.items() if k.startswith("layer1/") and "." in k}
     with pytest.raises(KeyError, match="sinks"):
         DeepseekV4Attention.from_hf(CONFIG, 1, weights)
+
+
+def test_ragged_rows():
+    """Rows of different lengths in one call (the rest padding), then only one row goes on: each row sees
+    exactly its own tokens (compared with transformers' unpadded run)."""
+    attn = layer(1)
+    graphdef, params = nnx.split(attn)
+    lengths = jnp.asarray([PROMPT, 200], jnp.int32)
+    y, cache = step_ragged(graphdef, params, X, positions(0, PROMPT), attn.init_cache(BATCH), lengths)
+    expected = FIXTURE["layer1/full"]
+    assert rel_err(y[0], expected[0]) < HF_TOL and rel_err(y[1, :200], expected[1, :200]) < HF_TOL
+    for p in range(200, 210):  # row 1 decodes on; row 0 is padding (length 0) at its own position
+        pos = jnp.asarray([[PROMPT], [p]], jnp.int32)
+        x = jnp.stack([X[0, :1], X[1, p : p + 1]])
+        y, cache = step_ragged(graphdef, params, x, pos, cache, jnp.asarray([0, 1], jnp.int32))
+        assert rel_err(y[1], expected[1, p : p + 1]) < HF_TOL
+
+
+@functools.partial(jax.jit, static_argnames="graphdef", donate_argnames="cache")
+def step_ragged(graphdef, params, x, pos, cache, lengths):
+    return nnx.merge(graphdef, params)(x, pos, cache, lengths=lengths)
