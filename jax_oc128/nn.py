@@ -156,9 +156,10 @@ class AttentionCache:
     """Per-layer cache for a batch, a pytree.
 
     Attributes:
-      window: ``[batch, W, D]`` float32: the last ``W = sliding_window`` rotated K=V rows, row ``p % W``
-        holding position p.
-      window_positions: ``[batch, W]`` int32: the position held by each window row, -1 for none.
+      window: ``[batch, R, D]`` float32: a ring of the last rotated K=V rows, row ``p % R`` holding position p.
+        ``R = sliding_window + max_draft``, so that a verify's rejected drafts never overwrite a row that the
+        window still needs.
+      window_positions: ``[batch, R]`` int32: the position held by each ring row, -1 for none.
       entries: ``[batch, max_entries, D]`` float32: normed, rotated compressed entries by block index (HCA;
         zero-sized for sliding layers).
       compress: the compressor state (:class:`CompressState` or :class:`OfflineState`, slot = batch row), or
@@ -169,6 +170,16 @@ class AttentionCache:
     window_positions: jax.Array
     entries: jax.Array
     compress: CompressState | OfflineState | None
+
+    def clear(self, rows) -> AttentionCache:
+        """Empty ``rows`` ([n] int32, -1 ignored) for new sequences: window, entries and compressor state."""
+        index = jnp.where(rows >= 0, rows, self.window.shape[0])
+        return AttentionCache(
+            self.window.at[index].set(0, mode="drop"),
+            self.window_positions.at[index].set(-1, mode="drop"),
+            self.entries.at[index].set(0, mode="drop"),
+            None if self.compress is None else self.compress.alloc(rows),
+        )
 
 
 # transformers state-dict name (within the layer's self_attn) -> attribute
@@ -188,7 +199,8 @@ HF_WEIGHT_NAMES = {
 }
 
 
-def _rms(x, weight, eps):
+def rms_norm(x, weight, eps):
+    """RMSNorm over the last axis, in float32 (as transformers' DeepseekV4RMSNorm)."""
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
 
@@ -270,8 +282,8 @@ class DeepseekV4Attention(nnx.Module):
             state_type = CompressState if self.backend == "online" else OfflineState
             compress = state_type.create(1, batch, c.head_dim, self.max_draft)
         return AttentionCache(
-            window=jnp.zeros((batch, c.sliding_window, c.head_dim), jnp.float32),
-            window_positions=jnp.full((batch, c.sliding_window), -1, jnp.int32),
+            window=jnp.zeros((batch, c.sliding_window + self.max_draft, c.head_dim), jnp.float32),
+            window_positions=jnp.full((batch, c.sliding_window + self.max_draft), -1, jnp.int32),
             entries=jnp.zeros((batch, max_len // BLOCK if hca else 0, c.head_dim), jnp.float32),
             compress=compress,
         )
@@ -292,17 +304,22 @@ class DeepseekV4Attention(nnx.Module):
         batch, tokens, _ = x.shape
         cache = self.init_cache(batch) if cache is None else cache
         lengths = jnp.full((batch,), tokens, jnp.int32) if lengths is None else lengths
-        q_res = _rms(x @ self.q_a_proj[...].T, self.q_a_norm[...], c.rms_norm_eps)
+        q_res = rms_norm(x @ self.q_a_proj[...].T, self.q_a_norm[...], c.rms_norm_eps)
         q = (q_res @ self.q_b_proj[...].T).reshape(batch, tokens, c.num_heads, c.head_dim)
         q = c.rope.apply(
             q * jax.lax.rsqrt(jnp.mean(q * q, axis=-1, keepdims=True) + c.rms_norm_eps), positions
         )
-        kv = c.rope.apply(_rms(x @ self.kv_proj[...].T, self.kv_norm[...], c.rms_norm_eps), positions)
+        kv = c.rope.apply(rms_norm(x @ self.kv_proj[...].T, self.kv_norm[...], c.rms_norm_eps), positions)
 
         keys = jnp.concatenate([cache.window, kv], axis=1)
         key_positions = jnp.concatenate([cache.window_positions, positions], axis=1)
         t, k = positions[:, :, None], key_positions[:, None, :]
-        visible = (k >= 0) & (k <= t) & (k > t - c.sliding_window)
+        # window rows at or past this call's first position hold rejected drafts of an earlier verify: this
+        # call rewrites those positions, so only the window rows before it count
+        fresh = jnp.concatenate(
+            [cache.window_positions < positions[:, :1], jnp.ones_like(positions, bool)], axis=1
+        )
+        visible = fresh[:, None, :] & (k >= 0) & (k <= t) & (k > t - c.sliding_window)
         if c.layer_type == HCA:
             cache = self._compress(x, positions, lengths, cache, verify)
             keys = jnp.concatenate([keys, cache.entries], axis=1)
@@ -323,8 +340,8 @@ class DeepseekV4Attention(nnx.Module):
         return y, self._update_window(cache, kv, positions, lengths)
 
     def _update_window(self, cache, kv, positions, lengths):
-        """Write the last ``W`` valid new rows into the window ring (row ``p % W``)."""
-        window = self.config.sliding_window
+        """Write the last ``R`` valid new rows into the window ring (row ``p % R``)."""
+        window = cache.window.shape[1]
         t = jnp.arange(positions.shape[1])[None]
         write = (t < lengths[:, None]) & (t >= lengths[:, None] - window)
         index = jnp.where(write, positions % window, window)
@@ -353,7 +370,7 @@ class DeepseekV4Attention(nnx.Module):
             mode = ForwardMode.DECODE if tokens == 1 else ForwardMode.EXTEND
             state = controller.prepare_forward(state, mode, slots, seq_lens)
             state, entries, blocks = controller.compress(state, kv_score, seq_lens, lengths, slots, ape)
-        normed = _rms(entries[0], self.compressor_kv_norm[...], c.rms_norm_eps)
+        normed = rms_norm(entries[0], self.compressor_kv_norm[...], c.rms_norm_eps)
         normed = c.rope.apply(normed, jnp.maximum(blocks, 0) * BLOCK)
         index = jnp.where(blocks >= 0, blocks, cache.entries.shape[1])
         stored = cache.entries.at[jnp.arange(batch)[:, None], index].set(normed, mode="drop")

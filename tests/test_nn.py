@@ -153,3 +153,30 @@ def test_ragged_rows():
 @functools.partial(jax.jit, static_argnames="graphdef", donate_argnames="cache")
 def step_ragged(graphdef, params, x, pos, cache, lengths):
     return nnx.merge(graphdef, params)(x, pos, cache, lengths=lengths)
+
+
+@pytest.mark.parametrize("backend", ["online", "offline"])
+@pytest.mark.parametrize("start", [250, 126], ids=["open-block", "closes-mid-verify"])
+def test_rejected_drafts_leave_no_trace(start, backend):
+    """Verify 4 tokens whose last two are junk, keep 2 (eager commit), and go on: the outputs equal those of
+    a cache that only ever saw the 2 kept tokens (window rows, entries and compressor state of the junk are
+    all overwritten or invisible)."""
+    attn = layer(1, backend)
+    graphdef, params = nnx.split(attn)
+    _, cache = run(attn, (start,))
+    _, clean = run(attn, (start + 2,))
+    junk = jnp.asarray(np.random.default_rng(0).normal(size=(BATCH, 2, X.shape[2])), jnp.float32)
+    drafts = jnp.concatenate([X[:, start : start + 2], junk], axis=1)
+    _, cache = verify_step(graphdef, params, drafts, positions(start, start + 4), cache)
+    cache = attn.commit(cache, jnp.full((BATCH,), start, jnp.int32), jnp.full((BATCH,), 2, jnp.int32))
+    nxt = start + 2
+    for verify in (True, False):  # the next verify, and a decode, from the same point
+        fn = verify_step if verify else step
+        width = 4 if verify else 1
+        y, _ = fn(graphdef, params, X[:, nxt : nxt + width], positions(nxt, nxt + width), _copy(cache))
+        y_ref, _ = fn(graphdef, params, X[:, nxt : nxt + width], positions(nxt, nxt + width), _copy(clean))
+        assert rel_err(y, y_ref) < 1e-5
+
+
+def _copy(tree):
+    return jax.tree.map(jnp.copy, tree)
