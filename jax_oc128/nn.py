@@ -156,9 +156,9 @@ class AttentionCache:
     """Per-layer cache for a batch, a pytree.
 
     Attributes:
-      window: ``[batch, R, D]`` float32: a ring of the last rotated K=V rows, row ``p % R`` holding position p.
-        ``R = sliding_window + max_draft``, so that a verify's rejected drafts never overwrite a row that the
-        window still needs.
+      window: ``[batch, R, D]`` float32: a ring of the last rotated K=V rows, row ``p % R`` holding
+        position p. ``R = sliding_window + max_draft``, so that a verify's rejected drafts never overwrite
+        a row that the window still needs.
       window_positions: ``[batch, R]`` int32: the position held by each ring row, -1 for none.
       entries: ``[batch, max_entries, D]`` float32: normed, rotated compressed entries by block index (HCA;
         zero-sized for sliding layers).

@@ -1,0 +1,45 @@
+"""Saving and loading a :class:`~jax_oc128.model.SpeculativeModel` (config + parameters in one .npz), and the
+default model shipped in the package."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jax_oc128.model import ModelConfig, SpeculativeModel
+
+DEFAULT_MODEL = pathlib.Path(__file__).parent / "assets" / "default_model.npz"
+
+
+def _flat(state) -> dict[str, np.ndarray]:
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
+
+
+def save(model: SpeculativeModel, path, **metadata) -> None:
+    """Write the model's config, parameters and ``metadata`` (JSON-serialisable) to ``path``."""
+    _, state = nnx.split(model)
+    meta = {"config": dataclasses.asdict(model.config), **metadata}
+    np.savez_compressed(path, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **_flat(state))
+
+
+def load(path=DEFAULT_MODEL, *, backend: str = "online") -> tuple[SpeculativeModel, dict]:
+    """The model stored at ``path`` (default: the shipped one) and its metadata."""
+    data = np.load(path)
+    meta = json.loads(bytes(data["__meta__"]).decode())
+    config = meta["config"]
+    config = ModelConfig(**{**config, "layer_types": tuple(config["layer_types"])})
+    model = SpeculativeModel(config, backend=backend, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    stored = {k: v for k, v in data.items() if k != "__meta__"}
+    if set(stored) != set(_flat(state)):
+        raise ValueError(f"{path}: parameters do not match the model built from its config")
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    values = [stored[jax.tree_util.keystr(path)] for path, _ in leaves]
+    state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state), values)
+    return nnx.merge(graphdef, state), meta
