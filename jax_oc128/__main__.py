@@ -1,4 +1,4 @@
-"""Command line: ``python -m jax_oc128 info``."""
+"""Command line: ``python -m jax_oc128 demo | info``."""
 
 from __future__ import annotations
 
@@ -29,13 +29,112 @@ def info() -> str:
     return "\n".join(lines)
 
 
+DEMO_PROMPTS = (
+    "Return a new list containing all items from the iterable in ascending order.\n\nA custom key function "
+    "can be supplied to customize the sort order, and the reverse flag can be set to request the result in ",
+    "Open file and return a corresponding file object. If the file cannot be opened, ",
+    "This module provides access to some variables used or maintained by the interpreter and to functions "
+    "that interact strongly with the interpreter. It is always available.\n\nThe list of command line ",
+    "Create a new thread ",
+)
+
+
+def _progress(total, label):
+    """A text progress bar on stderr: ``update(done)``."""
+
+    def update(done):
+        filled = int(30 * min(done, total) / total)
+        sys.stderr.write(
+            f"\r{label:22s} [{'#' * filled}{'.' * (30 - filled)}] {min(done, total)}/{total} tokens"
+        )
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return update
+
+
+def _text(tokens) -> str:
+    return bytes(t for t in tokens if 9 <= t < 127 or t == 10).decode("ascii")
+
+
+def demo(args) -> str:
+    """Generate plainly and with speculation; report the text, exactness, acceptance, speed and memory."""
+    import jax
+
+    from jax_oc128 import checkpoint
+    from jax_oc128.decode import Engine
+    from jax_oc128.state import CompressState, OfflineState
+
+    model, meta = checkpoint.load(args.model or checkpoint.DEFAULT_MODEL, backend=args.backend)
+    prompts = [list(p.encode("ascii", "replace")) for p in (args.prompt or DEMO_PROMPTS)]
+    engine = Engine(model, slots=args.batch)
+    modes = [("plain", None)] + [(f"speculative N={n}", n) for n in args.draft]
+    for _, n in modes:  # compile every step function first, so the timings below are the steady state
+        engine.generate(
+            prompts[: args.batch], 2 * max(args.draft), num_tokens=n, temperature=args.temperature
+        )
+    results = {}
+    for name, n in modes:
+        bar = _progress(len(prompts) * args.tokens, name)
+        results[name] = engine.generate(
+            prompts, args.tokens, num_tokens=n, temperature=args.temperature, seed=args.seed, progress=bar
+        )
+    config = model.config
+    c128 = config.layer_types.count("heavily_compressed_attention")
+    lines = [
+        f"jax_oc128 demo on {jax.default_backend()}: model {meta.get('trained_on', 'custom')} "
+        f"({len(config.layer_types)} layers, {c128} C128), "
+        f"{args.backend} C128 state, {len(prompts)} prompts x {args.tokens} new tokens, {args.batch} slots, "
+        f"temperature {args.temperature}",
+        "",
+    ]
+    plain = results["plain"]
+    for i, prompt in enumerate(prompts):
+        lines += [
+            f"--- prompt {i + 1} ({len(prompt)} bytes) ---",
+            _text(prompt) + " >>> " + _text(plain.tokens[i]),
+        ]
+    lines += ["", f"{'mode':20s} {'tokens/s':>9s} {'steps':>6s} {'mean accepted':>14s}  same tokens as plain"]
+    for name, result in results.items():
+        rate = sum(map(len, result.tokens)) / result.seconds
+        same = "-" if result is plain else ("yes" if result.tokens == plain.tokens else "no")
+        if args.temperature > 0 and result is not plain:
+            same = "(sampled)"
+        lines.append(f"{name:20s} {rate:9.1f} {result.steps:6d} {result.mean_accepted:14.2f}  {same}")
+    shape = (c128, 1, config.head_dim, config.max_draft)
+    online = CompressState.state_bytes(jax.eval_shape(lambda: CompressState.create(*shape)))
+    offline = OfflineState.state_bytes(jax.eval_shape(lambda: OfflineState.create(*shape)))
+    lines.append(
+        f"C128 compressed state per request ({c128} layers, head_dim {config.head_dim}, "
+        f"{config.max_draft} draft banks): online {online / 1024:.1f} KiB, "
+        f"offline {offline / 1024:.1f} KiB ({offline / online:.1f}x)"
+    )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jax_oc128", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="versions, backend and registered native targets")
+    run = commands.add_parser("demo", help="generate with and without speculation and report")
+    run.add_argument(
+        "--prompt", action="append", help="a prompt (repeat for several; default: four built in)"
+    )
+    run.add_argument("--tokens", type=int, default=160, help="new tokens per prompt")
+    run.add_argument("--draft", type=int, nargs="+", default=[2, 4], help="N of the speculative runs")
+    run.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    run.add_argument(
+        "--backend", choices=["online", "offline"], default="online", help="C128 compressor state"
+    )
+    run.add_argument("--batch", type=int, default=4, help="slots")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--model", default=None, help="a checkpoint (default: the one shipped in the package)")
     args = parser.parse_args(argv)
     if args.command == "info":
         print(info())
+    elif args.command == "demo":
+        print(demo(args))
     return 0
 
 

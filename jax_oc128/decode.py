@@ -78,15 +78,15 @@ def _prefill(graphdef, params, state, slots, tokens, lengths, key, temperature):
     )
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
-def _greedy_step(graphdef, params, state):
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature"), donate_argnames=("state",))
+def _plain_step(graphdef, params, state, key, temperature):
     """One token per active slot with the target alone. Returns (state, tokens [slots, 1], counts [slots])."""
     model = nnx.merge(graphdef, params)
     lengths = state.active.astype(jnp.int32)
     logits, hidden, caches = model.target(
         state.token[:, None], state.position[:, None], state.caches, lengths=lengths
     )
-    nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+    nxt = _pick(logits[:, 0], key, temperature)
     state = dataclasses.replace(
         state,
         caches=caches,
@@ -208,7 +208,8 @@ class Engine:
 
     def generate(self, prompts, max_new_tokens, *, num_tokens=None, temperature=0.0, seed=0, progress=None):
         """Generate ``max_new_tokens`` for each prompt (lists of token ids) with speculative steps of N =
-        ``num_tokens`` tokens (None: plain greedy steps). Returns a :class:`Result`."""
+        ``num_tokens`` tokens (None: plain steps of the target alone), greedy or sampled at ``temperature``.
+        ``progress`` is called with the number of tokens generated so far. Returns a :class:`Result`."""
         state, key = self.init_state(), jax.random.key(seed)
         outputs = [[] for _ in prompts]
         waiting = list(range(len(prompts)))
@@ -226,7 +227,7 @@ class Engine:
                     outputs[request].append(int(first[slot]))
             key, sub = jax.random.split(key)
             if num_tokens is None:
-                state, tokens, counts = _greedy_step(self.graphdef, self.params, state)
+                state, tokens, counts = _plain_step(self.graphdef, self.params, state, sub, temperature)
             else:
                 state, tokens, counts = _speculative_step(
                     self.graphdef, self.params, state, sub, num_tokens, temperature
