@@ -67,6 +67,7 @@ def main():
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--max-seconds", type=float, default=None, help="stop early after this long")
     parser.add_argument("--out", default=str(checkpoint.DEFAULT_MODEL))
     args = parser.parse_args()
 
@@ -97,9 +98,12 @@ def main():
         offsets = rng.integers(0, len(text) - args.length - 3, args.batch)
         tokens = jnp.asarray(np.stack([text[o : o + args.length + 2] for o in offsets]))
         params, opt_state, _, (target_loss, mtp_loss) = train_step(params, opt_state, tokens)
-        if step % 250 == 0 or step == args.steps - 1:
+        out_of_time = args.max_seconds is not None and time.time() - start > args.max_seconds
+        if step % 250 == 0 or step == args.steps - 1 or out_of_time:
             losses = f"target {float(target_loss):.3f}  mtp {float(mtp_loss):.3f}"
             print(f"step {step:5d}  {losses}  {time.time() - start:.0f}s")
+        if out_of_time:
+            break
     model = nnx.merge(graphdef, params)
     meta = {
         "trained_on": "Python standard library docstrings",
