@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_oc128.nn import HCA, SLIDING, AttentionConfig, DeepseekV4Attention, RopeConfig, rms_norm
+from jax_oc128.nn import HCA, SLIDING, AttentionConfig, DeepseekV4Attention, RopeConfig, linear, rms_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +83,9 @@ class Block(nnx.Module):
         )
         h = h + y
         x = rms_norm(h, self.mlp_norm[...], self.eps)
-        return h + (jax.nn.silu(x @ self.gate[...].T) * (x @ self.up[...].T)) @ self.down[...].T, cache
+        return h + linear(
+            jax.nn.silu(linear(x, self.gate[...])) * linear(x, self.up[...]), self.down[...]
+        ), cache
 
 
 class DeepseekV4Model(nnx.Module):
@@ -103,7 +105,7 @@ class DeepseekV4Model(nnx.Module):
         return [block.attn.init_cache(batch, self.config.max_len) for block in self.blocks]
 
     def logits(self, hidden):
-        return rms_norm(hidden, self.norm[...], self.config.rms_norm_eps) @ self.lm_head[...].T
+        return linear(rms_norm(hidden, self.norm[...], self.config.rms_norm_eps), self.lm_head[...])
 
     def __call__(self, tokens, positions, caches, *, lengths=None, verify: bool = False):
         """Returns ``(logits, hidden, caches)``; ``hidden`` is the last block's output (before the final
@@ -133,9 +135,8 @@ class MTPHead(nnx.Module):
         """``tokens`` at ``positions`` with the hidden states of the positions before them. Returns
         ``(logits, hidden, cache)``: the logits of the next tokens and the head's own hidden states."""
         e = rms_norm(target.embed[...][tokens], self.embed_norm[...], self.eps)
-        h = (
-            jnp.concatenate([e, rms_norm(hidden, self.hidden_norm[...], self.eps)], axis=-1)
-            @ self.proj[...].T
+        h = linear(
+            jnp.concatenate([e, rms_norm(hidden, self.hidden_norm[...], self.eps)], axis=-1), self.proj[...]
         )
         h, cache = self.block(h, positions, cache, lengths, False)
         return target.logits(h), h, cache

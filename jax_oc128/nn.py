@@ -199,6 +199,14 @@ HF_WEIGHT_NAMES = {
 }
 
 
+FULL = jax.lax.Precision.HIGHEST  # float32 matmuls stay float32 (on GPUs the default would allow TF32)
+
+
+def linear(x, weight):
+    """``x @ weight.T`` for a ``[out, in]`` weight (transformers' layout), in full float32."""
+    return jnp.matmul(x, weight.T, precision=FULL)
+
+
 def rms_norm(x, weight, eps):
     """RMSNorm over the last axis, in float32 (as transformers' DeepseekV4RMSNorm)."""
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
@@ -304,12 +312,14 @@ class DeepseekV4Attention(nnx.Module):
         batch, tokens, _ = x.shape
         cache = self.init_cache(batch) if cache is None else cache
         lengths = jnp.full((batch,), tokens, jnp.int32) if lengths is None else lengths
-        q_res = rms_norm(x @ self.q_a_proj[...].T, self.q_a_norm[...], c.rms_norm_eps)
-        q = (q_res @ self.q_b_proj[...].T).reshape(batch, tokens, c.num_heads, c.head_dim)
+        q_res = rms_norm(linear(x, self.q_a_proj[...]), self.q_a_norm[...], c.rms_norm_eps)
+        q = linear(q_res, self.q_b_proj[...]).reshape(batch, tokens, c.num_heads, c.head_dim)
         q = c.rope.apply(
             q * jax.lax.rsqrt(jnp.mean(q * q, axis=-1, keepdims=True) + c.rms_norm_eps), positions
         )
-        kv = c.rope.apply(rms_norm(x @ self.kv_proj[...].T, self.kv_norm[...], c.rms_norm_eps), positions)
+        kv = c.rope.apply(
+            rms_norm(linear(x, self.kv_proj[...]), self.kv_norm[...], c.rms_norm_eps), positions
+        )
 
         keys = jnp.concatenate([cache.window, kv], axis=1)
         key_positions = jnp.concatenate([cache.window_positions, positions], axis=1)
@@ -326,17 +336,22 @@ class DeepseekV4Attention(nnx.Module):
             entry = jnp.arange(cache.entries.shape[1])[None, None, :]
             visible = jnp.concatenate([visible, entry < (t + 1) // BLOCK], axis=2)
 
-        logits = jnp.einsum("bthd,bkd->bhtk", q, keys) * c.head_dim**-0.5
+        logits = jnp.einsum("bthd,bkd->bhtk", q, keys, precision=FULL) * c.head_dim**-0.5
         logits = jnp.where(visible[:, None], logits, -jnp.inf)
         sink = self.sinks[...][None, :, None]
         top = jnp.maximum(jnp.max(logits, axis=-1), sink)
         weights = jnp.exp(logits - top[..., None])
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + jnp.exp(sink - top)[..., None])
-        out = c.rope.apply(jnp.einsum("bhtk,bkd->bthd", weights, keys), positions, inverse=True)
+        out = c.rope.apply(
+            jnp.einsum("bhtk,bkd->bthd", weights, keys, precision=FULL), positions, inverse=True
+        )
 
         grouped = out.reshape(batch, tokens, c.o_groups, -1)
         o_a = self.o_a_proj[...].reshape(c.o_groups, c.o_lora_rank, -1)
-        y = jnp.einsum("btgi,goi->btgo", grouped, o_a).reshape(batch, tokens, -1) @ self.o_b_proj[...].T
+        y = linear(
+            jnp.einsum("btgi,goi->btgo", grouped, o_a, precision=FULL).reshape(batch, tokens, -1),
+            self.o_b_proj[...],
+        )
         return y, self._update_window(cache, kv, positions, lengths)
 
     def _update_window(self, cache, kv, positions, lengths):
@@ -357,7 +372,7 @@ class DeepseekV4Attention(nnx.Module):
         c = self.config
         batch, tokens, _ = x.shape
         kv_score = jnp.concatenate(
-            [x @ self.compressor_kv_proj[...].T, x @ self.compressor_gate_proj[...].T], -1
+            [linear(x, self.compressor_kv_proj[...]), linear(x, self.compressor_gate_proj[...])], -1
         )
         kv_score, ape = kv_score[None], self.compressor_ape[...][None]
         seq_lens = positions[:, 0]

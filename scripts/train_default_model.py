@@ -57,7 +57,7 @@ def loss_fn(model, tokens, mtp_weight):
     mtp_logits, _, _ = model.mtp(
         model.target, x[:, 1:], hidden[:, :-1], positions[:, 1:], model.mtp.init_cache(batch)
     )
-    mtp_loss = optax.softmax_cross_entropy_with_integer_labels(mtp_logits, tokens[:, 3:]).mean()
+    mtp_loss = optax.softmax_cross_entropy_with_integer_labels(mtp_logits, tokens[:, 2:-1]).mean()
     return target_loss + mtp_weight * mtp_loss, (target_loss, mtp_loss)
 
 
