@@ -1,8 +1,8 @@
 // CPU handlers of jax_oc128: loop over the work items of oc128_math.h, exposed through nanobind.
 #include <cstring>
 
-#include "nanobind/nanobind.h"
 #include "oc128_ffi.h"
+#include "registrations.h"
 
 namespace oc128 {
 namespace {
@@ -69,11 +69,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(oc128_verify_cpu, oc128::VerifyCpu, oc128::bind_ve
 XLA_FFI_DEFINE_HANDLER_SYMBOL(oc128_commit_cpu, oc128::CommitCpu, oc128::bind_commit(xla::ffi::Ffi::Bind()));
 
 NB_MODULE(_oc128_cpu, m) {
-  m.def("registrations", []() {
-    nanobind::dict targets;
-    targets["oc128_compress"] = nanobind::capsule(reinterpret_cast<void*>(oc128_compress_cpu));
-    targets["oc128_verify"] = nanobind::capsule(reinterpret_cast<void*>(oc128_verify_cpu));
-    targets["oc128_commit"] = nanobind::capsule(reinterpret_cast<void*>(oc128_commit_cpu));
-    return targets;
-  });
+  m.def("registrations", []() { return oc128::registrations(oc128_compress_cpu, oc128_verify_cpu, oc128_commit_cpu); });
 }

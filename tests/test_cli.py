@@ -13,7 +13,8 @@ def test_info_names_versions_and_targets(capsys):
 
 def test_demo_runs_on_the_shipped_model(capsys):
     """A short demo: speculative output identical to plain greedy, drafts accepted, memory reported."""
-    assert cli.main(["demo", "--tokens", "24", "--draft", "2", "--batch", "2", "--prompt", "Return the "]) == 0
+    args = ["demo", "--tokens", "24", "--draft", "2", "--batch", "2", "--prompt", "Return the "]
+    assert cli.main(args) == 0
     out = capsys.readouterr().out
     line = next(row for row in out.splitlines() if row.startswith("speculative N=2"))
     assert line.endswith("yes")
