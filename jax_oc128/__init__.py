@@ -1,11 +1,26 @@
 """jax_oc128: DeepSeek-V4 online C128 KV compression that survives speculative (MTP/EAGLE) decoding.
 
-Ops (native XLA FFI handlers on CPU and CUDA, jnp twins in :mod:`jax_oc128.reference`):
-:func:`compress`, :func:`verify`, :func:`commit`, and :func:`init_state` for a zeroed state.
+Ops (native XLA FFI handlers on CPU and CUDA, jnp twins in :mod:`jax_oc128.reference`): :func:`compress`,
+:func:`verify`, :func:`commit`, and :func:`init_state` for a zeroed state. The functional controller:
+:class:`Controller` over :class:`CompressState` (and the offline baseline, :class:`OfflineController` over
+:class:`OfflineState`). Flax NNX modules in :mod:`jax_oc128.nn`; generation in :mod:`jax_oc128.decode`.
 """
 
 from jax_oc128 import reference
+from jax_oc128.controller import Controller, ForwardMode, OfflineController
 from jax_oc128.ops import commit, compress, init_state, verify
+from jax_oc128.state import CompressState, OfflineState
 
-__all__ = ["commit", "compress", "init_state", "reference", "verify"]
+__all__ = [
+    "CompressState",
+    "Controller",
+    "ForwardMode",
+    "OfflineController",
+    "OfflineState",
+    "commit",
+    "compress",
+    "init_state",
+    "reference",
+    "verify",
+]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""Saving and loading a :class:`~jax_oc128.model.SpeculativeModel` (config + parameters in one .npz), and the
+"""Saving and loading a :class:`~jax_oc128.nn.SpeculativeModel` (config + parameters in one .npz), and the
 default model shipped in the package."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jax_oc128.model import ModelConfig, SpeculativeModel
+from jax_oc128.nn import ModelConfig, SpeculativeModel
 
 DEFAULT_MODEL = pathlib.Path(__file__).parent / "assets" / "default_model.npz"
 

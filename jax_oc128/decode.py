@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_oc128.model import SpeculativeModel
+from jax_oc128.nn import SpeculativeModel
 
 
 @jax.tree_util.register_dataclass
@@ -174,7 +174,7 @@ class Result:
 
 
 class Engine:
-    """Generation over ``slots`` slots with a :class:`~jax_oc128.model.SpeculativeModel`.
+    """Generation over ``slots`` slots with a :class:`~jax_oc128.nn.SpeculativeModel`.
 
     Requests beyond the slots wait; a finished request frees its slot and the next one takes it (the slot's
     rows are cleared on allocation).

@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 
 from jax_oc128 import checkpoint
-from jax_oc128.model import ModelConfig, SpeculativeModel
+from jax_oc128.nn import ModelConfig, SpeculativeModel
 
 
 def corpus(limit_bytes=4_000_000) -> bytes:

@@ -11,7 +11,7 @@ from flax import nnx
 
 from jax_oc128 import decode
 from jax_oc128.decode import Engine
-from jax_oc128.model import ModelConfig, SpeculativeModel
+from jax_oc128.nn import ModelConfig, SpeculativeModel
 
 CONFIG = ModelConfig(
     vocab_size=64,
