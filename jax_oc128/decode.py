@@ -210,6 +210,20 @@ class Engine:
         """Generate ``max_new_tokens`` for each prompt (lists of token ids) with speculative steps of N =
         ``num_tokens`` tokens (None: plain steps of the target alone), greedy or sampled at ``temperature``.
         ``progress`` is called with the number of tokens generated so far. Returns a :class:`Result`."""
+        config = self.model.config
+        if num_tokens is not None and not 2 <= num_tokens <= config.max_draft:
+            raise ValueError(
+                f"num_tokens: N must be in [2, {config.max_draft}] (None: plain), got {num_tokens}"
+            )
+        if temperature < 0:
+            raise ValueError(f"temperature: must be >= 0, got {temperature}")
+        for i, prompt in enumerate(prompts):
+            if not 0 < len(prompt) <= config.max_len - max_new_tokens - (num_tokens or 1):
+                raise ValueError(
+                    f"prompts[{i}]: length {len(prompt)} must be in [1, max_len - max_new_tokens - N]"
+                )
+            if min(prompt) < 0 or max(prompt) >= config.vocab_size:
+                raise ValueError(f"prompts[{i}]: token ids must be in [0, {config.vocab_size})")
         state, key = self.init_state(), jax.random.key(seed)
         outputs = [[] for _ in prompts]
         waiting = list(range(len(prompts)))

@@ -100,3 +100,18 @@ def test_speculative_sampling_follows_the_target(n):
     hidden = jnp.zeros((1, 1, config.hidden_size))
     draft_logits, _, _ = model.mtp(model.target, sequence[:, -1:], hidden, position, model.mtp.init_cache(1))
     assert np.abs(np.asarray(jax.nn.softmax(draft_logits[0, 0])) - expected / counts.sum()).max() > 0.05
+
+
+def test_bad_arguments_are_named():
+    engine = Engine(make_model("online"), slots=1)
+    for kwargs, match in (
+        (dict(num_tokens=1), "num_tokens"),
+        (dict(num_tokens=CONFIG.max_draft + 1), "num_tokens"),
+        (dict(temperature=-1.0), "temperature"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            engine.generate(prompts(lengths=(4,)), 3, **kwargs)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: length 0"):
+        engine.generate([[1, 2], []], 3)
+    with pytest.raises(ValueError, match=r"prompts\[0\]: token ids"):
+        engine.generate([[1, CONFIG.vocab_size]], 3)
