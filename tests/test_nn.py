@@ -35,14 +35,10 @@ def positions(start, stop):
     return jnp.broadcast_to(jnp.arange(start, stop, dtype=jnp.int32), (BATCH, stop - start))
 
 
-@functools.partial(jax.jit, static_argnames="graphdef", donate_argnames="cache")
-def step(graphdef, params, x, pos, cache):
-    return nnx.merge(graphdef, params)(x, pos, cache)
-
-
-@functools.partial(jax.jit, static_argnames="graphdef", donate_argnames="cache")
-def verify_step(graphdef, params, x, pos, cache):
-    return nnx.merge(graphdef, params)(x, pos, cache, verify=True)
+@functools.partial(jax.jit, static_argnames=("graphdef", "verify"), donate_argnames="cache")
+def step(graphdef, params, x, pos, cache, lengths=None, verify=False):
+    """One jitted call of the module with its cache donated."""
+    return nnx.merge(graphdef, params)(x, pos, cache, lengths=lengths, verify=verify)
 
 
 def run(attn, chunks):
@@ -98,8 +94,8 @@ def test_verify_equals_decoding_one_by_one(start, backend):
     graphdef, params = nnx.split(attn)
     _, cache = run(attn, (start,))
     _, cache_copy = run(attn, (start,))
-    y_verify, cache = verify_step(
-        graphdef, params, X[:, start : start + 4], positions(start, start + 4), cache
+    y_verify, cache = step(
+        graphdef, params, X[:, start : start + 4], positions(start, start + 4), cache, verify=True
     )
     decoded = []
     for p in range(start, start + 4):
@@ -140,19 +136,14 @@ def test_ragged_rows():
     attn = layer(1)
     graphdef, params = nnx.split(attn)
     lengths = jnp.asarray([PROMPT, 200], jnp.int32)
-    y, cache = step_ragged(graphdef, params, X, positions(0, PROMPT), attn.init_cache(BATCH), lengths)
+    y, cache = step(graphdef, params, X, positions(0, PROMPT), attn.init_cache(BATCH), lengths)
     expected = FIXTURE["layer1/full"]
     assert rel_err(y[0], expected[0]) < HF_TOL and rel_err(y[1, :200], expected[1, :200]) < HF_TOL
     for p in range(200, 210):  # row 1 decodes on; row 0 is padding (length 0) at its own position
         pos = jnp.asarray([[PROMPT], [p]], jnp.int32)
         x = jnp.stack([X[0, :1], X[1, p : p + 1]])
-        y, cache = step_ragged(graphdef, params, x, pos, cache, jnp.asarray([0, 1], jnp.int32))
+        y, cache = step(graphdef, params, x, pos, cache, jnp.asarray([0, 1], jnp.int32))
         assert rel_err(y[1], expected[1, p : p + 1]) < HF_TOL
-
-
-@functools.partial(jax.jit, static_argnames="graphdef", donate_argnames="cache")
-def step_ragged(graphdef, params, x, pos, cache, lengths):
-    return nnx.merge(graphdef, params)(x, pos, cache, lengths=lengths)
 
 
 @pytest.mark.parametrize("backend", ["online", "offline"])
@@ -167,14 +158,14 @@ def test_rejected_drafts_leave_no_trace(start, backend):
     _, clean = run(attn, (start + 2,))
     junk = jnp.asarray(np.random.default_rng(0).normal(size=(BATCH, 2, X.shape[2])), jnp.float32)
     drafts = jnp.concatenate([X[:, start : start + 2], junk], axis=1)
-    _, cache = verify_step(graphdef, params, drafts, positions(start, start + 4), cache)
+    _, cache = step(graphdef, params, drafts, positions(start, start + 4), cache, verify=True)
     cache = attn.commit(cache, jnp.full((BATCH,), start, jnp.int32), jnp.full((BATCH,), 2, jnp.int32))
     nxt = start + 2
     for verify in (True, False):  # the next verify, and a decode, from the same point
-        fn = verify_step if verify else step
         width = 4 if verify else 1
-        y, _ = fn(graphdef, params, X[:, nxt : nxt + width], positions(nxt, nxt + width), _copy(cache))
-        y_ref, _ = fn(graphdef, params, X[:, nxt : nxt + width], positions(nxt, nxt + width), _copy(clean))
+        x, pos = X[:, nxt : nxt + width], positions(nxt, nxt + width)
+        y, _ = step(graphdef, params, x, pos, _copy(cache), verify=verify)
+        y_ref, _ = step(graphdef, params, x, pos, _copy(clean), verify=verify)
         assert rel_err(y, y_ref) < 1e-5
 
 
