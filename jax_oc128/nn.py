@@ -320,9 +320,7 @@ class DeepseekV4Attention(nnx.Module):
         lengths = jnp.full((batch,), tokens, jnp.int32) if lengths is None else lengths
         q_res = rms_norm(linear(x, self.q_a_proj[...]), self.q_a_norm[...], c.rms_norm_eps)
         q = linear(q_res, self.q_b_proj[...]).reshape(batch, tokens, c.num_heads, c.head_dim)
-        q = c.rope.apply(
-            q * jax.lax.rsqrt(jnp.mean(q * q, axis=-1, keepdims=True) + c.rms_norm_eps), positions
-        )
+        q = c.rope.apply(rms_norm(q, 1.0, c.rms_norm_eps), positions)  # per head, unweighted
         kv = c.rope.apply(
             rms_norm(linear(x, self.kv_proj[...]), self.kv_norm[...], c.rms_norm_eps), positions
         )
