@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session: build with CUDA, run the suite, the benchmark, the command-buffer-free GPU tests, a
 # memcheck of the CUDA handlers and a kernel profile. Logs go to $OUT (the device tool) or ./gpu_out.
+# The whole suite takes about 300 s on the H200 (many small compiles); STAGES picks what runs after it
+# (default: all), e.g. STAGES="demo" to run the demo only.
 set -uo pipefail
 out=${OUT:-gpu_out}
 mkdir -p "$out"
@@ -9,13 +11,15 @@ JAX_OC128_CUDA=ON JAX_OC128_CUDA_ARCHS=90 python3 -m pip install --no-build-isol
   >/tmp/build.log 2>&1 || { tail -40 /tmp/build.log; exit 1; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; (cd /tmp && python3 -m jax_oc128 info); } \
   | tee "$out/env.txt"
-(cd tests && timeout "${TEST_TIMEOUT:-250}" python3 -m pytest -q -p no:cacheprovider ${TEST_ARGS:-.} 2>&1) \
+(cd tests && timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider ${TEST_ARGS:-.} 2>&1) \
   | tee "$out/pytest_gpu.log" | tail -15
-timeout "${BENCH_TIMEOUT:-200}" python3 bench/bench_ops.py ${BENCH_ARGS:-} --out "$out/bench.json" 2>&1 | tee "$out/bench.log"
-(cd tests && XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 80 python3 -m pytest -q -p no:cacheprovider \
+stage() { [ -z "${STAGES:-}" ] || [[ " $STAGES " == *" $1 "* ]]; }
+stage demo && (cd /tmp && timeout 90 python3 -m jax_oc128 demo 2>/dev/null) | tee "$out/demo_h200.txt"
+stage bench && timeout "${BENCH_TIMEOUT:-200}" python3 bench/bench_ops.py ${BENCH_ARGS:-} --out "$out/bench.json" 2>&1 | tee "$out/bench.log"
+stage nocmdbuf && (cd tests && XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 80 python3 -m pytest -q -p no:cacheprovider \
   test_gpu.py test_verify_commit.py -k "gpu or case_matrix" 2>&1) | tee "$out/pytest_gpu_no_cmdbuf.log" | tail -3
-(cd tests && timeout 100 compute-sanitizer --tool memcheck --error-exitcode 9 \
+stage memcheck && (cd tests && timeout 100 compute-sanitizer --tool memcheck --error-exitcode 9 \
   python3 -m pytest -q -p no:cacheprovider test_gpu.py 2>&1) | tee "$out/memcheck.log" | tail -6
-(cd bench && timeout 100 ncu --clock-control none -k 'regex:verify_kernel|commit_kernel' --metrics \
+stage ncu && (cd bench && timeout 100 ncu --clock-control none -k 'regex:verify_kernel|commit_kernel' --metrics \
   gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread \
   python3 profile_kernels.py --batch 8 256 2>&1) | grep -vE '^==PROF==' | tee "$out/ncu.log" | tail -40
