@@ -7,16 +7,9 @@ from __future__ import annotations
 
 import argparse
 
-import jax
 import jax.numpy as jnp
 
-from jax_oc128.state import CompressState, OfflineState
-
-
-def per_request(cls, layers, head_dim, max_draft, dtype):
-    slots = 64
-    shapes = jax.eval_shape(lambda: cls.create(layers, slots, head_dim, max_draft, dtype))
-    return cls.state_bytes(shapes) / slots
+from jax_oc128.state import CompressState, OfflineState, bytes_per_slot
 
 
 def main():
@@ -31,8 +24,8 @@ def main():
     for draft in range(1, 9):
         cells = []
         for dtype in (jnp.float32, jnp.bfloat16):
-            online = per_request(CompressState, args.layers, args.head_dim, draft, dtype)
-            offline = per_request(OfflineState, args.layers, args.head_dim, draft, dtype)
+            online = bytes_per_slot(CompressState, args.layers, args.head_dim, draft, dtype)
+            offline = bytes_per_slot(OfflineState, args.layers, args.head_dim, draft, dtype)
             cells += [f"{online / 1024:.1f} KiB", f"{offline / 1024:.0f} KiB", f"{offline / online:.1f}x"]
         print(f"| {draft} | " + " | ".join(cells) + " |")
 

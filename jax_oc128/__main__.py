@@ -64,7 +64,7 @@ def demo(args) -> str:
 
     from jax_oc128 import checkpoint
     from jax_oc128.decode import Engine
-    from jax_oc128.state import CompressState, OfflineState
+    from jax_oc128.state import CompressState, OfflineState, bytes_per_slot
 
     model, meta = checkpoint.load(args.model or checkpoint.DEFAULT_MODEL, backend=args.backend)
     prompts = [list(p.encode("ascii", "replace")) for p in (args.prompt or DEMO_PROMPTS)]
@@ -102,9 +102,8 @@ def demo(args) -> str:
         if args.temperature > 0 and result is not plain:
             same = "(sampled)"
         lines.append(f"{name:20s} {rate:9.1f} {result.steps:6d} {result.mean_accepted:14.2f}  {same}")
-    shape = (c128, 1, config.head_dim, config.max_draft)
-    online = CompressState.state_bytes(jax.eval_shape(lambda: CompressState.create(*shape)))
-    offline = OfflineState.state_bytes(jax.eval_shape(lambda: OfflineState.create(*shape)))
+    layout = (c128, config.head_dim, config.max_draft)
+    online, offline = bytes_per_slot(CompressState, *layout), bytes_per_slot(OfflineState, *layout)
     lines.append(
         f"C128 compressed state per request ({c128} layers, head_dim {config.head_dim}, "
         f"{config.max_draft} draft banks): online {online / 1024:.1f} KiB, "

@@ -16,16 +16,20 @@ from jax_oc128.nn import ModelConfig, SpeculativeModel
 DEFAULT_MODEL = pathlib.Path(__file__).parent / "assets" / "default_model.npz"
 
 
-def _flat(state) -> dict[str, np.ndarray]:
-    leaves = jax.tree_util.tree_leaves_with_path(state)
-    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
+def _named_leaves(state) -> list[tuple[str, object]]:
+    """The state's leaves, each with its path as a string (the key it is stored under)."""
+    return [(jax.tree_util.keystr(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(state)]
 
 
 def save(model: SpeculativeModel, path, **metadata) -> None:
     """Write the model's config, parameters and ``metadata`` (JSON-serialisable) to ``path``."""
     _, state = nnx.split(model)
     meta = {"config": dataclasses.asdict(model.config), **metadata}
-    np.savez_compressed(path, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **_flat(state))
+    np.savez_compressed(
+        path,
+        __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8),
+        **{name: np.asarray(leaf) for name, leaf in _named_leaves(state)},
+    )
 
 
 def load(path=DEFAULT_MODEL, *, backend: str = "online") -> tuple[SpeculativeModel, dict]:
@@ -37,9 +41,8 @@ def load(path=DEFAULT_MODEL, *, backend: str = "online") -> tuple[SpeculativeMod
     model = SpeculativeModel(config, backend=backend, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     stored = {k: v for k, v in data.items() if k != "__meta__"}
-    if set(stored) != set(_flat(state)):
+    names = [name for name, _ in _named_leaves(state)]
+    if set(stored) != set(names):
         raise ValueError(f"{path}: parameters do not match the model built from its config")
-    leaves = jax.tree_util.tree_leaves_with_path(state)
-    values = [stored[jax.tree_util.keystr(path)] for path, _ in leaves]
-    state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state), values)
+    state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state), [stored[n] for n in names])
     return nnx.merge(graphdef, state), meta

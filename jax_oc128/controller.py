@@ -26,7 +26,7 @@ import enum
 import jax
 import jax.numpy as jnp
 
-from jax_oc128 import ops
+from jax_oc128 import ops, reference
 from jax_oc128.state import BLOCK, CompressState, OfflineState, _scatter_index
 
 
@@ -77,11 +77,8 @@ class Controller:
         slots = active_slots(slots, verify_bs)
         if mode is ForwardMode.TARGET_VERIFY:
             return self.begin_verify(cs, slots, seq_lens)
-        ok = (slots >= 0) & (slots < cs.slots)
-        pending = jnp.where(ok, cs.pending[jnp.where(ok, slots, 0)], -1)
-        has = pending >= 0
-        accept = jnp.where(has, seq_lens - pending, 0)
-        return self.commit(cs, jnp.where(has, slots, -1), jnp.where(has, pending, 0), accept)
+        seq_before, accept, committed = reference.pending_commits(cs.pending, slots, seq_lens)
+        return self.commit(cs, committed, seq_before, accept)
 
     def write_prefix(self, cs: CompressState, kv_score, seq_lens, slots, ape, *, layer: int = 0):
         """The verify's bank writes for layers ``layer .. layer + Lk - 1`` (all layers in one call when

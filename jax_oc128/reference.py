@@ -46,6 +46,16 @@ def _valid_rows(slots, seq_lens, num_slots):
     return (slots >= 0) & (slots < num_slots) & (seq_lens >= 0)
 
 
+def pending_commits(pending, slots, seq_lens):
+    """``(seq_lens, accept_lens, slots)`` for :func:`commit` that commit each row's pending verify: the row
+    whose slot has ``pending[slot] >= 0`` (the seq length at that verify) keeps ``seq_lens - pending[slot]``
+    tokens of it; other rows become padding."""
+    valid = _valid_rows(slots, seq_lens, pending.shape[0])
+    before = jnp.where(valid, pending[jnp.where(valid, slots, 0)], -1)
+    has = before >= 0
+    return jnp.where(has, before, 0), jnp.where(has, seq_lens - before, 0), jnp.where(has, slots, -1)
+
+
 def _dropped_unless(ok, slots, num_slots):
     """Slot indices for a scatter with mode="drop": rows that are not ``ok`` go out of range."""
     return jnp.where(ok, slots, num_slots)
@@ -111,10 +121,7 @@ def verify(state, kv_score, seq_lens, slots, ape, pending=None, *, layer=0):
     num_slots = state.shape[2]
     valid = _valid_rows(slots, seq_lens, num_slots)
     if pending is not None and pending.shape[0]:
-        before = jnp.where(valid, pending[jnp.where(valid, slots, 0)], -1)
-        has = before >= 0
-        args = jnp.where(has, before, 0), jnp.where(has, seq_lens - before, 0), jnp.where(has, slots, -1)
-        state = commit(state, *args, layer=layer, num_layers=num_layers)
+        state = commit(state, *pending_commits(pending, slots, seq_lens), layer=layer, num_layers=num_layers)
     p0 = jnp.where(valid, seq_lens % BLOCK, 0)
     m, s, num = load_state(state[layer : layer + num_layers, 0][:, jnp.where(valid, slots, 0)])
     entry = jnp.zeros((num_layers, rows, dim), jnp.float32)

@@ -107,6 +107,13 @@ class OfflineState:
         return self
 
 
+def bytes_per_slot(state_type, layers: int, head_dim: int, max_draft: int, dtype=jnp.float32) -> int:
+    """Device bytes one slot (request) takes in a ``state_type`` (:class:`CompressState` or
+    :class:`OfflineState`) of that layout; nothing is allocated."""
+    shapes = jax.eval_shape(lambda: state_type.create(layers, 1, head_dim, max_draft, dtype))
+    return state_type.state_bytes(shapes)
+
+
 def _nbytes(x) -> int:
     return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
 

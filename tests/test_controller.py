@@ -12,7 +12,7 @@ from checks import OFFLINE_FP32
 from oracle import BLOCK, Stream, random_ape, random_tokens, rel_err, state_err
 
 from jax_oc128.controller import Controller, ForwardMode, OfflineController, active_slots
-from jax_oc128.state import CompressState, OfflineState
+from jax_oc128.state import CompressState, OfflineState, bytes_per_slot
 
 LAYERS, DIM, MAX_DRAFT, SLOTS, BATCH, EXTEND_WIDTH = 2, 32, 4, 20, 8, 160
 ONLINE, OFFLINE = Controller(), OfflineController()
@@ -281,7 +281,6 @@ def test_step_is_in_place_under_jit():
 
 
 def test_state_bytes():
-    online = jax.eval_shape(lambda: CompressState.create(20, 1, 512, 4))
-    offline = jax.eval_shape(lambda: OfflineState.create(20, 1, 512, 4))
-    assert CompressState.state_bytes(online) == 20 * 5 * 3 * 512 * 4 + 2 * 4
-    assert OfflineState.state_bytes(offline) == 20 * 132 * 2 * 512 * 4
+    assert bytes_per_slot(CompressState, 20, 512, 4) == 20 * 5 * 3 * 512 * 4 + 2 * 4
+    assert bytes_per_slot(OfflineState, 20, 512, 4) == 20 * 132 * 2 * 512 * 4
+    assert bytes_per_slot(CompressState, 20, 512, 4, jnp.bfloat16) == 20 * 5 * 3 * 512 * 2 + 2 * 4
