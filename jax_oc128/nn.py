@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from jax_oc128.controller import Controller, ForwardMode, OfflineController
-from jax_oc128.state import BLOCK, CompressState, OfflineState
+from jax_oc128.state import BLOCK, CompressState, OfflineState, _scatter_index
 
 SLIDING, HCA, CSA = "sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"
 
@@ -179,7 +179,7 @@ class AttentionCache:
 
     def clear(self, rows) -> AttentionCache:
         """Empty ``rows`` ([n] int32, -1 ignored) for new sequences: window, entries and compressor state."""
-        index = jnp.where(rows >= 0, rows, self.window.shape[0])
+        index = _scatter_index(rows, self.window.shape[0])
         return AttentionCache(
             self.window.at[index].set(0, mode="drop"),
             self.window_positions.at[index].set(-1, mode="drop"),
