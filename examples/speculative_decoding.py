@@ -6,11 +6,12 @@ Run: python examples/speculative_decoding.py
 from __future__ import annotations
 
 from jax_oc128 import checkpoint
+from jax_oc128.controller import ONLINE
 from jax_oc128.decode import Engine
 
 
 def main(new_tokens=80):
-    model, _ = checkpoint.load(backend="online")
+    model, _ = checkpoint.load(backend=ONLINE)
     engine = Engine(model, slots=2)
     prompts = [list(b"Return the number of items in the container. "), list(b"Raise ValueError if ")]
     plain = engine.generate(prompts, new_tokens)

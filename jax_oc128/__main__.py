@@ -63,10 +63,11 @@ def demo(args) -> str:
     import jax
 
     from jax_oc128 import checkpoint
+    from jax_oc128.controller import BACKENDS, OFFLINE, ONLINE
     from jax_oc128.decode import Engine
-    from jax_oc128.state import CompressState, OfflineState, bytes_per_slot
+    from jax_oc128.state import bytes_per_slot
 
-    model, meta = checkpoint.load(args.model or checkpoint.DEFAULT_MODEL, backend=args.backend)
+    model, meta = checkpoint.load(args.model or checkpoint.DEFAULT_MODEL, backend=BACKENDS[args.backend])
     prompts = [list(p.encode("ascii", "replace")) for p in (args.prompt or DEMO_PROMPTS)]
     engine = Engine(model, slots=args.batch)
     modes = [("plain", None)] + [(f"speculative N={n}", n) for n in args.draft]
@@ -81,7 +82,7 @@ def demo(args) -> str:
             prompts, args.tokens, num_tokens=n, temperature=args.temperature, seed=args.seed, progress=bar
         )
     config = model.config
-    c128 = config.layer_types.count("heavily_compressed_attention")
+    c128 = config.compressed_layers
     lines = [
         f"jax_oc128 demo on {jax.default_backend()}: model {meta.get('trained_on', 'custom')} "
         f"({len(config.layer_types)} layers, {c128} C128), "
@@ -103,7 +104,7 @@ def demo(args) -> str:
             same = "(sampled)"
         lines.append(f"{name:20s} {rate:9.1f} {result.steps:6d} {result.mean_accepted:14.2f}  {same}")
     layout = (c128, config.head_dim, config.max_draft)
-    online, offline = bytes_per_slot(CompressState, *layout), bytes_per_slot(OfflineState, *layout)
+    online, offline = (bytes_per_slot(backend.state_type, *layout) for backend in (ONLINE, OFFLINE))
     lines.append(
         f"C128 compressed state per request ({c128} layers, head_dim {config.head_dim}, "
         f"{config.max_draft} draft banks): online {online / 1024:.1f} KiB, "

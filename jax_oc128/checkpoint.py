@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jax_oc128.controller import ONLINE, Backend
 from jax_oc128.nn import ModelConfig, SpeculativeModel
 
 DEFAULT_MODEL = pathlib.Path(__file__).parent / "assets" / "default_model.npz"
@@ -32,8 +33,9 @@ def save(model: SpeculativeModel, path, **metadata) -> None:
     )
 
 
-def load(path=DEFAULT_MODEL, *, backend: str = "online") -> tuple[SpeculativeModel, dict]:
-    """The model stored at ``path`` (default: the shipped one) and its metadata."""
+def load(path=DEFAULT_MODEL, *, backend: Backend = ONLINE) -> tuple[SpeculativeModel, dict]:
+    """The model stored at ``path`` (default: the shipped one) with the C128 compressor ``backend``, and its
+    metadata."""
     data = np.load(path)
     meta = json.loads(bytes(data["__meta__"]).decode())
     config = meta["config"]

@@ -23,11 +23,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-import jax
 import jax.numpy as jnp
 
-from jax_oc128 import ops, reference
-from jax_oc128.state import BLOCK, CompressState, OfflineState, _scatter_index
+from jax_oc128 import ops
+from jax_oc128.rules import commits_bank, drop_index, pending_commits
+from jax_oc128.state import CompressState, OfflineState
 
 
 class ForwardMode(enum.Enum):
@@ -55,11 +55,11 @@ class Controller:
     def begin_verify(self, cs: CompressState, slots, seq_lens) -> CompressState:
         """Record ``seq_lens`` as the pending verify of ``slots`` (SGLang's mark_pending); what was pending
         for them becomes what their write_prefix commits first (``committing``)."""
-        index = _scatter_index(jnp.where(seq_lens >= 0, slots, -1), cs.slots)
+        index = drop_index(slots, cs.slots, seq_lens >= 0)
         previous = cs.pending[jnp.clip(slots, 0, cs.slots - 1)]
         return cs.replace(
             pending=cs.pending.at[index].set(seq_lens, mode="drop"),
-            committing=cs.committing.at[index].set(previous, mode="drop"),
+            to_commit=cs.to_commit.at[index].set(previous, mode="drop"),
         )
 
     def prepare_forward(self, cs: CompressState, mode: ForwardMode, slots, seq_lens, verify_bs=None):
@@ -70,38 +70,39 @@ class Controller:
 
         For a verify forward the commit is not a launch of its own: it is handed to write_prefix, whose
         kernel commits each row before folding (so a lazily committed speculative step is one launch).
-        write_prefix must then run once for every C128 layer, as the protocol requires anyway.
+        write_prefix must then run once for every C128 layer, as the protocol requires anyway. Any other
+        mode commits with one launch for all layers.
         """
         if mode is ForwardMode.IDLE:
             return cs
         slots = active_slots(slots, verify_bs)
         if mode is ForwardMode.TARGET_VERIFY:
             return self.begin_verify(cs, slots, seq_lens)
-        seq_before, accept, committed = reference.pending_commits(cs.pending, slots, seq_lens)
-        return self.commit(cs, committed, seq_before, accept)
+        verify_seq_lens, accept_lens, committing_slots = pending_commits(cs.pending, slots, seq_lens)
+        return self.commit(cs, committing_slots, verify_seq_lens, accept_lens)
 
     def write_prefix(self, cs: CompressState, kv_score, seq_lens, slots, ape, *, layer: int = 0):
         """The verify's bank writes for layers ``layer .. layer + Lk - 1`` (all layers in one call when
         ``kv_score`` has them all), after committing the rows' previous verify where prepare_forward left
         it pending. Returns ``(cs, entries [Lk, bs, 1, D], entry_blocks [bs, 1])``."""
-        state, entries, blocks = ops.verify(
-            cs.state, kv_score, seq_lens, slots, ape, layer=layer, pending=cs.committing
+        banks, entries, blocks = ops.verify(
+            cs.banks, kv_score, seq_lens, slots, ape, layer=layer, pending=cs.to_commit
         )
-        return cs.replace(state=state), entries, blocks
+        return cs.replace(banks=banks), entries, blocks
 
     def commit(self, cs: CompressState, slots, seq_lens, accept_lens) -> CompressState:
         """Keep ``accept_lens`` tokens of the verify at ``seq_lens`` (the eager path), all layers, and clear
         the slots' pending verify."""
-        state = ops.commit(cs.state, seq_lens, accept_lens, slots)
+        banks = ops.commit(cs.banks, seq_lens, accept_lens, slots)
         return cs.replace(
-            state=state, pending=cs.pending.at[_scatter_index(slots, cs.slots)].set(-1, mode="drop")
+            banks=banks, pending=cs.pending.at[drop_index(slots, cs.slots)].set(-1, mode="drop")
         )
 
     def compress(self, cs: CompressState, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0):
         """An extend or decode forward's compression. Returns ``(cs, entries [Lk, bs, T//128+1, D],
         entry_blocks [bs, T//128+1])``."""
-        state, entries, blocks = ops.compress(cs.state, kv_score, seq_lens, new_lens, slots, ape, layer=layer)
-        return cs.replace(state=state), entries, blocks
+        banks, entries, blocks = ops.compress(cs.banks, kv_score, seq_lens, new_lens, slots, ape, layer=layer)
+        return cs.replace(banks=banks), entries, blocks
 
     def open_state(self, cs: CompressState, slots, seq_lens, ape):
         """``(max, sum, mean)`` float32 ``[layers, bs, D]`` of each row's open block at ``seq_lens``, as it
@@ -109,9 +110,10 @@ class Controller:
         del ape  # the online state holds it already
         ok = (slots >= 0) & (slots < cs.slots)
         safe = jnp.where(ok, slots, 0)
-        accept = jnp.where(cs.pending[safe] >= 0, seq_lens - cs.pending[safe], 0)
-        bank = jnp.where((accept >= 1) & (accept <= cs.max_draft), accept, 0)
-        rows = cs.state[:, bank, safe].astype(jnp.float32)
+        verify_seq_lens = cs.pending[safe]
+        accept = jnp.where(verify_seq_lens >= 0, seq_lens - verify_seq_lens, 0)
+        bank = jnp.where(commits_bank(verify_seq_lens, accept, cs.max_draft + 1), accept, 0)
+        rows = cs.banks[:, bank, safe].astype(jnp.float32)
         return rows[..., 0, :], rows[..., 1, :], rows[..., 2, :]
 
 
@@ -134,48 +136,30 @@ class OfflineController:
         return self.compress(cs, kv_score, seq_lens, new_lens, slots, ape, layer=layer)
 
     def compress(self, cs: OfflineState, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0):
-        """Write the rows by position and pool every block the new tokens close, from the ring (earlier
-        positions) and the new tokens."""
-        num_layers, rows, tokens, two_d = kv_score.shape
-        dim, ring = two_d // 2, cs.rows.shape[2]
-        per_row = tokens // BLOCK + 1
-        valid = (slots >= 0) & (slots < cs.slots) & (seq_lens >= 0) & (new_lens >= 0) & (new_lens <= tokens)
-        n = jnp.where(valid, new_lens, 0)
-        safe = jnp.where(valid, slots, 0)
-        if tokens == 0:
-            kv_score = jnp.zeros((num_layers, rows, 1, two_d), kv_score.dtype)
-        block = seq_lens[:, None] // BLOCK + jnp.arange(per_row)  # [rows, per_row]
-        closed = valid[:, None] & ((block + 1) * BLOCK <= (seq_lens + n)[:, None])
-        position = block[:, :, None] * BLOCK + jnp.arange(BLOCK)  # [rows, per_row, 128]
-        new = jnp.clip(position - seq_lens[:, None, None], 0, kv_score.shape[2] - 1)
-        from_new = jnp.take_along_axis(kv_score, new.reshape(1, rows, -1, 1), axis=2)
-        layer_rows = cs.rows[layer : layer + num_layers]
-        from_ring = layer_rows[:, safe[:, None, None], position % ring].astype(jnp.float32)
-        is_new = (position >= seq_lens[:, None, None])[None, ..., None]
-        block_rows = jnp.where(is_new, from_new.reshape(from_ring.shape), from_ring)
-        weights = jax.nn.softmax(block_rows[..., dim:] + ape[:, None, None], axis=3)
-        entries = jnp.where(closed[None, :, :, None], jnp.sum(weights * block_rows[..., :dim], axis=3), 0.0)
-        entry_blocks = jnp.where(closed, block, -1).astype(jnp.int32)
-
-        t = jnp.arange(kv_score.shape[2])
-        write = valid[:, None] & (t < n[:, None]) & (t >= n[:, None] - ring)  # the last `ring` new tokens
-        index = jnp.where(write, safe[:, None], cs.slots)
-        updated = cs.rows.at[layer : layer + num_layers, index, (seq_lens[:, None] + t) % ring].set(
-            kv_score.astype(cs.rows.dtype), mode="drop"
-        )
-        return OfflineState(updated), entries, entry_blocks
+        """Write the rows by position and pool the blocks they close (:meth:`OfflineState.write`)."""
+        return cs.write(kv_score, seq_lens, new_lens, slots, ape, layer=layer)
 
     def open_state(self, cs: OfflineState, slots, seq_lens, ape):
         """``(max, sum, mean)`` float32 ``[layers, bs, D]`` of the open block, pooled from the raw rows."""
-        dim, ring = cs.head_dim, cs.rows.shape[2]
-        safe = jnp.where((slots >= 0) & (slots < cs.slots), slots, 0)
-        start = seq_lens // BLOCK * BLOCK
-        position = start[:, None] + jnp.arange(BLOCK)  # [bs, 128]
-        rows = cs.rows[:, safe[:, None], position % ring].astype(jnp.float32)  # [L, bs, 128, 2D]
-        sigma = jnp.where(
-            (position < seq_lens[:, None])[None, ..., None], rows[..., dim:] + ape[:, None], -jnp.inf
-        )
-        m = jnp.max(sigma, axis=2)
-        w = jnp.exp(sigma - m[:, :, None])
-        s = jnp.sum(w, axis=2)
-        return m, s, jnp.sum(w * rows[..., :dim], axis=2) / s
+        return cs.open_block(slots, seq_lens, ape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """A C128 compressor backend: its state type and the controller of its transitions (both stateless
+    Python objects; hashable, so a backend can be a static argument or a module's attribute)."""
+
+    name: str
+    state_type: type
+    controller: Controller | OfflineController
+
+    def create(self, layers: int, slots: int, head_dim: int, max_draft: int, dtype=jnp.float32):
+        """A fresh state of this backend (see :meth:`CompressState.create`)."""
+        return self.state_type.create(layers, slots, head_dim, max_draft, dtype)
+
+
+#: the online C128 state (banks of ``(max, sum, mean)``), the point of this library
+ONLINE = Backend("online", CompressState, Controller())
+#: the offline baseline: raw rows of the open block, rollback by position
+OFFLINE = Backend("offline", OfflineState, OfflineController())
+BACKENDS = {backend.name: backend for backend in (ONLINE, OFFLINE)}

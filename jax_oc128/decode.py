@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_oc128.nn import SpeculativeModel
+from jax_oc128.controller import ForwardMode
+from jax_oc128.nn import AttentionCache, ModelCache, SpeculativeModel
 
 
 @jax.tree_util.register_dataclass
@@ -29,16 +30,16 @@ class DecodeState:
     """Everything that changes per step, a pytree (donated to every step).
 
     Attributes:
-      caches: the target's per-layer :class:`~jax_oc128.nn.AttentionCache`.
-      mtp_cache: the MTP head's cache.
+      cache: the target's :class:`~jax_oc128.nn.ModelCache` (per-layer caches and the C128 state).
+      mtp_cache: the MTP head's :class:`~jax_oc128.nn.AttentionCache`.
       token: ``[slots]`` int32, the newest token of each slot (not yet in the caches).
       position: ``[slots]`` int32, its position (the number of tokens in the caches).
       hidden: ``[slots, hidden]`` float32, the target's hidden state at ``position - 1``.
       active: ``[slots]`` bool, slots holding a request.
     """
 
-    caches: list
-    mtp_cache: object
+    cache: ModelCache
+    mtp_cache: AttentionCache
     token: jax.Array
     position: jax.Array
     hidden: jax.Array
@@ -57,19 +58,19 @@ def _prefill(graphdef, params, state, slots, tokens, lengths, key, temperature):
     """New requests: clear ``slots`` [slots] (-1: none) and feed right-padded prompts ``tokens`` [slots, P]
     (``lengths`` 0 for rows that are not new); the first generated token comes from the last prompt token."""
     model = nnx.merge(graphdef, params)
-    caches = [cache.clear(slots) for cache in state.caches]
+    cache = state.cache.clear(slots)
     mtp_cache = state.mtp_cache.clear(slots)
     rows, width = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width))
-    logits, hidden, caches = model.target(tokens, positions, caches, lengths=lengths)
+    logits, hidden, cache = model.target(tokens, positions, cache, lengths=lengths, mode=ForwardMode.EXTEND)
     last = jnp.maximum(lengths - 1, 0)[:, None]
     first = _pick(jnp.take_along_axis(logits, last[..., None], axis=1)[:, 0], key, temperature)
     # the MTP head sees token p with the target's hidden state at p - 1, for p = 1 .. length - 1
     prev = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
-    _, _, mtp_cache = model.mtp(model.target, tokens, prev, positions, mtp_cache, lengths=lengths)
+    _, _, mtp_cache = model.mtp(tokens, prev, positions, mtp_cache, lengths=lengths)
     new = lengths > 0
     return DecodeState(
-        caches,
+        cache,
         mtp_cache,
         jnp.where(new, first, state.token),
         jnp.where(new, lengths, state.position),
@@ -83,13 +84,13 @@ def _plain_step(graphdef, params, state, key, temperature):
     """One token per active slot with the target alone. Returns (state, tokens [slots, 1], counts [slots])."""
     model = nnx.merge(graphdef, params)
     lengths = state.active.astype(jnp.int32)
-    logits, hidden, caches = model.target(
-        state.token[:, None], state.position[:, None], state.caches, lengths=lengths
+    logits, hidden, cache = model.target(
+        state.token[:, None], state.position[:, None], state.cache, lengths=lengths, mode=ForwardMode.DECODE
     )
     nxt = _pick(logits[:, 0], key, temperature)
     state = dataclasses.replace(
         state,
-        caches=caches,
+        cache=cache,
         token=jnp.where(state.active, nxt, state.token),
         position=state.position + lengths,
         hidden=jnp.where(state.active[:, None], hidden[:, 0], state.hidden),
@@ -111,15 +112,15 @@ def _speculative_step(graphdef, params, state, key, num_tokens, temperature):
     drafts, draft_logits = [], []
     for i in range(n - 1):  # statically unrolled
         position = (state.position + i)[:, None]
-        logits, h, mtp_cache = model.mtp(
-            model.target, token[:, None], hidden[:, None], position, mtp_cache, lengths=one
-        )
+        logits, h, mtp_cache = model.mtp(token[:, None], hidden[:, None], position, mtp_cache, lengths=one)
         token, hidden = _pick(logits[:, 0], keys[i], temperature), h[:, 0]
         drafts.append(token)
         draft_logits.append(logits[:, 0])
     tokens = jnp.stack([state.token, *drafts], axis=1)  # [slots, N]
     positions = state.position[:, None] + jnp.arange(n, dtype=jnp.int32)
-    logits, hiddens, caches = model.target(tokens, positions, state.caches, lengths=one * n, verify=True)
+    logits, hiddens, cache = model.target(
+        tokens, positions, state.cache, lengths=one * n, mode=ForwardMode.TARGET_VERIFY
+    )
     if temperature == 0:
         target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [slots, N]
         agree = tokens[:, 1:] == target[:, :-1]
@@ -133,7 +134,7 @@ def _speculative_step(graphdef, params, state, key, num_tokens, temperature):
     out = out.at[jnp.arange(out.shape[0]), accepted].set(last)
     counts = jnp.where(active, accepted + 1, 0)
     state = DecodeState(
-        caches,
+        cache,
         mtp_cache,
         jnp.where(active, last, state.token),
         state.position + counts,
@@ -195,8 +196,10 @@ class Engine:
             jnp.zeros((self.slots,), bool),
         )
 
-    def _admit(self, state, assignments, key, temperature):
-        """Prefill the prompts of ``assignments`` {slot: prompt tokens}."""
+    def prefill(self, state: DecodeState, assignments: dict, key, temperature: float = 0.0) -> DecodeState:
+        """Start the requests of ``assignments`` {slot: prompt token ids}: their slots are cleared and their
+        prompts fed (padded to a multiple of ``prompt_bucket``); ``state.token`` then holds each new slot's
+        first generated token (greedy, or sampled at ``temperature`` with ``key``)."""
         longest = max(len(p) for p in assignments.values())
         width = -(-longest // self.prompt_bucket) * self.prompt_bucket
         tokens = np.zeros((self.slots, width), np.int32)
@@ -205,6 +208,14 @@ class Engine:
         for slot, prompt in assignments.items():
             tokens[slot, : len(prompt)], lengths[slot], slots[slot] = prompt, len(prompt), slot
         return _prefill(self.graphdef, self.params, state, slots, tokens, lengths, key, temperature)
+
+    def step(self, state: DecodeState, key, *, num_tokens=None, temperature: float = 0.0):
+        """One decoding step of every active slot: plain (``num_tokens`` None) or speculative with N =
+        ``num_tokens``. Returns ``(state, tokens [slots, N], counts [slots])``: each active slot's first
+        ``counts`` tokens are its new output. ``state`` is donated."""
+        if num_tokens is None:
+            return _plain_step(self.graphdef, self.params, state, key, temperature)
+        return _speculative_step(self.graphdef, self.params, state, key, num_tokens, temperature)
 
     def generate(self, prompts, max_new_tokens, *, num_tokens=None, temperature=0.0, seed=0, progress=None):
         """Generate ``max_new_tokens`` for each prompt (lists of token ids) with speculative steps of N =
@@ -234,18 +245,13 @@ class Engine:
             if waiting and free:
                 admitted = {slot: waiting.pop(0) for slot in free[: len(waiting)]}
                 key, sub = jax.random.split(key)
-                state = self._admit(state, {s: prompts[r] for s, r in admitted.items()}, sub, temperature)
+                state = self.prefill(state, {s: prompts[r] for s, r in admitted.items()}, sub, temperature)
                 first = np.asarray(state.token)
                 for slot, request in admitted.items():
                     owner[slot] = request
                     outputs[request].append(int(first[slot]))
             key, sub = jax.random.split(key)
-            if num_tokens is None:
-                state, tokens, counts = _plain_step(self.graphdef, self.params, state, sub, temperature)
-            else:
-                state, tokens, counts = _speculative_step(
-                    self.graphdef, self.params, state, sub, num_tokens, temperature
-                )
+            state, tokens, counts = self.step(state, sub, num_tokens=num_tokens, temperature=temperature)
             tokens, counts = np.asarray(tokens), np.asarray(counts)  # the one host read of a step
             steps, slot_steps = steps + 1, slot_steps + len(owner)
             done = []

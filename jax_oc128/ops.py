@@ -19,9 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_oc128 import _native, reference
+from jax_oc128.rules import BLOCK, MAX_DRAFT
 
-BLOCK = 128
-MAX_DRAFT = 16
 STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 

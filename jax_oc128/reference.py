@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-BLOCK = 128
+from jax_oc128.rules import BLOCK, commits_bank, drop_index, pending_commits, valid_rows
 
 
 def fold(m, s, num, pos, v, sigma):
@@ -42,25 +42,6 @@ def store_state(m, s, num, dtype):
     return jnp.stack([mq, sq.astype(dtype), (num / s).astype(dtype)], axis=-2)
 
 
-def _valid_rows(slots, seq_lens, num_slots):
-    return (slots >= 0) & (slots < num_slots) & (seq_lens >= 0)
-
-
-def pending_commits(pending, slots, seq_lens):
-    """``(seq_lens, accept_lens, slots)`` for :func:`commit` that commit each row's pending verify: the row
-    whose slot has ``pending[slot] >= 0`` (the seq length at that verify) keeps ``seq_lens - pending[slot]``
-    tokens of it; other rows become padding."""
-    valid = _valid_rows(slots, seq_lens, pending.shape[0])
-    before = jnp.where(valid, pending[jnp.where(valid, slots, 0)], -1)
-    has = before >= 0
-    return jnp.where(has, before, 0), jnp.where(has, seq_lens - before, 0), jnp.where(has, slots, -1)
-
-
-def _dropped_unless(ok, slots, num_slots):
-    """Slot indices for a scatter with mode="drop": rows that are not ``ok`` go out of range."""
-    return jnp.where(ok, slots, num_slots)
-
-
 def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer=0):
     """Reference of :func:`jax_oc128.compress`.
 
@@ -72,7 +53,7 @@ def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer=0):
     num_slots = state.shape[2]
     per_row = tokens // BLOCK + 1
     segments = (tokens + 2 * BLOCK - 2) // BLOCK
-    valid = _valid_rows(slots, seq_lens, num_slots) & (new_lens >= 0) & (new_lens <= tokens)
+    valid = valid_rows(slots, seq_lens, num_slots) & (new_lens >= 0) & (new_lens <= tokens)
     n = jnp.where(valid, new_lens, 0)
     p0 = jnp.where(valid, seq_lens % BLOCK, 0)
 
@@ -108,7 +89,7 @@ def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer=0):
     final = [jnp.take_along_axis(f, pick, axis=2)[:, :, 0] for f in (m, s, num)]
     write = valid & (n > 0) & ((p0 + n) % BLOCK != 0)
     rows_out = store_state(*final, state.dtype)
-    state = state.at[layer : layer + num_layers, 0, _dropped_unless(write, slots, num_slots)].set(
+    state = state.at[layer : layer + num_layers, 0, drop_index(slots, num_slots, write)].set(
         rows_out, mode="drop"
     )
     return state, entries, entry_blocks
@@ -119,7 +100,7 @@ def verify(state, kv_score, seq_lens, slots, ape, pending=None, *, layer=0):
     num_layers, rows, tokens, two_d = kv_score.shape
     dim = two_d // 2
     num_slots = state.shape[2]
-    valid = _valid_rows(slots, seq_lens, num_slots)
+    valid = valid_rows(slots, seq_lens, num_slots)
     if pending is not None and pending.shape[0]:
         state = commit(state, *pending_commits(pending, slots, seq_lens), layer=layer, num_layers=num_layers)
     p0 = jnp.where(valid, seq_lens % BLOCK, 0)
@@ -138,7 +119,7 @@ def verify(state, kv_score, seq_lens, slots, ape, pending=None, *, layer=0):
     entry = jnp.where(valid[None, :, None], entry, 0.0)[:, :, None]
     entry_block = jnp.where(valid, entry_block, -1)[:, None].astype(jnp.int32)
     for k, (closes, rows_k) in enumerate(banks, start=1):
-        index = _dropped_unless(valid & ~closes, slots, num_slots)
+        index = drop_index(slots, num_slots, valid & ~closes)
         state = state.at[layer : layer + num_layers, k, index].set(rows_k, mode="drop")
     return state, entry, entry_block
 
@@ -147,12 +128,7 @@ def commit(state, seq_lens, accept_lens, slots, *, layer=0, num_layers=None):
     """Reference of :func:`jax_oc128.commit`."""
     num_layers = state.shape[0] - layer if num_layers is None else num_layers
     num_banks, num_slots = state.shape[1], state.shape[2]
-    ok = (
-        _valid_rows(slots, seq_lens, num_slots)
-        & (accept_lens >= 1)
-        & (accept_lens < num_banks)
-        & ((seq_lens + accept_lens) % BLOCK != 0)
-    )
+    ok = valid_rows(slots, seq_lens, num_slots) & commits_bank(seq_lens, accept_lens, num_banks)
     src = state[layer : layer + num_layers, jnp.where(ok, accept_lens, 0), jnp.where(ok, slots, 0)]
-    index = _dropped_unless(ok, slots, num_slots)
+    index = drop_index(slots, num_slots, ok)
     return state.at[layer : layer + num_layers, 0, index].set(src, mode="drop")

@@ -1,7 +1,9 @@
-"""The compressed-state pytrees: the online state (banks + pending table) and the offline baseline.
+"""The compressed-state pytrees: the online state (banks + pending table) and the offline baseline (raw
+rows, with the pooling that reads them).
 
 Both are registered dataclasses whose leaves are device arrays and whose layout is derived from the
-arrays' shapes, so they pass through ``jax.jit`` (donated) and ``jax.tree`` untouched.
+arrays' shapes, so they pass through ``jax.jit`` (donated) and ``jax.tree`` untouched. Both are
+layer-stacked: one state holds every C128 layer of a model, addressed by the layer's index among them.
 """
 
 from __future__ import annotations
@@ -13,8 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_oc128 import ops
-
-BLOCK = ops.BLOCK
+from jax_oc128.rules import BLOCK, drop_index, valid_rows
 
 
 @jax.tree_util.register_dataclass
@@ -23,35 +24,36 @@ class CompressState:
     """Online C128 state of every slot of every C128 layer.
 
     Attributes:
-      state: ``[layers, 1 + max_draft, slots, 3, head_dim]`` float32 or bfloat16: ``[max | sum | mean]``
+      banks: ``[layers, 1 + max_draft, slots, 3, head_dim]`` float32 or bfloat16: ``[max | sum | mean]``
         per slot per bank; bank 0 is committed, banks ``1..max_draft`` hold the last verify's prefixes.
       pending: ``[slots]`` int32: the slot's sequence length at its last verify whose acceptance has not
         been committed yet, -1 when nothing is pending.
-      committing: ``[slots]`` int32: for the slots of the current verify forward, the pending verify that
-        its write_prefix commits before folding (-1 for none); set by ``prepare_forward``.
+      to_commit: ``[slots]`` int32: for the slots of the current verify forward, the length at the pending
+        verify that each layer's write_prefix commits before folding (-1 for none); set by
+        ``prepare_forward``.
     """
 
-    state: jax.Array
+    banks: jax.Array
     pending: jax.Array
-    committing: jax.Array
+    to_commit: jax.Array
 
     @classmethod
     def create(
         cls, layers: int, slots: int, head_dim: int, max_draft: int, dtype=jnp.float32
     ) -> CompressState:
         """A zeroed state with nothing pending; every leaf is its own buffer, so the pytree can be donated."""
-        state = ops.init_state(layers, slots, head_dim, max_draft, dtype)
-        return cls(state, jnp.full((slots,), -1, jnp.int32), jnp.full((slots,), -1, jnp.int32))
+        banks = ops.init_state(layers, slots, head_dim, max_draft, dtype)
+        return cls(banks, jnp.full((slots,), -1, jnp.int32), jnp.full((slots,), -1, jnp.int32))
 
-    layers = property(lambda self: self.state.shape[0])
-    max_draft = property(lambda self: self.state.shape[1] - 1)
-    slots = property(lambda self: self.state.shape[2])
-    head_dim = property(lambda self: self.state.shape[4])
-    dtype = property(lambda self: self.state.dtype)
+    layers = property(lambda self: self.banks.shape[0])
+    max_draft = property(lambda self: self.banks.shape[1] - 1)
+    slots = property(lambda self: self.banks.shape[2])
+    head_dim = property(lambda self: self.banks.shape[4])
+    dtype = property(lambda self: self.banks.dtype)
 
     def state_bytes(self) -> int:
         """Device bytes of this state, all slots (also for a ``jax.eval_shape`` of it)."""
-        return _nbytes(self.state) + _nbytes(self.pending) + _nbytes(self.committing)
+        return _nbytes(self.banks) + _nbytes(self.pending) + _nbytes(self.to_commit)
 
     def replace(self, **fields) -> CompressState:
         return dataclasses.replace(self, **fields)
@@ -59,15 +61,15 @@ class CompressState:
     def alloc(self, slots) -> CompressState:
         """Give ``slots`` ([n] int32, -1 ignored) to new requests: their rows are cleared in every bank and
         layer and nothing is pending for them."""
-        cleared = self.state.at[:, :, _scatter_index(slots, self.slots)].set(0, mode="drop")
-        return self.free(slots).replace(state=cleared)
+        cleared = self.banks.at[:, :, drop_index(slots, self.slots)].set(0, mode="drop")
+        return self.free(slots).replace(banks=cleared)
 
     def free(self, slots) -> CompressState:
         """Release ``slots``: whatever is pending for them is dropped (their rows are cleared on reuse)."""
-        index = _scatter_index(slots, self.slots)
+        index = drop_index(slots, self.slots)
         return self.replace(
             pending=self.pending.at[index].set(-1, mode="drop"),
-            committing=self.committing.at[index].set(-1, mode="drop"),
+            to_commit=self.to_commit.at[index].set(-1, mode="drop"),
         )
 
 
@@ -101,10 +103,60 @@ class OfflineState:
         return _nbytes(self.rows)
 
     def alloc(self, slots) -> OfflineState:
-        return OfflineState(self.rows.at[:, _scatter_index(slots, self.slots)].set(0, mode="drop"))
+        return OfflineState(self.rows.at[:, drop_index(slots, self.slots)].set(0, mode="drop"))
 
     def free(self, slots) -> OfflineState:
         return self
+
+    def write(self, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0):
+        """Write the new rows by position into layers ``layer .. layer + Lk - 1`` and pool every block the
+        new tokens close, from the ring (earlier positions) and the new tokens. Arguments and results as
+        :func:`jax_oc128.compress`: returns ``(state, entries [Lk, bs, T//128+1, D], entry_blocks
+        [bs, T//128+1])``."""
+        num_layers, rows, tokens, two_d = kv_score.shape
+        dim, ring = two_d // 2, self.rows.shape[2]
+        per_row = tokens // BLOCK + 1
+        valid = valid_rows(slots, seq_lens, self.slots) & (new_lens >= 0) & (new_lens <= tokens)
+        n = jnp.where(valid, new_lens, 0)
+        safe = jnp.where(valid, slots, 0)
+        if tokens == 0:
+            kv_score = jnp.zeros((num_layers, rows, 1, two_d), kv_score.dtype)
+        block = seq_lens[:, None] // BLOCK + jnp.arange(per_row)  # [rows, per_row]
+        closed = valid[:, None] & ((block + 1) * BLOCK <= (seq_lens + n)[:, None])
+        position = block[:, :, None] * BLOCK + jnp.arange(BLOCK)  # [rows, per_row, 128]
+        new = jnp.clip(position - seq_lens[:, None, None], 0, kv_score.shape[2] - 1)
+        from_new = jnp.take_along_axis(kv_score, new.reshape(1, rows, -1, 1), axis=2)
+        layer_rows = self.rows[layer : layer + num_layers]
+        from_ring = layer_rows[:, safe[:, None, None], position % ring].astype(jnp.float32)
+        is_new = (position >= seq_lens[:, None, None])[None, ..., None]
+        block_rows = jnp.where(is_new, from_new.reshape(from_ring.shape), from_ring)
+        weights = jax.nn.softmax(block_rows[..., dim:] + ape[:, None, None], axis=3)
+        entries = jnp.where(closed[None, :, :, None], jnp.sum(weights * block_rows[..., :dim], axis=3), 0.0)
+        entry_blocks = jnp.where(closed, block, -1).astype(jnp.int32)
+
+        t = jnp.arange(kv_score.shape[2])
+        write = valid[:, None] & (t < n[:, None]) & (t >= n[:, None] - ring)  # the last `ring` new tokens
+        index = jnp.where(write, safe[:, None], self.slots)
+        updated = self.rows.at[layer : layer + num_layers, index, (seq_lens[:, None] + t) % ring].set(
+            kv_score.astype(self.rows.dtype), mode="drop"
+        )
+        return OfflineState(updated), entries, entry_blocks
+
+    def open_block(self, slots, seq_lens, ape):
+        """``(max, sum, mean)`` float32 ``[layers, bs, D]`` of each row's open block at ``seq_lens``,
+        pooled from the raw rows; ``ape`` ``[layers, 128, D]``."""
+        dim, ring = self.head_dim, self.rows.shape[2]
+        safe = jnp.where((slots >= 0) & (slots < self.slots), slots, 0)
+        start = seq_lens // BLOCK * BLOCK
+        position = start[:, None] + jnp.arange(BLOCK)  # [bs, 128]
+        rows = self.rows[:, safe[:, None], position % ring].astype(jnp.float32)  # [L, bs, 128, 2D]
+        sigma = jnp.where(
+            (position < seq_lens[:, None])[None, ..., None], rows[..., dim:] + ape[:, None], -jnp.inf
+        )
+        m = jnp.max(sigma, axis=2)
+        w = jnp.exp(sigma - m[:, :, None])
+        s = jnp.sum(w, axis=2)
+        return m, s, jnp.sum(w * rows[..., :dim], axis=2) / s
 
 
 def bytes_per_slot(state_type, layers: int, head_dim: int, max_draft: int, dtype=jnp.float32) -> int:
@@ -116,9 +168,3 @@ def bytes_per_slot(state_type, layers: int, head_dim: int, max_draft: int, dtype
 
 def _nbytes(x) -> int:
     return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-
-
-def _scatter_index(slots, num_slots):
-    """Slots for a ``mode="drop"`` scatter: -1 and out-of-range slots write nothing."""
-    slots = jnp.asarray(slots, jnp.int32)
-    return jnp.where((slots >= 0) & (slots < num_slots), slots, num_slots)

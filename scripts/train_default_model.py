@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 
 from jax_oc128 import checkpoint
+from jax_oc128.controller import OFFLINE
 from jax_oc128.nn import ModelConfig, SpeculativeModel
 
 
@@ -54,9 +55,7 @@ def loss_fn(model, tokens, mtp_weight):
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     logits, hidden, _ = model.target(x, positions, model.target.init_cache(batch))
     target_loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:-1]).mean()
-    mtp_logits, _, _ = model.mtp(
-        model.target, x[:, 1:], hidden[:, :-1], positions[:, 1:], model.mtp.init_cache(batch)
-    )
+    mtp_logits, _, _ = model.mtp(x[:, 1:], hidden[:, :-1], positions[:, 1:], model.mtp.init_cache(batch))
     mtp_loss = optax.softmax_cross_entropy_with_integer_labels(mtp_logits, tokens[:, 2:-1]).mean()
     return target_loss + mtp_weight * mtp_loss, (target_loss, mtp_loss)
 
@@ -74,7 +73,7 @@ def main():
     text = np.frombuffer(corpus(), np.uint8).astype(np.int32)
     print(f"corpus: {len(text) / 1e6:.2f} MB of stdlib docstrings; backend {jax.default_backend()}")
     config = ModelConfig()
-    model = SpeculativeModel(config, backend="offline", rngs=nnx.Rngs(0))
+    model = SpeculativeModel(config, backend=OFFLINE, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     warmup = min(100, args.steps // 10)
     schedule = optax.warmup_cosine_decay_schedule(

@@ -240,20 +240,20 @@ def test_pending_commit_survives_unrelated_forwards_and_idle():
     assert int(cs.pending[2]) == 100
     cs = ONLINE.prepare_forward(cs, ForwardMode.DECODE, one(2), one(103))  # A kept 3 tokens
     assert int(cs.pending[2]) == -1
-    errors = state_err(np.asarray(cs.state[:, 0, 2]), *stream_a.open_state(np.asarray(ape), 103))
+    errors = state_err(np.asarray(cs.banks[:, 0, 2]), *stream_a.open_state(np.asarray(ape), 103))
     assert max(errors) < OFFLINE_FP32
 
 
 def test_alloc_clears_the_slot_and_its_pending_verify():
     cs = CompressState.create(LAYERS, 3, DIM, MAX_DRAFT)
     cs = cs.replace(
-        state=cs.state + 1.0, pending=cs.pending.at[1].set(50), committing=cs.committing.at[1].set(9)
+        banks=cs.banks + 1.0, pending=cs.pending.at[1].set(50), to_commit=cs.to_commit.at[1].set(9)
     )
     cs = cs.alloc(jnp.asarray([1, -1], jnp.int32))
     assert (
-        not np.any(np.asarray(cs.state[:, :, 1])) and int(cs.pending[1]) == -1 and int(cs.committing[1]) == -1
+        not np.any(np.asarray(cs.banks[:, :, 1])) and int(cs.pending[1]) == -1 and int(cs.to_commit[1]) == -1
     )
-    assert np.all(np.asarray(cs.state[:, :, [0, 2]]) == 1.0)
+    assert np.all(np.asarray(cs.banks[:, :, [0, 2]]) == 1.0)
     assert cs.replace(pending=cs.pending.at[2].set(7)).free(jnp.asarray([2], jnp.int32)).pending[2] == -1
 
 
@@ -274,10 +274,10 @@ def test_step_is_in_place_under_jit():
     hlo = step.lower(cs, kv, seq, slots).compile().as_text()
     shape = f"f32[{LAYERS},{MAX_DRAFT + 1},{6},3,{DIM}]"
     assert not [line for line in hlo.splitlines() if shape in line and " copy(" in line]
-    pointer = cs.state.unsafe_buffer_pointer()
+    pointer = cs.banks.unsafe_buffer_pointer()
     new = step(cs, kv, seq, slots)
-    assert cs.state.is_deleted() and cs.pending.is_deleted()
-    assert new.state.unsafe_buffer_pointer() == pointer
+    assert cs.banks.is_deleted() and cs.pending.is_deleted()
+    assert new.banks.unsafe_buffer_pointer() == pointer
 
 
 def test_state_bytes():

@@ -3,13 +3,15 @@ cleanly, and each step compiles once per (slots, N)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from jax_oc128 import decode
+from jax_oc128.controller import OFFLINE, ONLINE
 from jax_oc128.decode import Engine
 from jax_oc128.nn import ModelConfig, SpeculativeModel
 
@@ -37,7 +39,7 @@ def prompts(vocab=CONFIG.vocab_size, lengths=PROMPT_LENGTHS):
     return [list(rng.integers(0, vocab, n)) for n in lengths]
 
 
-@pytest.mark.parametrize("backend", ["online", "offline"])
+@pytest.mark.parametrize("backend", [ONLINE, OFFLINE], ids=["online", "offline"])
 def test_greedy_speculation_equals_plain_greedy(backend):
     """3 slots for 5 requests (slots are reused), N = 2, 4, 8: token for token the plain greedy output."""
     engine = Engine(make_model(backend), slots=3)
@@ -49,8 +51,8 @@ def test_greedy_speculation_equals_plain_greedy(backend):
 
 
 def test_backends_agree():
-    online = Engine(make_model("online"), slots=2).generate(prompts(), 40, num_tokens=4)
-    offline = Engine(make_model("offline"), slots=2).generate(prompts(), 40, num_tokens=4)
+    online = Engine(make_model(ONLINE), slots=2).generate(prompts(), 40, num_tokens=4)
+    offline = Engine(make_model(OFFLINE), slots=2).generate(prompts(), 40, num_tokens=4)
     assert online.tokens == offline.tokens
 
 
@@ -58,19 +60,36 @@ def test_reused_slot_carries_nothing_from_its_previous_owner():
     """One slot: request B after A gives what B gives alone in a fresh engine."""
     a, b = prompts(lengths=(250, 140))
     for n in (None, 4):
-        together = Engine(make_model("online"), slots=1).generate([a, b], 70, num_tokens=n)
-        alone = Engine(make_model("online"), slots=1).generate([b], 70, num_tokens=n)
+        together = Engine(make_model(ONLINE), slots=1).generate([a, b], 70, num_tokens=n)
+        alone = Engine(make_model(ONLINE), slots=1).generate([b], 70, num_tokens=n)
         assert together.tokens[1] == alone.tokens[0]
 
 
+@contextlib.contextmanager
+def count_compiles(name):
+    """Counts XLA compilations of the jitted function ``name`` inside the block (through jax.monitoring's
+    compile events): ``with count_compiles("f") as compiles: ...; compiles[0]``."""
+    compiles = [0]
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration" and kwargs.get("fun_name") == f"jit({name})":
+            compiles[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
 def test_each_step_compiles_once_per_shape():
-    engine = Engine(make_model("online"), slots=5)  # a slot count no other test uses
-    before = decode._speculative_step._cache_size()
-    for seed in range(3):
-        engine.generate(prompts(lengths=(30, 70, 90)), 20, num_tokens=4, seed=seed)
-    assert decode._speculative_step._cache_size() == before + 1
-    engine.generate(prompts(lengths=(30,)), 20, num_tokens=2)
-    assert decode._speculative_step._cache_size() == before + 2
+    engine = Engine(make_model(ONLINE), slots=5)  # a slot count no other test uses
+    with count_compiles("_speculative_step") as compiles:
+        for seed in range(3):
+            engine.generate(prompts(lengths=(30, 70, 90)), 20, num_tokens=4, seed=seed)
+        assert compiles[0] == 1
+        engine.generate(prompts(lengths=(30,)), 20, num_tokens=2)
+        assert compiles[0] == 2
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -78,17 +97,15 @@ def test_speculative_sampling_follows_the_target(n):
     """Temperature 1: the first token of a speculative step is distributed as the target's softmax (chi-square
     over 4096 samples, p > 1e-3), though the draft head (random) proposes from another distribution."""
     config = ModelConfig(**{**CONFIG.__dict__, "vocab_size": 12})
-    model = make_model("online", seed=3, config=config)
+    model = make_model(ONLINE, seed=3, config=config)
     engine = Engine(model, slots=512)
     prompt = prompts(vocab=12, lengths=(140,))[0]
     counts = np.zeros(12)
-    prefilled = engine._admit(engine.init_state(), dict.fromkeys(range(512), prompt), jax.random.key(0), 0.0)
+    prefilled = engine.prefill(engine.init_state(), dict.fromkeys(range(512), prompt), jax.random.key(0))
     first = int(prefilled.token[0])
     for seed in range(8):
         state = jax.tree.map(jnp.copy, prefilled)
-        _, tokens, _ = decode._speculative_step(
-            engine.graphdef, engine.params, state, jax.random.key(seed + 1), n, 1.0
-        )
+        _, tokens, _ = engine.step(state, jax.random.key(seed + 1), num_tokens=n, temperature=1.0)
         counts += np.bincount(np.asarray(tokens[:, 0]), minlength=12)
     sequence = jnp.asarray([[*prompt, first]], jnp.int32)
     logits, _, _ = model.target(sequence, jnp.arange(sequence.shape[1])[None], model.target.init_cache(1))
@@ -98,12 +115,12 @@ def test_speculative_sampling_follows_the_target(n):
     assert chi2 < 31.3, (chi2, counts, expected)
     position = jnp.full((1, 1), sequence.shape[1] - 1, jnp.int32)
     hidden = jnp.zeros((1, 1, config.hidden_size))
-    draft_logits, _, _ = model.mtp(model.target, sequence[:, -1:], hidden, position, model.mtp.init_cache(1))
+    draft_logits, _, _ = model.mtp(sequence[:, -1:], hidden, position, model.mtp.init_cache(1))
     assert np.abs(np.asarray(jax.nn.softmax(draft_logits[0, 0])) - expected / counts.sum()).max() > 0.05
 
 
 def test_bad_arguments_are_named():
-    engine = Engine(make_model("online"), slots=1)
+    engine = Engine(make_model(ONLINE), slots=1)
     for kwargs, match in (
         (dict(num_tokens=1), "num_tokens"),
         (dict(num_tokens=CONFIG.max_draft + 1), "num_tokens"),

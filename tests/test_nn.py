@@ -13,7 +13,8 @@ import pytest
 from flax import nnx
 from oracle import rel_err
 
-from jax_oc128.nn import AttentionConfig, DeepseekV4Attention
+from jax_oc128.controller import OFFLINE, ONLINE, ForwardMode
+from jax_oc128.nn import AttentionConfig, DeepseekV4Attention, prepare_forward
 
 FIXTURE = np.load(pathlib.Path(__file__).parent / "fixtures" / "hf_deepseek_v4.npz")
 META = json.loads(bytes(FIXTURE["meta"]).decode())
@@ -21,9 +22,10 @@ CONFIG = META["config"]
 X = jnp.asarray(FIXTURE["x"])
 BATCH, PROMPT = X.shape[:2]
 HF_TOL = 1e-4  # the issue's bar: fp32 relative error against transformers
+VERIFY = ForwardMode.TARGET_VERIFY
 
 
-def layer(index, backend="online"):
+def layer(index, backend=ONLINE):
     weights = {
         k.split("/", 1)[1]: v for k, v in FIXTURE.items() if k.startswith(f"layer{index}/") and "." in k
     }
@@ -35,16 +37,34 @@ def positions(start, stop):
     return jnp.broadcast_to(jnp.arange(start, stop, dtype=jnp.int32), (BATCH, stop - start))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "verify"), donate_argnames="cache")
-def step(graphdef, params, x, pos, cache, lengths=None, verify=False):
-    """One jitted call of the module with its cache donated."""
-    return nnx.merge(graphdef, params)(x, pos, cache, lengths=lengths, verify=verify)
+def init_caches(attn):
+    """The layer's own cache and a compressor state of its own (None for a sliding layer)."""
+    return attn.init_cache(BATCH), attn.init_compressed(BATCH)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "mode"), donate_argnames="caches")
+def step(graphdef, params, x, pos, caches, lengths=None, mode=ForwardMode.EXTEND):
+    """One jitted forward of the layer (the controller's transition first, as a model runs it) with its
+    caches ``(cache, compressed)`` donated."""
+    attn = nnx.merge(graphdef, params)
+    cache, compressed = caches
+    lengths = jnp.full((x.shape[0],), x.shape[1], jnp.int32) if lengths is None else lengths
+    compressed = prepare_forward(attn.backend, compressed, mode, pos, lengths)
+    y, cache, compressed = attn(x, pos, cache, compressed, lengths=lengths, mode=mode)
+    return y, (cache, compressed)
+
+
+def commit(attn, caches, seq_len, accept):
+    """The eager commit of every row's verify at ``seq_len``, keeping ``accept`` tokens."""
+    cache, compressed = caches
+    full = functools.partial(jnp.full, (BATCH,), dtype=jnp.int32)
+    return cache, attn.commit(compressed, full(seq_len), full(accept))
 
 
 def run(attn, chunks):
     """Feed X in chunks through the jitted module, the cache donated; outputs concatenated."""
     graphdef, params = nnx.split(attn)
-    cache, outputs, start = attn.init_cache(BATCH), [], 0
+    cache, outputs, start = init_caches(attn), [], 0
     for size in chunks:
         y, cache = step(graphdef, params, X[:, start : start + size], positions(start, start + size), cache)
         outputs.append(y)
@@ -62,7 +82,7 @@ CHUNKINGS = {
 @pytest.mark.parametrize("mode", ["full", "chunked", "decoded"])
 @pytest.mark.parametrize(
     "index, backend",
-    [(0, "online"), (1, "online"), (1, "offline")],
+    [(0, ONLINE), (1, ONLINE), (1, OFFLINE)],
     ids=["sliding", "hca-online", "hca-offline"],
 )
 def test_matches_transformers(index, mode, backend):
@@ -72,20 +92,19 @@ def test_matches_transformers(index, mode, backend):
     assert rel_err(y, FIXTURE[f"layer{index}/{mode}"]) < HF_TOL
     if index == 1:
         hf_entries = FIXTURE["layer1/entries" if mode != "decoded" else "layer1/decode_entries"]
-        assert rel_err(cache.entries[:, : hf_entries.shape[1]], hf_entries) < HF_TOL
-        assert not np.any(np.asarray(cache.entries[:, hf_entries.shape[1] :])), (
-            "no entry past the closed blocks"
-        )
+        entries = cache[0].entries
+        assert rel_err(entries[:, : hf_entries.shape[1]], hf_entries) < HF_TOL
+        assert not np.any(np.asarray(entries[:, hf_entries.shape[1] :])), "no entry past the closed blocks"
 
 
 def test_online_and_offline_backends_agree():
-    y_online, c_online = run(layer(1, "online"), CHUNKINGS["chunked"])
-    y_offline, c_offline = run(layer(1, "offline"), CHUNKINGS["chunked"])
+    y_online, c_online = run(layer(1, ONLINE), CHUNKINGS["chunked"])
+    y_offline, c_offline = run(layer(1, OFFLINE), CHUNKINGS["chunked"])
     assert rel_err(y_online, y_offline) < 1e-5
-    assert rel_err(c_online.entries, c_offline.entries) < 1e-5
+    assert rel_err(c_online[0].entries, c_offline[0].entries) < 1e-5
 
 
-@pytest.mark.parametrize("backend", ["online", "offline"])
+@pytest.mark.parametrize("backend", [ONLINE, OFFLINE], ids=["online", "offline"])
 @pytest.mark.parametrize("start", [250, 126], ids=["open-block", "closes-mid-verify"])
 def test_verify_equals_decoding_one_by_one(start, backend):
     """N = 4 tokens verified at once give the outputs of decoding them one by one, also when a block
@@ -95,14 +114,14 @@ def test_verify_equals_decoding_one_by_one(start, backend):
     _, cache = run(attn, (start,))
     _, cache_copy = run(attn, (start,))
     y_verify, cache = step(
-        graphdef, params, X[:, start : start + 4], positions(start, start + 4), cache, verify=True
+        graphdef, params, X[:, start : start + 4], positions(start, start + 4), cache, mode=VERIFY
     )
     decoded = []
     for p in range(start, start + 4):
         y, cache_copy = step(graphdef, params, X[:, p : p + 1], positions(p, p + 1), cache_copy)
         decoded.append(y)
     assert rel_err(y_verify, jnp.concatenate(decoded, axis=1)) < 1e-5
-    cache = attn.commit(cache, jnp.full((BATCH,), start, jnp.int32), jnp.full((BATCH,), 4, jnp.int32))
+    cache = commit(attn, cache, start, 4)
     nxt = start + 4
     y_after, _ = step(graphdef, params, X[:, nxt : nxt + 1], positions(nxt, nxt + 1), cache)
     y_ref, _ = step(graphdef, params, X[:, nxt : nxt + 1], positions(nxt, nxt + 1), cache_copy)
@@ -112,7 +131,7 @@ def test_verify_equals_decoding_one_by_one(start, backend):
 def test_cache_is_donated_under_jit():
     attn = layer(1)
     graphdef, params = nnx.split(attn)
-    cache = attn.init_cache(BATCH)
+    cache = init_caches(attn)
     _, new_cache = step(graphdef, params, X[:, :5], positions(0, 5), cache)
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(cache))
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(new_cache))
@@ -136,7 +155,7 @@ def test_ragged_rows():
     attn = layer(1)
     graphdef, params = nnx.split(attn)
     lengths = jnp.asarray([PROMPT, 200], jnp.int32)
-    y, cache = step(graphdef, params, X, positions(0, PROMPT), attn.init_cache(BATCH), lengths)
+    y, cache = step(graphdef, params, X, positions(0, PROMPT), init_caches(attn), lengths)
     expected = FIXTURE["layer1/full"]
     assert rel_err(y[0], expected[0]) < HF_TOL and rel_err(y[1, :200], expected[1, :200]) < HF_TOL
     for p in range(200, 210):  # row 1 decodes on; row 0 is padding (length 0) at its own position
@@ -146,7 +165,7 @@ def test_ragged_rows():
         assert rel_err(y[1], expected[1, p : p + 1]) < HF_TOL
 
 
-@pytest.mark.parametrize("backend", ["online", "offline"])
+@pytest.mark.parametrize("backend", [ONLINE, OFFLINE], ids=["online", "offline"])
 @pytest.mark.parametrize("start", [250, 126], ids=["open-block", "closes-mid-verify"])
 def test_rejected_drafts_leave_no_trace(start, backend):
     """Verify 4 tokens whose last two are junk, keep 2 (eager commit), and go on: the outputs equal those of
@@ -158,14 +177,13 @@ def test_rejected_drafts_leave_no_trace(start, backend):
     _, clean = run(attn, (start + 2,))
     junk = jnp.asarray(np.random.default_rng(0).normal(size=(BATCH, 2, X.shape[2])), jnp.float32)
     drafts = jnp.concatenate([X[:, start : start + 2], junk], axis=1)
-    _, cache = step(graphdef, params, drafts, positions(start, start + 4), cache, verify=True)
-    cache = attn.commit(cache, jnp.full((BATCH,), start, jnp.int32), jnp.full((BATCH,), 2, jnp.int32))
+    _, cache = step(graphdef, params, drafts, positions(start, start + 4), cache, mode=VERIFY)
+    cache = commit(attn, cache, start, 2)
     nxt = start + 2
-    for verify in (True, False):  # the next verify, and a decode, from the same point
-        width = 4 if verify else 1
+    for mode, width in ((VERIFY, 4), (ForwardMode.DECODE, 1)):  # the next verify, and a decode
         x, pos = X[:, nxt : nxt + width], positions(nxt, nxt + width)
-        y, _ = step(graphdef, params, x, pos, _copy(cache), verify=verify)
-        y_ref, _ = step(graphdef, params, x, pos, _copy(clean), verify=verify)
+        y, _ = step(graphdef, params, x, pos, _copy(cache), mode=mode)
+        y_ref, _ = step(graphdef, params, x, pos, _copy(clean), mode=mode)
         assert rel_err(y, y_ref) < 1e-5
 
 

@@ -1,0 +1,339 @@
+"""Flax NNX DeepSeek-V4 attention with the C128 compressed state threaded through explicitly.
+
+:class:`DeepseekV4Attention` follows Hugging Face transformers' ``DeepseekV4Attention`` (5.24.0) for the
+layer types ``sliding_attention`` and ``heavily_compressed_attention`` (HCA, C128). Compressed sparse
+attention (CSA, C4 with the lightning indexer) is not supported yet. Modules hold parameters only; caches go
+in and come out as pytrees (donate them to the enclosing jit).
+
+The C128 compressor state is not the layer's: one layer-stacked state (:class:`~jax_oc128.CompressState`
+or :class:`~jax_oc128.OfflineState`) holds every C128 layer of a model, and each layer writes its own
+``compress_layer`` of it. The controller's once-per-forward transition runs before the layers
+(:func:`prepare_forward`), so a standalone layer is driven like this::
+
+    compressed = prepare_forward(attn.backend, compressed, mode, positions, lengths)
+    y, cache, compressed = attn(x, positions, cache, compressed, lengths=lengths, mode=mode)
+    compressed = attn.commit(compressed, seq_lens, accept_lens)  # after a verify: eager, or leave it pending
+
+Shapes: ``x`` ``[batch, T, hidden]`` float32 (the layer input after its input norm), ``positions``
+``[batch, T]`` int32, consecutive per row, ``lengths`` ``[batch]`` int32. Batch row b is slot b of the
+compressed state. Everything is computed in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_oc128.controller import ONLINE, Backend, ForwardMode
+from jax_oc128.nn.functional import FULL, linear, normal_param, ones_param, rms_norm
+from jax_oc128.nn.rope import RopeConfig
+from jax_oc128.rules import BLOCK, drop_index
+
+SLIDING, HCA, CSA = "sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Static configuration of one attention layer (the fields of transformers' ``DeepseekV4Config``)."""
+
+    layer_type: str
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf(cls, config: dict, layer_idx: int) -> AttentionConfig:
+        """From ``DeepseekV4Config.to_dict()``."""
+        layer_type = config["layer_types"][layer_idx]
+        if layer_type == CSA:
+            raise NotImplementedError(
+                "compressed_sparse_attention (C4 with the lightning indexer) is not supported yet; "
+                "jax_oc128 implements sliding_attention and heavily_compressed_attention layers"
+            )
+        if layer_type not in (SLIDING, HCA):
+            raise ValueError(f"layer_types[{layer_idx}]: unknown layer type {layer_type!r}")
+        if config.get("compress_rates", {}).get(HCA, BLOCK) != BLOCK:
+            raise NotImplementedError(f"compress_rates[{HCA!r}] must be {BLOCK}")
+        rope_kind = "main" if layer_type == SLIDING else "compress"
+        return cls(
+            layer_type=layer_type,
+            hidden_size=config["hidden_size"],
+            num_heads=config["num_attention_heads"],
+            head_dim=config["head_dim"],
+            q_lora_rank=config["q_lora_rank"],
+            o_groups=config["o_groups"],
+            o_lora_rank=config["o_lora_rank"],
+            sliding_window=config["sliding_window"],
+            rms_norm_eps=config["rms_norm_eps"],
+            rope=RopeConfig.from_hf(config["rope_parameters"][rope_kind], config["head_dim"]),
+            max_position_embeddings=config["max_position_embeddings"],
+        )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionCache:
+    """One layer's cache for a batch, a pytree (the compressor state is the model's, see the module doc).
+
+    Attributes:
+      window: ``[batch, R, D]`` float32: a ring of the last rotated K=V rows, row ``p % R`` holding
+        position p. ``R = sliding_window + max_draft``, so that a verify's rejected drafts never overwrite
+        a row that the window still needs.
+      window_positions: ``[batch, R]`` int32: the position held by each ring row, -1 for none.
+      entries: ``[batch, max_entries, D]`` float32: normed, rotated compressed entries by block index (HCA;
+        zero-sized for sliding layers).
+    """
+
+    window: jax.Array
+    window_positions: jax.Array
+    entries: jax.Array
+
+    def clear(self, rows) -> AttentionCache:
+        """Empty ``rows`` ([n] int32, -1 ignored) for new sequences."""
+        index = drop_index(rows, self.window.shape[0])
+        return AttentionCache(
+            self.window.at[index].set(0, mode="drop"),
+            self.window_positions.at[index].set(-1, mode="drop"),
+            self.entries.at[index].set(0, mode="drop"),
+        )
+
+
+def batch_slots(lengths):
+    """``[batch]`` int32: the compressor slot of each batch row, its index; -1 (padding) for rows of
+    length 0, which leave every state untouched."""
+    return jnp.where(lengths > 0, jnp.arange(lengths.shape[0], dtype=jnp.int32), -1)
+
+
+def prepare_forward(backend: Backend, compressed, mode: ForwardMode, positions, lengths):
+    """The controller's once-per-forward transition of the C128 state before a forward of ``mode`` over
+    ``positions`` ``[batch, T]`` with ``lengths`` ``[batch]``: commits what is pending for the rows (one
+    launch for all layers), or for a verify hands it to each layer's verify kernel. ``compressed`` None
+    (no C128 layer) stays None."""
+    if compressed is None:
+        return None
+    return backend.controller.prepare_forward(compressed, mode, batch_slots(lengths), positions[:, 0])
+
+
+# transformers state-dict name (within the layer's self_attn) -> attribute
+HF_WEIGHT_NAMES = {
+    "q_a_proj.weight": "q_a_proj",
+    "q_a_norm.weight": "q_a_norm",
+    "q_b_proj.weight": "q_b_proj",
+    "kv_proj.weight": "kv_proj",
+    "kv_norm.weight": "kv_norm",
+    "o_a_proj.weight": "o_a_proj",
+    "o_b_proj.weight": "o_b_proj",
+    "sinks": "sinks",
+    "compressor.kv_proj.weight": "compressor_kv_proj",
+    "compressor.gate_proj.weight": "compressor_gate_proj",
+    "compressor.position_bias": "compressor_ape",
+    "compressor.kv_norm.weight": "compressor_kv_norm",
+}
+
+
+class DeepseekV4Attention(nnx.Module):
+    """DeepSeek-V4 attention (sliding or HCA) with explicit caches.
+
+    Args:
+      config: the layer's :class:`AttentionConfig`.
+      backend: the C128 compressor backend (:data:`~jax_oc128.controller.ONLINE` or ``OFFLINE``).
+      max_draft: the most tokens a verify call may feed (banks of the online state).
+      compress_layer: an HCA layer's index in the model's layer-stacked compressor state (the number of
+        HCA layers before it); unused for sliding layers.
+      rngs: parameter initialisation.
+    """
+
+    def __init__(
+        self,
+        config: AttentionConfig,
+        *,
+        backend: Backend = ONLINE,
+        max_draft: int = 4,
+        compress_layer: int = 0,
+        rngs: nnx.Rngs,
+    ):
+        if not isinstance(backend, Backend):
+            raise TypeError(f"backend: a jax_oc128.controller.Backend (ONLINE or OFFLINE), got {backend!r}")
+        self.config, self.backend, self.max_draft = config, backend, max_draft
+        self.compress_layer = compress_layer if config.layer_type == HCA else None
+        c = config
+        self.q_a_proj = normal_param(rngs, c.q_lora_rank, c.hidden_size)
+        self.q_a_norm = ones_param(c.q_lora_rank)
+        self.q_b_proj = normal_param(rngs, c.num_heads * c.head_dim, c.q_lora_rank)
+        self.kv_proj = normal_param(rngs, c.head_dim, c.hidden_size)
+        self.kv_norm = ones_param(c.head_dim)
+        self.o_a_proj = normal_param(rngs, c.o_groups * c.o_lora_rank, c.num_heads * c.head_dim // c.o_groups)
+        self.o_b_proj = normal_param(rngs, c.hidden_size, c.o_groups * c.o_lora_rank)
+        self.sinks = nnx.Param(jnp.zeros((c.num_heads,), jnp.float32))
+        if c.layer_type == HCA:
+            self.compressor_kv_proj = normal_param(rngs, c.head_dim, c.hidden_size)
+            self.compressor_gate_proj = normal_param(rngs, c.head_dim, c.hidden_size)
+            self.compressor_ape = nnx.Param(jnp.zeros((BLOCK, c.head_dim), jnp.float32))
+            self.compressor_kv_norm = ones_param(c.head_dim)
+
+    @classmethod
+    def from_hf(cls, config: dict, layer_idx: int, weights: dict, **kwargs) -> DeepseekV4Attention:
+        """A layer with transformers weights.
+
+        Args:
+          config: ``DeepseekV4Config.to_dict()``.
+          layer_idx: the layer.
+          weights: that layer's state-dict entries (numpy arrays), named as in transformers, with or without
+            the ``model.layers.{i}.self_attn.`` prefix.
+          kwargs: ``backend``, ``max_draft``, ``compress_layer``, ``rngs`` of the constructor.
+        """
+        module = cls(
+            AttentionConfig.from_hf(config, layer_idx), rngs=kwargs.pop("rngs", nnx.Rngs(0)), **kwargs
+        )
+        given = {name.split("self_attn.")[-1]: value for name, value in weights.items()}
+        for name, attr in HF_WEIGHT_NAMES.items():
+            if not hasattr(module, attr):
+                continue
+            if name not in given:
+                raise KeyError(f"weights: missing {name!r} for layer {layer_idx}")
+            current = getattr(module, attr)
+            value = jnp.asarray(given[name], jnp.float32)
+            if value.shape != current.shape:
+                raise ValueError(f"weights[{name!r}]: expected shape {current.shape}, got {value.shape}")
+            current[...] = value
+        return module
+
+    def init_cache(self, batch: int, max_len: int | None = None) -> AttentionCache:
+        """An empty cache for ``batch`` rows and sequences up to ``max_len`` tokens (default: the config's
+        ``max_position_embeddings``)."""
+        c = self.config
+        max_len = c.max_position_embeddings if max_len is None else max_len
+        rows = c.sliding_window + self.max_draft
+        return AttentionCache(
+            window=jnp.zeros((batch, rows, c.head_dim), jnp.float32),
+            window_positions=jnp.full((batch, rows), -1, jnp.int32),
+            entries=jnp.zeros(
+                (batch, max_len // BLOCK if c.layer_type == HCA else 0, c.head_dim), jnp.float32
+            ),
+        )
+
+    def init_compressed(self, batch: int):
+        """A fresh compressor state for this layer alone (``compress_layer + 1`` layers, ``batch`` slots), for
+        standalone use (in a model the model makes one for all its HCA layers); None for a sliding layer."""
+        if self.compress_layer is None:
+            return None
+        return self.backend.create(self.compress_layer + 1, batch, self.config.head_dim, self.max_draft)
+
+    def __call__(
+        self, x, positions, cache: AttentionCache, compressed=None, *, lengths=None, mode=ForwardMode.EXTEND
+    ):
+        """Attention over the window, the new tokens (causal) and the visible compressed entries.
+
+        Args:
+          x: ``[batch, T, hidden]`` float32; positions: ``[batch, T]`` int32.
+          cache: this layer's :class:`AttentionCache`.
+          compressed: the prepared (:func:`prepare_forward`) layer-stacked compressor state; HCA layers
+            only, sliding layers pass it through.
+          lengths: ``[batch]`` int32 (default: all T), the valid tokens of each row; the rest is padding, and
+            a row of length 0 leaves its caches untouched (outputs of padding are meaningless).
+          mode: static :class:`~jax_oc128.controller.ForwardMode`. ``TARGET_VERIFY``: the T tokens are a
+            chain verify (1 <= T <= max_draft, rows of length T or 0): the compressor writes its banks, and
+            the caller then keeps ``accept`` of them with :meth:`commit` or leaves them pending (the row's
+            next forward commits them from its positions).
+
+        Returns:
+          ``(y [batch, T, hidden], cache, compressed)``.
+        """
+        c = self.config
+        batch, tokens, _ = x.shape
+        lengths = jnp.full((batch,), tokens, jnp.int32) if lengths is None else lengths
+        q_res = rms_norm(linear(x, self.q_a_proj[...]), self.q_a_norm[...], c.rms_norm_eps)
+        q = linear(q_res, self.q_b_proj[...]).reshape(batch, tokens, c.num_heads, c.head_dim)
+        q = c.rope.apply(rms_norm(q, 1.0, c.rms_norm_eps), positions)  # per head, unweighted
+        kv = c.rope.apply(
+            rms_norm(linear(x, self.kv_proj[...]), self.kv_norm[...], c.rms_norm_eps), positions
+        )
+
+        keys = jnp.concatenate([cache.window, kv], axis=1)
+        key_positions = jnp.concatenate([cache.window_positions, positions], axis=1)
+        t, k = positions[:, :, None], key_positions[:, None, :]
+        # window rows at or past this call's first position hold rejected drafts of an earlier verify: this
+        # call rewrites those positions, so only the window rows before it count
+        fresh = jnp.concatenate(
+            [cache.window_positions < positions[:, :1], jnp.ones_like(positions, bool)], axis=1
+        )
+        visible = fresh[:, None, :] & (k >= 0) & (k <= t) & (k > t - c.sliding_window)
+        if c.layer_type == HCA:
+            cache, compressed = self._compress(x, positions, lengths, cache, compressed, mode)
+            keys = jnp.concatenate([keys, cache.entries], axis=1)
+            entry = jnp.arange(cache.entries.shape[1])[None, None, :]
+            visible = jnp.concatenate([visible, entry < (t + 1) // BLOCK], axis=2)
+
+        logits = jnp.einsum("bthd,bkd->bhtk", q, keys, precision=FULL) * c.head_dim**-0.5
+        logits = jnp.where(visible[:, None], logits, -jnp.inf)
+        sink = self.sinks[...][None, :, None]
+        top = jnp.maximum(jnp.max(logits, axis=-1), sink)
+        weights = jnp.exp(logits - top[..., None])
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + jnp.exp(sink - top)[..., None])
+        out = c.rope.apply(
+            jnp.einsum("bhtk,bkd->bthd", weights, keys, precision=FULL), positions, inverse=True
+        )
+
+        grouped = out.reshape(batch, tokens, c.o_groups, -1)
+        o_a = self.o_a_proj[...].reshape(c.o_groups, c.o_lora_rank, -1)
+        y = linear(
+            jnp.einsum("btgi,goi->btgo", grouped, o_a, precision=FULL).reshape(batch, tokens, -1),
+            self.o_b_proj[...],
+        )
+        return y, self._update_window(cache, kv, positions, lengths), compressed
+
+    def _update_window(self, cache, kv, positions, lengths):
+        """Write the last ``R`` valid new rows into the window ring (row ``p % R``)."""
+        window = cache.window.shape[1]
+        t = jnp.arange(positions.shape[1])[None]
+        write = (t < lengths[:, None]) & (t >= lengths[:, None] - window)
+        index = jnp.where(write, positions % window, window)
+        rows = jnp.arange(positions.shape[0])[:, None]
+        return dataclasses.replace(
+            cache,
+            window=cache.window.at[rows, index].set(kv, mode="drop"),
+            window_positions=cache.window_positions.at[rows, index].set(positions, mode="drop"),
+        )
+
+    def _compress(self, x, positions, lengths, cache, compressed, mode):
+        """Run this layer's compressor (compress, or a verify's bank writes) on its layer of the prepared
+        state and store the entries it closed."""
+        c = self.config
+        batch = x.shape[0]
+        if compressed is None:
+            compressed = self.init_compressed(batch)
+        kv_score = jnp.concatenate(
+            [linear(x, self.compressor_kv_proj[...]), linear(x, self.compressor_gate_proj[...])], -1
+        )
+        kv_score, ape = kv_score[None], self.compressor_ape[...][None]
+        seq_lens, slots = positions[:, 0], batch_slots(lengths)
+        controller, layer = self.backend.controller, self.compress_layer
+        if mode is ForwardMode.TARGET_VERIFY:
+            compressed, entries, blocks = controller.write_prefix(
+                compressed, kv_score, seq_lens, slots, ape, layer=layer
+            )
+        else:
+            compressed, entries, blocks = controller.compress(
+                compressed, kv_score, seq_lens, lengths, slots, ape, layer=layer
+            )
+        normed = rms_norm(entries[0], self.compressor_kv_norm[...], c.rms_norm_eps)
+        normed = c.rope.apply(normed, jnp.maximum(blocks, 0) * BLOCK)
+        index = jnp.where(blocks >= 0, blocks, cache.entries.shape[1])
+        stored = cache.entries.at[jnp.arange(batch)[:, None], index].set(normed, mode="drop")
+        return dataclasses.replace(cache, entries=stored), compressed
+
+    def commit(self, compressed, seq_lens, accept_lens):
+        """Keep ``accept_lens`` ``[batch]`` tokens of the verify at ``seq_lens`` (the eager commit), in every
+        layer of ``compressed`` at once."""
+        slots = jnp.arange(seq_lens.shape[0], dtype=jnp.int32)
+        return self.backend.controller.commit(compressed, slots, seq_lens, accept_lens)

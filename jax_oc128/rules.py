@@ -1,0 +1,49 @@
+"""The slot and bank rules of the C128 state, in one place: the ops' jnp twins, the states, the
+controller and the attention all import them from here.
+
+Shapes: ``slots``, ``seq_lens``, ``accept_lens`` are ``[bs]`` int32 per row of a call (slot -1 marks a
+padding row); ``pending`` is ``[num_slots]`` int32 per slot of a state.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+#: tokens pooled into one compressed entry
+BLOCK = 128
+#: the most tokens one verify may fold (banks ``1..MAX_DRAFT``); the native verify is compiled per N
+MAX_DRAFT = 16
+
+
+def valid_rows(slots, seq_lens, num_slots):
+    """``[bs]`` bool: rows that address a slot of the state at a non-negative length; other rows are
+    skipped by every op (nothing read or written)."""
+    return (slots >= 0) & (slots < num_slots) & (seq_lens >= 0)
+
+
+def drop_index(slots, num_slots, keep=None):
+    """Slot indices for a ``mode="drop"`` scatter: rows that are out of range, padding (-1) or not
+    ``keep`` get index ``num_slots`` and write nothing."""
+    slots = jnp.asarray(slots, jnp.int32)
+    ok = (slots >= 0) & (slots < num_slots)
+    if keep is not None:
+        ok = ok & keep
+    return jnp.where(ok, slots, num_slots)
+
+
+def commits_bank(seq_lens, accept_lens, num_banks):
+    """``[bs]`` bool: a commit of ``accept_lens`` tokens of the verify at ``seq_lens`` copies bank
+    ``accept_lens`` into bank 0. It does not when nothing is kept (accept 0), when the accept is past the
+    banks, or when the kept tokens end exactly on a block boundary (the block closed: bank 0 of a fresh
+    block is never read, so it stays as it is)."""
+    return (accept_lens >= 1) & (accept_lens < num_banks) & ((seq_lens + accept_lens) % BLOCK != 0)
+
+
+def pending_commits(pending, slots, seq_lens):
+    """``(seq_lens, accept_lens, slots)`` for a commit that keeps each row's pending verify: the row whose
+    slot has ``pending[slot] >= 0`` (the length at that verify) keeps ``seq_lens - pending[slot]`` tokens
+    of it; other rows become padding."""
+    valid = valid_rows(slots, seq_lens, pending.shape[0])
+    before = jnp.where(valid, pending[jnp.where(valid, slots, 0)], -1)
+    has = before >= 0
+    return jnp.where(has, before, 0), jnp.where(has, seq_lens - before, 0), jnp.where(has, slots, -1)

@@ -1,0 +1,81 @@
+"""The model owns one compressed state for all its C128 layers: what each forward launches, counted in the
+compiled HLO."""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from jax_oc128.controller import ONLINE, ForwardMode
+from jax_oc128.nn import HCA, SLIDING, DeepseekV4Model, ModelConfig
+
+CONFIG = ModelConfig(
+    vocab_size=32,
+    hidden_size=32,
+    layer_types=(HCA, SLIDING, HCA, HCA),
+    num_heads=2,
+    head_dim=32,
+    rope_dim=8,
+    q_lora_rank=16,
+    o_lora_rank=16,
+    mlp_hidden=32,
+    sliding_window=8,
+    max_len=512,
+    max_draft=4,
+)
+TOKENS = {ForwardMode.EXTEND: 8, ForwardMode.DECODE: 1, ForwardMode.TARGET_VERIFY: 4}
+
+
+def custom_calls(hlo: str) -> collections.Counter:
+    """Custom-call targets of a compiled HLO module, counted."""
+    return collections.Counter(re.findall(r'custom_call_target="(oc128_\w+)"', hlo))
+
+
+def compiled_forward(model, mode, batch=3):
+    tokens = TOKENS[mode]
+    graphdef, params = nnx.split(model)
+
+    def forward(params, cache, tokens, positions):
+        return nnx.merge(graphdef, params)(tokens, positions, cache, mode=mode)
+
+    ids = jnp.zeros((batch, tokens), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32) + 130, (batch, tokens))
+    return jax.jit(forward, donate_argnums=1).lower(params, model.init_cache(batch), ids, positions).compile()
+
+
+def test_model_holds_one_compressed_state_for_its_c128_layers():
+    cache = DeepseekV4Model(CONFIG, rngs=nnx.Rngs(0)).init_cache(2)
+    assert cache.compressed.layers == 3 and cache.compressed.slots == 2
+    assert len(cache.layers) == 4 and all(not hasattr(layer, "compressed") for layer in cache.layers)
+
+
+@pytest.mark.parametrize("mode", list(TOKENS), ids=[m.value for m in TOKENS])
+def test_one_native_call_per_c128_layer_and_at_most_one_commit(mode):
+    """Extend and decode: one compress per C128 layer and one commit for all layers (the pending verify,
+    if any, in one launch). Verify: one verify per C128 layer, each committing its own layer's pending
+    verify inside the kernel, and no commit launch at all."""
+    calls = custom_calls(compiled_forward(DeepseekV4Model(CONFIG, rngs=nnx.Rngs(0)), mode).as_text())
+    layers = CONFIG.compressed_layers
+    if mode is ForwardMode.TARGET_VERIFY:
+        assert calls == {"oc128_verify": layers}
+    else:
+        assert calls == {"oc128_compress": layers, "oc128_commit": 1}
+
+
+def test_eager_commit_is_one_launch_for_all_layers():
+    model = DeepseekV4Model(CONFIG, rngs=nnx.Rngs(0))
+    batch = 3
+    seq_lens = jnp.full((batch,), 130, jnp.int32)
+    commit = jax.jit(model.commit, donate_argnums=0).lower(model.init_cache(batch), seq_lens, seq_lens)
+    assert custom_calls(commit.compile().as_text()) == {"oc128_commit": 1}
+
+
+def test_backend_must_be_an_object():
+    with pytest.raises(TypeError, match="backend"):
+        DeepseekV4Model(CONFIG, backend="online", rngs=nnx.Rngs(0))
+    assert DeepseekV4Model(CONFIG, backend=ONLINE, rngs=nnx.Rngs(0)).backend is ONLINE
