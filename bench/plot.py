@@ -1,7 +1,7 @@
 """Plot a bench_ops.py result file: time per speculative step vs batch, against the launch and bandwidth
 floors.
 
-Usage: python bench/plot.py bench/results_h200.json bench/bench_h200.png   (needs matplotlib)
+Usage: python bench/plot.py bench/results/results_h200.json bench/results/bench_h200.png   (needs matplotlib)
 """
 
 from __future__ import annotations
