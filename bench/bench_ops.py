@@ -1,24 +1,35 @@
-"""Benchmark verify + commit for all C128 layers at DeepSeek-V4-Flash shapes (20 layers, head_dim 512).
+"""Per-step cost of the C128 ops in the patterns a model runs, at DeepSeek-V4-Flash shapes (20 C128 layers,
+head_dim 512), per speculative step (a verify of N tokens per request).
 
-Per speculative step a server runs one verify (all layers, one launch) and one commit (all layers, one
-launch). This script times both inside one jit-compiled executable with the state donated, unrolled
-``--repeat`` times so that host dispatch is amortised, and reports against two floors:
+In a forward, layer l's kv_score is a projection of layer l-1's output, so the layers run one after the
+other: a verify cannot batch them. Patterns, per step:
 
-* launch floor: the same executable with do-nothing launches (commits of one padding row), i.e. what
-  one kernel launch costs in this setting;
-* bandwidth floor: bytes the step must move / the copy bandwidth of the device (read + write of a
-  large array, measured here).
+* ``model``: per layer one ``verify(..., layer=l, pending=...)``; the previous step's commit is fused into
+  it (``pending``: the previous step's seq_lens per slot, as ``Controller.prepare_forward`` +
+  ``write_prefix`` do), so 20 launches and no commit launch.
+* ``sglang``: per layer one verify (SGLang's write_prefix_states), then one commit per layer (its
+  commit_pending): 40 launches. (SGLang also launches mark_pending twice per step; not counted here.)
+* ``launch``: the floor, per layer one do-nothing launch (a verify of a single padding row, slot -1):
+  20 launches.
+* ``batched``: one verify and one commit for all 20 layers. A reference only, not a pattern a model can
+  run (it needs every layer's kv_score before the first layer's attention).
 
-Steps timed: ``ops`` (verify + commit ops), ``lazy_step`` and ``eager_step`` (the controller's two
-paths, with its pending-table updates), ``verify`` and ``commit`` alone, and ``per_layer`` (one verify and
-one commit launch per layer, as SGLang does) for comparison.
-Usage: python bench/bench_ops.py [--batches 8 256] [--draft 4] [--out results.json]
+Every per-layer pattern carries the same dependency chain (see ``_depend``). Each pattern runs unrolled
+``--repeat`` steps (positions advancing) inside one jit-compiled executable with the state donated. The time
+per step is the slope between that executable and one of a single step, (t_repeat - t_1) / (repeat - 1),
+each the median of ``--iters`` calls: host dispatch and the final sync, paid once per call, cancel. (The
+unrolled executables compile in time superlinear in their length, hence a slope over a modest repeat.) The
+bandwidth floor is the bytes the model's step must move divided by the device's copy bandwidth (read +
+write of a 2 GiB array, measured here).
+
+Usage: python bench/bench_ops.py [--batches 1 8 64 256] [--draft 4] [--out bench/results/bench_ops.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import time
 
 import jax
@@ -26,45 +37,42 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_oc128 as oc
-from jax_oc128.controller import Controller, ForwardMode
-from jax_oc128.state import CompressState
-
-CONTROLLER = Controller()
 
 LAYERS, DIM, BLOCK = 20, 512, 128
+PATTERNS = ("launch", "model", "sglang", "batched")
+DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "bench_ops.json"
 
 
-def timed(fn, *args, iters=20):
-    """Median seconds per call of fn(*args) (fn returns its donated first argument first)."""
-    out = fn(*args)
-    jax.block_until_ready(out)
+def timed(fn, carry, consts, iters):
+    """Median seconds per call of ``carry = fn(carry, consts)`` (carry donated)."""
+    carry = fn(carry, consts)
+    jax.block_until_ready(carry)
     times = []
     for _ in range(iters):
-        args = (out[0] if isinstance(out, tuple) else out, *args[1:])
         start = time.perf_counter()
-        out = fn(*args)
-        jax.block_until_ready(out)
+        carry = fn(carry, consts)
+        jax.block_until_ready(carry)
         times.append(time.perf_counter() - start)
     return float(np.median(times))
 
 
-def copy_bandwidth():
+def copy_bandwidth(iters):
     """Bytes/s of a device copy (read + write) of a 2 GiB array."""
+    fn = jax.jit(lambda x, _: x * 1.0001)
     x = jnp.ones((512 * 1024 * 1024,), jnp.float32)
-    fn = jax.jit(lambda x: x * 1.0001)
-    t = timed(lambda x: (fn(x),), x)
-    return 2 * x.nbytes / t
+    return 2 * x.nbytes / timed(fn, x, None, iters)
 
 
 def step_bytes(rows, n, dtype_bytes):
-    """Bytes one verify + commit must move for all layers (ape is shared by all rows and not counted):
-    verify reads bank 0 and the tokens and writes N banks and the entry; commit copies one slot's row."""
+    """Bytes the model's step must move, all layers (ape, shared by all rows, is not counted): per row and
+    layer, read the accepted bank and write it to bank 0 (the fused commit), read the N tokens' kv_score,
+    write N banks and the entry."""
     state_row = 3 * DIM * dtype_bytes
-    verify = state_row + n * 2 * DIM * 4 + n * state_row + DIM * 4
-    return LAYERS * rows * (verify + 2 * state_row)
+    return LAYERS * rows * (2 * state_row + n * 2 * DIM * 4 + n * state_row + DIM * 4)
 
 
 def make_inputs(rows, n, dtype, seed=0):
+    """``(state, kv_score [L, rows, n, 2D], seq_lens, slots, ape [L, 128, D], accept)`` at Flash shapes."""
     rng = np.random.default_rng(seed)
     state = oc.init_state(LAYERS, rows, DIM, n, dtype)
     kv = jnp.asarray(rng.normal(size=(LAYERS, rows, n, 2 * DIM)).astype(np.float32))
@@ -75,112 +83,159 @@ def make_inputs(rows, n, dtype, seed=0):
     return state, kv, seq, slots, ape, accept
 
 
-def _ops_step(state, kv, seq, slots, ape, accept):
-    state, _, _ = oc.verify(state, kv, seq, slots, ape)
-    return oc.commit(state, seq, accept, slots), seq + accept
+def _depend(kv, blocks):
+    """Layer l's kv_score ``[1, rows, N, 2D]`` made to depend on layer l-1's output ``blocks`` ``[rows, 1]``.
+
+    The term is 1 where ``entry_blocks == -2``, which never happens (blocks are -1 or >= 0), so it adds 0.0
+    and the data stay as they are; XLA cannot know that, so this layer's verify must wait for the previous
+    one's output, as a real layer's kv_score (a projection of the previous layer's output) must. The term goes
+    into one element per row, in place (kv is carried and donated), so the chain costs one tiny fusion per
+    layer and no copy of kv. Every per-layer pattern pays the same chain.
+    """
+    return kv.at[0, :, 0, 0].add((blocks[:, 0] == -2).astype(kv.dtype))
 
 
-def _per_layer_step(state, kv, seq, slots, ape, accept):
+def _layers(state, kv, blocks, seq, slots, ape, pending=None):
+    """One verify per layer along the dependency chain; returns ``(state, kv, blocks)``."""
+    kv = list(kv)
     for layer in range(LAYERS):
-        state, _, _ = oc.verify(state, kv[layer : layer + 1], seq, slots, ape[layer : layer + 1], layer=layer)
+        kv[layer] = _depend(kv[layer], blocks)
+        state, _, blocks = oc.verify(state, kv[layer], seq, slots, ape[layer], layer=layer, pending=pending)
+    return state, kv, blocks
+
+
+def _model_step(c, k):
+    # prepare_forward(TARGET_VERIFY): what was pending is committed by this step's verifies (fused), and
+    # this step's seq_lens become pending; the next step's seq_lens - pending is this step's accept.
+    committing = c["pending"]
+    pending = c["pending"].at[k["slots"]].set(c["seq"], mode="drop")
+    state, kv, blocks = _layers(c["state"], c["kv"], c["blocks"], c["seq"], k["slots"], k["ape"], committing)
+    return dict(state=state, kv=kv, blocks=blocks, seq=c["seq"] + k["accept"], pending=pending)
+
+
+def _sglang_step(c, k):
+    state, kv, blocks = _layers(c["state"], c["kv"], c["blocks"], c["seq"], k["slots"], k["ape"])
     for layer in range(LAYERS):
-        state = oc.commit(state, seq, accept, slots, layer=layer, num_layers=1)
-    return state, seq + accept
+        state = oc.commit(state, c["seq"], k["accept"], k["slots"], layer=layer, num_layers=1)
+    return dict(c, state=state, kv=kv, blocks=blocks, seq=c["seq"] + k["accept"])
 
 
-def _lazy_step(cs, kv, seq, slots, ape, accept):
-    """Controller, lazy path: prepare_forward commits the previous verify, then write_prefix."""
-    cs = CONTROLLER.prepare_forward(cs, ForwardMode.TARGET_VERIFY, slots, seq)
-    return CONTROLLER.write_prefix(cs, kv, seq, slots, ape)[0], seq + accept
+def _launch_step(c, k):
+    state, kv, blocks = _layers(c["state"], c["kv"], c["blocks"], c["seq"], k["slots"], k["ape"])
+    return dict(c, state=state, kv=kv, blocks=blocks)
 
 
-def _eager_step(cs, kv, seq, slots, ape, accept):
-    """Controller, eager path: write_prefix, then commit once acceptance is known."""
-    cs = CONTROLLER.write_prefix(cs, kv, seq, slots, ape)[0]
-    return CONTROLLER.commit(cs, slots, seq, accept), seq + accept
+def _batched_step(c, k):
+    state, _, _ = oc.verify(c["state"], k["kv_all"], c["seq"], k["slots"], k["ape_all"])
+    state = oc.commit(state, c["seq"], k["accept"], k["slots"])
+    return dict(c, state=state, seq=c["seq"] + k["accept"])
 
 
-def _launch_step(state, kv, seq, slots, ape, accept):
-    """Two do-nothing launches: commits of a single padding row."""
-    pad = jnp.full((1,), -1, jnp.int32)
-    for _ in range(2):
-        state = oc.commit(state, pad, pad, pad, num_layers=1)
-    return state, seq
+STEPS = {"launch": _launch_step, "model": _model_step, "sglang": _sglang_step, "batched": _batched_step}
 
 
-STEPS = {
-    "launch2": _launch_step,
-    "ops": _ops_step,
-    "verify": lambda state, kv, seq, slots, ape, accept: (oc.verify(state, kv, seq, slots, ape)[0], seq),
-    "commit": lambda state, kv, seq, slots, ape, accept: (oc.commit(state, seq, accept, slots), seq),
-    "per_layer": _per_layer_step,
-    "lazy_step": _lazy_step,
-    "eager_step": _eager_step,
-}
+def setup(pattern, rows, n, dtype):
+    """``(carry, consts)`` of ``pattern``: carry (donated) holds what a step updates."""
+    state, kv, seq, slots, ape, accept = make_inputs(rows, n, dtype)
+    if pattern == "launch":  # one padding row
+        kv, seq, slots = kv[:, :1], jnp.zeros((1,), jnp.int32), jnp.full((1,), -1, jnp.int32)
+    carry = dict(
+        state=state,
+        kv=[kv[layer : layer + 1] for layer in range(LAYERS)],
+        blocks=jnp.full((seq.shape[0], 1), -1, jnp.int32),
+        seq=seq,
+        pending=jnp.full((rows,), -1, jnp.int32),
+    )
+    consts = dict(slots=slots, accept=accept, ape=[ape[layer : layer + 1] for layer in range(LAYERS)])
+    if pattern == "batched":
+        carry.pop("kv")
+        consts.update(kv_all=kv, ape_all=ape)
+    return carry, consts
 
 
-def build(kind, repeat):
-    """A jitted function running step ``kind`` ``repeat`` times (positions advancing), the state donated."""
+def build(pattern, repeat):
+    """A jitted function running ``repeat`` steps of ``pattern``, the carry donated."""
 
-    def run(state, kv, seq, slots, ape, accept):
+    def run(carry, consts):
         for _ in range(repeat):
-            state, seq = STEPS[kind](state, kv, seq, slots, ape, accept)
-        return (state,)
+            carry = STEPS[pattern](carry, consts)
+        return carry
 
     return jax.jit(run, donate_argnums=0)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--draft", type=int, nargs="+", default=[4])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--repeat", type=int, default=20)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--repeat", type=int, default=10, help="steps unrolled in one executable (>= 2)")
+    parser.add_argument("--iters", type=int, default=20, help="timed calls (median)")
+    parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args()
+    if args.repeat < 2:
+        parser.error("--repeat: at least 2 (the time per step is a slope)")
 
-    bandwidth = copy_bandwidth()
     device = jax.devices()[0].device_kind
-    print(f"device: {device}  copy bandwidth {bandwidth / 1e12:.2f} TB/s  (us per step, all {LAYERS} layers)")
+    bandwidth = copy_bandwidth(args.iters)
+    print(f"device: {device}, copy bandwidth {bandwidth / 1e9:.0f} GB/s, N = {args.draft}")
     print(
-        "dtype     N batch | launch |  ops  x_launch | lazy   x_launch | eager  x_launch | verify commit |",
-        end="",
+        f"us per speculative step, {LAYERS} C128 layers, head_dim {DIM}, {args.repeat} steps per executable:"
     )
-    print(" ops GB/s %copy | per-layer")
-    results = {"device": device, "copy_bandwidth": bandwidth, "layers": LAYERS, "head_dim": DIM, "rows": []}
+    print(
+        "dtype     N batch | launch (/launch) |  model x_launch | sglang x_launch | model/sglang | "
+        "batched* | bw floor"
+    )
+    results = dict(
+        device=device,
+        copy_bandwidth=bandwidth,
+        layers=LAYERS,
+        head_dim=DIM,
+        repeat=args.repeat,
+        iters=args.iters,
+        patterns=dict(
+            launch=f"{LAYERS} do-nothing launches (verify of one padding row), same dependency chain",
+            model=f"{LAYERS} verify launches, the previous step's commit fused (pending)",
+            sglang=f"{LAYERS} verify + {LAYERS} commit launches",
+            batched="1 verify + 1 commit for all layers: reference only, not a pattern a model can run",
+        ),
+        rows=[],
+    )
     for dtype in args.dtypes:
         for n in args.draft:
             for rows in args.batches:
-                us = {}
-                for kind in STEPS:
-                    repeat = max(1, args.repeat // 4) if kind == "per_layer" else args.repeat  # 40 calls each
-                    state, *inputs = make_inputs(rows, n, jnp.dtype(dtype))
-                    if kind.endswith("_step"):
-                        state = CompressState.create(LAYERS, rows, DIM, n, dtype).replace(state=state)
-                    us[kind] = timed(build(kind, repeat), state, *inputs) / repeat * 1e6
-                launch = us["launch2"] / 2
+                us, raw = {}, {}
+                for pattern in PATTERNS:
+                    seconds = {}
+                    for repeat in (1, args.repeat):
+                        carry, consts = setup(pattern, rows, n, jnp.dtype(dtype))
+                        seconds[repeat] = timed(build(pattern, repeat), carry, consts, args.iters)
+                    us[pattern] = (seconds[args.repeat] - seconds[1]) / (args.repeat - 1) * 1e6
+                    raw[pattern] = {str(k): v * 1e6 for k, v in seconds.items()}
                 total = step_bytes(rows, n, jnp.dtype(dtype).itemsize)
-                row = dict(
-                    dtype=dtype,
-                    draft=n,
-                    batch=rows,
-                    launch_us=launch,
+                row = dict(dtype=dtype, draft=n, batch=rows, **{f"{k}_us": v for k, v in us.items()})
+                row.update(
+                    launch_per_launch_us=us["launch"] / LAYERS,
                     bytes=total,
-                    **{f"{k}_us": v for k, v in us.items()},
+                    floor_us=total / bandwidth * 1e6,
+                    model_x_launch=us["model"] / us["launch"],
+                    sglang_x_launch=us["sglang"] / us["launch"],
+                    model_x_sglang=us["model"] / us["sglang"],
+                    call_us=raw,
                 )
-                row["ops_bandwidth"] = total / (us["ops"] * 1e-6)
                 results["rows"].append(row)
-                ratio = {k: v / launch for k, v in us.items()}
                 print(
-                    f"{dtype:8s} {n:2d} {rows:5d} | {launch:6.2f} | {us['ops']:6.1f} {ratio['ops']:5.2f} | "
-                    f"{us['lazy_step']:6.1f} {ratio['lazy_step']:5.2f} | {us['eager_step']:6.1f} "
-                    f"{ratio['eager_step']:5.2f} | {us['verify']:6.1f} {us['commit']:6.1f} | "
-                    f"{row['ops_bandwidth'] / 1e9:8.0f} {100 * row['ops_bandwidth'] / bandwidth:4.0f}% | "
-                    f"{us['per_layer']:8.1f}"
+                    f"{dtype:8s} {n:2d} {rows:5d} | "
+                    f"{us['launch']:7.1f} ({row['launch_per_launch_us']:5.2f}) | "
+                    f"{us['model']:7.1f} {row['model_x_launch']:5.2f} | "
+                    f"{us['sglang']:7.1f} {row['sglang_x_launch']:5.2f} | {row['model_x_sglang']:12.2f} | "
+                    f"{us['batched']:8.1f} | {row['floor_us']:8.2f}"
                 )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    print("* batched: one verify + one commit for all layers, a reference, not a pattern a model can run")
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
