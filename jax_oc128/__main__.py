@@ -6,6 +6,8 @@ import argparse
 import importlib.metadata
 import sys
 
+from jax_oc128.decode import STEPS_PER_DISPATCH
+
 
 def info() -> str:
     """Versions, the backend and which native targets are registered on which platform."""
@@ -69,7 +71,7 @@ def demo(args) -> str:
 
     model, meta = checkpoint.load(args.model or checkpoint.DEFAULT_MODEL, backend=BACKENDS[args.backend])
     prompts = [list(p.encode("ascii", "replace")) for p in (args.prompt or DEMO_PROMPTS)]
-    engine = Engine(model, slots=args.batch)
+    engine = Engine(model, slots=args.batch, steps_per_dispatch=args.steps_per_dispatch)
     modes = [("plain", None)] + [(f"speculative N={n}", n) for n in args.draft]
     for _, n in modes:  # compile every step function first, so the timings below are the steady state
         engine.generate(
@@ -96,13 +98,20 @@ def demo(args) -> str:
             f"--- prompt {i + 1} ({len(prompt)} bytes) ---",
             _text(prompt) + " >>> " + _text(plain.tokens[i]),
         ]
-    lines += ["", f"{'mode':20s} {'tokens/s':>9s} {'steps':>6s} {'mean accepted':>14s}  same tokens as plain"]
+    lines += [
+        "",
+        f"{'mode':20s} {'tokens/s':>9s} {'steps':>6s} {'dispatches':>10s} {'mean accepted':>14s}  "
+        "same tokens as plain",
+    ]
     for name, result in results.items():
         rate = sum(map(len, result.tokens)) / result.seconds
         same = "-" if result is plain else ("yes" if result.tokens == plain.tokens else "no")
         if args.temperature > 0 and result is not plain:
             same = "(sampled)"
-        lines.append(f"{name:20s} {rate:9.1f} {result.steps:6d} {result.mean_accepted:14.2f}  {same}")
+        lines.append(
+            f"{name:20s} {rate:9.1f} {result.steps:6d} {result.dispatches:10d} "
+            f"{result.mean_accepted:14.2f}  {same}"
+        )
     layout = (c128, config.head_dim, config.max_draft)
     online, offline = (bytes_per_slot(backend.state_type, *layout) for backend in (ONLINE, OFFLINE))
     lines.append(
@@ -128,6 +137,12 @@ def main(argv=None) -> int:
         "--backend", choices=["online", "offline"], default="online", help="C128 compressor state"
     )
     run.add_argument("--batch", type=int, default=4, help="slots")
+    run.add_argument(
+        "--steps-per-dispatch",
+        type=int,
+        default=STEPS_PER_DISPATCH,
+        help="K: decoding steps per on-device loop (1: the host reads every step)",
+    )
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--model", default=None, help="a checkpoint (default: the one shipped in the package)")
     args = parser.parse_args(argv)

@@ -8,6 +8,7 @@ import json
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -46,5 +47,7 @@ def load(path=DEFAULT_MODEL, *, backend: Backend = ONLINE) -> tuple[SpeculativeM
     names = [name for name, _ in _named_leaves(state)]
     if set(stored) != set(names):
         raise ValueError(f"{path}: parameters do not match the model built from its config")
-    state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state), [stored[n] for n in names])
+    state = jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(state), [jnp.asarray(stored[n]) for n in names]
+    )
     return nnx.merge(graphdef, state), meta
