@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session: build with CUDA, run the suite, the benchmark (C128 ops per speculative step in the model's
-# pattern, SGLang's and the launch floor), the command-buffer-free GPU tests, a memcheck of the CUDA handlers
-# and a kernel profile. Logs go to $OUT (the device tool) or ./gpu_out.
+# pattern, SGLang's and the launch floor), the decode loop's benchmark (device-only vs end-to-end, DECODE_ARGS),
+# the command-buffer-free GPU tests, a memcheck of the CUDA handlers and a kernel profile. Logs go to $OUT (the
+# device tool) or ./gpu_out.
 # The whole suite takes about 300 s on the H200 (many small compiles); STAGES picks what runs after it
 # (default: all), e.g. STAGES="demo" to run the demo only.
 set -uo pipefail
@@ -17,6 +18,8 @@ JAX_OC128_CUDA=ON JAX_OC128_CUDA_ARCHS=90 python3 -m pip install --no-build-isol
 stage() { [ -z "${STAGES:-}" ] || [[ " $STAGES " == *" $1 "* ]]; }
 stage demo && (cd /tmp && timeout 90 python3 -m jax_oc128 demo 2>/dev/null) | tee "$out/demo_h200.txt"
 stage bench && timeout "${BENCH_TIMEOUT:-500}" python3 bench/bench_ops.py ${BENCH_ARGS:-} --out "$out/bench.json" 2>&1 | tee "$out/bench.log"
+stage decode && timeout "${DECODE_TIMEOUT:-500}" python3 bench/bench_decode.py ${DECODE_ARGS:-} --out "$out/bench_decode.json" 2>&1 \
+  | tee "$out/bench_decode.log"
 stage nocmdbuf && (cd tests && XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 80 python3 -m pytest -q -p no:cacheprovider \
   test_gpu.py test_verify_commit.py -k "gpu or case_matrix" 2>&1) | tee "$out/pytest_gpu_no_cmdbuf.log" | tail -3
 stage memcheck && (cd tests && timeout 100 compute-sanitizer --tool memcheck --error-exitcode 9 \

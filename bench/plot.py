@@ -1,7 +1,10 @@
 """Plot a bench_ops.py result file: us per speculative step vs batch, one line per pattern, against the
-launch and bandwidth floors.
+launch and bandwidth floors; or bench_decode.py result files (their rows together): device-only and end-to-end
+us per step vs slots, one panel per config and mode, one pair of lines per C128 backend.
 
-Usage: python bench/plot.py bench/results/bench_ops.json bench/results/bench_h200.png   (needs matplotlib)
+Usage (needs matplotlib):
+  python bench/plot.py bench/results/bench_ops.json bench/results/bench_h200.png
+  python bench/plot.py bench/results/bench_decode_a.json [more.json ...] bench/results/bench_decode_h200.png
 """
 
 from __future__ import annotations
@@ -15,9 +18,50 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 
-def main(source, target):
-    with open(source) as f:
-        results = json.load(f)
+def plot_decode(results, target):
+    """bench_decode.py's rows: us per step vs slots, device (solid) and e2e (dashed) per backend."""
+    rows = results["rows"]
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    fig, axes = plt.subplots(
+        len(configs), len(modes), figsize=(4.5 * len(modes), 3.8 * len(configs)), squeeze=False
+    )
+    for i, config in enumerate(configs):
+        for j, mode in enumerate(modes):
+            ax = axes[i, j]
+            for backend, color in (("online", "C0"), ("offline", "C1")):
+                sel = [r for r in rows if (r["config"], r["mode"], r["backend"]) == (config, mode, backend)]
+                sel.sort(key=lambda r: r["slots"])
+                if not sel:
+                    continue
+                slots = [r["slots"] for r in sel]
+                ax.plot(slots, [r["device_us"] for r in sel], "o-", color=color, label=f"{backend}: device")
+                ax.plot(slots, [r["e2e_us"] for r in sel], "s--", color=color, label=f"{backend}: e2e")
+            ax.set(xscale="log", yscale="log", xlabel="slots", title=f"{config}, {mode}")
+            ticks = sorted({r["slots"] for r in rows})
+            ax.set_xticks(ticks, [str(s) for s in ticks], minor=False)
+            ax.set_xticks([], minor=True)
+            ax.grid(True, which="both", alpha=0.3)
+        axes[i, 0].set_ylabel("us per step")
+    axes[0, 0].legend(fontsize=8)
+    k = results["steps_per_dispatch"]
+    fig.suptitle(
+        f"Decode loop on {results['device']}: device-only (K = {k} steps per dispatch) vs Engine.generate"
+    )
+    fig.tight_layout()
+    fig.savefig(target, dpi=110)
+
+
+def main(*paths):
+    *sources, target = paths
+    loaded = []
+    for source in sources:
+        with open(source) as f:
+            loaded.append(json.load(f))
+    results = loaded[0]
+    if results.get("bench") == "decode":
+        results = dict(results, rows=[row for r in loaded for row in r["rows"]])
+        return plot_decode(results, target)
     layers = results["layers"]
     dtypes = sorted({row["dtype"] for row in results["rows"]})
     fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), sharey=True, squeeze=False)
@@ -45,4 +89,4 @@ def main(source, target):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:])

@@ -1,0 +1,317 @@
+"""The decode loop's time per step on the device alone against end to end through ``Engine.generate``, for the
+shipped model and a DeepSeek-V4-Flash-attention model, online and offline C128 state, plain and speculative.
+
+Configs:
+
+* ``shipped``: the model shipped in the package (``checkpoint.load``; 4 layers, 2 of them C128, byte-level).
+  Prompts are slices of the demo's text, so that the drafts are accepted as in use.
+* ``v4flash-attn``: the attention of DeepSeek-V4-Flash at its shapes (hidden 4096, 64 heads x 512, q and o
+  LoRA rank 1024, 8 o-groups, rope_dim 64, window 128) in 6 layers alternating sliding and C128, a dense
+  SwiGLU MLP of 2048, float32, random weights (``nnx.Rngs(0)``, the same for both backends), ``max_len``
+  4096 (the 64-slot caches stay small), ``max_draft`` 4. The vocabulary is 4096, not V4's 129280: the point
+  is the attention and the C128 state, and a full-size LM head (2 GiB of float32, read at every step and
+  every draft) would dominate the small-batch steps. Prompts are random token ids; the random MTP head's
+  drafts are almost never accepted (mean accepted length about 1), which does not matter for the time per
+  step.
+
+Per (config, backend, mode, slots), with one engine of ``slots`` slots and K steps per dispatch:
+
+* *device*: every slot prefilled with a ``--prompt-len`` (200) token prompt (so the C128 state crosses a
+  128-token block) and a budget no row can spend; then one warm-up dispatch (it compiles), then D
+  dispatches of ``engine.decode(state, num_tokens=N, steps=K)`` queued back to back, the state donated and
+  threaded, nothing read by the host, ``jax.block_until_ready`` once at the end; time per step = elapsed /
+  (D * K), with D * K >= ``--device-steps`` (128). Method: repetitions, not a slope: the host enqueues
+  dispatch i+1 while the device runs dispatch i, so only the first launch and the final sync are not
+  overlapped, paid once over D * K steps. Afterwards the last dispatch is checked to have run K steps with
+  every row active.
+* *e2e*: ``engine.generate(prompts, --tokens, num_tokens=N)`` with ``slots`` prompts of the same length,
+  after a short warm-up call (the executables are compiled by then); tokens/s = generated tokens / seconds,
+  time per step = seconds / result.steps, ratio = e2e / device time per step. ``generate``'s seconds include
+  its prefill, so the table also gives the ratio with the prefill's time (init_state + prefill of all slots,
+  timed on its own, compiled) taken out.
+
+Targets (the issue): e2e time per step <= 1.1x the device time per step at 8 slots, plain and N = 4; the
+online C128 state never slower per step than the offline one at the V4-Flash config. Both are checked and
+printed after the table.
+
+``--sweep-k 1 4 16 64`` instead measures e2e tokens/s for each K (one engine per K) at the first config and
+backend, for the given modes and slots, to choose the engine's default K by measurement.
+
+Usage (from a directory other than the repository root, or with jax_oc128 installed)::
+
+    python bench/bench_decode.py [--configs shipped v4flash-attn] [--backends online offline]
+        [--modes plain 2 4] [--slots 1 8 64] [--steps-per-dispatch K] [--tokens 256]
+        [--out bench/results/bench_decode.json]
+    python bench/bench_decode.py --configs shipped --sweep-k 1 4 16 64 --modes plain 4 --slots 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jax_oc128 import checkpoint
+from jax_oc128.controller import BACKENDS
+from jax_oc128.decode import STEPS_PER_DISPATCH, Engine
+from jax_oc128.nn import ModelConfig, SpeculativeModel
+from jax_oc128.nn.attention import HCA, SLIDING
+
+DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "bench_decode.json"
+CONFIGS = ("shipped", "v4flash-attn")
+#: DeepSeek-V4-Flash's attention shapes in 6 layers (see the module doc)
+V4FLASH_ATTN = ModelConfig(
+    vocab_size=4096,
+    hidden_size=4096,
+    layer_types=(SLIDING, HCA) * 3,
+    num_heads=64,
+    head_dim=512,
+    rope_dim=64,
+    q_lora_rank=1024,
+    o_groups=8,
+    o_lora_rank=1024,
+    sliding_window=128,
+    mlp_hidden=2048,
+    max_len=4096,
+    max_draft=4,
+)
+#: the demo's prompts (byte-level text for the shipped model)
+TEXT = (
+    "Return a new list containing all items from the iterable in ascending order. A custom key function "
+    "can be supplied to customize the sort order, and the reverse flag can be set to request the result in "
+    "descending order. Open file and return a corresponding file object. If the file cannot be opened, an "
+    "OSError is raised. This module provides access to some variables used or maintained by the interpreter "
+    "and to functions that interact strongly with the interpreter. It is always available. Create a new "
+    "thread "
+)
+
+
+def build_model(config: str, backend: str) -> SpeculativeModel:
+    if config == "shipped":
+        return checkpoint.load(backend=BACKENDS[backend])[0]
+    if config == "v4flash-attn":
+        return SpeculativeModel(V4FLASH_ATTN, backend=BACKENDS[backend], rngs=nnx.Rngs(0))
+    raise ValueError(f"unknown config {config!r}")
+
+
+def make_prompts(model_config: ModelConfig, count: int, length: int, seed: int = 0) -> list[list[int]]:
+    """``count`` prompts of ``length`` tokens: slices of :data:`TEXT` at different offsets for a byte-level
+    model, else random token ids."""
+    if model_config.vocab_size == 256:
+        text = TEXT.encode("ascii")
+        text = text * (length // len(text) + 2)
+        return [list(text[(61 * i) % len(TEXT) :][:length]) for i in range(count)]
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, model_config.vocab_size, length).tolist() for _ in range(count)]
+
+
+def device_time(engine: Engine, prompts, num_tokens, steps: int, device_steps: int) -> dict:
+    """Device-only time per step of ``engine.decode`` (see the module doc), the prefill's time and the
+    first calls' (compile) times."""
+    n, max_len = num_tokens or 1, engine.model.config.max_len
+    dispatches = max(2, math.ceil(device_steps / steps))
+    room = (max_len - len(prompts[0]) - n) // (n * steps) - 1  # dispatches before a row could pass max_len
+    if room < 1:
+        raise ValueError(f"max_len {max_len}: no room for a dispatch of {steps} steps of N = {n}")
+    dispatches = min(dispatches, room)
+    budget = n * steps * (dispatches + 1) + n + 1  # more than any row can spend: no row ends
+    assignments = dict(enumerate(prompts))
+    prefill = []
+    for _ in range(2):  # the first compiles; the second is the prefill's time
+        start = time.perf_counter()
+        state, _ = engine.prefill(engine.init_state(0), assignments, budget)
+        jax.block_until_ready(state)
+        prefill.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    state, output = engine.decode(state, num_tokens=num_tokens, steps=steps)  # compiles; warm-up
+    jax.block_until_ready((state, output))
+    compile_decode = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(dispatches):
+        state, output = engine.decode(state, num_tokens=num_tokens, steps=steps)
+    jax.block_until_ready((state, output))
+    elapsed = time.perf_counter() - start
+    if int(output.steps) != steps or not np.all(np.asarray(output.active)):
+        raise RuntimeError("a row ended during the device-only timing: the budget is too small")
+    del state, output
+    return dict(
+        device_us=elapsed / (dispatches * steps) * 1e6,
+        dispatches=dispatches,
+        prefill_ms=prefill[1] * 1e3,
+        compile_s=prefill[0] + compile_decode,
+    )
+
+
+def e2e(engine: Engine, prompts, num_tokens, tokens: int) -> dict:
+    """``Engine.generate``'s tokens/s and time per step, after a short warm-up call."""
+    engine.generate(prompts, 4, num_tokens=num_tokens)
+    result = engine.generate(prompts, tokens, num_tokens=num_tokens)
+    generated = sum(map(len, result.tokens))
+    return dict(
+        e2e_us=result.seconds / max(1, result.steps) * 1e6,
+        tokens_per_s=generated / result.seconds,
+        generated=generated,
+        seconds=result.seconds,
+        steps=result.steps,
+        e2e_dispatches=result.dispatches,
+        mean_accepted=result.mean_accepted,
+    )
+
+
+def mode_name(num_tokens) -> str:
+    return "plain" if num_tokens is None else f"N={num_tokens}"
+
+
+def measure(args) -> list[dict]:
+    rows = []
+    print(
+        "| config | backend | mode | slots | device us/step | e2e us/step | ratio | ratio excl. prefill "
+        "| tokens/s | mean accepted |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for config in args.configs:
+        for backend in args.backends:
+            model = build_model(config, backend)
+            for slots in args.slots:
+                engine = Engine(model, slots, steps_per_dispatch=args.steps_per_dispatch)
+                prompts = make_prompts(model.config, slots, args.prompt_len)
+                for num_tokens in args.modes:
+                    row = dict(config=config, backend=backend, mode=mode_name(num_tokens), slots=slots)
+                    row.update(
+                        device_time(engine, prompts, num_tokens, engine.steps_per_dispatch, args.device_steps)
+                    )
+                    row.update(e2e(engine, prompts, num_tokens, args.tokens))
+                    decode_us = (row["seconds"] - row["prefill_ms"] / 1e3) / max(1, row["steps"]) * 1e6
+                    row.update(
+                        ratio=row["e2e_us"] / row["device_us"],
+                        e2e_decode_us=decode_us,
+                        ratio_excl_prefill=decode_us / row["device_us"],
+                    )
+                    rows.append(row)
+                    print(
+                        f"| {config} | {backend} | {row['mode']} | {slots} | {row['device_us']:.1f} | "
+                        f"{row['e2e_us']:.1f} | {row['ratio']:.2f} | {row['ratio_excl_prefill']:.2f} | "
+                        f"{row['tokens_per_s']:.0f} | {row['mean_accepted']:.2f} |",
+                        flush=True,
+                    )
+                del engine
+            del model
+    return rows
+
+
+def check_targets(rows) -> list[str]:
+    """The issue's targets, as lines of text."""
+    lines = []
+    for row in rows:
+        if row["slots"] == 8 and row["mode"] in ("plain", "N=4"):
+            ok = row["ratio"] <= 1.1
+            lines.append(
+                f"e2e <= 1.1x device, {row['config']} {row['backend']} {row['mode']} 8 slots: "
+                f"{row['ratio']:.2f} ({row['ratio_excl_prefill']:.2f} excl. prefill) "
+                f"{'met' if ok else 'NOT met'}"
+            )
+    by_key = {(r["config"], r["backend"], r["mode"], r["slots"]): r for r in rows}
+    for (config, backend, mode, slots), row in by_key.items():
+        other = by_key.get((config, "offline", mode, slots))
+        if config == "v4flash-attn" and backend == "online" and other is not None:
+            x = row["device_us"] / other["device_us"]
+            lines.append(
+                f"online <= offline per step, {config} {mode} {slots} slots: online/offline {x:.3f} "
+                f"{'met' if x <= 1.0 else 'NOT met'}"
+            )
+    return lines
+
+
+def sweep(args) -> list[dict]:
+    """E2E tokens/s per K at the first config and backend."""
+    config, backend = args.configs[0], args.backends[0]
+    model = build_model(config, backend)
+    rows = []
+    print(f"K sweep: {config}, {backend} state, {args.tokens} new tokens per request")
+    print("| mode | slots | K | tokens/s | e2e us/step | dispatches | mean accepted | compile s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for num_tokens in args.modes:
+        for slots in args.slots:
+            prompts = make_prompts(model.config, slots, args.prompt_len)
+            for k in args.sweep_k:
+                engine = Engine(model, slots, steps_per_dispatch=k)
+                start = time.perf_counter()
+                engine.generate(prompts, 4, num_tokens=num_tokens)  # compiles
+                compile_s = time.perf_counter() - start
+                row = dict(config=config, backend=backend, mode=mode_name(num_tokens), slots=slots, k=k)
+                row.update(e2e(engine, prompts, num_tokens, args.tokens), compile_s=compile_s)
+                rows.append(row)
+                print(
+                    f"| {row['mode']} | {slots} | {k} | {row['tokens_per_s']:.0f} | {row['e2e_us']:.1f} | "
+                    f"{row['e2e_dispatches']} | {row['mean_accepted']:.2f} | {compile_s:.1f} |",
+                    flush=True,
+                )
+                del engine
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    parser.add_argument("--backends", nargs="+", choices=sorted(BACKENDS), default=["online", "offline"])
+    parser.add_argument(
+        "--modes", nargs="+", default=["plain", "2", "4"], help="plain and/or N of speculative steps"
+    )
+    parser.add_argument("--slots", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument(
+        "--steps-per-dispatch", type=int, default=STEPS_PER_DISPATCH, help="K: decoding steps per dispatch"
+    )
+    parser.add_argument("--tokens", type=int, default=256, help="new tokens per request (e2e)")
+    parser.add_argument("--prompt-len", type=int, default=200, help="prompt tokens per slot")
+    parser.add_argument("--device-steps", type=int, default=128, help="steps timed on the device, at least")
+    parser.add_argument(
+        "--sweep-k", type=int, nargs="+", default=None, help="measure e2e tokens/s per K only"
+    )
+    parser.add_argument("--out", default=str(DEFAULT_OUT))
+    args = parser.parse_args()
+    try:
+        args.modes = [None if m == "plain" else int(m) for m in args.modes]
+    except ValueError:
+        parser.error(f"--modes: 'plain' or integers N >= 2, got {args.modes}")
+    if any(m is not None and m < 2 for m in args.modes):
+        parser.error("--modes: N must be >= 2")
+
+    device = jax.devices()[0].device_kind
+    print(
+        f"device: {device}, jax {jax.__version__}, K = {args.steps_per_dispatch}, prompts {args.prompt_len}"
+    )
+    results = dict(
+        bench="decode",
+        device=device,
+        jax=jax.__version__,
+        steps_per_dispatch=args.steps_per_dispatch,
+        tokens=args.tokens,
+        prompt_len=args.prompt_len,
+        device_steps=args.device_steps,
+        configs={
+            "shipped": "checkpoint.load() (the shipped model)",
+            "v4flash-attn": dataclasses.asdict(V4FLASH_ATTN),
+        },
+    )
+    if args.sweep_k:
+        results["sweep"] = sweep(args)
+    else:
+        results["rows"] = rows = measure(args)
+        targets = check_targets(rows)
+        results["targets"] = targets
+        print("\n".join(targets))
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
