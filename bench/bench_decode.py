@@ -284,9 +284,8 @@ def main():
         parser.error("--modes: N must be >= 2")
 
     device = jax.devices()[0].device_kind
-    print(
-        f"device: {device}, jax {jax.__version__}, K = {args.steps_per_dispatch}, prompts {args.prompt_len}"
-    )
+    k = args.sweep_k or args.steps_per_dispatch
+    print(f"device: {device}, jax {jax.__version__}, K = {k}, prompts of {args.prompt_len} tokens")
     results = dict(
         bench="decode",
         device=device,
