@@ -1,5 +1,6 @@
 // CPU handlers of jax_oc128: loop over the work items of oc128_math.h, exposed through nanobind.
 #include <cstring>
+#include <utility>
 
 #include "oc128_ffi.h"
 #include "registrations.h"
@@ -38,36 +39,21 @@ struct CpuBackend {
   }
 };
 
-ffi::Error CompressCpu(ffi::AnyBuffer state, ffi::Buffer<ffi::F32> kv_score, ffi::Buffer<ffi::S32> seq_lens,
-                       ffi::Buffer<ffi::S32> new_lens, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> ape,
-                       ffi::Result<ffi::AnyBuffer> state_out, ffi::Result<ffi::Buffer<ffi::F32>> entries,
-                       ffi::Result<ffi::Buffer<ffi::S32>> entry_blocks, int64_t layer) {
+// The handler of Op: its operands as its binding (bind<Op>) decodes them.
+template <typename Op>
+constexpr auto on_cpu = [](auto... operands) {
   CpuBackend backend;
-  return compress(backend, state, kv_score, seq_lens, new_lens, slots, ape, state_out, entries, entry_blocks, layer);
-}
-
-ffi::Error VerifyCpu(ffi::AnyBuffer state, ffi::Buffer<ffi::F32> kv_score, ffi::Buffer<ffi::S32> seq_lens,
-                     ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> ape, ffi::Buffer<ffi::S32> pending,
-                     ffi::Result<ffi::AnyBuffer> state_out, ffi::Result<ffi::Buffer<ffi::F32>> entries,
-                     ffi::Result<ffi::Buffer<ffi::S32>> entry_blocks, int64_t layer) {
-  CpuBackend backend;
-  return verify(backend, state, kv_score, seq_lens, slots, ape, pending, state_out, entries, entry_blocks, layer);
-}
-
-ffi::Error CommitCpu(ffi::AnyBuffer state, ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> accept_lens,
-                     ffi::Buffer<ffi::S32> slots, ffi::Result<ffi::AnyBuffer> state_out, int64_t layer,
-                     int64_t num_layers) {
-  CpuBackend backend;
-  return commit(backend, state, seq_lens, accept_lens, slots, state_out, layer, num_layers);
-}
+  return Op::run(backend, std::move(operands)...);
+};
 
 }  // namespace
 }  // namespace oc128
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(oc128_compress_cpu, oc128::CompressCpu, oc128::bind_compress(xla::ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(oc128_verify_cpu, oc128::VerifyCpu, oc128::bind_verify(xla::ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(oc128_commit_cpu, oc128::CommitCpu, oc128::bind_commit(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(oc128_compress_cpu, oc128::on_cpu<oc128::Compress>,
+                              oc128::bind<oc128::Compress>(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(oc128_verify_cpu, oc128::on_cpu<oc128::Verify>,
+                              oc128::bind<oc128::Verify>(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(oc128_commit_cpu, oc128::on_cpu<oc128::Commit>,
+                              oc128::bind<oc128::Commit>(xla::ffi::Ffi::Bind()));
 
-NB_MODULE(_oc128_cpu, m) {
-  m.def("registrations", []() { return oc128::registrations(oc128_compress_cpu, oc128_verify_cpu, oc128_commit_cpu); });
-}
+NB_MODULE(cpu, m) { oc128::define_module(m, oc128_compress_cpu, oc128_verify_cpu, oc128_commit_cpu); }

@@ -82,45 +82,24 @@ struct CudaBackend {
   }
 };
 
-ffi::Error CompressCuda(cudaStream_t stream, ffi::AnyBuffer state, ffi::Buffer<ffi::F32> kv_score,
-                        ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> new_lens, ffi::Buffer<ffi::S32> slots,
-                        ffi::Buffer<ffi::F32> ape, ffi::Result<ffi::AnyBuffer> state_out,
-                        ffi::Result<ffi::Buffer<ffi::F32>> entries, ffi::Result<ffi::Buffer<ffi::S32>> entry_blocks,
-                        int64_t layer) {
+// The handler of Op: XLA's stream, then Op's operands as its binding (bind<Op> after the stream) decodes them.
+template <typename Op>
+constexpr auto on_cuda = [](cudaStream_t stream, auto... operands) {
   CudaBackend backend{stream};
-  return compress(backend, state, kv_score, seq_lens, new_lens, slots, ape, state_out, entries, entry_blocks, layer);
-}
+  return Op::run(backend, std::move(operands)...);
+};
 
-ffi::Error VerifyCuda(cudaStream_t stream, ffi::AnyBuffer state, ffi::Buffer<ffi::F32> kv_score,
-                      ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> ape,
-                      ffi::Buffer<ffi::S32> pending, ffi::Result<ffi::AnyBuffer> state_out,
-                      ffi::Result<ffi::Buffer<ffi::F32>> entries, ffi::Result<ffi::Buffer<ffi::S32>> entry_blocks,
-                      int64_t layer) {
-  CudaBackend backend{stream};
-  return verify(backend, state, kv_score, seq_lens, slots, ape, pending, state_out, entries, entry_blocks, layer);
-}
-
-ffi::Error CommitCuda(cudaStream_t stream, ffi::AnyBuffer state, ffi::Buffer<ffi::S32> seq_lens,
-                      ffi::Buffer<ffi::S32> accept_lens, ffi::Buffer<ffi::S32> slots,
-                      ffi::Result<ffi::AnyBuffer> state_out, int64_t layer, int64_t num_layers) {
-  CudaBackend backend{stream};
-  return commit(backend, state, seq_lens, accept_lens, slots, state_out, layer, num_layers);
-}
-
-template <typename B>
-auto with_stream(B binding) {
-  return std::move(binding).template Ctx<ffi::PlatformStream<cudaStream_t>>();
+template <typename Op>
+auto bind_cuda() {
+  return bind<Op>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>());
 }
 
 }  // namespace
 }  // namespace oc128
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(oc128_compress_cuda, oc128::CompressCuda,
-                              oc128::bind_compress(oc128::with_stream(xla::ffi::Ffi::Bind())),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(oc128_compress_cuda, oc128::on_cuda<oc128::Compress>, oc128::bind_cuda<oc128::Compress>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(oc128_verify_cuda, oc128::VerifyCuda,
-                              oc128::bind_verify(oc128::with_stream(xla::ffi::Ffi::Bind())),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(oc128_verify_cuda, oc128::on_cuda<oc128::Verify>, oc128::bind_cuda<oc128::Verify>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(oc128_commit_cuda, oc128::CommitCuda,
-                              oc128::bind_commit(oc128::with_stream(xla::ffi::Ffi::Bind())),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(oc128_commit_cuda, oc128::on_cuda<oc128::Commit>, oc128::bind_cuda<oc128::Commit>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});

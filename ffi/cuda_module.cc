@@ -6,7 +6,4 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(oc128_compress_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(oc128_verify_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(oc128_commit_cuda);
 
-NB_MODULE(_oc128_cuda, m) {
-  m.def("registrations",
-        []() { return oc128::registrations(oc128_compress_cuda, oc128_verify_cuda, oc128_commit_cuda); });
-}
+NB_MODULE(cuda, m) { oc128::define_module(m, oc128_compress_cuda, oc128_verify_cuda, oc128_commit_cuda); }

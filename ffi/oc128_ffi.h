@@ -4,6 +4,8 @@
 //   template <class T> ffi::Error compress(const CompressArgs<T>&, int64_t call_layers, int64_t segments);
 //   template <int N, class T> ffi::Error verify(const VerifyArgs<T>&, int64_t call_layers);
 //   ffi::Error commit(const CommitArgs&, int64_t num_layers);
+// and one handler per op: a generic lambda that makes its Backend from its context operands and calls
+// Op::run, bound with bind<Op>, so that the operand types and names are written once, here.
 // Only Buffer, AnyBuffer, Result, Attr, Ctx and Error are used, so this compiles against the FFI
 // headers of jaxlib 0.10 and 0.11 alike.
 #pragma once
@@ -11,6 +13,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -202,47 +205,99 @@ ffi::Error commit(Backend& backend, ffi::AnyBuffer state_in, ffi::Buffer<ffi::S3
   return backend.commit(args, num_layers);
 }
 
-// The operand lists, in the order of the functions above; the platform prepends its context.
-template <typename B>
-auto bind_compress(B binding) {
-  return std::move(binding)
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::Buffer<ffi::F32>>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Arg<ffi::Buffer<ffi::F32>>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::Buffer<ffi::F32>>()
-      .template Ret<ffi::Buffer<ffi::S32>>()
-      .template Attr<int64_t>("layer");
+// The operands of each op, named once: a Compress/Verify/Commit descriptor lists them in the order of the
+// function above, and both the FFI binding (bind<Op>) and the names a module reports (for_each_operand) are
+// generated from that list. The platform prepends its context operands to the binding.
+template <typename T>
+struct NamedArg {
+  static constexpr const char* kKind = "args";
+  const char* name;
+};
+template <typename T>
+struct NamedRet {
+  static constexpr const char* kKind = "rets";
+  const char* name;
+};
+template <typename T>
+struct NamedAttr {
+  static constexpr const char* kKind = "attrs";
+  const char* name;
+};
+
+struct Compress {
+  static constexpr const char* kTarget = "oc128_compress";
+  static constexpr auto kOperands =
+      std::make_tuple(NamedArg<ffi::AnyBuffer>{"state"}, NamedArg<ffi::Buffer<ffi::F32>>{"kv_score"},
+                      NamedArg<ffi::Buffer<ffi::S32>>{"seq_lens"}, NamedArg<ffi::Buffer<ffi::S32>>{"new_lens"},
+                      NamedArg<ffi::Buffer<ffi::S32>>{"slots"}, NamedArg<ffi::Buffer<ffi::F32>>{"ape"},
+                      NamedRet<ffi::AnyBuffer>{"state"}, NamedRet<ffi::Buffer<ffi::F32>>{"entries"},
+                      NamedRet<ffi::Buffer<ffi::S32>>{"entry_blocks"}, NamedAttr<int64_t>{"layer"});
+  template <typename Backend, typename... Operands>
+  static ffi::Error run(Backend& backend, Operands... operands) {
+    return compress(backend, std::move(operands)...);
+  }
+};
+
+struct Verify {
+  static constexpr const char* kTarget = "oc128_verify";
+  static constexpr auto kOperands =
+      std::make_tuple(NamedArg<ffi::AnyBuffer>{"state"}, NamedArg<ffi::Buffer<ffi::F32>>{"kv_score"},
+                      NamedArg<ffi::Buffer<ffi::S32>>{"seq_lens"}, NamedArg<ffi::Buffer<ffi::S32>>{"slots"},
+                      NamedArg<ffi::Buffer<ffi::F32>>{"ape"}, NamedArg<ffi::Buffer<ffi::S32>>{"pending"},
+                      NamedRet<ffi::AnyBuffer>{"state"}, NamedRet<ffi::Buffer<ffi::F32>>{"entries"},
+                      NamedRet<ffi::Buffer<ffi::S32>>{"entry_blocks"}, NamedAttr<int64_t>{"layer"});
+  template <typename Backend, typename... Operands>
+  static ffi::Error run(Backend& backend, Operands... operands) {
+    return verify(backend, std::move(operands)...);
+  }
+};
+
+struct Commit {
+  static constexpr const char* kTarget = "oc128_commit";
+  static constexpr auto kOperands =
+      std::make_tuple(NamedArg<ffi::AnyBuffer>{"state"}, NamedArg<ffi::Buffer<ffi::S32>>{"seq_lens"},
+                      NamedArg<ffi::Buffer<ffi::S32>>{"accept_lens"}, NamedArg<ffi::Buffer<ffi::S32>>{"slots"},
+                      NamedRet<ffi::AnyBuffer>{"state"}, NamedAttr<int64_t>{"layer"}, NamedAttr<int64_t>{"num_layers"});
+  template <typename Backend, typename... Operands>
+  static ffi::Error run(Backend& backend, Operands... operands) {
+    return commit(backend, std::move(operands)...);
+  }
+};
+
+// A Binding cannot be copied or moved, only extended (std::move(binding).Arg<T>() returns a new one), so it is
+// passed by reference and every step returns the extended binding.
+template <typename B, typename T>
+auto bind_operand(B&& binding, NamedArg<T>) {
+  return std::move(binding).template Arg<T>();
+}
+template <typename B, typename T>
+auto bind_operand(B&& binding, NamedRet<T>) {
+  return std::move(binding).template Ret<T>();
+}
+template <typename B, typename T>
+auto bind_operand(B&& binding, NamedAttr<T> attr) {
+  return std::move(binding).template Attr<T>(attr.name);
 }
 
-template <typename B>
-auto bind_verify(B binding) {
-  return std::move(binding)
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::Buffer<ffi::F32>>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Arg<ffi::Buffer<ffi::F32>>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::Buffer<ffi::F32>>()
-      .template Ret<ffi::Buffer<ffi::S32>>()
-      .template Attr<int64_t>("layer");
+template <typename B, typename Operand, typename... Rest>
+auto bind_operands(B&& binding, Operand operand, Rest... rest) {
+  if constexpr (sizeof...(Rest) == 0) {
+    return bind_operand(std::move(binding), operand);
+  } else {
+    return bind_operands(bind_operand(std::move(binding), operand), rest...);
+  }
 }
 
-template <typename B>
-auto bind_commit(B binding) {
-  return std::move(binding)
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Attr<int64_t>("layer")
-      .template Attr<int64_t>("num_layers");
+// `binding` (Ffi::Bind() with the platform's context) followed by Op's operands.
+template <typename Op, typename B>
+auto bind(B&& binding) {
+  return std::apply([&](auto... operands) { return bind_operands(std::move(binding), operands...); }, Op::kOperands);
+}
+
+// f(kind, name) for each operand of Op in binding order, kind being "args", "rets" or "attrs".
+template <typename Op, typename F>
+void for_each_operand(F&& f) {
+  std::apply([&](auto... operands) { (f(decltype(operands)::kKind, operands.name), ...); }, Op::kOperands);
 }
 
 }  // namespace oc128

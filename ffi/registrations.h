@@ -1,18 +1,38 @@
-// The dict of FFI targets a platform module returns from `registrations()`; jax_oc128._native registers each
-// capsule with XLA under its name.
+// The functions every platform module defines: `registrations()`, target name -> capsule of its XLA FFI handler
+// (jax_oc128._native registers each with XLA under its name), and `operands()`, target name -> {"args", "rets",
+// "attrs"}: the operand names of its binding, in binding order (jax_oc128._native checks them against the ops).
 #pragma once
 
 #include "nanobind/nanobind.h"
+#include "oc128_ffi.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace oc128 {
 
-inline nanobind::dict registrations(XLA_FFI_Handler* compress, XLA_FFI_Handler* verify, XLA_FFI_Handler* commit) {
-  nanobind::dict targets;
-  targets["oc128_compress"] = nanobind::capsule(reinterpret_cast<void*>(compress));
-  targets["oc128_verify"] = nanobind::capsule(reinterpret_cast<void*>(verify));
-  targets["oc128_commit"] = nanobind::capsule(reinterpret_cast<void*>(commit));
-  return targets;
+template <typename Op>
+nanobind::dict operand_names() {
+  nanobind::dict names;
+  for (const char* kind : {"args", "rets", "attrs"}) names[kind] = nanobind::list();
+  for_each_operand<Op>([&](const char* kind, const char* name) { names[kind].attr("append")(name); });
+  return names;
+}
+
+inline void define_module(nanobind::module_& m, XLA_FFI_Handler* compress, XLA_FFI_Handler* verify,
+                          XLA_FFI_Handler* commit) {
+  m.def("registrations", [=]() {
+    nanobind::dict targets;
+    targets[Compress::kTarget] = nanobind::capsule(reinterpret_cast<void*>(compress));
+    targets[Verify::kTarget] = nanobind::capsule(reinterpret_cast<void*>(verify));
+    targets[Commit::kTarget] = nanobind::capsule(reinterpret_cast<void*>(commit));
+    return targets;
+  });
+  m.def("operands", []() {
+    nanobind::dict targets;
+    targets[Compress::kTarget] = operand_names<Compress>();
+    targets[Verify::kTarget] = operand_names<Verify>();
+    targets[Commit::kTarget] = operand_names<Commit>();
+    return targets;
+  });
 }
 
 }  // namespace oc128

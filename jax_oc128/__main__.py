@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import sys
 
 from jax_oc128.decode import STEPS_PER_DISPATCH
 
 
 def info() -> str:
-    """Versions, the backend and which native targets are registered on which platform."""
+    """Versions, the backend, where the native modules are installed and which native targets are registered
+    on which platform."""
     import jax
 
     from jax_oc128 import _native
@@ -22,6 +24,9 @@ def info() -> str:
         except importlib.metadata.PackageNotFoundError:
             lines.append(f"  {package:8s} not installed")
     lines.append(f"backend: {jax.default_backend()}  devices: {', '.join(str(d) for d in jax.devices())}")
+    modules = _native.MODULES.values()
+    folder = os.path.dirname(_native.MODULES["cpu"].__file__)
+    lines.append(f"native modules: {', '.join(m.__name__ for m in modules)} in {folder}")
     lines.append("native targets:")
     for platform in ("cpu", "cuda"):
         targets = _native.TARGETS.get(platform)

@@ -23,6 +23,26 @@ from jax_oc128.rules import BLOCK, MAX_DRAFT
 
 STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
+#: Per native target, the names of the operands the ops below pass it: arguments, results (a result named like
+#: an argument aliases it, in place) and attributes. The order is the C++ binding's (ffi/oc128_ffi.h), the
+#: single source of truth: importing this module refuses a native module that reports anything else.
+OPERANDS = {
+    "oc128_compress": _native.Operands(
+        args=("state", "kv_score", "seq_lens", "new_lens", "slots", "ape"),
+        rets=("state", "entries", "entry_blocks"),
+        attrs=("layer",),
+    ),
+    "oc128_verify": _native.Operands(
+        args=("state", "kv_score", "seq_lens", "slots", "ape", "pending"),
+        rets=("state", "entries", "entry_blocks"),
+        attrs=("layer",),
+    ),
+    "oc128_commit": _native.Operands(
+        args=("state", "seq_lens", "accept_lens", "slots"), rets=("state",), attrs=("layer", "num_layers")
+    ),
+}
+_native.check_operands(OPERANDS)
+
 
 def init_state(layers: int, slots: int, head_dim: int, max_draft: int, dtype=jnp.float32) -> jax.Array:
     """A zeroed state ``[layers, 1 + max_draft, slots, 3, head_dim]`` of ``dtype`` (float32 or bfloat16).
@@ -95,25 +115,40 @@ def _check_rows(state_slots, seq_lens, slots, rows):
         raise ValueError("seq_lens: must be >= 0 for rows with a slot")
 
 
-def _dispatch(target, ref_fn, results, args, attrs):
-    """Run ``target`` natively where it is registered for the platform, else the jnp reference.
+def _dispatch(target, ref_fn, args, results, attrs):
+    """Run ``target`` natively where it is registered for the platform, else the jnp reference ``ref_fn``.
 
-    Where every platform has the target, the custom call is emitted directly (XLA picks each platform's
-    handler); otherwise ``platform_dependent`` selects native or reference per platform.
+    ``args``, ``results`` (shapes and dtypes) and ``attrs`` map the names of ``OPERANDS[target]`` to values;
+    they reach the target in its binding's order, and ``ref_fn`` by keyword. Returns the results in that
+    order: a tuple, or the array where there is one. Where every platform has the target, the custom call is
+    emitted directly (XLA picks each platform's handler); otherwise ``platform_dependent`` selects native or
+    reference per platform.
     """
+    names = OPERANDS[target]
+    for kind, given in (("args", args), ("rets", results), ("attrs", attrs)):
+        if set(given) != set(getattr(names, kind)):
+            raise TypeError(f"{target}: {kind} must be named {getattr(names, kind)}, got {tuple(given)}")
+    shapes = tuple(results[name] for name in names.rets)
+    aliases = {names.args.index(name): i for i, name in enumerate(names.rets) if name in names.args}
 
     def native(*operands):
-        call = jax.ffi.ffi_call(target, results, input_output_aliases={0: 0}, vmap_method="sequential")
-        return call(*operands, **{k: np.int64(v) for k, v in attrs.items()})
+        call = jax.ffi.ffi_call(
+            target,
+            shapes if len(shapes) > 1 else shapes[0],
+            input_output_aliases=aliases,
+            vmap_method="sequential",
+        )
+        return call(*operands, **{name: np.int64(attrs[name]) for name in names.attrs})
 
     def ref(*operands):
-        return ref_fn(*operands, **attrs)
+        return ref_fn(**dict(zip(names.args, operands, strict=True)), **attrs)
 
+    operands = [args[name] for name in names.args]
     has_native = {p: target in _native.TARGETS.get(p, ()) for p in ("cpu", "cuda")}
     if all(has_native.values()):
-        return native(*args)
+        return native(*operands)
     branches = {p: native if has else ref for p, has in has_native.items()}
-    return jax.lax.platform_dependent(*args, default=ref, **branches)
+    return jax.lax.platform_dependent(*operands, default=ref, **branches)
 
 
 def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0):
@@ -148,13 +183,13 @@ def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0)
     _check_values("new_lens", new_lens, 0, tokens)
     _check_array("ape", ape, (call_layers, BLOCK, dim), jnp.float32)
     per_row = tokens // BLOCK + 1
-    results = (
-        jax.ShapeDtypeStruct(state.shape, state.dtype),
-        jax.ShapeDtypeStruct((call_layers, rows, per_row, dim), jnp.float32),
-        jax.ShapeDtypeStruct((rows, per_row), jnp.int32),
+    results = dict(
+        state=jax.ShapeDtypeStruct(state.shape, state.dtype),
+        entries=jax.ShapeDtypeStruct((call_layers, rows, per_row, dim), jnp.float32),
+        entry_blocks=jax.ShapeDtypeStruct((rows, per_row), jnp.int32),
     )
-    args = (state, kv_score, seq_lens, new_lens, slots, ape)
-    return _dispatch("oc128_compress", reference.compress, results, args, {"layer": layer})
+    args = dict(state=state, kv_score=kv_score, seq_lens=seq_lens, new_lens=new_lens, slots=slots, ape=ape)
+    return _dispatch("oc128_compress", reference.compress, args, results, dict(layer=layer))
 
 
 def verify(state, kv_score, seq_lens, slots, ape, *, layer: int = 0, pending=None):
@@ -196,13 +231,13 @@ def verify(state, kv_score, seq_lens, slots, ape, *, layer: int = 0, pending=Non
         pending = jnp.zeros((0,), jnp.int32)
     else:
         _check_array("pending", pending, (num_slots,), jnp.int32)
-    results = (
-        jax.ShapeDtypeStruct(state.shape, state.dtype),
-        jax.ShapeDtypeStruct((call_layers, rows, 1, dim), jnp.float32),
-        jax.ShapeDtypeStruct((rows, 1), jnp.int32),
+    results = dict(
+        state=jax.ShapeDtypeStruct(state.shape, state.dtype),
+        entries=jax.ShapeDtypeStruct((call_layers, rows, 1, dim), jnp.float32),
+        entry_blocks=jax.ShapeDtypeStruct((rows, 1), jnp.int32),
     )
-    args = (state, kv_score, seq_lens, slots, ape, pending)
-    return _dispatch("oc128_verify", reference.verify, results, args, {"layer": layer})
+    args = dict(state=state, kv_score=kv_score, seq_lens=seq_lens, slots=slots, ape=ape, pending=pending)
+    return _dispatch("oc128_verify", reference.verify, args, results, dict(layer=layer))
 
 
 def commit(state, seq_lens, accept_lens, slots, *, layer: int = 0, num_layers: int | None = None):
@@ -228,8 +263,7 @@ def commit(state, seq_lens, accept_lens, slots, *, layer: int = 0, num_layers: i
     _check_rows(num_slots, seq_lens, slots, rows)
     _check_array("accept_lens", accept_lens, (rows,), jnp.int32)
     _check_values("accept_lens", accept_lens, 0, banks - 1)
-    results = jax.ShapeDtypeStruct(state.shape, state.dtype)
-    args = (state, seq_lens, accept_lens, slots)
-    return _dispatch(
-        "oc128_commit", reference.commit, results, args, {"layer": layer, "num_layers": num_layers}
-    )
+    results = dict(state=jax.ShapeDtypeStruct(state.shape, state.dtype))
+    args = dict(state=state, seq_lens=seq_lens, accept_lens=accept_lens, slots=slots)
+    attrs = dict(layer=layer, num_layers=num_layers)
+    return _dispatch("oc128_commit", reference.commit, args, results, attrs)
