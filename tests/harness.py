@@ -199,8 +199,9 @@ class Requests:
         for request, n in zip(self.requests, counts, strict=True):
             request.seq += int(n)
 
-    def compress(self, ops, new_lens, width=None, pad=None):
-        """Feed ``new_lens[i]`` more tokens of request i through ``ops.compress``; records the entries."""
+    def compress(self, new_lens, width=None, pad=None, ops=oc):
+        """Feed ``new_lens[i]`` more tokens of request i through ``ops.compress`` (the native op, or
+        :mod:`jax_oc128.reference`); records the entries."""
         new_lens = np.asarray(new_lens, np.int32)
         kv = self.kv_score(new_lens, width, pad)
         args = (jnp.asarray(self.seq), jnp.asarray(new_lens), jnp.asarray(self.slots), jnp.asarray(self.ape))

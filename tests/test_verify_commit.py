@@ -51,7 +51,7 @@ def test_case_matrix(offset, n, dtype=jnp.float32, tol=NATIVE_VS_REFERENCE_FP32,
         num_slots=rows + 2,
         dtype=dtype,
     )
-    reqs.compress(oc, seq, pad=0.0)  # the prefill
+    reqs.compress(seq, pad=0.0)  # the prefill
     state, ape, streams = reqs.state, jnp.asarray(reqs.ape), [r.stream for r in reqs.requests]
     kv = reqs.kv_score(accept, n)  # junk after the accepted prefix
     args = (kv, jnp.asarray(seq), jnp.asarray(slots), ape)
@@ -112,7 +112,7 @@ class Schedule(Requests):
         )
 
     def compress(self, new_lens, width):  # padding is junk
-        super().compress(self.ops, new_lens, width)
+        super().compress(new_lens, width, ops=self.ops)
         self.check()
 
     def other_forward(self):
