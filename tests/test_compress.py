@@ -6,50 +6,59 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checks import (
+from harness import (
     NATIVE_VS_REFERENCE_BF16,
     NATIVE_VS_REFERENCE_FP32,
     OFFLINE_FP32,
+    Requests,
     assert_outputs_match,
     assert_untouched,
+    assert_updated_in_place,
+    assert_wrote_nothing,
+    ints,
+    native_targets,
     poisoned_state,
+    valid_args,
 )
-from oracle import BLOCK, Stream, random_ape, random_tokens, rel_err, state_err
+from oracle import BLOCK, random_ape, random_tokens, rel_err
 
 import jax_oc128 as oc
-from jax_oc128 import _native, reference
+from jax_oc128 import reference
 
 LAYERS, CALL_LAYER, DIM, MAX_DRAFT = 3, 1, 64, 4  # calls cover state layers 1..2; layer 0 must stay untouched
 CALL_LAYERS = LAYERS - CALL_LAYER
 
 
-class Requests:
-    """Several requests, each a Stream in its own slot, fed to compress in chunks of any lengths."""
+class Compressions(Requests):
+    """Several requests, each in its own slot, fed to the native compress and its reference in chunks of any
+    lengths (padding NaN: never read)."""
 
     def __init__(self, rng, slots, length, dtype=jnp.float32, dim=DIM, score_offset=0.0):
-        self.slots = np.asarray(slots, np.int32)
-        self.streams = [Stream(rng, CALL_LAYERS, length, dim, score_offset) for _ in slots]
-        self.seq = np.zeros(len(slots), np.int32)
-        self.ape = random_ape(rng, CALL_LAYERS, dim)
-        self.state = poisoned_state(rng, LAYERS, int(self.slots.max()) + 2, dim, MAX_DRAFT, dtype)
-        self.dim = dim
+        super().__init__(
+            rng,
+            slots,
+            length,
+            layers=LAYERS,
+            call_layer=CALL_LAYER,
+            dim=dim,
+            max_draft=MAX_DRAFT,
+            dtype=dtype,
+            score_offset=score_offset,
+        )
 
     def step(self, new_lens, width=None, tol=NATIVE_VS_REFERENCE_FP32):
         """Compress ``new_lens[i]`` more tokens of request i (padded to ``width``) with the native op and the
         reference, check them against each other, and return the native outputs."""
         new_lens = np.asarray(new_lens, np.int32)
-        width = int(new_lens.max()) if width is None else width
-        kv = np.zeros((CALL_LAYERS, len(self.slots), width, 2 * self.dim), np.float32)
-        for i, (stream, start, n) in enumerate(zip(self.streams, self.seq, new_lens, strict=True)):
-            kv[:, i, :n] = stream.rows[:, start : start + n]
-            kv[:, i, n:] = np.nan  # padding tokens must never be read
-        args = (kv, self.seq, new_lens, self.slots, self.ape)
+        kv = self.kv_score(new_lens, width, pad=np.nan)  # padding tokens must never be read
+        args = (kv, *map(jnp.asarray, (self.seq, new_lens, self.slots, self.ape)))
         before = self.state
-        native = oc.compress(before, *map(jnp.asarray, args), layer=CALL_LAYER)
-        ref = reference.compress(before, *map(jnp.asarray, args), layer=CALL_LAYER)
+        native = oc.compress(before, *args, layer=CALL_LAYER)
+        ref = reference.compress(before, *args, layer=CALL_LAYER)
         assert_outputs_match(native, ref, tol)
         self.check_untouched(before, native[0])
-        self.state, self.seq = native[0], self.seq + new_lens
+        self.state = native[0]
+        self.advance(new_lens)
         return native
 
     def check_untouched(self, before, after):
@@ -61,22 +70,20 @@ class Requests:
     def check_against_offline(self, outputs, seq_before, tol=OFFLINE_FP32, state_tol=OFFLINE_FP32):
         """Every emitted entry is the offline pooling of its block; bank 0 is the open block's state."""
         _, entries, entry_blocks = map(np.asarray, outputs)
-        for i, (stream, slot) in enumerate(zip(self.streams, self.slots, strict=True)):
-            blocks = list(range(seq_before[i] // BLOCK, self.seq[i] // BLOCK))
+        for i, request in enumerate(self.requests):
+            blocks = list(range(seq_before[i] // BLOCK, request.seq // BLOCK))
             got = [b for b in entry_blocks[i] if b >= 0]
             assert got == blocks, f"request {i}: entry_blocks {entry_blocks[i]}, expected {blocks}"
             for e, block in enumerate(blocks):
-                assert rel_err(entries[:, i, e], stream.entry(self.ape, block)) < tol
+                assert rel_err(entries[:, i, e], request.stream.entry(self.ape, block)) < tol
             assert not np.any(entries[:, i, len(blocks) :]), "entries past the closed blocks must be zero"
-            if self.seq[i] % BLOCK and self.seq[i] > seq_before[i]:
-                rows = np.asarray(self.state[CALL_LAYER:, 0, slot], np.float32)
-                errors = state_err(rows, *stream.open_state(self.ape, self.seq[i]))
-                assert max(errors) < state_tol, f"request {i}: bank 0 errors (max, sum, mean) {errors}"
+            if request.seq > seq_before[i]:
+                request.check_open(self.ape, self.bank0(i), state_tol, name=f"request {i}")
 
 
 def test_prefill_crossing_several_blocks_with_ragged_rows():
     rng = np.random.default_rng(1)
-    req = Requests(rng, slots=[3, 0, 5, 1], length=700)
+    req = Compressions(rng, slots=[3, 0, 5, 1], length=700)
     new_lens = [3 * BLOCK + 57, 2 * BLOCK, 1, 0]  # ends open, ends exactly on a boundary, one token, none
     out = req.step(new_lens, width=4 * BLOCK + 1)
     req.check_against_offline(out, seq_before=np.zeros(4, np.int32))
@@ -85,7 +92,7 @@ def test_prefill_crossing_several_blocks_with_ragged_rows():
 
 def test_chunked_prefill_in_uneven_chunks():
     rng = np.random.default_rng(2)
-    req = Requests(rng, slots=[2, 4, 0], length=900)
+    req = Compressions(rng, slots=[2, 4, 0], length=900)
     chunks = [[37, 128, 127], [128, 1, 2], [1, 200, 129], [200, 127, 255], [91, 2, 1]]
     for new_lens in chunks:
         seq_before = req.seq.copy()
@@ -94,7 +101,7 @@ def test_chunked_prefill_in_uneven_chunks():
 
 def test_token_by_token_decode_across_block_boundaries():
     rng = np.random.default_rng(3)
-    req = Requests(rng, slots=[1, 0, 2], length=400)
+    req = Compressions(rng, slots=[1, 0, 2], length=400)
     req.step([120, 126, 1])  # start just before a boundary, then decode across it
     for _ in range(140):
         seq_before = req.seq.copy()
@@ -103,7 +110,7 @@ def test_token_by_token_decode_across_block_boundaries():
 
 def test_padding_rows_read_and_write_nothing():
     rng = np.random.default_rng(4)
-    req = Requests(rng, slots=[0, -1, 2, -1], length=300)
+    req = Compressions(rng, slots=[0, -1, 2, -1], length=300)
     out = req.step([150, 150, 150, 0])  # a padding row with tokens must still write nothing
     assert np.all(np.asarray(out[2])[[1, 3]] == -1)
     assert not np.any(np.asarray(out[1])[:, [1, 3]])
@@ -112,7 +119,7 @@ def test_padding_rows_read_and_write_nothing():
 def test_large_scores_do_not_overflow():
     """The running max keeps every exp() argument <= 0: scores around 80 (exp overflows fp32 near 88)."""
     rng = np.random.default_rng(5)
-    req = Requests(rng, slots=[0, 1], length=400, score_offset=80.0)
+    req = Compressions(rng, slots=[0, 1], length=400, score_offset=80.0)
     for new_lens in ([100, 3], [100, 200], [1, 1]):
         seq_before = req.seq.copy()
         req.check_against_offline(req.step(new_lens), seq_before)
@@ -121,7 +128,7 @@ def test_large_scores_do_not_overflow():
 @pytest.mark.parametrize("dim", [32, 96, 512])
 def test_any_head_dim_multiple_of_32(dim):
     rng = np.random.default_rng(dim)
-    req = Requests(rng, slots=[1, 0], length=300, dim=dim)
+    req = Compressions(rng, slots=[1, 0], length=300, dim=dim)
     for new_lens in ([130, 5], [1, 200]):
         seq_before = req.seq.copy()
         req.check_against_offline(req.step(new_lens), seq_before)
@@ -135,7 +142,7 @@ def test_bf16_state():
     channels is about 3.5 RMS (2.5%). The tolerance, 5%, is 7 RMS: a systematic error (a wrong rescale
     of the sum, a truncating instead of rounding conversion) grows linearly in k and exceeds it."""
     rng = np.random.default_rng(6)
-    req = Requests(rng, slots=[0, 1], length=500, dtype=jnp.bfloat16)
+    req = Compressions(rng, slots=[0, 1], length=500, dtype=jnp.bfloat16)
     seq_before = req.seq.copy()
     req.check_against_offline(req.step([300, 131], tol=NATIVE_VS_REFERENCE_BF16), seq_before, state_tol=2**-8)
     for _ in range(130):
@@ -162,24 +169,14 @@ def test_donated_state_is_updated_in_place():
     state = oc.init_state(LAYERS, 4, DIM, MAX_DRAFT)
     kv = jnp.asarray(random_tokens(rng, (CALL_LAYERS, 2, 200), DIM))
     ape = jnp.asarray(random_ape(rng, CALL_LAYERS, DIM))
-    rows = (
-        jnp.asarray([0, 200], jnp.int32),
-        jnp.asarray([200, 200], jnp.int32),
-        jnp.asarray([1, 3], jnp.int32),
-    )
+    rows = (ints(0, 200), ints(200, 200), ints(1, 3))
     step = jax.jit(lambda s, *a: oc.compress(s, *a, layer=CALL_LAYER), donate_argnums=0)
-    hlo = step.lower(state, kv, *rows, ape).compile().as_text()
-    assert "input_output_alias" in hlo
-    assert not any(line.lstrip().startswith("copy") for line in hlo.splitlines() if "f32[3,5,4,3,64]" in line)
-    pointer = state.unsafe_buffer_pointer()
-    new_state, _, _ = step(state, kv, *rows, ape)
-    assert state.is_deleted()
-    assert new_state.unsafe_buffer_pointer() == pointer
+    assert_updated_in_place(step, state, kv, *rows, ape)
 
 
 def test_cuda_lowering_uses_the_native_target():
     """The CUDA dispatch, checked without a GPU: lowering for CUDA emits the native custom call."""
-    if "oc128_compress" not in _native.TARGETS.get("cuda", ()):
+    if "oc128_compress" not in native_targets("cuda"):
         pytest.skip("the CUDA module was not built here")
     state = oc.init_state(1, 2, DIM, 2)
     args = (
@@ -189,20 +186,6 @@ def test_cuda_lowering_uses_the_native_target():
     )
     lowered = jax.jit(oc.compress).trace(state, *args).lower(lowering_platforms=("cuda",))
     assert 'custom_call_target="oc128_compress"' in lowered.as_text() or "oc128_compress" in lowered.as_text()
-
-
-def _valid_args(rows=2, tokens=3, layers=2, dim=DIM, max_draft=MAX_DRAFT):
-    state = oc.init_state(layers, 4, dim, max_draft)
-    kv = jnp.zeros((layers, rows, tokens, 2 * dim), jnp.float32)
-    ints = jnp.zeros((rows,), jnp.int32)
-    return dict(
-        state=state,
-        kv_score=kv,
-        seq_lens=ints,
-        new_lens=ints,
-        slots=ints,
-        ape=jnp.zeros((layers, BLOCK, dim)),
-    )
 
 
 @pytest.mark.parametrize(
@@ -230,21 +213,21 @@ def _valid_args(rows=2, tokens=3, layers=2, dim=DIM, max_draft=MAX_DRAFT):
     ],
 )
 def test_bad_arguments_are_named(change, error, match):
-    args = _valid_args() | change
+    args = valid_args("compress") | change
     with pytest.raises(error, match=match):
         oc.compress(**args)
 
 
 def test_bad_layer_argument():
     with pytest.raises(ValueError, match="layer: layers"):
-        oc.compress(**_valid_args(), layer=1)
+        oc.compress(**valid_args("compress"), layer=1)
     with pytest.raises(TypeError, match="layer: must be a Python int"):
-        oc.compress(**_valid_args(), layer=jnp.int32(0))
+        oc.compress(**valid_args("compress"), layer=jnp.int32(0))
 
 
 def test_native_handler_rejects_bad_shapes():
     """A handler reached without the Python checks returns an FFI error instead of reading out of bounds."""
-    args = _valid_args()
+    args = valid_args("compress")
     results = (
         jax.ShapeDtypeStruct(args["state"].shape, args["state"].dtype),
         jax.ShapeDtypeStruct((2, 2, 1, DIM), jnp.float32),
@@ -267,6 +250,4 @@ def test_out_of_range_values_under_jit_are_skipped():
     new = jnp.asarray([5, 5, 6, -1], jnp.int32)
     slots = jnp.asarray([3, 0, 1, 2], jnp.int32)  # slot 3 is outside the 3 slots
     for fn in (oc.compress, reference.compress):
-        out = jax.jit(fn)(state, kv, seq, new, slots, ape)
-        np.testing.assert_array_equal(out[0], state)
-        assert np.all(np.asarray(out[2]) == -1) and not np.any(np.asarray(out[1]))
+        assert_wrote_nothing(jax.jit(fn)(state, kv, seq, new, slots, ape), state)

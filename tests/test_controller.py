@@ -8,33 +8,25 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from checks import OFFLINE_FP32
-from oracle import BLOCK, Stream, random_ape, random_tokens, rel_err, state_err
+from harness import (
+    OFFLINE_FP32,
+    Request,
+    assert_updated_in_place,
+    count_compiles,
+    ints,
+    kv_score,
+    record_entries,
+)
+from oracle import Stream, random_ape, random_tokens, state_err
 
 from jax_oc128.controller import Controller, ForwardMode, OfflineController, active_slots
 from jax_oc128.state import CompressState, OfflineState, bytes_per_slot
 
 LAYERS, DIM, MAX_DRAFT, SLOTS, BATCH, EXTEND_WIDTH = 2, 32, 4, 20, 8, 160
 ONLINE, OFFLINE = Controller(), OfflineController()
-TRACES = collections.Counter()  # jitted step -> times traced
-
-
-def traced(name):
-    """Count traces of a jitted function (a retrace is a recompile)."""
-
-    def wrap(fn):
-        @functools.wraps(fn)
-        def counted(*args, **kwargs):
-            TRACES[name] += 1
-            return fn(*args, **kwargs)
-
-        return counted
-
-    return wrap
 
 
 @functools.partial(jax.jit, static_argnames="mode", donate_argnums=(0, 1))
-@traced("compress")
 def compress_step(online, offline, kv, seq, new, slots, ape, mode):
     online = ONLINE.prepare_forward(online, mode, slots, seq)
     online, entries, blocks = ONLINE.compress(online, kv, seq, new, slots, ape)
@@ -43,7 +35,6 @@ def compress_step(online, offline, kv, seq, new, slots, ape, mode):
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
-@traced("verify")
 def verify_step(online, offline, kv, seq, slots, verify_bs, ape):
     """Rows >= verify_bs carry other requests' slots: only verify_bs must keep them out."""
     online = ONLINE.prepare_forward(online, ForwardMode.TARGET_VERIFY, slots, seq, verify_bs=verify_bs)
@@ -54,25 +45,21 @@ def verify_step(online, offline, kv, seq, slots, verify_bs, ape):
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-@traced("commit")
 def commit_step(online, slots, seq, accept):
     return ONLINE.commit(online, slots, seq, accept)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-@traced("idle")
 def idle_step(online, slots, seq):
     return ONLINE.prepare_forward(online, ForwardMode.IDLE, slots, seq)
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
-@traced("alloc")
 def alloc_step(online, offline, slots):
     return online.alloc(slots), offline.alloc(slots)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-@traced("free")
 def free_step(online, slots):
     return online.free(slots)
 
@@ -80,12 +67,6 @@ def free_step(online, slots):
 @jax.jit
 def open_states(online, offline, slots, seq, ape):
     return ONLINE.open_state(online, slots, seq, ape), OFFLINE.open_state(offline, slots, seq, ape)
-
-
-class Request:
-    def __init__(self, rng, prompt):
-        self.stream = Stream(rng, LAYERS, 4000, DIM)
-        self.prompt, self.seq, self.entries = prompt, 0, {}
 
 
 class Simulation:
@@ -108,37 +89,32 @@ class Simulation:
     def seqs(self, slots):
         return np.asarray([self.requests[s].seq if s >= 0 else 0 for s in slots], np.int32)
 
-    def record(self, slots, entries, blocks, final, offline):
-        """Keep the entries that are final (their block's tokens were all accepted); check them later."""
-        entries, blocks, off_entries = np.asarray(entries), np.asarray(blocks), np.asarray(offline[0])
-        np.testing.assert_array_equal(blocks, np.asarray(offline[1]))
-        for i, slot in enumerate(slots):
-            for e, block in enumerate(blocks[i]):
-                if slot >= 0 and block >= 0 and final[i, e]:
-                    self.requests[slot].entries[int(block)] = (entries[:, i, e], off_entries[:, i, e])
+    def record(self, requests, online, offline, accepted=None):
+        """Keep the entries, online and offline, whose blocks' tokens were all accepted; check them later."""
+        np.testing.assert_array_equal(online[1], offline[1])
+        record_entries(requests, online[1], online[0], offline[0], accepted=accepted)
 
     def new_request(self):
         slot = self.rng.choice([s for s in range(SLOTS) if s not in self.requests])
         self.online, self.offline = alloc_step(self.online, self.offline, jnp.asarray([slot], jnp.int32))
-        self.requests[slot] = Request(self.rng, int(self.rng.integers(1, 400)))
+        self.requests[slot] = Request(self.rng, LAYERS, 4000, DIM, prompt=int(self.rng.integers(1, 400)))
 
     def extend(self, mode, candidates, width):
         slots = self.batch(candidates)
         seq = self.seqs(slots)
+        requests = [self.requests.get(slot) for slot in slots]  # None: a padding row
         new = np.zeros(BATCH, np.int32)
         kv = random_tokens(self.rng, (LAYERS, BATCH, width), DIM)
-        for i, slot in enumerate(slots):
-            if slot >= 0:
-                req = self.requests[slot]
+        for i, req in enumerate(requests):
+            if req is not None:
                 left = req.prompt - req.seq if mode is ForwardMode.EXTEND else 1
                 new[i] = min(left, self.rng.integers(1, width + 1))
-                kv[:, i, : new[i]] = req.stream.rows[:, req.seq : req.seq + new[i]]
-        args = (jnp.asarray(kv), jnp.asarray(seq), jnp.asarray(new), jnp.asarray(slots), self.ape)
+        args = (kv_score(requests, new, kv), jnp.asarray(seq), jnp.asarray(new), jnp.asarray(slots), self.ape)
         self.online, self.offline, out, off = compress_step(self.online, self.offline, *args, mode=mode)
-        self.record(slots, *out, np.ones(out[1].shape, bool), off)
-        for slot, n in zip(slots, new, strict=True):
-            if slot >= 0:
-                self.requests[slot].seq += int(n)
+        self.record(requests, out, off)
+        for req, n in zip(requests, new, strict=True):
+            if req is not None:
+                req.seq += int(n)
 
     def verify(self, candidates):
         n = int(self.rng.choice([1, 2, 4]))
@@ -150,19 +126,17 @@ class Simulation:
         accept = np.where(np.arange(BATCH) < verify_bs, self.rng.integers(0, n + 1, BATCH), 0).astype(
             np.int32
         )
-        kv = random_tokens(self.rng, (LAYERS, BATCH, n), DIM)  # rejected drafts are junk
-        for i in range(verify_bs):
-            kv[:, i, : accept[i]] = self.requests[slots[i]].stream.rows[:, seq[i] : seq[i] + accept[i]]
-        args = (jnp.asarray(kv), jnp.asarray(seq), jnp.asarray(slots), jnp.asarray(verify_bs), self.ape)
+        requests = [self.requests[slots[i]] if i < verify_bs else None for i in range(BATCH)]
+        kv = kv_score(requests, accept, random_tokens(self.rng, (LAYERS, BATCH, n), DIM))  # drafts, then junk
+        args = (kv, jnp.asarray(seq), jnp.asarray(slots), jnp.asarray(verify_bs), self.ape)
         self.online, self.offline, out, off = verify_step(self.online, self.offline, *args)
-        closing = BLOCK - 1 - seq % BLOCK  # verify token that closes a block, if < n
-        self.record(np.where(np.arange(BATCH) < verify_bs, slots, -1), *out, (closing < accept)[:, None], off)
+        self.record(requests, out, off, accepted=seq + accept)
         if self.rng.random() < 0.5:  # eager commit; otherwise it stays pending until the slot's next forward
             active = active_slots(jnp.asarray(slots), verify_bs)
             self.online = commit_step(self.online, active, jnp.asarray(seq), jnp.asarray(accept))
             self.stats["eager commits"] += 1
-        for i in range(verify_bs):
-            self.requests[slots[i]].seq += int(accept[i])
+        for req, n in zip(requests[:verify_bs], accept[:verify_bs], strict=True):
+            req.seq += int(n)
 
     def step(self):
         generating = [s for s, r in self.requests.items() if r.seq >= r.prompt]
@@ -197,16 +171,10 @@ class Simulation:
         )
         for i, slot in enumerate(slots):
             req = self.requests[slot]
-            assert sorted(req.entries) == list(range(req.seq // BLOCK)), f"slot {slot}: missing entries"
-            for block, (entry, off_entry) in list(req.entries.items())[-2:]:  # those of the last steps
-                expected = req.stream.entry(self.ape_np, block)
-                assert rel_err(entry, expected) < OFFLINE_FP32 and rel_err(off_entry, expected) < OFFLINE_FP32
-            if req.seq % BLOCK:
-                expected = req.stream.open_state(self.ape_np, req.seq)
-                for backend in (online, offline):
-                    rows = np.stack([np.asarray(f)[:, i] for f in backend], axis=-2)
-                    errors = state_err(rows, *expected)
-                    assert max(errors) < OFFLINE_FP32, f"slot {slot} at {req.seq}: errors {errors}"
+            req.check(self.ape_np, last=2, name=f"slot {slot}")  # the entries of the last steps
+            for backend in (online, offline):
+                rows = np.stack([np.asarray(f)[:, i] for f in backend], axis=-2)
+                req.check_open(self.ape_np, rows, name=f"slot {slot}")
 
 
 def test_long_random_schedule_matches_offline_and_float64():
@@ -214,12 +182,14 @@ def test_long_random_schedule_matches_offline_and_float64():
     acceptance, eager and lazy commits with other forwards and idle steps in between, frees and
     reallocations; checked after every step. Each jitted step compiles once per shape and mode."""
     sim = Simulation(seed=0)
-    TRACES.clear()
-    for _ in range(2000):
-        sim.step()
-        sim.check()
+    with count_compiles() as compiles:
+        for _ in range(2000):
+            sim.step()
+            sim.check()
     assert sim.stats["verify"] > 500 and sim.stats["free"] > 20 and sim.stats["eager commits"] > 100
-    assert TRACES == {"compress": 2, "verify": 3, "commit": 1, "idle": 1, "alloc": 1, "free": 1}, TRACES
+    steps = (compress_step, verify_step, commit_step, idle_step, alloc_step, free_step)
+    counts = {step.__name__.removesuffix("_step"): compiles[step.__name__] for step in steps}
+    assert counts == {"compress": 2, "verify": 3, "commit": 1, "idle": 1, "alloc": 1, "free": 1}, counts
 
 
 def test_pending_commit_survives_unrelated_forwards_and_idle():
@@ -228,17 +198,18 @@ def test_pending_commit_survives_unrelated_forwards_and_idle():
     ape = jnp.asarray(random_ape(rng, LAYERS, DIM))
     stream_a, stream_b = Stream(rng, LAYERS, 400, DIM), Stream(rng, LAYERS, 400, DIM)
     cs = CompressState.create(LAYERS, 4, DIM, MAX_DRAFT)
-    one = lambda *v: jnp.asarray(v, jnp.int32)  # noqa: E731
-    cs, _, _ = ONLINE.compress(cs, jnp.asarray(stream_a.rows[:, None, :100]), one(0), one(100), one(2), ape)
-    cs = ONLINE.prepare_forward(cs, ForwardMode.TARGET_VERIFY, one(2), one(100))
+    cs, _, _ = ONLINE.compress(
+        cs, jnp.asarray(stream_a.rows[:, None, :100]), ints(0), ints(100), ints(2), ape
+    )
+    cs = ONLINE.prepare_forward(cs, ForwardMode.TARGET_VERIFY, ints(2), ints(100))
     drafts = stream_a.rows[:, None, 100:104].copy()
     drafts[:, :, 3] = 7.0  # the last draft is rejected
-    cs, _, _ = ONLINE.write_prefix(cs, jnp.asarray(drafts), one(100), one(2), ape)
-    cs = ONLINE.prepare_forward(cs, ForwardMode.EXTEND, one(0), one(0))  # B's prefill
-    cs, _, _ = ONLINE.compress(cs, jnp.asarray(stream_b.rows[:, None, :50]), one(0), one(50), one(0), ape)
-    cs = ONLINE.prepare_forward(cs, ForwardMode.IDLE, one(-1), one(0))
+    cs, _, _ = ONLINE.write_prefix(cs, jnp.asarray(drafts), ints(100), ints(2), ape)
+    cs = ONLINE.prepare_forward(cs, ForwardMode.EXTEND, ints(0), ints(0))  # B's prefill
+    cs, _, _ = ONLINE.compress(cs, jnp.asarray(stream_b.rows[:, None, :50]), ints(0), ints(50), ints(0), ape)
+    cs = ONLINE.prepare_forward(cs, ForwardMode.IDLE, ints(-1), ints(0))
     assert int(cs.pending[2]) == 100
-    cs = ONLINE.prepare_forward(cs, ForwardMode.DECODE, one(2), one(103))  # A kept 3 tokens
+    cs = ONLINE.prepare_forward(cs, ForwardMode.DECODE, ints(2), ints(103))  # A kept 3 tokens
     assert int(cs.pending[2]) == -1
     errors = state_err(np.asarray(cs.banks[:, 0, 2]), *stream_a.open_state(np.asarray(ape), 103))
     assert max(errors) < OFFLINE_FP32
@@ -271,13 +242,8 @@ def test_step_is_in_place_under_jit():
 
     kv = jnp.asarray(random_tokens(rng, (LAYERS, 3, 4), DIM))
     seq, slots = jnp.asarray([5, 9, 200], jnp.int32), jnp.asarray([4, 0, 2], jnp.int32)
-    hlo = step.lower(cs, kv, seq, slots).compile().as_text()
-    shape = f"f32[{LAYERS},{MAX_DRAFT + 1},{6},3,{DIM}]"
-    assert not [line for line in hlo.splitlines() if shape in line and " copy(" in line]
-    pointer = cs.banks.unsafe_buffer_pointer()
-    new = step(cs, kv, seq, slots)
-    assert cs.banks.is_deleted() and cs.pending.is_deleted()
-    assert new.banks.unsafe_buffer_pointer() == pointer
+    assert_updated_in_place(step, cs, kv, seq, slots)
+    assert cs.pending.is_deleted()
 
 
 def test_state_bytes():

@@ -3,13 +3,12 @@ cleanly, and each step compiles once per (slots, N)."""
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from harness import copy_tree, count_compiles
 
 from jax_oc128.controller import OFFLINE, ONLINE
 from jax_oc128.decode import Engine
@@ -65,31 +64,14 @@ def test_reused_slot_carries_nothing_from_its_previous_owner():
         assert together.tokens[1] == alone.tokens[0]
 
 
-@contextlib.contextmanager
-def count_compiles(name):
-    """Counts XLA compilations of the jitted function ``name`` inside the block (through jax.monitoring's
-    compile events): ``with count_compiles("f") as compiles: ...; compiles[0]``."""
-    compiles = [0]
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration" and kwargs.get("fun_name") == f"jit({name})":
-            compiles[0] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield compiles
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-
-
 def test_each_step_compiles_once_per_shape():
     engine = Engine(make_model(ONLINE), slots=5)  # a slot count no other test uses
-    with count_compiles("_speculative_step") as compiles:
+    with count_compiles() as compiles:
         for seed in range(3):
             engine.generate(prompts(lengths=(30, 70, 90)), 20, num_tokens=4, seed=seed)
-        assert compiles[0] == 1
+        assert compiles["_speculative_step"] == 1
         engine.generate(prompts(lengths=(30,)), 20, num_tokens=2)
-        assert compiles[0] == 2
+        assert compiles["_speculative_step"] == 2
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -104,7 +86,7 @@ def test_speculative_sampling_follows_the_target(n):
     prefilled = engine.prefill(engine.init_state(), dict.fromkeys(range(512), prompt), jax.random.key(0))
     first = int(prefilled.token[0])
     for seed in range(8):
-        state = jax.tree.map(jnp.copy, prefilled)
+        state = copy_tree(prefilled)
         _, tokens, _ = engine.step(state, jax.random.key(seed + 1), num_tokens=n, temperature=1.0)
         counts += np.bincount(np.asarray(tokens[:, 0]), minlength=12)
     sequence = jnp.asarray([[*prompt, first]], jnp.int32)

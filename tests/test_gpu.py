@@ -10,17 +10,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checks import (
+from harness import (
     NATIVE_VS_REFERENCE_BF16,
     NATIVE_VS_REFERENCE_FP32,
     assert_outputs_match,
     assert_state_close,
+    native_targets,
     poisoned_state,
 )
 from oracle import BLOCK, random_ape, random_tokens
 
 import jax_oc128 as oc
-from jax_oc128 import _native
 
 pytestmark = pytest.mark.gpu
 LAYERS, SLOTS, DIM, MAX_DRAFT = 4, 10, 512, 8
@@ -31,7 +31,7 @@ def on(device, *arrays):
 
 
 def test_cuda_targets_are_registered_and_used():
-    assert set(_native.TARGETS["cuda"]) == {"oc128_compress", "oc128_verify", "oc128_commit"}
+    assert set(native_targets("cuda")) == {"oc128_compress", "oc128_verify", "oc128_commit"}
     state = oc.init_state(1, 2, DIM, 2)
     args = (
         jnp.zeros((1, 2, 2, 2 * DIM)),

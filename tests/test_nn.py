@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from harness import copy_tree
 from oracle import rel_err
 
 from jax_oc128.controller import OFFLINE, ONLINE, ForwardMode
@@ -182,10 +183,6 @@ def test_rejected_drafts_leave_no_trace(start, backend):
     nxt = start + 2
     for mode, width in ((VERIFY, 4), (ForwardMode.DECODE, 1)):  # the next verify, and a decode
         x, pos = X[:, nxt : nxt + width], positions(nxt, nxt + width)
-        y, _ = step(graphdef, params, x, pos, _copy(cache), mode=mode)
-        y_ref, _ = step(graphdef, params, x, pos, _copy(clean), mode=mode)
+        y, _ = step(graphdef, params, x, pos, copy_tree(cache), mode=mode)
+        y_ref, _ = step(graphdef, params, x, pos, copy_tree(clean), mode=mode)
         assert rel_err(y, y_ref) < 1e-5
-
-
-def _copy(tree):
-    return jax.tree.map(jnp.copy, tree)

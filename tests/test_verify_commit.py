@@ -6,44 +6,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checks import (
+from harness import (
     NATIVE_VS_REFERENCE_BF16,
     NATIVE_VS_REFERENCE_FP32,
     OFFLINE_FP32,
+    Requests,
     assert_outputs_match,
     assert_state_close,
     assert_untouched,
+    assert_wrote_nothing,
+    ints,
     poisoned_state,
+    record_entries,
+    valid_args,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import BLOCK, Stream, random_ape, random_tokens, rel_err, state_err
+from oracle import BLOCK, random_ape, random_tokens, rel_err, state_err
 
 import jax_oc128 as oc
 from jax_oc128 import reference
 
 LAYERS, CALL_LAYER, DIM = 3, 1, 64
 CALL_LAYERS = LAYERS - CALL_LAYER
-
-
-def verify_tokens(rng, streams, seq, accept, n):
-    """``[CALL_LAYERS, rows, n, 2*DIM]``: row i's first ``accept[i]`` tokens are its true stream, the rest
-    junk."""
-    kv = random_tokens(rng, (CALL_LAYERS, len(streams), n), DIM)
-    for i, stream in enumerate(streams):
-        kv[:, i, : accept[i]] = stream.rows[:, seq[i] : seq[i] + accept[i]]
-    return jnp.asarray(kv)
-
-
-def prefill(streams, state, slots, seq, ape):
-    width = int(max(seq))
-    kv = np.zeros((CALL_LAYERS, len(streams), width, 2 * DIM), np.float32)
-    for i, stream in enumerate(streams):
-        kv[:, i, : seq[i]] = stream.rows[:, : seq[i]]
-    zeros = jnp.zeros(len(streams), jnp.int32)
-    return oc.compress(
-        state, jnp.asarray(kv), zeros, jnp.asarray(seq), jnp.asarray(slots), ape, layer=CALL_LAYER
-    )[0]
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8, 16])
@@ -55,11 +40,20 @@ def test_case_matrix(offset, n, dtype=jnp.float32, tol=NATIVE_VS_REFERENCE_FP32,
     accept = np.arange(rows, dtype=np.int32)
     slots = (rng.permutation(rows) + 1).astype(np.int32)  # slot 0 and the last slot belong to nobody
     seq = (BLOCK * (1 + accept % 2) + offset).astype(np.int32)
-    streams = [Stream(rng, CALL_LAYERS, int(s) + n, DIM) for s in seq]
-    ape = jnp.asarray(random_ape(rng, CALL_LAYERS, DIM))
-    state = poisoned_state(rng, LAYERS, rows + 2, DIM, max_draft, dtype)
-    state = prefill(streams, state, slots, seq, ape)
-    kv = verify_tokens(rng, streams, seq, accept, n)
+    reqs = Requests(
+        rng,
+        slots,
+        seq + n,
+        layers=LAYERS,
+        call_layer=CALL_LAYER,
+        dim=DIM,
+        max_draft=max_draft,
+        num_slots=rows + 2,
+        dtype=dtype,
+    )
+    reqs.compress(seq, pad=0.0)  # the prefill
+    state, ape, streams = reqs.state, jnp.asarray(reqs.ape), [r.stream for r in reqs.requests]
+    kv = reqs.kv_score(accept, n)  # junk after the accepted prefix
     args = (kv, jnp.asarray(seq), jnp.asarray(slots), ape)
 
     verified = oc.verify(state, *args, layer=CALL_LAYER)
@@ -73,7 +67,7 @@ def test_case_matrix(offset, n, dtype=jnp.float32, tol=NATIVE_VS_REFERENCE_FP32,
     expected_blocks = (seq + close) // BLOCK if close < n else np.full(rows, -1)
     np.testing.assert_array_equal(entry_blocks, expected_blocks)
     for i in np.flatnonzero(accept > close):  # the closing token was accepted: the entry is final
-        assert rel_err(entries[:, i, 0], streams[i].entry(np.asarray(ape), entry_blocks[i])) < offline_tol
+        assert rel_err(entries[:, i, 0], streams[i].entry(reqs.ape, entry_blocks[i])) < offline_tol
 
     commit_args = (jnp.asarray(seq), jnp.asarray(accept), jnp.asarray(slots))
     committed = oc.commit(verified[0], *commit_args, layer=CALL_LAYER)
@@ -85,7 +79,7 @@ def test_case_matrix(offset, n, dtype=jnp.float32, tol=NATIVE_VS_REFERENCE_FP32,
     for i in np.flatnonzero(moved):
         bank0 = np.asarray(committed[CALL_LAYER:, 0, slots[i]])
         np.testing.assert_array_equal(bank0, np.asarray(verified[0][CALL_LAYER:, accept[i], slots[i]]))
-        errors = state_err(bank0, *streams[i].open_state(np.asarray(ape), seq[i] + accept[i]))
+        errors = state_err(bank0, *streams[i].open_state(reqs.ape, seq[i] + accept[i]))
         assert max(errors) < offline_tol, f"accept {accept[i]}: bank 0 errors (max, sum, mean) {errors}"
 
 
@@ -95,7 +89,7 @@ def test_case_matrix_bf16(offset):
     test_case_matrix(offset, 8, jnp.bfloat16, NATIVE_VS_REFERENCE_BF16, offline_tol=2**-7)
 
 
-class Schedule:
+class Schedule(Requests):
     """Requests sharing one state through prefill, decode, chunked prefill and verify/commit rounds.
 
     After every step: each entry emitted for a block whose tokens were all accepted equals the offline
@@ -103,71 +97,43 @@ class Schedule:
     """
 
     def __init__(self, ops, seed, requests, num_slots, max_draft, length):
-        self.ops, self.rng = ops, np.random.default_rng(seed)
-        slots = self.rng.permutation(num_slots).astype(np.int32)
-        self.slots, self.other_slot = slots[:requests], slots[requests]
-        self.streams = [Stream(self.rng, CALL_LAYERS, length, DIM) for _ in range(requests)]
-        self.ape = jnp.asarray(random_ape(self.rng, CALL_LAYERS, DIM))
-        self.ape_np = np.asarray(self.ape)
-        self.state = poisoned_state(self.rng, LAYERS, num_slots, DIM, max_draft)
-        self.seq = np.zeros(requests, np.int32)
-        self.entries = [{} for _ in range(requests)]  # block -> pooled entry emitted for it
-
-    def compress(self, new_lens, width):
-        new_lens = np.asarray(new_lens, np.int32)
-        kv = random_tokens(self.rng, (CALL_LAYERS, len(self.slots), width), DIM)
-        for i, stream in enumerate(self.streams):
-            kv[:, i, : new_lens[i]] = stream.rows[:, self.seq[i] : self.seq[i] + new_lens[i]]
-        args = (
-            jnp.asarray(kv),
-            jnp.asarray(self.seq),
-            jnp.asarray(new_lens),
-            jnp.asarray(self.slots),
-            self.ape,
+        self.ops, rng = ops, np.random.default_rng(seed)
+        slots = rng.permutation(num_slots).astype(np.int32)
+        self.other_slot = slots[requests]
+        super().__init__(
+            rng,
+            slots[:requests],
+            length,
+            layers=LAYERS,
+            call_layer=CALL_LAYER,
+            dim=DIM,
+            max_draft=max_draft,
+            num_slots=num_slots,
         )
-        self.state, entries, blocks = self.ops.compress(self.state, *args, layer=CALL_LAYER)
-        for i in range(len(self.slots)):
-            for e, block in enumerate(np.asarray(blocks)[i]):
-                if block >= 0:
-                    self.entries[i][int(block)] = np.asarray(entries[:, i, e])
-        self.seq += new_lens
+
+    def compress(self, new_lens, width):  # padding is junk
+        super().compress(new_lens, width, ops=self.ops)
         self.check()
 
     def other_forward(self):
         """A prefill of an unrelated request in a slot of its own."""
         kv = jnp.asarray(random_tokens(self.rng, (CALL_LAYERS, 1, 50), DIM))
-        one = lambda v: jnp.asarray([v], jnp.int32)  # noqa: E731
+        ape = jnp.asarray(self.ape)
         self.state = self.ops.compress(
-            self.state, kv, one(0), one(50), one(self.other_slot), self.ape, layer=CALL_LAYER
+            self.state, kv, ints(0), ints(50), ints(self.other_slot), ape, layer=CALL_LAYER
         )[0]
 
     def verify_commit(self, accept, n, between=None):
         accept = np.asarray(accept, np.int32)
-        kv = verify_tokens(self.rng, self.streams, self.seq, accept, n)
-        seq, slots = jnp.asarray(self.seq), jnp.asarray(self.slots)
-        self.state, entries, blocks = self.ops.verify(self.state, kv, seq, slots, self.ape, layer=CALL_LAYER)
+        kv = self.kv_score(accept, n)  # junk after the accepted prefix
+        seq, slots, ape = jnp.asarray(self.seq), jnp.asarray(self.slots), jnp.asarray(self.ape)
+        self.state, entries, blocks = self.ops.verify(self.state, kv, seq, slots, ape, layer=CALL_LAYER)
         if between is not None:  # an unrelated forward between verify and commit
             between()
         self.state = self.ops.commit(self.state, seq, jnp.asarray(accept), slots, layer=CALL_LAYER)
-        for i, block in enumerate(np.asarray(blocks)[:, 0]):
-            if block >= 0 and (block + 1) * BLOCK <= self.seq[i] + accept[i]:
-                self.entries[i][int(block)] = np.asarray(entries[:, i, 0])
-        self.seq += accept
+        record_entries(self.requests, blocks, entries, accepted=self.seq + accept)
+        self.advance(accept)
         self.check()
-
-    def check(self):
-        for i, stream in enumerate(self.streams):
-            assert sorted(self.entries[i]) == list(range(self.seq[i] // BLOCK)), (
-                f"request {i}: missing entries"
-            )
-            for block, entry in self.entries[i].items():
-                assert rel_err(entry, stream.entry(self.ape_np, block)) < OFFLINE_FP32, (
-                    f"request {i} block {block}"
-                )
-            if self.seq[i] % BLOCK:
-                rows = np.asarray(self.state[CALL_LAYER:, 0, self.slots[i]])
-                errors = state_err(rows, *stream.open_state(self.ape_np, self.seq[i]))
-                assert max(errors) < OFFLINE_FP32, f"request {i} at {self.seq[i]}: bank 0 errors {errors}"
 
 
 @settings(max_examples=50, deadline=None)
@@ -211,9 +177,7 @@ def test_out_of_range_slots_and_accepts_write_nothing():
     ape = jnp.asarray(random_ape(rng, 2, DIM))
     seq, slots = jnp.asarray([5, -1, 7], jnp.int32), jnp.asarray([3, 0, -1], jnp.int32)
     for ops in (oc, reference):
-        out = jax.jit(ops.verify)(state, kv, seq, slots, ape)
-        np.testing.assert_array_equal(out[0], state)
-        assert np.all(np.asarray(out[2]) == -1) and not np.any(np.asarray(out[1]))
+        assert_wrote_nothing(jax.jit(ops.verify)(state, kv, seq, slots, ape), state)
         bad = (jnp.asarray([5, 5, -5], jnp.int32), jnp.asarray([5, -1, 1], jnp.int32), jnp.asarray([0, 1, 2]))
         out = jax.jit(ops.commit)(state, *bad)
         np.testing.assert_array_equal(out, state)
@@ -240,23 +204,15 @@ def test_empty_batch():
     np.testing.assert_array_equal(oc.commit(out[0], empty, empty, empty), state)
 
 
-def _verify_args(n=3, max_draft=4):
-    state = oc.init_state(2, 4, DIM, max_draft)
-    ints = jnp.zeros((2,), jnp.int32)
-    return dict(
-        state=state,
-        kv_score=jnp.zeros((2, 2, n, 2 * DIM)),
-        seq_lens=ints,
-        slots=ints,
-        ape=jnp.zeros((2, BLOCK, DIM)),
-    )
-
-
 @pytest.mark.parametrize(
     "change, error, match",
     [
-        (_verify_args(n=5), ValueError, "kv_score: N = 5 verify tokens, but the state holds max_draft = 4"),
-        (_verify_args(n=0), ValueError, "kv_score: N = 0"),
+        (
+            valid_args("verify", tokens=5),
+            ValueError,
+            "kv_score: N = 5 verify tokens, but the state holds max_draft = 4",
+        ),
+        (valid_args("verify", tokens=0), ValueError, "kv_score: N = 0"),
         (dict(kv_score=jnp.zeros((2, 2, 3, 2 * DIM), jnp.bfloat16)), TypeError, "kv_score: expected dtype"),
         (dict(slots=jnp.asarray([0, 9], jnp.int32)), ValueError, "slots: values"),
         (dict(seq_lens=jnp.zeros((2, 1), jnp.int32)), ValueError, "seq_lens: expected shape"),
@@ -265,7 +221,7 @@ def _verify_args(n=3, max_draft=4):
 )
 def test_verify_bad_arguments_are_named(change, error, match):
     with pytest.raises(error, match=match):
-        oc.verify(**(_verify_args() | change))
+        oc.verify(**(valid_args("verify") | change))
 
 
 @pytest.mark.parametrize(
@@ -287,14 +243,8 @@ def test_verify_bad_arguments_are_named(change, error, match):
     ],
 )
 def test_commit_bad_arguments_are_named(kwargs, error, match):
-    args = dict(
-        state=oc.init_state(2, 4, DIM, 4),
-        seq_lens=jnp.zeros((2,), jnp.int32),
-        accept_lens=jnp.zeros((2,), jnp.int32),
-        slots=jnp.zeros((2,), jnp.int32),
-    )
     with pytest.raises(error, match=match):
-        oc.commit(**(args | kwargs))
+        oc.commit(**(valid_args("commit") | kwargs))
 
 
 def test_verify_with_pending_commits_first():
