@@ -15,7 +15,7 @@ def info() -> str:
     on which platform."""
     import jax
 
-    from jax_oc128 import _native
+    from jax_oc128 import _native, ops
 
     lines = [f"jax_oc128 {importlib.metadata.version('jax_oc128')}  (python {sys.version.split()[0]})"]
     for package in ("jax", "jaxlib", "flax", "numpy"):
@@ -29,7 +29,7 @@ def info() -> str:
     lines.append(f"native modules: {', '.join(m.__name__ for m in modules)} in {folder}")
     lines.append("native targets:")
     for platform in ("cpu", "cuda"):
-        targets = _native.TARGETS.get(platform)
+        targets = ops.native_targets(platform)
         lines.append(
             f"  {platform:5s} {', '.join(targets) if targets else '(none: the jnp reference is used)'}"
         )

@@ -115,6 +115,12 @@ def _check_rows(state_slots, seq_lens, slots, rows):
         raise ValueError("seq_lens: must be >= 0 for rows with a slot")
 
 
+def native_targets(platform: str) -> tuple[str, ...]:
+    """The names of the native targets registered for ``platform`` ("cpu" or "cuda"); an op without one
+    there runs its jnp reference."""
+    return _native.TARGETS.get(platform, ())
+
+
 def _dispatch(target, ref_fn, args, results, attrs):
     """Run ``target`` natively where it is registered for the platform, else the jnp reference ``ref_fn``.
 
@@ -144,7 +150,7 @@ def _dispatch(target, ref_fn, args, results, attrs):
         return ref_fn(**dict(zip(names.args, operands, strict=True)), **attrs)
 
     operands = [args[name] for name in names.args]
-    has_native = {p: target in _native.TARGETS.get(p, ()) for p in ("cpu", "cuda")}
+    has_native = {p: target in native_targets(p) for p in ("cpu", "cuda")}
     if all(has_native.values()):
         return native(*operands)
     branches = {p: native if has else ref for p, has in has_native.items()}

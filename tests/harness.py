@@ -13,7 +13,6 @@ import numpy as np
 from oracle import BLOCK, Stream, random_ape, random_tokens, rel_err, state_err
 
 import jax_oc128 as oc
-from jax_oc128 import __main__ as cli
 
 # Native vs reference run the same float32 recurrence; they differ only in how exp and the divisions
 # round (libm / CUDA expf vs XLA's exp), accumulated over at most 128 folds.
@@ -248,18 +247,6 @@ def valid_args(op, *, rows=2, tokens=3, layers=2, slots=4, dim=64, max_draft=4):
 def copy_tree(tree):
     """A copy of every array of a pytree (to keep a state that a donating call will consume)."""
     return jax.tree.map(jnp.copy, tree)
-
-
-def native_targets(platform):
-    """The native targets registered for ``platform`` ("cpu" or "cuda"), as the command line's ``info``
-    lists them."""
-    lines = cli.info().splitlines()
-    for line in lines[lines.index("native targets:") + 1 :]:
-        name, _, targets = line.strip().partition(" ")
-        if name == platform:
-            targets = targets.strip()
-            return () if targets.startswith("(none") else tuple(targets.split(", "))
-    return ()
 
 
 @contextlib.contextmanager

@@ -16,7 +16,6 @@ from harness import (
     assert_updated_in_place,
     assert_wrote_nothing,
     ints,
-    native_targets,
     poisoned_state,
     valid_args,
 )
@@ -176,7 +175,7 @@ def test_donated_state_is_updated_in_place():
 
 def test_cuda_lowering_uses_the_native_target():
     """The CUDA dispatch, checked without a GPU: lowering for CUDA emits the native custom call."""
-    if "oc128_compress" not in native_targets("cuda"):
+    if "oc128_compress" not in oc.ops.native_targets("cuda"):
         pytest.skip("the CUDA module was not built here")
     state = oc.init_state(1, 2, DIM, 2)
     args = (

@@ -1,7 +1,10 @@
 """Speculative decoding end to end: greedy equals plain greedy, sampling follows the target, slots reuse
-cleanly, and each step compiles once per (slots, N)."""
+cleanly, K steps per dispatch change nothing, stop tokens end a request exactly, and the decode loop
+compiles once per (slots, N, K)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +13,7 @@ import pytest
 from flax import nnx
 from harness import copy_tree, count_compiles
 
+from jax_oc128 import checkpoint
 from jax_oc128.controller import OFFLINE, ONLINE
 from jax_oc128.decode import Engine
 from jax_oc128.nn import ModelConfig, SpeculativeModel
@@ -64,14 +68,75 @@ def test_reused_slot_carries_nothing_from_its_previous_owner():
         assert together.tokens[1] == alone.tokens[0]
 
 
-def test_each_step_compiles_once_per_shape():
-    engine = Engine(make_model(ONLINE), slots=5)  # a slot count no other test uses
+def test_decode_loop_compiles_once_per_slots_n_and_k():
+    """Other prompts, budgets, seeds and stop tokens reuse the executable; another N or K compiles anew."""
+    engine = Engine(make_model(ONLINE), slots=3, steps_per_dispatch=4)
     with count_compiles() as compiles:
-        for seed in range(3):
-            engine.generate(prompts(lengths=(30, 70, 90)), 20, num_tokens=4, seed=seed)
-        assert compiles["_speculative_step"] == 1
+        for seed, stop in ((0, ()), (1, (5,)), (2, (7, 9, 11))):
+            engine.generate(
+                prompts(lengths=(30, 70, 90, 20)), 20 + seed, num_tokens=4, seed=seed, stop_tokens=stop
+            )
+        assert compiles["decode"] == 1
         engine.generate(prompts(lengths=(30,)), 20, num_tokens=2)
-        assert compiles["_speculative_step"] == 2
+        assert compiles["decode"] == 2
+        engine.generate(prompts(lengths=(30,)), 20, num_tokens=2)
+        engine.decode(engine.init_state(), num_tokens=2, steps=1)
+        assert compiles["decode"] == 3
+
+
+@pytest.mark.parametrize("num_tokens", [None, 4], ids=["plain", "N=4"])
+def test_steps_per_dispatch_change_nothing(num_tokens):
+    """K = 1 (the host reads every step), 3 and 16 steps per dispatch: the same tokens in the same number of
+    steps; more steps per dispatch, fewer dispatches. 3 slots for 5 requests: the loop leaves early when a
+    row ends while requests wait."""
+    model = make_model(ONLINE)
+    results = [
+        Engine(model, slots=3, steps_per_dispatch=k).generate(prompts(), 60, num_tokens=num_tokens)
+        for k in (1, 3, 16)
+    ]
+    assert all(r.tokens == results[0].tokens and r.steps == results[0].steps for r in results)
+    assert results[0].dispatches > results[1].dispatches > results[2].dispatches
+    assert all(len(tokens) == 60 for tokens in results[0].tokens)
+
+
+@pytest.mark.parametrize("num_tokens", [None, 2, 4], ids=["plain", "N=2", "N=4"])
+def test_stop_tokens_end_a_request_at_the_stop_token(num_tokens):
+    """The shipped (trained) model, whose drafts are often accepted: each request's output is its output
+    without stop tokens cut just after the first stop token, also where the stop token is inside an
+    accepted run of drafts; a request whose first token is a stop token returns just that token."""
+    model, _ = checkpoint.load()
+    texts = (b"Return the number of items in the container. ", b"Raise ValueError if ", b"Open file and ")
+    requests = [list(text) for text in texts]
+    engine = Engine(model, slots=2, steps_per_dispatch=5)
+    free = engine.generate(requests, 60, num_tokens=num_tokens)
+    for stop in ([ord(" ")], [ord("."), ord("\n")], [free.tokens[1][0]]):
+        stopped = engine.generate(requests, 60, num_tokens=num_tokens, stop_tokens=stop)
+        for full, cut in zip(free.tokens, stopped.tokens, strict=True):
+            ends = [i for i, token in enumerate(full) if token in stop]
+            assert cut == (full[: ends[0] + 1] if ends else full), (stop, full, cut)
+
+
+def test_stop_token_inside_an_accepted_run_of_drafts():
+    """A speculative step keeps up to N tokens at once: a stop token among them (here the second of three
+    kept tokens) ends the request there, and the tokens after it in the same step are dropped."""
+    model, _ = checkpoint.load()
+    prompt = list(b"Return the number of items in the container. ")
+    engine = Engine(model, slots=1, steps_per_dispatch=1)
+    state, first = engine.prefill(engine.init_state(), {0: prompt}, 100)
+    tokens = [int(first.tokens[0, 0, 0])]
+    for _ in range(40):  # step by step until a step keeps 3 tokens whose second was not generated before
+        state, output = engine.decode(state, num_tokens=4, steps=1)
+        run = [int(t) for t in output.tokens[0, 0, : int(output.counts[0, 0])]]
+        if len(run) >= 3 and run[1] not in tokens + run[:1]:
+            stop, at = run[1], len(tokens) + 1
+            break
+        tokens += run
+    else:
+        pytest.fail("no step kept 3 tokens whose second is new")
+    free = engine.generate([prompt], 100, num_tokens=4).tokens[0]
+    stopped = engine.generate([prompt], 100, num_tokens=4, stop_tokens=[stop]).tokens[0]
+    assert free[: at + 1] == [*tokens, *run[:2]] and free[at + 1] == run[2]
+    assert stopped == free[: at + 1]
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -83,12 +148,12 @@ def test_speculative_sampling_follows_the_target(n):
     engine = Engine(model, slots=512)
     prompt = prompts(vocab=12, lengths=(140,))[0]
     counts = np.zeros(12)
-    prefilled = engine.prefill(engine.init_state(), dict.fromkeys(range(512), prompt), jax.random.key(0))
+    prefilled, _ = engine.prefill(engine.init_state(), dict.fromkeys(range(512), prompt), 10)
     first = int(prefilled.token[0])
     for seed in range(8):
-        state = copy_tree(prefilled)
-        _, tokens, _ = engine.step(state, jax.random.key(seed + 1), num_tokens=n, temperature=1.0)
-        counts += np.bincount(np.asarray(tokens[:, 0]), minlength=12)
+        state = dataclasses.replace(copy_tree(prefilled), key=jax.random.key(seed + 1))
+        _, output = engine.decode(state, num_tokens=n, temperature=1.0, steps=1)
+        counts += np.bincount(np.asarray(output.tokens[0, :, 0]), minlength=12)
     sequence = jnp.asarray([[*prompt, first]], jnp.int32)
     logits, _, _ = model.target(sequence, jnp.arange(sequence.shape[1])[None], model.target.init_cache(1))
     expected = np.asarray(jax.nn.softmax(logits[0, -1])) * counts.sum()

@@ -15,7 +15,6 @@ from harness import (
     NATIVE_VS_REFERENCE_FP32,
     assert_outputs_match,
     assert_state_close,
-    native_targets,
     poisoned_state,
 )
 from oracle import BLOCK, random_ape, random_tokens
@@ -31,7 +30,7 @@ def on(device, *arrays):
 
 
 def test_cuda_targets_are_registered_and_used():
-    assert set(native_targets("cuda")) == {"oc128_compress", "oc128_verify", "oc128_commit"}
+    assert set(oc.ops.native_targets("cuda")) == {"oc128_compress", "oc128_verify", "oc128_commit"}
     state = oc.init_state(1, 2, DIM, 2)
     args = (
         jnp.zeros((1, 2, 2, 2 * DIM)),
