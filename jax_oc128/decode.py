@@ -30,8 +30,8 @@ from jax_oc128.nn import AttentionCache, ModelCache, SpeculativeModel
 
 #: stop token ids per generate call (padded with -1 to this size, so their number never recompiles)
 MAX_STOP_TOKENS = 8
-#: decoding steps per dispatch by default: on the H200 (shipped model, 8 slots, plain) K = 1 / 4 / 16 / 64 gave
-#: 2724 / 9659 / 17127 / 21197 tokens/s end to end (bench/RESULTS.md, bench/bench_decode.py --sweep-k)
+#: decoding steps per dispatch by default: on the H200 (shipped model, 8 slots, plain) K = 1 / 4 / 16 / 64
+#: gave 2724 / 9659 / 17127 / 21197 tokens/s end to end (bench/RESULTS.md, bench/bench_decode.py --sweep-k)
 STEPS_PER_DISPATCH = 64
 
 
