@@ -28,6 +28,7 @@ Usage: python bench/bench_ops.py [--batches 1 8 64 256] [--draft 4] [--out bench
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import time
@@ -39,7 +40,7 @@ import numpy as np
 import jax_oc128 as oc
 
 LAYERS, DIM, BLOCK = 20, 512, 128
-PATTERNS = ("launch", "model", "sglang", "batched")
+PATTERNS = ("launch", "model", "model_jnp", "sglang", "batched")
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "bench_ops.json"
 
 
@@ -95,21 +96,24 @@ def _depend(kv, blocks):
     return kv.at[0, :, 0, 0].add((blocks[:, 0] == -2).astype(kv.dtype))
 
 
-def _layers(state, kv, blocks, seq, slots, ape, pending=None):
-    """One verify per layer along the dependency chain; returns ``(state, kv, blocks)``."""
+def _layers(state, kv, blocks, seq, slots, ape, pending=None, ops=oc):
+    """One verify per layer along the dependency chain (``ops.verify``: the native op, or with
+    ``ops=oc.reference`` its jnp twin); returns ``(state, kv, blocks)``."""
     kv = list(kv)
     for layer in range(LAYERS):
         kv[layer] = _depend(kv[layer], blocks)
-        state, _, blocks = oc.verify(state, kv[layer], seq, slots, ape[layer], layer=layer, pending=pending)
+        state, _, blocks = ops.verify(state, kv[layer], seq, slots, ape[layer], layer=layer, pending=pending)
     return state, kv, blocks
 
 
-def _model_step(c, k):
+def _model_step(c, k, ops=oc):
     # prepare_forward(TARGET_VERIFY): what was pending is committed by this step's verifies (fused), and
     # this step's seq_lens become pending; the next step's seq_lens - pending is this step's accept.
     committing = c["pending"]
     pending = c["pending"].at[k["slots"]].set(c["seq"], mode="drop")
-    state, kv, blocks = _layers(c["state"], c["kv"], c["blocks"], c["seq"], k["slots"], k["ape"], committing)
+    state, kv, blocks = _layers(
+        c["state"], c["kv"], c["blocks"], c["seq"], k["slots"], k["ape"], committing, ops
+    )
     return dict(state=state, kv=kv, blocks=blocks, seq=c["seq"] + k["accept"], pending=pending)
 
 
@@ -131,7 +135,13 @@ def _batched_step(c, k):
     return dict(c, state=state, seq=c["seq"] + k["accept"])
 
 
-STEPS = {"launch": _launch_step, "model": _model_step, "sglang": _sglang_step, "batched": _batched_step}
+STEPS = {
+    "launch": _launch_step,
+    "model": _model_step,
+    "model_jnp": functools.partial(_model_step, ops=oc.reference),
+    "sglang": _sglang_step,
+    "batched": _batched_step,
+}
 
 
 def setup(pattern, rows, n, dtype):
@@ -171,6 +181,7 @@ def main():
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeat", type=int, default=10, help="steps unrolled in one executable (>= 2)")
     parser.add_argument("--iters", type=int, default=20, help="timed calls (median)")
+    parser.add_argument("--patterns", nargs="+", choices=PATTERNS, default=list(PATTERNS))
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args()
     if args.repeat < 2:
@@ -182,10 +193,7 @@ def main():
     print(
         f"us per speculative step, {LAYERS} C128 layers, head_dim {DIM}, {args.repeat} steps per executable:"
     )
-    print(
-        "dtype     N batch | launch (/launch) |  model x_launch | sglang x_launch | model/sglang | "
-        "batched* | bw floor"
-    )
+    print("dtype     N batch | " + " | ".join(f"{p:>9s} (/launch)" for p in args.patterns) + " | bw floor")
     results = dict(
         device=device,
         copy_bandwidth=bandwidth,
@@ -196,6 +204,7 @@ def main():
         patterns=dict(
             launch=f"{LAYERS} do-nothing launches (verify of one padding row), same dependency chain",
             model=f"{LAYERS} verify launches, the previous step's commit fused (pending)",
+            model_jnp="the model's pattern with the jnp twin of verify (XLA fuses it with its neighbours)",
             sglang=f"{LAYERS} verify + {LAYERS} commit launches",
             batched="1 verify + 1 commit for all layers: reference only, not a pattern a model can run",
         ),
@@ -205,7 +214,7 @@ def main():
         for n in args.draft:
             for rows in args.batches:
                 us, raw = {}, {}
-                for pattern in PATTERNS:
+                for pattern in args.patterns:
                     seconds = {}
                     for repeat in (1, args.repeat):
                         carry, consts = setup(pattern, rows, n, jnp.dtype(dtype))
@@ -214,23 +223,19 @@ def main():
                     raw[pattern] = {str(k): v * 1e6 for k, v in seconds.items()}
                 total = step_bytes(rows, n, jnp.dtype(dtype).itemsize)
                 row = dict(dtype=dtype, draft=n, batch=rows, **{f"{k}_us": v for k, v in us.items()})
+                launch = us.get("launch", float("nan"))
                 row.update(
-                    launch_per_launch_us=us["launch"] / LAYERS,
+                    launch_per_launch_us=launch / LAYERS,
                     bytes=total,
                     floor_us=total / bandwidth * 1e6,
-                    model_x_launch=us["model"] / us["launch"],
-                    sglang_x_launch=us["sglang"] / us["launch"],
-                    model_x_sglang=us["model"] / us["sglang"],
+                    **{f"{p}_x_launch": us[p] / launch for p in us},
                     call_us=raw,
                 )
+                if "model" in us and "sglang" in us:
+                    row["model_x_sglang"] = us["model"] / us["sglang"]
                 results["rows"].append(row)
-                print(
-                    f"{dtype:8s} {n:2d} {rows:5d} | "
-                    f"{us['launch']:7.1f} ({row['launch_per_launch_us']:5.2f}) | "
-                    f"{us['model']:7.1f} {row['model_x_launch']:5.2f} | "
-                    f"{us['sglang']:7.1f} {row['sglang_x_launch']:5.2f} | {row['model_x_sglang']:12.2f} | "
-                    f"{us['batched']:8.1f} | {row['floor_us']:8.2f}"
-                )
+                cells = " | ".join(f"{us[p]:9.1f} ({us[p] / launch:6.2f})" for p in args.patterns)
+                print(f"{dtype:8s} {n:2d} {rows:5d} | {cells} | {row['floor_us']:8.2f}")
     print("* batched: one verify + one commit for all layers, a reference, not a pattern a model can run")
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
