@@ -78,10 +78,11 @@ def demo(args) -> str:
     prompts = [list(p.encode("ascii", "replace")) for p in (args.prompt or DEMO_PROMPTS)]
     engine = Engine(model, slots=args.batch, steps_per_dispatch=args.steps_per_dispatch)
     modes = [("plain", None)] + [(f"speculative N={n}", n) for n in args.draft]
-    for _, n in modes:  # compile every step function first, so the timings below are the steady state
-        engine.generate(
-            prompts[: args.batch], 2 * max(args.draft), num_tokens=n, temperature=args.temperature
-        )
+    # compile first, so that the timings below are the steady state: the decode loop of each mode, and the
+    # prefill of each prompt's padded width (a batch of admitted prompts takes the widest one's)
+    for _, n in modes:
+        for prompt in prompts:
+            engine.generate([prompt], 2, num_tokens=n, temperature=args.temperature)
     results = {}
     for name, n in modes:
         bar = _progress(len(prompts) * args.tokens, name)
