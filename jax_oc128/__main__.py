@@ -128,6 +128,22 @@ def demo(args) -> str:
     return "\n".join(lines)
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {value}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    """An argparse type: a finite float >= 0."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jax_oc128", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -136,16 +152,18 @@ def main(argv=None) -> int:
     run.add_argument(
         "--prompt", action="append", help="a prompt (repeat for several; default: four built in)"
     )
-    run.add_argument("--tokens", type=int, default=160, help="new tokens per prompt")
-    run.add_argument("--draft", type=int, nargs="+", default=[2, 4], help="N of the speculative runs")
-    run.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    run.add_argument("--tokens", type=_positive_int, default=160, help="new tokens per prompt")
+    run.add_argument(
+        "--draft", type=_positive_int, nargs="+", default=[2, 4], help="N of the speculative runs"
+    )
+    run.add_argument("--temperature", type=_temperature, default=0.0, help="0: greedy")
     run.add_argument(
         "--backend", choices=["online", "offline"], default="online", help="C128 compressor state"
     )
-    run.add_argument("--batch", type=int, default=4, help="slots")
+    run.add_argument("--batch", type=_positive_int, default=4, help="slots")
     run.add_argument(
         "--steps-per-dispatch",
-        type=int,
+        type=_positive_int,
         default=STEPS_PER_DISPATCH,
         help="K: decoding steps per on-device loop (1: the host reads every step)",
     )

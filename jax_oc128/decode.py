@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import time
 
 import jax
@@ -301,7 +302,7 @@ class Engine:
             ("prompt_bucket", prompt_bucket),
             ("steps_per_dispatch", steps_per_dispatch),
         ):
-            if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"{name}: must be a positive int, got {value!r}")
         self.model, self.slots, self.prompt_bucket = model, int(slots), int(prompt_bucket)
         self.steps_per_dispatch = int(steps_per_dispatch)
@@ -400,13 +401,17 @@ class Engine:
         8 ids), which is its last token. ``progress`` is called with the number of tokens generated so far.
         Returns a :class:`Result`."""
         config = self.model.config
-        if num_tokens is not None and not 2 <= num_tokens <= config.max_draft:
+        if not _is_int(max_new_tokens) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be a positive int, got {max_new_tokens!r}")
+        if num_tokens is not None and not (_is_int(num_tokens) and 2 <= num_tokens <= config.max_draft):
             raise ValueError(
-                f"num_tokens: N must be in [2, {config.max_draft}] (None: plain), got {num_tokens}"
+                f"num_tokens: N must be an int in [2, {config.max_draft}] (None: plain), got {num_tokens!r}"
             )
-        if temperature < 0:
-            raise ValueError(f"temperature: must be >= 0, got {temperature}")
+        if not (isinstance(temperature, int | float | np.number) and 0 <= float(temperature) < math.inf):
+            raise ValueError(f"temperature: must be a finite number >= 0, got {temperature!r}")
         for i, prompt in enumerate(prompts):
+            if not all(map(_is_int, prompt)):
+                raise TypeError(f"prompts[{i}]: token ids must be ints")
             if not 0 < len(prompt) <= config.max_len - max_new_tokens - (num_tokens or 1):
                 raise ValueError(
                     f"prompts[{i}]: length {len(prompt)} must be in [1, max_len - max_new_tokens - N]"
@@ -463,6 +468,11 @@ class Engine:
         seconds = time.perf_counter() - start
         mean = totals["accepted"] / max(1, totals["slot_steps"])
         return Result(outputs, totals["steps"], totals["dispatches"], seconds, mean)
+
+
+def _is_int(value) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 def _stop_array(stop_tokens) -> np.ndarray:

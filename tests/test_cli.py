@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from jax_oc128 import __main__ as cli
 
 
@@ -20,3 +22,14 @@ def test_demo_runs_on_the_shipped_model(capsys):
     assert line.endswith("yes")
     assert float(line.split()[-2]) > 1.2, line  # mean accepted length: the draft head was trained
     assert "online" in out and "offline" in out
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--tokens", "0"), ("--tokens", "-5"), ("--batch", "0"), ("--draft", "0"), ("--temperature", "nan")],
+)
+def test_bad_demo_flags_are_refused_before_anything_runs(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", flag, value])
+    assert exit_info.value.code == 2
+    assert flag in capsys.readouterr().err
