@@ -428,12 +428,12 @@ class Engine:
 
         def read(slots_owner, output):
             """Take a dispatch's (or a prefill's) tokens; free the slots whose request ended."""
-            tokens, counts, active, *stats = jax.device_get(dataclasses.astuple(output))
-            totals.update(dict(zip(("steps", "slot_steps", "accepted"), map(int, stats), strict=True)))
+            host = jax.device_get(output)  # the copies started at dispatch
+            totals.update(steps=int(host.steps), slot_steps=int(host.slot_steps), accepted=int(host.accepted))
             for slot, request in slots_owner.items():
-                for step in range(tokens.shape[0]):  # counts are 0 past the steps run
-                    outputs[request].extend(int(t) for t in tokens[step, slot, : counts[step, slot]])
-                if not active[slot]:
+                for step in range(host.tokens.shape[0]):  # counts are 0 past the steps run
+                    outputs[request].extend(host.tokens[step, slot, : host.counts[step, slot]].tolist())
+                if not host.active[slot]:
                     owner.pop(slot, None)  # (a request that ended at its prefill is in the next snapshot too)
             if progress is not None:
                 progress(sum(map(len, outputs)))
