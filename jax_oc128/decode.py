@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import os
 import time
 
 import jax
@@ -34,6 +35,25 @@ MAX_STOP_TOKENS = 8
 #: decoding steps per dispatch by default: on the H200 (shipped model, 8 slots, plain) K = 1 / 4 / 16 / 64
 #: gave 2724 / 9659 / 17127 / 21197 tokens/s end to end (bench/RESULTS.md, bench/bench_decode.py --sweep-k)
 STEPS_PER_DISPATCH = 64
+#: XLA options of the decode loop on a GPU: XLA's default command buffer (CUDA graph) contents plus WHILE
+#: and CONDITIONAL, so that the ``while_loop`` and its condition are recorded too (conditional nodes) and a
+#: dispatch of K steps runs without the host. With XLA's default the host evaluates the loop's condition
+#: after every step: the call blocks for the whole dispatch and the GPU waits for the host between steps
+#: (bench/RESULTS.md). Not applied when ``XLA_FLAGS`` sets ``--xla_gpu_enable_command_buffer`` itself.
+GPU_LOOP_OPTIONS = {
+    "xla_gpu_enable_command_buffer": ",".join(
+        (
+            "FUSION",
+            "CUBLAS",
+            "CUBLASLT",
+            "CUSTOM_CALL",
+            "CUDNN",
+            "DYNAMIC_SLICE_FUSION",
+            "WHILE",
+            "CONDITIONAL",
+        )
+    )
+}
 
 
 @jax.tree_util.register_dataclass
@@ -325,25 +345,43 @@ class Engine:
                 temperature=temperature,
             )
 
+        def init_state(seed):  # the caches' layout comes from the config; no parameter is read
+            slots = self.slots
+            return DecodeState(
+                model.target.init_cache(slots),
+                model.mtp.init_cache(slots),
+                token=jnp.zeros((slots,), jnp.int32),
+                position=jnp.zeros((slots,), jnp.int32),
+                hidden=jnp.zeros((slots, model.config.hidden_size), jnp.float32),
+                active=jnp.zeros((slots,), bool),
+                remaining=jnp.zeros((slots,), jnp.int32),
+                key=jax.random.key(seed),
+            )
+
+        def restart(state, seed):
+            zeros = jnp.zeros_like(state.remaining)
+            return dataclasses.replace(state, active=zeros > 0, remaining=zeros, key=jax.random.key(seed))
+
+        loop_options = None
+        if jax.default_backend() == "gpu" and "xla_gpu_enable_command_buffer" not in os.environ.get(
+            "XLA_FLAGS", ""
+        ):
+            loop_options = GPU_LOOP_OPTIONS
+        self._init_state = jax.jit(init_state)
+        self._restart = jax.jit(restart, donate_argnames="state")
         self._prefill = jax.jit(prefill, static_argnames="temperature", donate_argnames="state")
         self._decode = jax.jit(
-            decode, static_argnames=("steps", "num_tokens", "temperature"), donate_argnames="state"
+            decode,
+            static_argnames=("steps", "num_tokens", "temperature"),
+            donate_argnames="state",
+            compiler_options=loop_options,
         )
+        self._idle_state = None  # generate's state between calls (its buffers reused, their slots cleared)
 
     def init_state(self, seed: int = 0) -> DecodeState:
-        """An empty decode state (no active slot), its PRNG key from ``seed``."""
-        target, config = self.model.target, self.model.config
-        slots = self.slots
-        return DecodeState(  # every leaf its own buffer: the state is donated
-            target.init_cache(slots),
-            self.model.mtp.init_cache(slots),
-            token=jnp.zeros((slots,), jnp.int32),
-            position=jnp.zeros((slots,), jnp.int32),
-            hidden=jnp.zeros((slots, config.hidden_size), jnp.float32),
-            active=jnp.zeros((slots,), bool),
-            remaining=jnp.zeros((slots,), jnp.int32),
-            key=jax.random.key(seed),
-        )
+        """An empty decode state (no active slot), its PRNG key from ``seed``; one dispatch, every leaf its
+        own buffer (the state is donated)."""
+        return self._init_state(np.int32(seed))
 
     def prefill(
         self, state: DecodeState, assignments: dict, max_new_tokens: int, *, stop_tokens=(), temperature=0.0
@@ -419,7 +457,11 @@ class Engine:
             if min(prompt) < 0 or max(prompt) >= config.vocab_size:
                 raise ValueError(f"prompts[{i}]: token ids must be in [0, {config.vocab_size})")
         start = time.perf_counter()
-        state = self.init_state(seed)
+        # the last call's state, its slots made idle (a slot is cleared when a request takes it): no
+        # allocation, and the decode loop's CUDA graph sees the same buffers as before; the first call
+        # allocates it (and compiles the restart with everything else)
+        state, self._idle_state = self._idle_state, None
+        state = self._restart(self.init_state(seed) if state is None else state, np.int32(seed))
         outputs = [[] for _ in prompts]
         waiting = collections.deque(range(len(prompts)))
         owner = {}  # slot -> request, as of the last output read
@@ -466,6 +508,7 @@ class Engine:
             while len(unread) > (0 if waiting else 1):
                 read(*unread.popleft())
         seconds = time.perf_counter() - start
+        self._idle_state = state
         mean = totals["accepted"] / max(1, totals["slot_steps"])
         return Result(outputs, totals["steps"], totals["dispatches"], seconds, mean)
 

@@ -60,12 +60,16 @@ def test_backends_agree():
 
 
 def test_reused_slot_carries_nothing_from_its_previous_owner():
-    """One slot: request B after A gives what B gives alone in a fresh engine."""
+    """One slot: request B after A gives what B gives alone in a fresh engine, in the same generate call
+    and in the next one (which reuses the last call's state)."""
     a, b = prompts(lengths=(250, 140))
     for n in (None, 4):
-        together = Engine(make_model(ONLINE), slots=1).generate([a, b], 70, num_tokens=n)
+        engine = Engine(make_model(ONLINE), slots=1)
+        together = engine.generate([a, b], 70, num_tokens=n)
+        next_call = engine.generate([b], 70, num_tokens=n)
         alone = Engine(make_model(ONLINE), slots=1).generate([b], 70, num_tokens=n)
         assert together.tokens[1] == alone.tokens[0]
+        assert next_call.tokens[0] == alone.tokens[0]
 
 
 def test_decode_loop_compiles_once_per_slots_n_and_k():
