@@ -2,8 +2,9 @@
 // items of oc128_math.h. A CUDA block covers a chunk of 128 channels (32 where head_dim is not a multiple
 // of 128) of one (layer, row[, segment]) unit: small blocks keep many units resident per SM, which is
 // what hides the memory latency of these short, bandwidth-bound kernels. Every thread of a block takes
-// part in deciding whether its row is processed (Rows::processed, the earlier rows split among them). Handlers only
-// launch kernels on XLA's stream (no allocation, no host synchronisation), so XLA may capture them in command buffers.
+// part in deciding whether its row is processed (Rows::processed, the earlier rows split among them).
+// Handlers only launch kernels on XLA's stream (no allocation, no host synchronisation), so XLA may
+// capture them in command buffers.
 #include <cuda_runtime.h>
 
 #include "oc128_ffi.h"
@@ -14,9 +15,10 @@ namespace {
 constexpr unsigned kThreads = 128;
 
 // Rows::processed of `row`, the earlier rows checked by all threads of the block together: every thread
-// of the block must call it, and gets the same answer.
+// of the block must call it (it holds a barrier), and gets the same answer.
 __device__ bool row_processed(const Rows& rows, int64_t row) {
-  return rows.valid(row) && !__syncthreads_or(rows.slot_taken(row, threadIdx.x, blockDim.x));
+  const bool taken = __syncthreads_or(rows.slot_taken(row, threadIdx.x, blockDim.x));
+  return rows.valid(row) && !taken;
 }
 
 // Threads per block of the per-channel kernels: head_dim is a multiple of 32.

@@ -215,7 +215,7 @@ def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0)
         layers are ``layer .. layer + Lk - 1`` of the state.
       seq_lens: ``[bs]`` int32, tokens already folded in (the position of the first new token).
       new_lens: ``[bs]`` int32 in ``[0, T]``, valid new tokens of the row; the rest is padding.
-      slots: ``[bs]`` int32, the row's state slot; -1 marks a padding row.
+      slots: ``[bs]`` int32, the row's state slot, one row per slot; -1 marks a padding row.
       ape: ``[Lk, 128, D]`` float32, the learned position bias of the score.
       layer: first state layer of the call (static).
 
@@ -262,7 +262,7 @@ def verify(state, kv_score, seq_lens, slots, ape, *, layer: int = 0, pending=Non
       kv_score: ``[Lk, bs, N, 2*D]`` float32: the last accepted token and N-1 drafts, all valid,
         ``1 <= N <= min(B, 16)``.
       seq_lens: ``[bs]`` int32, tokens in the state before the verify.
-      slots: ``[bs]`` int32, -1 for padding rows.
+      slots: ``[bs]`` int32, one row per slot, -1 for padding rows.
       ape: ``[Lk, 128, D]`` float32.
       layer: first state layer of the call (static).
       pending: optional ``[S]`` int32, per slot the ``seq_lens`` of its previous verify whose acceptance is
@@ -312,7 +312,7 @@ def commit(state, seq_lens, accept_lens, slots, *, layer: int = 0, num_layers: i
       state: ``[L, 1 + B, S, 3, D]`` float32 or bfloat16, updated in place (donate it).
       seq_lens: ``[bs]`` int32, as given to :func:`verify`.
       accept_lens: ``[bs]`` int32 in ``[0, N]``, the verify tokens kept (0 keeps nothing).
-      slots: ``[bs]`` int32, -1 for padding rows.
+      slots: ``[bs]`` int32, one row per slot, -1 for padding rows.
 
     Returns:
       The updated state.
