@@ -16,25 +16,31 @@ struct CpuBackend {
 
   template <typename T>
   ffi::Error compress(const CompressArgs<T>& args, int64_t call_layers, int64_t segments) {
-    for (int64_t lk = 0; lk < call_layers; ++lk)
-      for (int64_t row = 0; row < args.rows; ++row)
+    for (int64_t row = 0; row < args.rows; ++row) {
+      const bool processed = args.call_rows().processed(row);
+      for (int64_t lk = 0; lk < call_layers; ++lk)
         for (int64_t g = 0; g < segments; ++g)
-          for (int64_t d = 0; d < args.layout.dim; ++d) compress_channel(args, lk, row, g, d);
+          for (int64_t d = 0; d < args.layout.dim; ++d) compress_channel(args, lk, row, g, d, processed);
+    }
     return ffi::Error::Success();
   }
 
   template <int N, typename T>
   ffi::Error verify(const VerifyArgs<T>& args, int64_t call_layers) {
-    for (int64_t lk = 0; lk < call_layers; ++lk)
-      for (int64_t row = 0; row < args.rows; ++row)
-        for (int64_t d = 0; d < args.layout.dim; ++d) verify_channel<N>(args, lk, row, d);
+    for (int64_t row = 0; row < args.rows; ++row) {
+      const bool processed = args.call_rows().processed(row);
+      for (int64_t lk = 0; lk < call_layers; ++lk)
+        for (int64_t d = 0; d < args.layout.dim; ++d) verify_channel<N>(args, lk, row, d, processed);
+    }
     return ffi::Error::Success();
   }
 
   ffi::Error commit(const CommitArgs& args, int64_t num_layers) {
-    for (int64_t l = 0; l < num_layers; ++l)
-      for (int64_t row = 0; row < args.rows; ++row)
-        for (int64_t w = 0; w < args.words_per_slot; ++w) commit_word(args, l, row, w);
+    for (int64_t row = 0; row < args.rows; ++row) {
+      const bool processed = args.call_rows().processed(row);
+      for (int64_t l = 0; l < num_layers; ++l)
+        for (int64_t w = 0; w < args.words_per_slot; ++w) commit_word(args, l, row, w, processed);
+    }
     return ffi::Error::Success();
   }
 };

@@ -1,8 +1,10 @@
 // CUDA handlers of jax_oc128: one thread per channel (one 16-byte word for commit), running the work
 // items of oc128_math.h. A CUDA block covers a chunk of 128 channels (32 where head_dim is not a multiple
 // of 128) of one (layer, row[, segment]) unit: small blocks keep many units resident per SM, which is
-// what hides the memory latency of these short, bandwidth-bound kernels. Handlers only launch kernels
-// on XLA's stream (no allocation, no host synchronisation), so XLA may capture them in command buffers.
+// what hides the memory latency of these short, bandwidth-bound kernels. Every thread of a block takes
+// part in deciding whether its row is processed (Rows::processed, the earlier rows split among them).
+// Handlers only launch kernels on XLA's stream (no allocation, no host synchronisation), so XLA may
+// capture them in command buffers.
 #include <cuda_runtime.h>
 
 #include "oc128_ffi.h"
@@ -12,6 +14,13 @@ namespace {
 
 constexpr unsigned kThreads = 128;
 
+// Rows::processed of `row`, the earlier rows checked by all threads of the block together: every thread
+// of the block must call it (it holds a barrier), and gets the same answer.
+__device__ bool row_processed(const Rows& rows, int64_t row) {
+  const bool taken = __syncthreads_or(rows.slot_taken(row, threadIdx.x, blockDim.x));
+  return rows.valid(row) && !taken;
+}
+
 // Threads per block of the per-channel kernels: head_dim is a multiple of 32.
 unsigned channel_threads(int64_t dim) { return dim % kThreads == 0 ? kThreads : 32; }
 
@@ -20,20 +29,22 @@ __global__ void __launch_bounds__(kThreads) compress_kernel(CompressArgs<T> args
   const unsigned chunks = unsigned(args.layout.dim) / blockDim.x, unit = blockIdx.x / chunks;
   const int64_t d = (blockIdx.x % chunks) * blockDim.x + threadIdx.x;
   const unsigned g = unit % segments, row = (unit / segments) % unsigned(args.rows);
-  compress_channel(args, unit / segments / unsigned(args.rows), row, g, d);
+  compress_channel(args, unit / segments / unsigned(args.rows), row, g, d, row_processed(args.call_rows(), row));
 }
 
 template <int N, typename T>
 __global__ void __launch_bounds__(kThreads) verify_kernel(VerifyArgs<T> args) {
   const unsigned chunks = unsigned(args.layout.dim) / blockDim.x, unit = blockIdx.x / chunks;
   const int64_t d = (blockIdx.x % chunks) * blockDim.x + threadIdx.x;
-  verify_channel<N>(args, unit / unsigned(args.rows), unit % unsigned(args.rows), d);
+  const unsigned row = unit % unsigned(args.rows);
+  verify_channel<N>(args, unit / unsigned(args.rows), row, d, row_processed(args.call_rows(), row));
 }
 
 __global__ void __launch_bounds__(kThreads) commit_kernel(CommitArgs args, unsigned chunks) {
-  const unsigned unit = blockIdx.x / chunks;
+  const unsigned unit = blockIdx.x / chunks, row = unit % unsigned(args.rows);
   const int64_t w = (blockIdx.x % chunks) * blockDim.x + threadIdx.x;
-  if (w < args.words_per_slot) commit_word(args, unit / unsigned(args.rows), unit % unsigned(args.rows), w);
+  const bool processed = row_processed(args.call_rows(), row);
+  if (w < args.words_per_slot) commit_word(args, unit / unsigned(args.rows), row, w, processed);
 }
 
 ffi::Error launched(const char* kernel) {

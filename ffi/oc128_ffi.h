@@ -52,7 +52,8 @@ ffi::Error check_shape(const char* name, const Dims& dims, std::initializer_list
     if (oc128_error_.failure()) return oc128_error_; \
   } while (0)
 
-// The state operand and its aliased result: [layers, banks, slots, 3, dim], fp32 or bf16, dim % 32 == 0.
+// The state operand and its aliased result: [layers, banks, slots, 3, dim], fp32 or bf16, dim % 32 == 0,
+// at least one slot.
 struct StateShape {
   int64_t layers, banks, slots, dim;
   StateLayout layout() const { return StateLayout{banks, slots, dim}; }
@@ -70,6 +71,7 @@ ffi::Error check_state(Backend& backend, const ffi::AnyBuffer& in, ffi::Result<f
   if (shape->dim <= 0 || shape->dim % 32 != 0)
     return invalid("state: head_dim must be a positive multiple of 32, got " + std::to_string(shape->dim));
   if (shape->banks < 1) return invalid("state: needs at least bank 0");
+  if (shape->slots < 1) return invalid("state: needs at least one slot");
   if (out->element_type() != in.element_type() || out->size_bytes() != in.size_bytes())
     return invalid("state: the result must alias the operand (same shape and dtype)");
   // XLA aliases the two buffers (input_output_aliases); copy defensively if it ever does not.

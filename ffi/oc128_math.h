@@ -72,21 +72,29 @@ OC128_FN Bf16 from_float<Bf16>(float x) {
 
 // ---------------------------------------------------------------------------------------------
 // The online recurrence of SPEC section 3 for one channel.
+//
+// Domain: kv values are finite; a score (score + ape) is finite or -inf. A -inf score has weight zero:
+// the token changes nothing. A block whose scores are all -inf so far has no weight: its state is
+// (max, sum, mean) = (-inf, 0, 0) and, if it closes so, its entry is 0. NaN and +inf scores are outside
+// the domain: the block's state and entry are then unspecified (NaN or finite), but nothing outside the
+// row's slot, and nothing after the block closes, is affected (the next block starts afresh).
 
 // In registers the mean is carried as its numerator (mean * sum), so that a fold has one exp and two
 // fmas on its critical path and no division; the stored state holds the normalised mean.
 struct Online {
-  float m;    // running max of the scores
-  float s;    // sum of exp(score - m)
-  float num;  // sum of exp(score - m) * kv; the mean is num / s
+  float m;    // running max of the scores, -inf while the block has no weight
+  float s;    // sum of exp(score - m), 0 while the block has no weight
+  float num;  // sum of exp(score - m) * kv; the mean is num / s (0 without weight)
 
-  OC128_FN float mean() const { return num / s; }
+  OC128_FN float mean() const { return s == 0.0f ? 0.0f : num / s; }
 };
 
 // Fold one token at block position `pos` (kv `v`, score incl. ape `sigma`) into `st`.
 // pos == 0 starts a new block: whatever `st` holds is ignored. Of the two rescale factors
-// exp(m - max) and exp(sigma - max) one is 1, so a single exp of -|sigma - m| gives both.
+// exp(m - max) and exp(sigma - max) one is 1, so a single exp of -|sigma - m| gives both; a state
+// without weight (m = -inf) takes a finite sigma as its max and is scaled by exp(-inf) = 0.
 OC128_FN Online fold(Online st, int pos, float v, float sigma) {
+  if (sigma == -INFINITY) return pos == 0 ? Online{sigma, 0.0f, 0.0f} : st;  // weight zero
   if (pos == 0) return Online{sigma, 1.0f, v};
   const bool new_max = sigma > st.m;
   const float t = expf(new_max ? st.m - sigma : sigma - st.m);
@@ -95,12 +103,14 @@ OC128_FN Online fold(Online st, int pos, float v, float sigma) {
 }
 
 // Stored states keep (m, s) consistent after rounding: m is rounded first and s is rescaled to the
-// rounded max, so a bf16 state loses precision in s and a only (fp32 stores m exactly: no rescale).
+// rounded max, so a bf16 state loses precision in s and a only (fp32 stores m exactly: no rescale, nor
+// where rounding keeps m, as -inf).
 template <typename T>
 OC128_FN void store_state(T* row, int64_t dim, int64_t d, Online st) {
   const T m = from_float<T>(st.m);
+  const float rounded = to_float(m);
   row[d] = m;
-  row[dim + d] = std::is_same<T, float>::value ? from_float<T>(st.s) : from_float<T>(st.s * expf(st.m - to_float(m)));
+  row[dim + d] = from_float<T>(rounded == st.m ? st.s : st.s * expf(st.m - rounded));
   row[2 * dim + d] = from_float<T>(st.mean());
 }
 
@@ -119,11 +129,34 @@ OC128_FN Online load_state(const T* row, int64_t dim, int64_t d) {
   return Online{to_float(row[d]), s, to_float(row[2 * dim + d]) * s};
 }
 
-// A row is processed only if its slot is inside the state and its position is not negative;
-// anything else is padding (slot -1) or out of range, and is neither read nor written.
-OC128_FN bool row_is_valid(int32_t slot, int32_t seq_len, int64_t num_slots) {
-  return slot >= 0 && slot < num_slots && seq_len >= 0;
-}
+// The rows of a call as the skip rule sees them. A row is valid if its slot is inside the state, its
+// seq_len is not negative and its count (compress: new_lens, commit: accept_lens; verify has none) is in
+// [0, max_count]. A row is processed if it is valid and no earlier valid row of the call has its slot;
+// any other row (padding: slot -1, out of range, or a repeated slot) is neither read nor written, and its
+// outputs are those of a padding row (entries 0, entry_blocks -1).
+struct Rows {
+  const int32_t* slots;
+  const int32_t* seq_lens;
+  const int32_t* counts;  // nullptr: no count
+  int32_t max_count;
+  int64_t num_slots;
+
+  OC128_FN bool valid(int64_t row) const {
+    const int32_t slot = slots[row];
+    const bool count_ok = counts == nullptr || (counts[row] >= 0 && counts[row] <= max_count);
+    return slot >= 0 && slot < num_slots && seq_lens[row] >= 0 && count_ok;
+  }
+
+  // Whether one of the valid rows first, first + step, ... before `row` has the slot of `row`: with
+  // (0, 1) all earlier rows; the CUDA kernels split them among a block's threads and or the answers.
+  OC128_FN bool slot_taken(int64_t row, int64_t first, int64_t step) const {
+    for (int64_t r = first; r < row; r += step)
+      if (slots[r] == slots[row] && valid(r)) return true;
+    return false;
+  }
+
+  OC128_FN bool processed(int64_t row) const { return valid(row) && !slot_taken(row, 0, 1); }
+};
 
 // The commit rule (SPEC section 4): after keeping `accept` tokens of the verify at `seq`, bank 0 becomes
 // bank `accept`, except when nothing was kept, `accept` is out of range, or the block closed at the last
@@ -166,6 +199,8 @@ struct CompressArgs {
   int64_t rows;
   int64_t tokens;
   int64_t entries_per_row;
+
+  OC128_FN Rows call_rows() const { return Rows{slots, seq_lens, new_lens, int32_t(tokens), layout.slots}; }
 };
 
 // Segments a call of `tokens` tokens can touch: ceil((127 + tokens) / 128).
@@ -187,16 +222,16 @@ OC128_FN Online fold_segment(const CompressArgs<T>& a, int64_t lk, int64_t row, 
   return st;
 }
 
+// `processed`: Rows::processed of the row (the backend computes it once per row).
 template <typename T>
-OC128_FN void compress_channel(const CompressArgs<T>& a, int64_t lk, int64_t row, int64_t g, int64_t d) {
+OC128_FN void compress_channel(const CompressArgs<T>& a, int64_t lk, int64_t row, int64_t g, int64_t d,
+                               bool processed) {
   const int64_t dim = a.layout.dim;
   const int32_t slot = a.slots[row], seq = a.seq_lens[row];
-  const int32_t n_raw = a.new_lens[row];
-  const bool valid = row_is_valid(slot, seq, a.layout.slots) && n_raw >= 0 && n_raw <= a.tokens;
-  const int n = valid ? n_raw : 0;
-  const int p0 = valid ? seq % kBlock : 0;
+  const int n = processed ? a.new_lens[row] : 0;
+  const int p0 = processed ? seq % kBlock : 0;
   const int64_t closed = (p0 + n) / kBlock;
-  const int64_t segments = (p0 + n + kBlock - 1) / kBlock;
+  const int64_t segments = n > 0 ? (p0 + n + kBlock - 1) / kBlock : 0;  // no new token: nothing touched
   const int64_t trailing = (p0 + n) % kBlock != 0 ? segments - 1 : -1;  // the open segment, if any
   float* entry = a.entries + ((lk * a.rows + row) * a.entries_per_row + g) * dim;
 
@@ -244,15 +279,18 @@ struct VerifyArgs {
   StateLayout layout;
   int64_t layer0;
   int64_t rows;
+
+  OC128_FN Rows call_rows() const { return Rows{slots, seq_lens, nullptr, 0, layout.slots}; }
 };
 
+// `processed`: Rows::processed of the row (the backend computes it once per row).
 template <int N, typename T>
-OC128_FN void verify_channel(const VerifyArgs<T>& a, int64_t lk, int64_t row, int64_t d) {
+OC128_FN void verify_channel(const VerifyArgs<T>& a, int64_t lk, int64_t row, int64_t d, bool processed) {
   static_assert(1 <= N && N <= kMaxDraft, "1 <= N <= 16 verify tokens");
   const int64_t dim = a.layout.dim;
   const int32_t slot = a.slots[row], seq = a.seq_lens[row];
   float* entry = a.entries + (lk * a.rows + row) * dim;
-  if (!row_is_valid(slot, seq, a.layout.slots)) {
+  if (!processed) {
     entry[d] = 0.0f;
     if (lk == 0 && d == 0) a.entry_blocks[row] = -1;
     return;
@@ -315,11 +353,14 @@ struct CommitArgs {
   int64_t words_per_slot;  // 3 * dim * sizeof(T) / 16
   int64_t layer0;
   int64_t rows;
+
+  OC128_FN Rows call_rows() const { return Rows{slots, seq_lens, accept_lens, int32_t(banks - 1), slots_per_bank}; }
 };
 
-OC128_FN void commit_word(const CommitArgs& a, int64_t l, int64_t row, int64_t w) {
+// `processed`: Rows::processed of the row (the backend computes it once per row).
+OC128_FN void commit_word(const CommitArgs& a, int64_t l, int64_t row, int64_t w, bool processed) {
+  if (!processed) return;
   const int32_t slot = a.slots[row], seq = a.seq_lens[row];
-  if (!row_is_valid(slot, seq, a.slots_per_bank)) return;
   const int32_t bank = committed_bank(seq, a.accept_lens[row], a.banks);
   if (bank == 0) return;
   Word16* bank0 = a.state + ((a.layer0 + l) * a.banks * a.slots_per_bank + slot) * a.words_per_slot;

@@ -4,12 +4,23 @@ Every op takes and returns the whole state array and updates it in place through
 ``input_output_aliases``; jit the caller with the state donated (``donate_argnames``) so that no
 copy is made, and never read a state array after passing it to an op.
 
-On-device policy for values that cannot be checked at trace time: a row whose slot is outside
-``[0, slots)`` (``-1`` marks padding), whose ``seq_lens`` is negative, or (compress) whose ``new_lens`` is
-outside ``[0, T]``, or (commit) whose ``accept_lens`` is outside ``[0, max_draft]`` is skipped: nothing
-is read or written for it, its entries are zero and its ``entry_blocks`` are -1. When the values are
-concrete (not traced), the same conditions raise a ``ValueError`` instead. Valid rows of one call must
-use distinct slots.
+Shapes, dtypes, ranks and the static ``layer``/``num_layers`` are checked at trace time: a ``ValueError``
+(shape, rank, range) or ``TypeError`` (dtype, type) whose message starts with the argument's name. Array
+arguments may be any array-like (lists, numpy arrays), converted with ``jnp.asarray``.
+
+On-device policy for values that cannot be checked at trace time: a row is valid if its slot is in
+``[0, slots)`` (``-1`` marks padding), its ``seq_lens`` is not negative and (compress) its ``new_lens`` is in
+``[0, T]`` or (commit) its ``accept_lens`` in ``[0, max_draft]``. A valid row whose slot an earlier valid
+row of the same call already has is skipped, as is every invalid row: nothing is read or written for it,
+its entries are zero and its ``entry_blocks`` are -1, as for a padding row. (A valid row with ``new_lens``
+0, or ``accept_lens`` 0, changes nothing but still holds its slot.) When the values are concrete (not
+traced), an invalid row with a slot other than -1, or two rows with the same slot, raise a ``ValueError``
+instead. In ``verify(pending=...)`` a pending commit whose accept ``seq_lens - pending`` is outside
+``[1, max_draft]`` commits nothing, as :func:`commit` with that accept.
+
+Scores (score + ape) are finite or -inf: a -inf score has weight zero, and a block whose scores are all
+-inf has the state ``(max, sum, mean) = (-inf, 0, 0)`` and the entry 0. NaN or +inf scores, and non-finite
+kv, are outside the domain: that block's state and entry are unspecified, nothing else is affected.
 """
 
 from __future__ import annotations
@@ -44,23 +55,44 @@ OPERANDS = {
 _native.check_operands(OPERANDS)
 
 
+def _check_int(name, value, low):
+    """``value`` is a Python (or numpy) int, not a bool, and at least ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name}: must be a Python int (static), got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name}: must be >= {low}, got {value}")
+
+
 def init_state(layers: int, slots: int, head_dim: int, max_draft: int, dtype=jnp.float32) -> jax.Array:
     """A zeroed state ``[layers, 1 + max_draft, slots, 3, head_dim]`` of ``dtype`` (float32 or bfloat16).
 
     Bank 0 holds the committed ``[max | sum | mean]`` rows of each slot, banks ``1..max_draft`` the
-    verify scratch. ``head_dim`` must be a multiple of 32; ``max_draft`` is at most 16.
+    verify scratch. ``layers`` and ``slots`` are at least 1, ``head_dim`` a positive multiple of 32 and
+    ``max_draft`` in ``[0, 16]``.
     """
     dtype = jnp.dtype(dtype)
     if dtype not in STATE_DTYPES:
         raise TypeError(f"dtype: must be float32 or bfloat16, got {dtype}")
-    for name, value, low in (("layers", layers, 1), ("slots", slots, 0), ("max_draft", max_draft, 0)):
-        if int(value) < low:
-            raise ValueError(f"{name}: must be >= {low}, got {value}")
+    for name, value, low in (("layers", layers, 1), ("slots", slots, 1), ("head_dim", head_dim, 1)):
+        _check_int(name, value, low)
+    _check_int("max_draft", max_draft, 0)
     if max_draft > MAX_DRAFT:
         raise ValueError(f"max_draft: at most {MAX_DRAFT}, got {max_draft}")
-    if head_dim <= 0 or head_dim % 32:
+    if head_dim % 32:
         raise ValueError(f"head_dim: must be a positive multiple of 32, got {head_dim}")
     return jnp.zeros((layers, 1 + max_draft, slots, 3, head_dim), dtype)
+
+
+def _as_arrays(**arrays):
+    """The values of the keyword arguments, in order, as jax arrays: arrays and tracers as they are,
+    array-likes (lists, numpy arrays) converted; a TypeError naming the argument for anything else."""
+    converted = []
+    for name, x in arrays.items():
+        try:
+            converted.append(jnp.asarray(x))
+        except (TypeError, ValueError) as error:
+            raise TypeError(f"{name}: expected an array, got {type(x).__name__} ({error})") from error
+    return converted
 
 
 def _check_state(state) -> tuple[int, int, int, int]:
@@ -71,8 +103,10 @@ def _check_state(state) -> tuple[int, int, int, int]:
     if jnp.dtype(state.dtype) not in STATE_DTYPES:
         raise TypeError(f"state: dtype must be float32 or bfloat16, got {state.dtype}")
     layers, banks, slots, _, dim = state.shape
-    if dim % 32:
-        raise ValueError(f"state: head_dim must be a multiple of 32, got {dim}")
+    if dim <= 0 or dim % 32:
+        raise ValueError(f"state: head_dim must be a positive multiple of 32, got {dim}")
+    if layers < 1 or slots < 1:
+        raise ValueError(f"state: needs at least one layer and one slot, got shape {tuple(state.shape)}")
     return layers, banks, slots, dim
 
 
@@ -84,9 +118,8 @@ def _check_array(name, x, shape, dtype):
 
 
 def _check_layers(layer, count, state_layers):
-    if not isinstance(layer, int | np.integer):
-        raise TypeError(f"layer: must be a Python int (static), got {type(layer).__name__}")
-    if layer < 0 or count < 1 or layer + count > state_layers:
+    _check_int("layer", layer, 0)
+    if count < 1 or layer + count > state_layers:
         raise ValueError(
             f"layer: layers [{layer}, {layer + count}) are not inside the state's {state_layers}"
         )
@@ -113,6 +146,21 @@ def _check_rows(state_slots, seq_lens, slots, rows):
     slot_values, seq_values = _concrete(slots), _concrete(seq_lens)
     if slot_values is not None and seq_values is not None and np.any(seq_values[slot_values >= 0] < 0):
         raise ValueError("seq_lens: must be >= 0 for rows with a slot")
+
+
+def _check_distinct_slots(slots):
+    """Concrete ``slots``: no slot other than -1 twice (checked last, after every other argument)."""
+    values = _concrete(slots)
+    if values is None:
+        return
+    used, counts = np.unique(values[values >= 0], return_counts=True)
+    if np.any(counts > 1):
+        slot = used[counts > 1][0]
+        first, second = np.flatnonzero(values == slot)[:2]
+        raise ValueError(
+            f"slots: slot {slot} is in rows {first} and {second}; the rows of a call must use distinct slots "
+            "(traced, the later row is skipped)"
+        )
 
 
 def native_targets(platform: str) -> tuple[str, ...]:
@@ -167,7 +215,7 @@ def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0)
         layers are ``layer .. layer + Lk - 1`` of the state.
       seq_lens: ``[bs]`` int32, tokens already folded in (the position of the first new token).
       new_lens: ``[bs]`` int32 in ``[0, T]``, valid new tokens of the row; the rest is padding.
-      slots: ``[bs]`` int32, the row's state slot; -1 marks a padding row.
+      slots: ``[bs]`` int32, the row's state slot, one row per slot; -1 marks a padding row.
       ape: ``[Lk, 128, D]`` float32, the learned position bias of the score.
       layer: first state layer of the call (static).
 
@@ -176,6 +224,9 @@ def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0)
       ``E = T // 128 + 1``, the pre-norm entries of the blocks this call closed, in block order, zero where
       none; ``entry_blocks`` ``[bs, E]`` int32, each entry's block index, -1 where none.
     """
+    state, kv_score, seq_lens, new_lens, slots, ape = _as_arrays(
+        state=state, kv_score=kv_score, seq_lens=seq_lens, new_lens=new_lens, slots=slots, ape=ape
+    )
     layers, _, num_slots, dim = _check_state(state)
     if kv_score.ndim != 4:
         raise ValueError(
@@ -188,6 +239,7 @@ def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0)
     _check_array("new_lens", new_lens, (rows,), jnp.int32)
     _check_values("new_lens", new_lens, 0, tokens)
     _check_array("ape", ape, (call_layers, BLOCK, dim), jnp.float32)
+    _check_distinct_slots(slots)
     per_row = tokens // BLOCK + 1
     results = dict(
         state=jax.ShapeDtypeStruct(state.shape, state.dtype),
@@ -210,7 +262,7 @@ def verify(state, kv_score, seq_lens, slots, ape, *, layer: int = 0, pending=Non
       kv_score: ``[Lk, bs, N, 2*D]`` float32: the last accepted token and N-1 drafts, all valid,
         ``1 <= N <= min(B, 16)``.
       seq_lens: ``[bs]`` int32, tokens in the state before the verify.
-      slots: ``[bs]`` int32, -1 for padding rows.
+      slots: ``[bs]`` int32, one row per slot, -1 for padding rows.
       ape: ``[Lk, 128, D]`` float32.
       layer: first state layer of the call (static).
       pending: optional ``[S]`` int32, per slot the ``seq_lens`` of its previous verify whose acceptance is
@@ -223,6 +275,9 @@ def verify(state, kv_score, seq_lens, slots, ape, *, layer: int = 0, pending=Non
       a block that closes inside the window (zero if none); ``entry_blocks`` ``[bs, 1]`` int32 its block
       index, -1 if none. The entry is only meaningful if the closing token is later accepted.
     """
+    state, kv_score, seq_lens, slots, ape = _as_arrays(
+        state=state, kv_score=kv_score, seq_lens=seq_lens, slots=slots, ape=ape
+    )
     layers, banks, num_slots, dim = _check_state(state)
     if kv_score.ndim != 4:
         raise ValueError(f"kv_score: expected rank 4 [layers, batch, N, 2*head_dim], got {kv_score.shape}")
@@ -236,7 +291,9 @@ def verify(state, kv_score, seq_lens, slots, ape, *, layer: int = 0, pending=Non
     if pending is None:
         pending = jnp.zeros((0,), jnp.int32)
     else:
+        (pending,) = _as_arrays(pending=pending)
         _check_array("pending", pending, (num_slots,), jnp.int32)
+    _check_distinct_slots(slots)
     results = dict(
         state=jax.ShapeDtypeStruct(state.shape, state.dtype),
         entries=jax.ShapeDtypeStruct((call_layers, rows, 1, dim), jnp.float32),
@@ -255,13 +312,20 @@ def commit(state, seq_lens, accept_lens, slots, *, layer: int = 0, num_layers: i
       state: ``[L, 1 + B, S, 3, D]`` float32 or bfloat16, updated in place (donate it).
       seq_lens: ``[bs]`` int32, as given to :func:`verify`.
       accept_lens: ``[bs]`` int32 in ``[0, N]``, the verify tokens kept (0 keeps nothing).
-      slots: ``[bs]`` int32, -1 for padding rows.
+      slots: ``[bs]`` int32, one row per slot, -1 for padding rows.
 
     Returns:
       The updated state.
     """
+    state, seq_lens, accept_lens, slots = _as_arrays(
+        state=state, seq_lens=seq_lens, accept_lens=accept_lens, slots=slots
+    )
     layers, banks, num_slots, _ = _check_state(state)
-    num_layers = layers - layer if num_layers is None else num_layers
+    _check_int("layer", layer, 0)
+    if num_layers is None:
+        num_layers = layers - layer
+    else:
+        _check_int("num_layers", num_layers, 1)
     _check_layers(layer, num_layers, layers)
     rows = seq_lens.shape[0] if seq_lens.ndim == 1 else -1
     if rows < 0:
@@ -269,6 +333,7 @@ def commit(state, seq_lens, accept_lens, slots, *, layer: int = 0, num_layers: i
     _check_rows(num_slots, seq_lens, slots, rows)
     _check_array("accept_lens", accept_lens, (rows,), jnp.int32)
     _check_values("accept_lens", accept_lens, 0, banks - 1)
+    _check_distinct_slots(slots)
     results = dict(state=jax.ShapeDtypeStruct(state.shape, state.dtype))
     args = dict(state=state, seq_lens=seq_lens, accept_lens=accept_lens, slots=slots)
     attrs = dict(layer=layer, num_layers=num_layers)

@@ -1,7 +1,14 @@
 """Pure-jnp twins of the native ops: the oracle in tests and the fallback where no native target exists.
 
 Each function has the signature, shapes and semantics of its namesake in :mod:`jax_oc128` (see there) and
-runs the same recurrence as ``ffi/oc128_math.h`` in float32, so native and reference agree to rounding.
+runs the same recurrence as ``ffi/oc128_math.h`` in float32, so native and reference agree to rounding. The
+arguments are those the ops check (a state with at least one slot, shapes as documented).
+
+The score domain, as in ``ffi/oc128_math.h``: kv values are finite and a score (score + ape) is finite or
+-inf. A -inf score has weight zero; a block whose scores are all -inf so far has the state
+``(max, sum, mean) = (-inf, 0, 0)`` and, closed so, the entry 0. NaN and +inf scores are outside the domain
+(the block's state and entry are unspecified, nothing else is affected). :func:`fold` is the online form and
+:func:`pool` the offline one (a whole block at once).
 """
 
 from __future__ import annotations
@@ -12,20 +19,50 @@ from jax import lax
 from jax_oc128.rules import BLOCK, commits_bank, drop_index, pending_commits, valid_rows
 
 
+def processed_rows(slots, valid):
+    """``[bs]`` bool: the rows of a call an op processes, as ``Rows::processed`` of ``ffi/oc128_math.h``:
+    ``valid`` rows (the op's own conditions, ``[bs]`` bool) whose slot no earlier valid row of the call has.
+    Every other row is skipped: nothing is read or written for it and its outputs are a padding row's."""
+    row = jnp.arange(slots.shape[0])
+    earlier = (slots[None, :] == slots[:, None]) & valid[None, :] & (row[None, :] < row[:, None])
+    return valid & ~jnp.any(earlier, axis=1)
+
+
+def mean(num, s):
+    """The mean ``num / s`` of a pooled state, 0 where the block has no weight (``s == 0``)."""
+    return jnp.where(s == 0, 0.0, num / s)
+
+
 def fold(m, s, num, pos, v, sigma):
     """One token of the online recurrence (SPEC section 3), elementwise, as ``Online fold`` of
     ``ffi/oc128_math.h``.
 
     ``(m, s, num)`` is the running state with the mean carried as its numerator ``num = mean * s``,
     ``v`` the token's kv and ``sigma`` its score plus ape, ``pos`` its position in the block
-    (broadcastable); ``pos == 0`` starts a new block and ignores the state.
+    (broadcastable); ``pos == 0`` starts a new block and ignores the state. A -inf ``sigma`` has weight
+    zero: it leaves the state as it is, or starts the block without weight, ``(-inf, 0, 0)``.
     """
     new_max = sigma > m
     t = jnp.exp(jnp.where(new_max, m - sigma, sigma - m))
     keep, add = jnp.where(new_max, t, 1.0), jnp.where(new_max, 1.0, t)
     m2, s2, num2 = jnp.where(new_max, sigma, m), s * keep + add, num * keep + v * add
-    start = pos == 0
-    return jnp.where(start, sigma, m2), jnp.where(start, 1.0, s2), jnp.where(start, v, num2)
+    start, zero = pos == 0, sigma == -jnp.inf
+    return (
+        jnp.where(start, sigma, jnp.where(zero, m, m2)),
+        jnp.where(zero, jnp.where(start, 0.0, s), jnp.where(start, 1.0, s2)),
+        jnp.where(zero, jnp.where(start, 0.0, num), jnp.where(start, v, num2)),
+    )
+
+
+def pool(sigma, kv, axis):
+    """The offline pooling of whole blocks: float32 ``(max, sum, mean)`` over ``axis`` of the scores
+    ``sigma`` (score + ape) and their ``kv`` (same shape), ``axis`` reduced: the softmax of the scores
+    weighting the kv, with the domain of :func:`fold` (a -inf score has weight zero; a block without
+    weight is ``(-inf, 0, 0)``)."""
+    m = jnp.max(sigma, axis=axis)
+    w = jnp.where(sigma == -jnp.inf, 0.0, jnp.exp(sigma - jnp.expand_dims(m, axis)))
+    s = jnp.sum(w, axis=axis)
+    return m, s, mean(jnp.sum(w * kv, axis=axis), s)
 
 
 def load_state(rows):
@@ -36,10 +73,20 @@ def load_state(rows):
 
 def store_state(m, s, num, dtype):
     """float32 ``(m, s, num)`` -> ``[..., 3, D]`` rows of ``dtype``. For bf16 the max is rounded first
-    and the sum rescaled to it, so that the stored pair stays consistent."""
+    and the sum rescaled to it (where rounding changed it), so that the stored pair stays consistent."""
     mq = m.astype(dtype)
-    sq = s if jnp.dtype(dtype) == jnp.float32 else s * jnp.exp(m - mq.astype(jnp.float32))
-    return jnp.stack([mq, sq.astype(dtype), (num / s).astype(dtype)], axis=-2)
+    rounded = mq.astype(jnp.float32)
+    sq = jnp.where(rounded == m, s, s * jnp.exp(m - rounded))
+    return jnp.stack([mq, sq.astype(dtype), mean(num, s).astype(dtype)], axis=-2)
+
+
+def set_rows(state, index, rows):
+    """``state.at[index].set(rows, mode="drop")``, done on the bits: XLA may compute a bfloat16 scatter in
+    float32, which would turn every NaN of the state, written or not, into the canonical NaN."""
+    bits = jnp.uint16 if jnp.dtype(state.dtype).itemsize == 2 else jnp.uint32
+    rows = lax.bitcast_convert_type(rows.astype(state.dtype), bits)
+    written = lax.bitcast_convert_type(state, bits).at[index].set(rows, mode="drop")
+    return lax.bitcast_convert_type(written, state.dtype)
 
 
 def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer=0):
@@ -54,6 +101,7 @@ def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer=0):
     per_row = tokens // BLOCK + 1
     segments = (tokens + 2 * BLOCK - 2) // BLOCK
     valid = valid_rows(slots, seq_lens, num_slots) & (new_lens >= 0) & (new_lens <= tokens)
+    valid = processed_rows(slots, valid)
     n = jnp.where(valid, new_lens, 0)
     p0 = jnp.where(valid, seq_lens % BLOCK, 0)
 
@@ -81,7 +129,7 @@ def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer=0):
 
     g = jnp.arange(per_row)
     closed = (g[None] * BLOCK + BLOCK - 1 - p0[:, None]) < n[:, None]  # [rows, per_row]
-    entries = jnp.where(closed[None, :, :, None], (num / s)[:, :, :per_row], 0.0)
+    entries = jnp.where(closed[None, :, :, None], mean(num, s)[:, :, :per_row], 0.0)
     entry_blocks = jnp.where(closed, seq_lens[:, None] // BLOCK + g[None], -1).astype(jnp.int32)
 
     trailing = jnp.clip((p0 + n - 1) // BLOCK, 0, segments - 1)
@@ -89,8 +137,8 @@ def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer=0):
     final = [jnp.take_along_axis(f, pick, axis=2)[:, :, 0] for f in (m, s, num)]
     write = valid & (n > 0) & ((p0 + n) % BLOCK != 0)
     rows_out = store_state(*final, state.dtype)
-    state = state.at[layer : layer + num_layers, 0, drop_index(slots, num_slots, write)].set(
-        rows_out, mode="drop"
+    state = set_rows(
+        state, (slice(layer, layer + num_layers), 0, drop_index(slots, num_slots, write)), rows_out
     )
     return state, entries, entry_blocks
 
@@ -100,9 +148,12 @@ def verify(state, kv_score, seq_lens, slots, ape, pending=None, *, layer=0):
     num_layers, rows, tokens, two_d = kv_score.shape
     dim = two_d // 2
     num_slots = state.shape[2]
-    valid = valid_rows(slots, seq_lens, num_slots)
+    valid = processed_rows(slots, valid_rows(slots, seq_lens, num_slots))
     if pending is not None and pending.shape[0]:
-        state = commit(state, *pending_commits(pending, slots, seq_lens), layer=layer, num_layers=num_layers)
+        skipped_as_padding = jnp.where(valid, slots, -1)
+        state = commit(
+            state, *pending_commits(pending, skipped_as_padding, seq_lens), layer=layer, num_layers=num_layers
+        )
     p0 = jnp.where(valid, seq_lens % BLOCK, 0)
     m, s, num = load_state(state[layer : layer + num_layers, 0][:, jnp.where(valid, slots, 0)])
     entry = jnp.zeros((num_layers, rows, dim), jnp.float32)
@@ -113,14 +164,14 @@ def verify(state, kv_score, seq_lens, slots, ape, pending=None, *, layer=0):
         sigma = kv_score[:, :, k, dim:] + ape[:, pos]
         m, s, num = fold(m, s, num, pos[None, :, None], kv_score[:, :, k, :dim], sigma)
         closes = pos == BLOCK - 1
-        entry = jnp.where(closes[None, :, None], num / s, entry)
+        entry = jnp.where(closes[None, :, None], mean(num, s), entry)
         entry_block = jnp.where(closes, (seq_lens + k) // BLOCK, entry_block)
         banks.append((closes, store_state(m, s, num, state.dtype)))
     entry = jnp.where(valid[None, :, None], entry, 0.0)[:, :, None]
     entry_block = jnp.where(valid, entry_block, -1)[:, None].astype(jnp.int32)
     for k, (closes, rows_k) in enumerate(banks, start=1):
         index = drop_index(slots, num_slots, valid & ~closes)
-        state = state.at[layer : layer + num_layers, k, index].set(rows_k, mode="drop")
+        state = set_rows(state, (slice(layer, layer + num_layers), k, index), rows_k)
     return state, entry, entry_block
 
 
@@ -128,7 +179,8 @@ def commit(state, seq_lens, accept_lens, slots, *, layer=0, num_layers=None):
     """Reference of :func:`jax_oc128.commit`."""
     num_layers = state.shape[0] - layer if num_layers is None else num_layers
     num_banks, num_slots = state.shape[1], state.shape[2]
-    ok = valid_rows(slots, seq_lens, num_slots) & commits_bank(seq_lens, accept_lens, num_banks)
+    valid = valid_rows(slots, seq_lens, num_slots) & (accept_lens >= 0) & (accept_lens < num_banks)
+    ok = processed_rows(slots, valid) & commits_bank(seq_lens, accept_lens, num_banks)
     src = state[layer : layer + num_layers, jnp.where(ok, accept_lens, 0), jnp.where(ok, slots, 0)]
     index = drop_index(slots, num_slots, ok)
-    return state.at[layer : layer + num_layers, 0, index].set(src, mode="drop")
+    return set_rows(state, (slice(layer, layer + num_layers), 0, index), src)

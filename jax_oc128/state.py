@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_oc128 import ops
+from jax_oc128.reference import pool
 from jax_oc128.rules import BLOCK, drop_index, valid_rows
 
 
@@ -130,8 +131,8 @@ class OfflineState:
         from_ring = layer_rows[:, safe[:, None, None], position % ring].astype(jnp.float32)
         is_new = (position >= seq_lens[:, None, None])[None, ..., None]
         block_rows = jnp.where(is_new, from_new.reshape(from_ring.shape), from_ring)
-        weights = jax.nn.softmax(block_rows[..., dim:] + ape[:, None, None], axis=3)
-        entries = jnp.where(closed[None, :, :, None], jnp.sum(weights * block_rows[..., :dim], axis=3), 0.0)
+        _, _, pooled = pool(block_rows[..., dim:] + ape[:, None, None], block_rows[..., :dim], axis=3)
+        entries = jnp.where(closed[None, :, :, None], pooled, 0.0)
         entry_blocks = jnp.where(closed, block, -1).astype(jnp.int32)
 
         t = jnp.arange(kv_score.shape[2])
@@ -144,7 +145,8 @@ class OfflineState:
 
     def open_block(self, slots, seq_lens, ape):
         """``(max, sum, mean)`` float32 ``[layers, bs, D]`` of each row's open block at ``seq_lens``,
-        pooled from the raw rows; ``ape`` ``[layers, 128, D]``."""
+        pooled from the raw rows (:func:`~jax_oc128.reference.pool`; ``(-inf, 0, 0)`` where the block has no
+        weight, as where none is open); ``ape`` ``[layers, 128, D]``."""
         dim, ring = self.head_dim, self.rows.shape[2]
         safe = jnp.where((slots >= 0) & (slots < self.slots), slots, 0)
         start = seq_lens // BLOCK * BLOCK
@@ -153,10 +155,7 @@ class OfflineState:
         sigma = jnp.where(
             (position < seq_lens[:, None])[None, ..., None], rows[..., dim:] + ape[:, None], -jnp.inf
         )
-        m = jnp.max(sigma, axis=2)
-        w = jnp.exp(sigma - m[:, :, None])
-        s = jnp.sum(w, axis=2)
-        return m, s, jnp.sum(w * rows[..., :dim], axis=2) / s
+        return pool(sigma, rows[..., :dim], axis=2)
 
 
 def bytes_per_slot(state_type, layers: int, head_dim: int, max_draft: int, dtype=jnp.float32) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -265,3 +266,18 @@ def count_compiles():
         yield compiles
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@functools.cache
+def jit_op(impl, op):
+    """The op named ``op`` ("compress", "verify" or "commit") of ``impl`` (:mod:`jax_oc128` or its
+    reference), jitted with its static arguments (once: its compilations are kept): its row values are
+    traced, so they reach the device unchecked (the on-device policies)."""
+    static = ("layer", "num_layers") if op == "commit" else ("layer",)
+    return jax.jit(getattr(impl, op), static_argnames=static)
+
+
+def state_bits(state):
+    """The state's bytes as unsigned integers of its width, to compare bit for bit (NaN payloads included)."""
+    state = np.asarray(state)
+    return state.view(np.uint32 if state.dtype.itemsize == 4 else np.uint16)
