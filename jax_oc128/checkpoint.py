@@ -15,6 +15,7 @@ import dataclasses
 import json
 import pathlib
 import zipfile
+import zlib
 
 import jax
 import numpy as np
@@ -30,6 +31,16 @@ META = "__meta__"
 MAX_META_BYTES = 1 << 20
 #: .npy header readers by format version (3.0 only adds UTF-8 field names, which no parameter has)
 HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+#: what reading a damaged, encrypted or otherwise unreadable archive member raises
+READ_ERRORS = (
+    ValueError,
+    OSError,
+    EOFError,
+    RuntimeError,
+    NotImplementedError,
+    zipfile.BadZipFile,
+    zlib.error,
+)
 
 
 def _named_leaves(state) -> list[tuple[str, object]]:
@@ -86,7 +97,7 @@ def _header(archive: zipfile.ZipFile, member: str, path) -> tuple[tuple[int, ...
             if version not in HEADER_READERS:
                 raise ValueError(f".npy format version {version} (1.0 and 2.0 are read)")
             shape, _, dtype = HEADER_READERS[version](file)
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
+    except READ_ERRORS as error:
         raise ValueError(f"{path}: {member}: not a readable .npy array ({error})") from None
     return shape, dtype
 
@@ -96,7 +107,7 @@ def _read(archive: zipfile.ZipFile, name: str, path) -> np.ndarray:
     try:
         with archive.open(name + ".npy") as file:
             return np.lib.format.read_array(file, allow_pickle=False)
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
+    except READ_ERRORS as error:
         raise ValueError(f"{path}: tensor {name}: unreadable ({error})") from None
 
 

@@ -130,7 +130,7 @@ def test_bad_metadata_is_refused(tmp_path, meta, match):
         checkpoint.load(write(tmp_path / "bad.npz", tensors, meta))
 
 
-def test_missing_metadata_and_non_archives_are_refused(tmp_path):
+def test_missing_metadata_damaged_files_and_non_archives_are_refused(tmp_path):
     tensors, _ = shipped()
     np.savez(tmp_path / "nometa.npz", **tensors)
     with pytest.raises(ValueError, match=r"nometa\.npz: no __meta__"):
@@ -140,6 +140,12 @@ def test_missing_metadata_and_non_archives_are_refused(tmp_path):
         checkpoint.load(tmp_path / "text.npz")
     with pytest.raises(FileNotFoundError):
         checkpoint.load(tmp_path / "absent.npz")
+    damaged = bytearray(checkpoint.DEFAULT_MODEL.read_bytes())
+    middle = len(damaged) // 2  # inside a compressed tensor
+    damaged[middle : middle + 100] = bytes(100)
+    (tmp_path / "damaged.npz").write_bytes(bytes(damaged))
+    with pytest.raises(ValueError, match=r"damaged\.npz: tensor .*: unreadable"):
+        checkpoint.load(tmp_path / "damaged.npz")
 
 
 class Unpickled:
