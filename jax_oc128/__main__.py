@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import math
 import os
+import pathlib
 import sys
 
 from jax_oc128.decode import STEPS_PER_DISPATCH
@@ -46,55 +48,62 @@ DEMO_PROMPTS = (
 )
 
 
-def _progress(total, label):
-    """A text progress bar on stderr: ``update(done)``."""
+def _progress_display():
+    """A rich progress display on stderr, one bar per task: live on a terminal; elsewhere (a pipe, a file)
+    no live updates, the bars printed once when it stops."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    def update(done):
-        filled = int(30 * min(done, total) / total)
-        sys.stderr.write(
-            f"\r{label:22s} [{'#' * filled}{'.' * (30 - filled)}] {min(done, total)}/{total} tokens"
-        )
-        if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-    return update
+    return Progress(
+        TextColumn("{task.description:20s}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("tokens"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+    )
 
 
 def _text(tokens) -> str:
     return bytes(t for t in tokens if 9 <= t < 127 or t == 10).decode("ascii")
 
 
-def demo(args) -> str:
-    """Generate plainly and with speculation; report the text, exactness, acceptance, speed and memory."""
+def demo(args, model, meta, prompts) -> str:
+    """Generate plainly and with speculation; report the text, exactness, acceptance, speed and memory.
+    ``prompts``: byte strings, checked against the model by :func:`_model_problem`."""
     import jax
 
-    from jax_oc128 import checkpoint
-    from jax_oc128.controller import BACKENDS, OFFLINE, ONLINE
+    from jax_oc128.controller import OFFLINE, ONLINE
     from jax_oc128.decode import Engine
     from jax_oc128.state import bytes_per_slot
 
-    model, meta = checkpoint.load(args.model or checkpoint.DEFAULT_MODEL, backend=BACKENDS[args.backend])
-    prompts = [list(p.encode("ascii", "replace")) for p in (args.prompt or DEMO_PROMPTS)]
-    engine = Engine(model, slots=args.batch, steps_per_dispatch=args.steps_per_dispatch)
+    prompts = [list(prompt) for prompt in prompts]
+    slots = min(args.batch, len(prompts))
+    engine = Engine(model, slots=slots, steps_per_dispatch=min(args.steps_per_dispatch, args.tokens))
     modes = [("plain", None)] + [(f"speculative N={n}", n) for n in args.draft]
     # compile first, so that the timings below are the steady state: the decode loop of each mode, and the
     # prefill of each prompt's padded width (a batch of admitted prompts takes the widest one's)
     for _, n in modes:
         for prompt in prompts:
-            engine.generate([prompt], 2, num_tokens=n, temperature=args.temperature)
+            engine.generate([prompt], min(2, args.tokens), num_tokens=n, temperature=args.temperature)
     results = {}
-    for name, n in modes:
-        bar = _progress(len(prompts) * args.tokens, name)
-        results[name] = engine.generate(
-            prompts, args.tokens, num_tokens=n, temperature=args.temperature, seed=args.seed, progress=bar
-        )
+    with _progress_display() as progress:
+        for name, n in modes:
+            task = progress.add_task(name, total=len(prompts) * args.tokens)
+            results[name] = engine.generate(
+                prompts,
+                args.tokens,
+                num_tokens=n,
+                temperature=args.temperature,
+                seed=args.seed,
+                progress=lambda done, task=task: progress.update(task, completed=done),
+            )
     config = model.config
     c128 = config.compressed_layers
     lines = [
         f"jax_oc128 demo on {jax.default_backend()}: model {meta.get('trained_on', 'custom')} "
         f"({len(config.layer_types)} layers, {c128} C128), "
-        f"{args.backend} C128 state, {len(prompts)} prompts x {args.tokens} new tokens, {args.batch} slots, "
+        f"{args.backend} C128 state, {len(prompts)} prompts x {args.tokens} new tokens, {slots} slots, "
         f"temperature {args.temperature}",
         "",
     ]
@@ -128,20 +137,62 @@ def demo(args) -> str:
     return "\n".join(lines)
 
 
-def _positive_int(text: str) -> int:
-    """An argparse type: an int >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {value}")
-    return value
+def _int_in(low: int, high: int | None = None):
+    """An argparse type: an int in ``[low, high]`` (``high`` None: no upper bound)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an int, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"must be an int {bound}, got {value}")
+        return value
+
+    return parse
 
 
 def _temperature(text: str) -> float:
     """An argparse type: a finite float >= 0."""
-    value = float(text)
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
     return value
+
+
+def _prompt(text: str) -> str:
+    """An argparse type: non-empty ASCII text (the demo feeds its bytes as tokens, unaltered)."""
+    if not text or not text.isascii():
+        raise argparse.ArgumentTypeError(f"must be non-empty ASCII text, got {text!r}")
+    return text
+
+
+def _file(text: str) -> pathlib.Path:
+    """An argparse type: an existing file."""
+    path = pathlib.Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    return path
+
+
+def _model_problem(args, config, prompts) -> str | None:
+    """The first demo flag that the loaded model's ``config`` refuses, as an argparse message, or None."""
+    longest, n = max(map(len, prompts)), max(args.draft)
+    if n > config.max_draft:
+        return f"argument --draft: N must be at most the model's max_draft ({config.max_draft}), got {n}"
+    if longest + args.tokens + n > config.max_len:
+        return (
+            f"argument --tokens: the longest prompt ({longest} bytes) + {args.tokens} tokens + N ({n}) "
+            f"must be at most the model's max_len ({config.max_len})"
+        )
+    top = max(max(prompt) for prompt in prompts)
+    if top >= config.vocab_size:
+        return f"argument --prompt: byte {top} is not in the model's vocabulary [0, {config.vocab_size})"
+    return None
 
 
 def main(argv=None) -> int:
@@ -150,30 +201,48 @@ def main(argv=None) -> int:
     commands.add_parser("info", help="versions, backend and registered native targets")
     run = commands.add_parser("demo", help="generate with and without speculation and report")
     run.add_argument(
-        "--prompt", action="append", help="a prompt (repeat for several; default: four built in)"
+        "--prompt",
+        type=_prompt,
+        action="append",
+        help="an ASCII prompt (repeat for several; default: four built in)",
     )
-    run.add_argument("--tokens", type=_positive_int, default=160, help="new tokens per prompt")
+    run.add_argument("--tokens", type=_int_in(1), default=160, help="new tokens per prompt")
     run.add_argument(
-        "--draft", type=_positive_int, nargs="+", default=[2, 4], help="N of the speculative runs"
+        "--draft", type=_int_in(2), nargs="+", default=[2, 4], help="N of the speculative runs (each >= 2)"
     )
     run.add_argument("--temperature", type=_temperature, default=0.0, help="0: greedy")
     run.add_argument(
         "--backend", choices=["online", "offline"], default="online", help="C128 compressor state"
     )
-    run.add_argument("--batch", type=_positive_int, default=4, help="slots")
+    run.add_argument("--batch", type=_int_in(1), default=4, help="slots (at most one per prompt is used)")
     run.add_argument(
         "--steps-per-dispatch",
-        type=_positive_int,
+        type=_int_in(1),
         default=STEPS_PER_DISPATCH,
-        help="K: decoding steps per on-device loop (1: the host reads every step)",
+        help="K: decoding steps per on-device loop (1: the host reads every step; at most --tokens used)",
     )
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--model", default=None, help="a checkpoint (default: the one shipped in the package)")
+    run.add_argument("--seed", type=_int_in(0, 2**32 - 1), default=0, help="of the sampling")
+    run.add_argument(
+        "--model", type=_file, default=None, help="a checkpoint (default: the one shipped in the package)"
+    )
     args = parser.parse_args(argv)
     if args.command == "info":
         print(info())
-    elif args.command == "demo":
-        print(demo(args))
+        return 0
+    if len(set(args.draft)) < len(args.draft):
+        run.error(f"argument --draft: each N at most once, got {args.draft}")
+    from jax_oc128 import checkpoint
+    from jax_oc128.controller import BACKENDS
+
+    try:
+        model, meta = checkpoint.load(args.model or checkpoint.DEFAULT_MODEL, backend=BACKENDS[args.backend])
+    except (OSError, ValueError) as error:
+        run.error(f"argument --model: {error}")
+    prompts = [prompt.encode("ascii") for prompt in args.prompt or DEMO_PROMPTS]
+    problem = _model_problem(args, model.config, prompts)
+    if problem:
+        run.error(problem)
+    print(demo(args, model, meta, prompts))
     return 0
 
 

@@ -1,14 +1,23 @@
 """Saving and loading a :class:`~jax_oc128.nn.SpeculativeModel` (config + parameters in one .npz), and the
-default model shipped in the package."""
+default model shipped in the package.
+
+A checkpoint is a ``.npz`` archive: ``__meta__``, the UTF-8 JSON ``{"config": {<every ModelConfig field>},
+...metadata}`` as a 1-D uint8 array, and one array per parameter, named by its path in the model's state
+(``['target']['embed'].value``: ``[vocab_size, hidden_size]`` float32, ...). :func:`load` checks the file
+against its config before it allocates anything of the model's size: the metadata, every config field, then
+each tensor's name, shape and dtype, read from the ``.npy`` headers before any tensor is decompressed.
+Nothing is unpickled. Every error is a :class:`ValueError` naming the file (and the tensor or field).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import pathlib
+import zipfile
+import zlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -16,6 +25,22 @@ from jax_oc128.controller import ONLINE, Backend
 from jax_oc128.nn import ModelConfig, SpeculativeModel
 
 DEFAULT_MODEL = pathlib.Path(__file__).parent / "assets" / "default_model.npz"
+#: the archive member holding the JSON metadata
+META = "__meta__"
+#: the largest metadata accepted, in bytes (read before anything else; a config is a few hundred bytes)
+MAX_META_BYTES = 1 << 20
+#: .npy header readers by format version (3.0 only adds UTF-8 field names, which no parameter has)
+HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+#: what reading a damaged, encrypted or otherwise unreadable archive member raises
+READ_ERRORS = (
+    ValueError,
+    OSError,
+    EOFError,
+    RuntimeError,
+    NotImplementedError,
+    zipfile.BadZipFile,
+    zlib.error,
+)
 
 
 def _named_leaves(state) -> list[tuple[str, object]]:
@@ -24,30 +49,114 @@ def _named_leaves(state) -> list[tuple[str, object]]:
 
 
 def save(model: SpeculativeModel, path, **metadata) -> None:
-    """Write the model's config, parameters and ``metadata`` (JSON-serialisable) to ``path``."""
+    """Write the model's config, parameters and ``metadata`` (JSON-serialisable; ``config`` is reserved) to
+    ``path``."""
+    if "config" in metadata:
+        raise ValueError("metadata: 'config' is reserved for the model's config")
     _, state = nnx.split(model)
     meta = {"config": dataclasses.asdict(model.config), **metadata}
     np.savez_compressed(
         path,
-        __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8),
+        **{META: np.frombuffer(json.dumps(meta).encode(), np.uint8)},
         **{name: np.asarray(leaf) for name, leaf in _named_leaves(state)},
     )
 
 
 def load(path=DEFAULT_MODEL, *, backend: Backend = ONLINE) -> tuple[SpeculativeModel, dict]:
     """The model stored at ``path`` (default: the shipped one) with the C128 compressor ``backend``, and its
-    metadata."""
-    data = np.load(path)
-    meta = json.loads(bytes(data["__meta__"]).decode())
-    config = meta["config"]
-    config = ModelConfig(**{**config, "layer_types": tuple(config["layer_types"])})
-    model = SpeculativeModel(config, backend=backend, rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(model)
-    stored = {k: v for k, v in data.items() if k != "__meta__"}
-    names = [name for name, _ in _named_leaves(state)]
-    if set(stored) != set(names):
-        raise ValueError(f"{path}: parameters do not match the model built from its config")
-    state = jax.tree_util.tree_unflatten(
-        jax.tree_util.tree_structure(state), [jnp.asarray(stored[n]) for n in names]
-    )
+    metadata. Raises :class:`ValueError` (naming the file, and the field or tensor) for a file that is not
+    such a checkpoint, before anything of the model's size is allocated; :class:`OSError` if it cannot be
+    read."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except zipfile.BadZipFile as error:
+        raise ValueError(f"{path}: not a .npz archive ({error})") from None
+    with archive:
+        headers = {}
+        for member in archive.namelist():
+            if not member.endswith(".npy"):
+                raise ValueError(f"{path}: {member!r} is not a .npy array")
+            headers[member.removesuffix(".npy")] = _header(archive, member, path)
+        meta = _metadata(archive, headers, path)
+        config = _config(meta, len(headers) - 1, path)
+        graphdef, abstract = nnx.split(
+            nnx.eval_shape(lambda: SpeculativeModel(config, backend=backend, rngs=nnx.Rngs(0)))
+        )
+        expected = dict(_named_leaves(abstract))
+        _check_tensors(headers, expected, path)
+        arrays = [jax.device_put(_read(archive, name, path)) for name in expected]
+    state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract), arrays)
     return nnx.merge(graphdef, state), meta
+
+
+def _header(archive: zipfile.ZipFile, member: str, path) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype of the .npy ``member``, from its header alone."""
+    try:
+        with archive.open(member) as file:
+            version = np.lib.format.read_magic(file)
+            if version not in HEADER_READERS:
+                raise ValueError(f".npy format version {version} (1.0 and 2.0 are read)")
+            shape, _, dtype = HEADER_READERS[version](file)
+    except READ_ERRORS as error:
+        raise ValueError(f"{path}: {member}: not a readable .npy array ({error})") from None
+    return shape, dtype
+
+
+def _read(archive: zipfile.ZipFile, name: str, path) -> np.ndarray:
+    """The array ``name``, never unpickled."""
+    try:
+        with archive.open(name + ".npy") as file:
+            return np.lib.format.read_array(file, allow_pickle=False)
+    except READ_ERRORS as error:
+        raise ValueError(f"{path}: tensor {name}: unreadable ({error})") from None
+
+
+def _metadata(archive: zipfile.ZipFile, headers: dict, path) -> dict:
+    """The metadata: a JSON object, at most :data:`MAX_META_BYTES`, with a ``config`` object."""
+    if META not in headers:
+        raise ValueError(f"{path}: no {META} (the metadata with the model's config)")
+    shape, dtype = headers[META]
+    if dtype != np.uint8 or len(shape) != 1 or shape[0] > MAX_META_BYTES:
+        raise ValueError(f"{path}: {META}: must be a 1-D uint8 array of at most {MAX_META_BYTES} bytes")
+    try:
+        meta = json.loads(_read(archive, META, path).tobytes().decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: {META}: not UTF-8 JSON ({error})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
+        raise ValueError(f"{path}: {META}: must be a JSON object with a 'config' object")
+    return meta
+
+
+def _config(meta: dict, tensors: int, path) -> ModelConfig:
+    """The :class:`~jax_oc128.nn.ModelConfig` of ``meta["config"]``: exactly its fields, each checked by
+    the config itself; no more layers than the file has ``tensors`` (each layer has parameters: a small
+    file claiming a huge number of layers is refused before the model's shapes are traced)."""
+    raw = meta["config"]
+    fields = {field.name for field in dataclasses.fields(ModelConfig)}
+    for problem, names in (("unknown", raw.keys() - fields), ("missing", fields - raw.keys())):
+        if names:
+            raise ValueError(f"{path}: config: {problem} fields {sorted(names)}")
+    layer_types = raw["layer_types"]
+    if not isinstance(layer_types, list):
+        raise ValueError(f"{path}: config: layer_types: must be a list, got {layer_types!r}")
+    if len(layer_types) > tensors:
+        raise ValueError(f"{path}: config: layer_types: {len(layer_types)} layers but only {tensors} tensors")
+    try:
+        return ModelConfig(**{**raw, "layer_types": tuple(layer_types)})
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: config: {error}") from None
+
+
+def _check_tensors(headers: dict, expected: dict, path) -> None:
+    """Every tensor the config's model has, of its shape and dtype, and no other."""
+    stored = headers.keys() - {META}
+    for problem, names in (("missing", expected.keys() - stored), ("unexpected", stored - expected.keys())):
+        if names:
+            shown = ", ".join(sorted(names)[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            raise ValueError(f"{path}: {problem} tensors (for the model of its config): {shown}")
+    for name, want in expected.items():
+        shape, dtype = headers[name]
+        if shape != want.shape:
+            raise ValueError(f"{path}: tensor {name}: shape {shape}, the config gives {want.shape}")
+        if dtype != want.dtype:
+            raise ValueError(f"{path}: tensor {name}: dtype {dtype}, expected {want.dtype}")

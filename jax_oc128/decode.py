@@ -121,7 +121,9 @@ def _stop_rule(tokens, counts, remaining, stop_tokens):
     n = tokens.shape[1]
     produced = jnp.arange(n)[None] < counts[:, None]
     is_stop = produced & jnp.any(tokens[..., None] == stop_tokens[None, None], axis=-1)
-    through_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, n + 1)
+    through_stop = jnp.where(
+        jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1).astype(jnp.int32) + 1, n + 1
+    )
     kept = jnp.minimum(jnp.minimum(counts, through_stop), remaining)
     done = (counts > 0) & ((through_stop <= kept) | (kept >= remaining))
     return kept, done
@@ -198,7 +200,7 @@ def _speculative_step(model, state, key, num_tokens, temperature):
     if temperature == 0:
         target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [slots, N]
         agree = tokens[:, 1:] == target[:, :-1]
-        accepted = jnp.sum(jnp.cumprod(agree, axis=1), axis=1)  # drafts kept
+        accepted = jnp.sum(jnp.cumprod(agree, axis=1), axis=1, dtype=jnp.int32)  # drafts kept
         last = jnp.take_along_axis(target, accepted[:, None], axis=1)[:, 0]
     else:
         accepted, last = _rejection_sample(
@@ -257,7 +259,7 @@ def _decode(model, state, stop_tokens, waiting, *, steps, num_tokens, temperatur
             state.active,
             i + 1,
             output.slot_steps + jnp.sum(active, dtype=jnp.int32),
-            output.accepted + jnp.sum(counts),
+            output.accepted + jnp.sum(counts, dtype=jnp.int32),
         )
         return state, output, ended | jnp.any(done)
 
@@ -273,9 +275,9 @@ def _rejection_sample(target_logits, draft_logits, drafts, keys, temperature):
     q = jax.nn.softmax(draft_logits / temperature, axis=-1)  # [slots, N-1, V]
     p_d = jnp.take_along_axis(p[:, :-1], drafts[..., None], axis=-1)[..., 0]
     q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
-    u = jax.random.uniform(keys[0], p_d.shape)
+    u = jax.random.uniform(keys[0], p_d.shape, p_d.dtype)
     keep = u * q_d < p_d  # u < p/q, without dividing by a zero q
-    accepted = jnp.sum(jnp.cumprod(keep, axis=1), axis=1)
+    accepted = jnp.sum(jnp.cumprod(keep, axis=1), axis=1, dtype=jnp.int32)
     rows = jnp.arange(p.shape[0])
     p_at = p[rows, accepted]
     q_at = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)[rows, accepted]  # no draft after the last

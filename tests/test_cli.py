@@ -1,10 +1,27 @@
-"""The command line: ``info`` and the demo (the main job) on the shipped model."""
+"""The command line: ``info``, the demo (the main job) on the shipped model, bad flags refused by argparse
+before anything compiles, and progress without carriage returns when stderr is not a terminal."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
 import pytest
+from harness import count_compiles
 
 from jax_oc128 import __main__ as cli
+from jax_oc128 import checkpoint
+
+
+def run_cli(*args, env=None):
+    """``python -m jax_oc128 *args`` in a subprocess (with this test's jax_oc128), its output captured."""
+    env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "jax_oc128", *args], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_info_names_versions_and_targets(capsys):
@@ -22,14 +39,92 @@ def test_demo_runs_on_the_shipped_model(capsys):
     assert line.endswith("yes")
     assert float(line.split()[-2]) > 1.2, line  # mean accepted length: the draft head was trained
     assert "online" in out and "offline" in out
+    assert "1 prompts x 24 new tokens, 1 slots" in out  # one slot per prompt at most
 
 
-@pytest.mark.parametrize(
-    "flag, value",
-    [("--tokens", "0"), ("--tokens", "-5"), ("--batch", "0"), ("--draft", "0"), ("--temperature", "nan")],
-)
-def test_bad_demo_flags_are_refused_before_anything_runs(flag, value, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["demo", flag, value])
+def test_progress_into_a_pipe_has_no_carriage_returns():
+    """stderr piped: no live updates (before, a carriage return per update), each mode's bar once at the
+    end."""
+    result = run_cli("demo", "--tokens", "8", "--draft", "3", "--batch", "1", "--prompt", "Open file ")
+    assert result.returncode == 0, result.stderr
+    assert "\r" not in result.stderr
+    for mode in ("plain", "speculative N=3"):
+        [line] = [row for row in result.stderr.splitlines() if row.startswith(mode)]
+        assert "8/8 tokens" in line
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Checkpoint files for the ``--model`` cases: one with a vocabulary of 64 (bytes >= 64 are not tokens),
+    one whose config disagrees with its embedding, and a file that is not a checkpoint."""
+    folder = tmp_path_factory.mktemp("checkpoints")
+    with np.load(checkpoint.DEFAULT_MODEL, allow_pickle=False) as data:
+        tensors = {name: data[name] for name in data.files if name != checkpoint.META}
+        meta = json.loads(data[checkpoint.META].tobytes())
+    vocab = ("['mtp']['embed'].value", "['mtp']['lm_head'].value")  # [vocab_size, hidden] (shared)
+    small = {**tensors, **{name: tensors[name][:64] for name in vocab}}
+    for name, stored, vocab_size in (("vocab64.npz", small, 64), ("mismatched.npz", tensors, 300)):
+        config = {**meta["config"], "vocab_size": vocab_size}
+        raw = np.frombuffer(json.dumps({**meta, "config": config}).encode(), np.uint8)
+        np.savez(folder / name, **{checkpoint.META: raw}, **stored)
+    (folder / "notes.txt").write_text("not a checkpoint")
+    return folder
+
+
+#: (the flag named in the message, demo arguments; {dir}: the checkpoints' folder)
+BAD_FLAGS = [
+    ("--tokens", ["--tokens", "0"]),
+    ("--tokens", ["--tokens", "-5"]),
+    ("--tokens", ["--tokens", "ten"]),
+    ("--tokens", ["--tokens", "4090"]),  # a prompt + 4090 tokens + N exceed the model's max_len (4096)
+    ("--draft", ["--draft", "1"]),
+    ("--draft", ["--draft", "2", "2"]),
+    ("--draft", ["--draft", "9"]),  # past the model's max_draft (8)
+    ("--batch", ["--batch", "0"]),
+    ("--batch", ["--batch", "1.5"]),
+    ("--temperature", ["--temperature", "nan"]),
+    ("--temperature", ["--temperature", "-1"]),
+    ("--temperature", ["--temperature", "inf"]),
+    ("--seed", ["--seed", "-1"]),
+    ("--seed", ["--seed", str(2**32)]),  # seeds are 32-bit: 2**32 would be seed 0 again
+    ("--steps-per-dispatch", ["--steps-per-dispatch", "0"]),
+    ("--prompt", ["--prompt="]),
+    ("--prompt", ["--prompt", "caf\u00e9"]),
+    ("--prompt", ["--model", "{dir}/vocab64.npz", "--prompt", "xyz"]),  # 'x' is 120, not a token
+    ("--backend", ["--backend", "gpu"]),
+    ("--model", ["--model", "{dir}/absent.npz"]),
+    ("--model", ["--model", "{dir}/notes.txt"]),
+    ("--model", ["--model", "{dir}/mismatched.npz"]),
+]
+
+
+def bad_flag_cases(subset=None):
+    """``(flag, demo arguments)`` of :data:`BAD_FLAGS` (those of ``subset``), with readable ids."""
+    cases = [BAD_FLAGS[i] for i in subset] if subset else BAD_FLAGS
+    return pytest.mark.parametrize("flag, args", cases, ids=[" ".join(args) for _, args in cases])
+
+
+def demo_args(args, folder):
+    return ["demo", *(arg.format(dir=folder) for arg in args)]
+
+
+@bad_flag_cases()
+def test_bad_demo_flags_are_refused_before_anything_compiles(checkpoints, flag, args, capsys):
+    """Every case in this process (fast): exit status 2 and argparse's message naming the flag; nothing
+    compiled."""
+    with count_compiles() as compiles, pytest.raises(SystemExit) as exit_info:
+        cli.main(demo_args(args, checkpoints))
     assert exit_info.value.code == 2
-    assert flag in capsys.readouterr().err
+    assert f"error: argument {flag}: " in capsys.readouterr().err
+    assert not compiles
+
+
+@bad_flag_cases(subset=(0, 6, 13, 17, 21))
+def test_bad_demo_flags_from_the_shell(checkpoints, flag, args):
+    """Some cases as a user runs them (a process each: about 3 s of imports), every compilation logged:
+    exit status 2, the flag named, no compilation, no traceback."""
+    result = run_cli(*demo_args(args, checkpoints), env={"JAX_LOG_COMPILES": "1"})
+    assert result.returncode == 2, result.stderr
+    assert f"error: argument {flag}: " in result.stderr
+    assert "Compiling" not in result.stderr and "Traceback" not in result.stderr
+    assert result.stdout == ""

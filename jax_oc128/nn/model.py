@@ -18,6 +18,7 @@ Everything is computed in float32.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,7 @@ from jax_oc128.nn.attention import (
 )
 from jax_oc128.nn.functional import linear, normal_param, ones_param, rms_norm
 from jax_oc128.nn.rope import RopeConfig
+from jax_oc128.rules import MAX_DRAFT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +56,39 @@ class ModelConfig:
     compress_rope_theta: float = 160000.0
     max_len: int = 4096
     max_draft: int = 8  # most tokens per verify (banks of the online C128 state)
+
+    def __post_init__(self):
+        """Every field checked (a config read from a file is checked before any parameter is built): ints
+        in [1, 2**31) (positions and token ids are int32), finite floats > 0, a non-empty tuple of
+        supported layer types, and the shapes' constraints."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type == "int":
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise TypeError(f"{field.name}: must be an int, got {value!r}")
+                if not 1 <= value < 2**31:
+                    raise ValueError(f"{field.name}: must be in [1, 2**31), got {value}")
+            elif field.type == "float":
+                if not isinstance(value, int | float) or isinstance(value, bool):
+                    raise TypeError(f"{field.name}: must be a number, got {value!r}")
+                if not 0 < value < math.inf:
+                    raise ValueError(f"{field.name}: must be finite and > 0, got {value}")
+        if not isinstance(self.layer_types, tuple) or not self.layer_types:
+            raise TypeError(f"layer_types: must be a non-empty tuple, got {self.layer_types!r}")
+        for i, layer_type in enumerate(self.layer_types):
+            if layer_type not in (SLIDING, HCA):
+                raise ValueError(f"layer_types[{i}]: must be {SLIDING!r} or {HCA!r}, got {layer_type!r}")
+        if self.rope_dim % 2 or self.rope_dim > self.head_dim:
+            raise ValueError(f"rope_dim: must be even and <= head_dim ({self.head_dim}), got {self.rope_dim}")
+        if self.num_heads * self.head_dim % self.o_groups:
+            raise ValueError(
+                f"o_groups: must divide num_heads * head_dim ({self.num_heads * self.head_dim}), "
+                f"got {self.o_groups}"
+            )
+        if self.max_draft > MAX_DRAFT:
+            raise ValueError(f"max_draft: at most {MAX_DRAFT}, got {self.max_draft}")
+        if self.compressed_layers and self.head_dim % 32:
+            raise ValueError(f"head_dim: must be a multiple of 32 with C128 layers, got {self.head_dim}")
 
     @property
     def compressed_layers(self) -> int:

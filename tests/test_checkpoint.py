@@ -1,0 +1,181 @@
+"""Checkpoints: a saved model loads back exactly; a file that does not match its config is refused with an
+error naming the file and the tensor or field, before anything of the model's size is allocated, and
+nothing in it is unpickled."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_oc128 import checkpoint
+from jax_oc128.nn import HCA, SLIDING, ModelConfig, SpeculativeModel
+
+EMBED = "['mtp']['embed'].value"  # the shared embedding (stored once, under the first path to it)
+UP = "['target']['blocks'][1]['up'].value"
+
+
+def shipped():
+    """The shipped checkpoint's tensors and metadata."""
+    with np.load(checkpoint.DEFAULT_MODEL, allow_pickle=False) as data:
+        tensors = {name: data[name] for name in data.files if name != checkpoint.META}
+        meta = json.loads(data[checkpoint.META].tobytes())
+    return tensors, meta
+
+
+def write(path, tensors, meta) -> str:
+    """A checkpoint of ``tensors`` with ``meta`` (a dict, or raw bytes for the metadata member)."""
+    raw = meta if isinstance(meta, bytes) else json.dumps(meta).encode()
+    np.savez(path, **{checkpoint.META: np.frombuffer(raw, np.uint8)}, **tensors)
+    return str(path)
+
+
+def with_config(meta, **fields):
+    return {**meta, "config": {**meta["config"], **fields}}
+
+
+def test_saved_model_loads_back_exactly(tmp_path):
+    config = ModelConfig(vocab_size=40, hidden_size=32, layer_types=(HCA, SLIDING), head_dim=32, rope_dim=8)
+    model = SpeculativeModel(config, rngs=nnx.Rngs(3))
+    checkpoint.save(model, tmp_path / "m.npz", note="hi")
+    loaded, meta = checkpoint.load(tmp_path / "m.npz")
+    assert loaded.config == config and meta["note"] == "hi"
+    assert loaded.mtp.embed is loaded.target.embed  # shared, as in the model built from the config
+    saved, restored = (jax.tree.leaves(nnx.split(m)[1]) for m in (model, loaded))
+    assert len(saved) == len(restored) and all(map(np.array_equal, saved, restored))
+    with pytest.raises(ValueError, match="metadata: 'config' is reserved"):
+        checkpoint.save(model, tmp_path / "n.npz", config={})
+
+
+def test_wrong_shape_is_refused(tmp_path):
+    tensors, meta = shipped()
+    tensors[UP] = tensors[UP][:-1]
+    with pytest.raises(ValueError, match=re.escape(f"bad.npz: tensor {UP}: shape (255, 128), the config")):
+        checkpoint.load(write(tmp_path / "bad.npz", tensors, meta))
+
+
+def test_wrong_dtype_is_refused(tmp_path):
+    tensors, meta = shipped()
+    tensors[UP] = tensors[UP].astype(np.float64)
+    with pytest.raises(ValueError, match=re.escape(f"tensor {UP}: dtype float64, expected float32")):
+        checkpoint.load(write(tmp_path / "bad.npz", tensors, meta))
+
+
+def test_missing_and_unexpected_tensors_are_refused(tmp_path):
+    tensors, meta = shipped()
+    up = tensors.pop(UP)
+    with pytest.raises(ValueError, match=r"missing tensors .*\['target'\]\['blocks'\]\[1\]\['up'\]"):
+        checkpoint.load(write(tmp_path / "missing.npz", tensors, meta))
+    tensors[UP], tensors["['target']['extra'].value"] = up, up
+    with pytest.raises(ValueError, match=r"unexpected tensors .*\['target'\]\['extra'\]"):
+        checkpoint.load(write(tmp_path / "extra.npz", tensors, meta))
+
+
+@pytest.mark.parametrize("vocab_size", [200, 300])
+def test_vocab_size_disagreeing_with_the_embedding_is_refused(tmp_path, vocab_size):
+    """Before, both loaded: token ids past a smaller embedding were silently clamped."""
+    tensors, meta = shipped()
+    path = write(tmp_path / "bad.npz", tensors, with_config(meta, vocab_size=vocab_size))
+    with pytest.raises(ValueError, match=r"tensor \['mtp'\]\['embed'\]\.value: shape \(256, 128\)"):
+        checkpoint.load(path)
+
+
+@pytest.mark.parametrize(
+    "claim",
+    [
+        dict(vocab_size=2**30, hidden_size=2**16),  # an embedding of 256 TiB
+        dict(layer_types=[SLIDING] * 10**6),  # a million layers: tracing their shapes would take minutes
+    ],
+    ids=["huge-shapes", "huge-layer-count"],
+)
+def test_huge_config_claimed_by_a_small_file_fails_fast(tmp_path, claim):
+    """The shapes are compared before anything is allocated: the claimed model could not be allocated at
+    all (nor, before this check, be randomly initialised in less than hours)."""
+    tensors, meta = shipped()
+    path = write(tmp_path / "huge.npz", tensors, with_config(meta, **claim))
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"huge\.npz: "):
+        checkpoint.load(path)
+    assert time.perf_counter() - start < 5
+
+
+@pytest.mark.parametrize(
+    "meta, match",
+    [
+        (b"{not json", "__meta__: not UTF-8 JSON"),
+        (b"\xff\xfe", "__meta__: not UTF-8 JSON"),
+        (b"[1, 2]", "__meta__: must be a JSON object with a 'config' object"),
+        (b'{"trained_on": "x"}', "__meta__: must be a JSON object with a 'config' object"),
+        ({"vocab_sise": 256}, r"config: unknown fields \['vocab_sise'\]"),
+        ({"vocab_size": None}, r"config: missing fields \['vocab_size'\]"),
+        ({"vocab_size": "256"}, "config: vocab_size: must be an int, got '256'"),
+        ({"max_draft": 0}, r"config: max_draft: must be in \[1, 2\*\*31\)"),
+        ({"rms_norm_eps": -1.0}, "config: rms_norm_eps: must be finite and > 0"),
+        ({"layer_types": "sliding_attention"}, "config: layer_types: must be a list"),
+        ({"layer_types": [SLIDING, "compressed_sparse_attention"]}, r"config: layer_types\[1\]: must be"),
+        ({"rope_dim": 15}, "config: rope_dim: must be even"),
+    ],
+)
+def test_bad_metadata_is_refused(tmp_path, meta, match):
+    tensors, shipped_meta = shipped()
+    if isinstance(meta, dict):  # changed fields of the shipped config (None: removed)
+        config = {**shipped_meta["config"], **meta}
+        meta = {"config": {key: value for key, value in config.items() if value is not None}}
+    with pytest.raises(ValueError, match=match):
+        checkpoint.load(write(tmp_path / "bad.npz", tensors, meta))
+
+
+def test_missing_metadata_damaged_files_and_non_archives_are_refused(tmp_path):
+    tensors, _ = shipped()
+    np.savez(tmp_path / "nometa.npz", **tensors)
+    with pytest.raises(ValueError, match=r"nometa\.npz: no __meta__"):
+        checkpoint.load(tmp_path / "nometa.npz")
+    (tmp_path / "text.npz").write_text("not a zip archive")
+    with pytest.raises(ValueError, match=r"text\.npz: not a \.npz archive"):
+        checkpoint.load(tmp_path / "text.npz")
+    with pytest.raises(FileNotFoundError):
+        checkpoint.load(tmp_path / "absent.npz")
+    damaged = bytearray(checkpoint.DEFAULT_MODEL.read_bytes())
+    middle = len(damaged) // 2  # inside a compressed tensor
+    damaged[middle : middle + 100] = bytes(100)
+    (tmp_path / "damaged.npz").write_bytes(bytes(damaged))
+    with pytest.raises(ValueError, match=r"damaged\.npz: tensor .*: unreadable"):
+        checkpoint.load(tmp_path / "damaged.npz")
+
+
+class Unpickled:
+    """Records its own unpickling."""
+
+    seen = False
+
+    def __init__(self):
+        self.payload = "anything"  # a state to restore: unpickling calls __setstate__
+
+    def __setstate__(self, state):
+        Unpickled.seen = True
+
+
+@pytest.mark.parametrize("where", [UP, checkpoint.META])
+def test_pickled_object_arrays_are_refused_unread(tmp_path, where):
+    """An object array (pickled by np.savez) of the right shape, as a tensor or as the metadata, is refused
+    from its header: nothing is unpickled."""
+    tensors, meta = shipped()
+    objects = np.empty(tensors[UP].shape if where == UP else (3,), object)
+    objects[...] = Unpickled()
+    path = tmp_path / "pickled.npz"
+    if where == UP:
+        write(path, {**tensors, UP: objects}, meta)
+    else:
+        np.savez(path, **{checkpoint.META: objects}, **tensors)
+    Unpickled.seen = False
+    with pytest.raises(ValueError, match=r"dtype object|__meta__: must be a 1-D uint8 array"):
+        checkpoint.load(path)
+    assert not Unpickled.seen
+    with np.load(path, allow_pickle=True) as data:  # the file does hold a pickle, which a careless load runs
+        data[where]
+    assert Unpickled.seen
