@@ -12,6 +12,12 @@ into a device buffer and ending rows on the device (max new tokens, stop tokens)
 row is done, or when a row finishes while requests wait. :meth:`Engine.generate` reads each dispatch's
 buffer while the next one runs, and admits waiting requests between dispatches. The engine's functions are
 built and jitted once per engine; each compiles once per (slots, N, K, temperature).
+
+Every argument of the engine's methods is checked on the host before anything is compiled or dispatched: a
+wrong type is a TypeError, a wrong value a ValueError, each message starting with the argument's name. One
+function per rule (below :class:`Engine`), shared by :meth:`Engine.generate`, :meth:`Engine.prefill` and
+:meth:`Engine.decode`. A decode state is checked against the engine's layout and for donation without
+reading the device; what it holds (which slots are active) is not checked.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import dataclasses
 import math
 import os
 import time
+from collections.abc import Collection, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +39,10 @@ from jax_oc128.nn import AttentionCache, ModelCache, SpeculativeModel
 
 #: stop token ids per generate call (padded with -1 to this size, so their number never recompiles)
 MAX_STOP_TOKENS = 8
+#: seeds are 32-bit (``jax.random.key`` of a seed in [0, 2**32) is the same with and without x64)
+MAX_SEED = 2**32 - 1
+#: the most of a count the engine keeps in int32 (steps per dispatch, slots, prompt bucket)
+MAX_INT32 = 2**31 - 1
 #: decoding steps per dispatch by default: on the H200 (shipped model, 8 slots, plain) K = 1 / 4 / 16 / 64
 #: gave 2724 / 9659 / 17127 / 21197 tokens/s end to end (bench/RESULTS.md, bench/bench_decode.py --sweep-k)
 STEPS_PER_DISPATCH = 64
@@ -304,11 +315,12 @@ class Engine:
     decode loop are jitted once per engine with the decode state donated.
 
     Args:
-      model: the target and its MTP head.
-      slots: requests decoded together.
-      prompt_bucket: prompts are padded to a multiple of this (fewer prefill shapes, fewer compilations).
+      model: the target and its MTP head (a :class:`~jax_oc128.nn.SpeculativeModel`).
+      slots: requests decoded together, an int >= 1.
+      prompt_bucket: prompts are padded to a multiple of this (fewer prefill shapes, fewer compilations),
+        an int >= 1.
       steps_per_dispatch: K, the most decoding steps one dispatch runs on the device (1: a dispatch per
-        step, the host reading each step's tokens).
+        step, the host reading each step's tokens), an int >= 1.
     """
 
     def __init__(
@@ -319,15 +331,12 @@ class Engine:
         prompt_bucket: int = 128,
         steps_per_dispatch: int = STEPS_PER_DISPATCH,
     ):
-        for name, value in (
-            ("slots", slots),
-            ("prompt_bucket", prompt_bucket),
-            ("steps_per_dispatch", steps_per_dispatch),
-        ):
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{name}: must be a positive int, got {value!r}")
-        self.model, self.slots, self.prompt_bucket = model, int(slots), int(prompt_bucket)
-        self.steps_per_dispatch = int(steps_per_dispatch)
+        if not isinstance(model, SpeculativeModel):
+            raise TypeError(f"model: must be a SpeculativeModel, got {type(model).__name__}")
+        self.model = model
+        self.slots = _check_int("slots", slots, 1, MAX_INT32)
+        self.prompt_bucket = _check_int("prompt_bucket", prompt_bucket, 1, MAX_INT32)
+        self.steps_per_dispatch = _check_int("steps_per_dispatch", steps_per_dispatch, 1, MAX_INT32)
         graphdef, params = nnx.split(model)
         self.params = jax.device_put(params)
 
@@ -379,31 +388,66 @@ class Engine:
             compiler_options=loop_options,
         )
         self._idle_state = None  # generate's state between calls (its buffers reused, their slots cleared)
+        # the decode state's tree, shapes and dtypes (traced, not compiled), what prefill and decode accept
+        self._state_layout = jax.eval_shape(self._init_state, np.uint32(0))
 
     def init_state(self, seed: int = 0) -> DecodeState:
-        """An empty decode state (no active slot), its PRNG key from ``seed``; one dispatch, every leaf its
-        own buffer (the state is donated)."""
-        return self._init_state(np.int32(seed))
+        """An empty decode state (no active slot), its PRNG key ``jax.random.key(seed)`` (``seed`` an int in
+        [0, 2**32)); one dispatch, every leaf its own buffer (the state is donated)."""
+        return self._init_state(_check_seed(seed))
 
     def prefill(
-        self, state: DecodeState, assignments: dict, max_new_tokens: int, *, stop_tokens=(), temperature=0.0
+        self,
+        state: DecodeState,
+        assignments: Mapping,
+        max_new_tokens: int,
+        *,
+        num_tokens=None,
+        stop_tokens=(),
+        temperature=0.0,
     ):
-        """Start the requests of ``assignments`` {slot: prompt token ids}, each generating up to
-        ``max_new_tokens``: their slots are cleared and their prompts fed (padded to a multiple of
-        ``prompt_bucket``). Returns ``(state, DecodeOutput)``: the output's one step holds each new slot's
-        first generated token (greedy, or sampled at ``temperature``); a request whose first token ends it
-        is no longer active. ``state`` is donated."""
-        longest = max(len(p) for p in assignments.values())
+        """Start the requests of ``assignments`` {slot: prompt}, each generating up to ``max_new_tokens``:
+        their slots are cleared and their prompts fed (padded to a multiple of ``prompt_bucket``). A slot
+        still active in ``state`` is not refused (that would need a device read): its request is dropped and
+        the slot restarts with the new one.
+
+        Args:
+          state: this engine's :class:`DecodeState`, donated.
+          assignments: a non-empty mapping from a slot (an int in [0, slots)) to its prompt: a sequence
+            (list, tuple, bytes) or a 1-D integer array of token ids in [0, vocab_size), 1 to
+            ``max_len - max_new_tokens - N`` long.
+          max_new_tokens: an int in [1, max_len - N - 1].
+          num_tokens: N of the :meth:`decode` calls that will run these requests (None: plain steps, N = 1);
+            only the lengths are checked against it (a speculative step writes up to N positions).
+          stop_tokens: at most 8 token ids in [0, vocab_size).
+          temperature: a number >= 0 (0: greedy).
+
+        Returns ``(state, DecodeOutput)``: the output's one step holds each new slot's first generated token
+        (greedy, or sampled at ``temperature``); a request whose first token ends it is no longer active."""
+        _check_state(state, self._state_layout)
+        config = self.model.config
+        num_tokens = _check_num_tokens(num_tokens, config)
+        longest_prompt = _check_max_new_tokens(max_new_tokens, num_tokens, config)
+        stops = _stop_array(_check_stop_tokens(stop_tokens, config))
+        temperature = _check_temperature(temperature)
+        if not isinstance(assignments, Mapping):
+            kind = type(assignments).__name__
+            raise TypeError(f"assignments: must be a mapping {{slot: prompt}}, got {kind}")
+        if not assignments:
+            raise ValueError("assignments: no request (a mapping {slot: prompt} with at least one entry)")
+        prompts = {}
+        for slot, prompt in assignments.items():
+            _check_int("assignments: a slot", slot, 0, self.slots - 1)
+            prompts[slot] = _prompt_array(f"assignments[{slot}]", prompt, config, longest_prompt)
+        longest = max(map(len, prompts.values()))
         width = -(-longest // self.prompt_bucket) * self.prompt_bucket
         tokens = np.zeros((self.slots, width), np.int32)
         lengths = np.zeros(self.slots, np.int32)
         slots = np.full(self.slots, -1, np.int32)
-        for slot, prompt in assignments.items():
+        for slot, prompt in prompts.items():
             tokens[slot, : len(prompt)], lengths[slot], slots[slot] = prompt, len(prompt), slot
         budgets = np.full(self.slots, max_new_tokens, np.int32)
-        return self._prefill(
-            self.params, state, slots, tokens, lengths, budgets, _stop_array(stop_tokens), temperature
-        )
+        return self._prefill(self.params, state, slots, tokens, lengths, budgets, stops, temperature)
 
     def decode(
         self,
@@ -416,13 +460,20 @@ class Engine:
         waiting=False,
     ) -> tuple[DecodeState, DecodeOutput]:
         """One dispatch: up to ``steps`` (default K) plain (``num_tokens`` None) or speculative (N =
-        ``num_tokens``) steps of every active slot, on the device; rows end at a stop token or when their
-        budget is spent, and with ``waiting`` the loop also leaves once a row ends. ``state`` is donated;
-        nothing is read back to the host."""
-        steps = self.steps_per_dispatch if steps is None else steps
-        return self._decode(
-            self.params, state, _stop_array(stop_tokens), np.bool_(waiting), steps, num_tokens, temperature
-        )
+        ``num_tokens``, an int in [2, max_draft]) steps of every active slot, on the device, greedy or
+        sampled at ``temperature`` (a number >= 0); rows end at a stop token (``stop_tokens``: at most 8 ids
+        in [0, vocab_size)) or when their budget is spent, and with ``waiting`` (a bool) the loop also
+        leaves once a row ends. ``state`` (this engine's, not yet donated) is donated; nothing is read back
+        to the host."""
+        _check_state(state, self._state_layout)
+        config = self.model.config
+        num_tokens = _check_num_tokens(num_tokens, config)
+        temperature = _check_temperature(temperature)
+        stops = _stop_array(_check_stop_tokens(stop_tokens, config))
+        steps = self.steps_per_dispatch if steps is None else _check_int("steps", steps, 1, MAX_INT32)
+        if not isinstance(waiting, bool | np.bool_):
+            raise TypeError(f"waiting: must be a bool, got {waiting!r}")
+        return self._decode(self.params, state, stops, np.bool_(waiting), steps, num_tokens, temperature)
 
     def generate(
         self,
@@ -435,35 +486,44 @@ class Engine:
         seed=0,
         progress=None,
     ) -> Result:
-        """Generate up to ``max_new_tokens`` for each prompt (lists of token ids) with speculative steps of
-        N = ``num_tokens`` tokens (None: plain steps of the target alone), greedy or sampled at
-        ``temperature``. A request ends after ``max_new_tokens`` or at the first of ``stop_tokens`` (at most
-        8 ids), which is its last token. ``progress`` is called with the number of tokens generated so far.
-        Returns a :class:`Result`."""
+        """Generate up to ``max_new_tokens`` for each prompt with speculative steps of N = ``num_tokens``
+        tokens (None: plain steps of the target alone), greedy or sampled at ``temperature``. A request ends
+        after ``max_new_tokens`` or at the first of ``stop_tokens``, which is its last token.
+
+        Args:
+          prompts: a sequence (list, tuple) of prompts, each a sequence (list, tuple, bytes) or a 1-D
+            integer array of token ids in [0, vocab_size), 1 to ``max_len - max_new_tokens - N`` long. An
+            empty sequence returns an empty :class:`Result` at once (nothing dispatched).
+          max_new_tokens: an int in [1, max_len - N - 1].
+          num_tokens: None, or an int in [2, max_draft].
+          temperature: a number >= 0 (0: greedy).
+          stop_tokens: at most 8 token ids in [0, vocab_size).
+          seed: the sampling's PRNG seed, an int in [0, 2**32).
+          progress: None, or a callable called with the number of tokens generated so far.
+
+        Returns a :class:`Result`, ``tokens[i]`` the output of ``prompts[i]``."""
         config = self.model.config
-        if not _is_int(max_new_tokens) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: must be a positive int, got {max_new_tokens!r}")
-        if num_tokens is not None and not (_is_int(num_tokens) and 2 <= num_tokens <= config.max_draft):
-            raise ValueError(
-                f"num_tokens: N must be an int in [2, {config.max_draft}] (None: plain), got {num_tokens!r}"
+        num_tokens = _check_num_tokens(num_tokens, config)
+        longest_prompt = _check_max_new_tokens(max_new_tokens, num_tokens, config)
+        temperature = _check_temperature(temperature)
+        stop_tokens = _check_stop_tokens(stop_tokens, config)
+        seed = _check_seed(seed)
+        if progress is not None and not callable(progress):
+            raise TypeError(f"progress: must be callable or None, got {progress!r}")
+        if isinstance(prompts, str | bytes | bytearray) or not isinstance(prompts, Sequence | np.ndarray):
+            raise TypeError(
+                f"prompts: must be a sequence of prompts (each a sequence of token ids), "
+                f"got {type(prompts).__name__}"
             )
-        if not (isinstance(temperature, int | float | np.number) and 0 <= float(temperature) < math.inf):
-            raise ValueError(f"temperature: must be a finite number >= 0, got {temperature!r}")
-        for i, prompt in enumerate(prompts):
-            if not all(map(_is_int, prompt)):
-                raise TypeError(f"prompts[{i}]: token ids must be ints")
-            if not 0 < len(prompt) <= config.max_len - max_new_tokens - (num_tokens or 1):
-                raise ValueError(
-                    f"prompts[{i}]: length {len(prompt)} must be in [1, max_len - max_new_tokens - N]"
-                )
-            if min(prompt) < 0 or max(prompt) >= config.vocab_size:
-                raise ValueError(f"prompts[{i}]: token ids must be in [0, {config.vocab_size})")
+        prompts = [_prompt_array(f"prompts[{i}]", p, config, longest_prompt) for i, p in enumerate(prompts)]
+        if not prompts:
+            return Result([], steps=0, dispatches=0, seconds=0.0, mean_accepted=0.0)
         start = time.perf_counter()
         # the last call's state, its slots made idle (a slot is cleared when a request takes it): no
         # allocation, and the decode loop's CUDA graph sees the same buffers as before; the first call
         # allocates it (and compiles the restart with everything else)
         state, self._idle_state = self._idle_state, None
-        state = self._restart(self.init_state(seed) if state is None else state, np.int32(seed))
+        state = self._restart(self.init_state(seed) if state is None else state, seed)
         outputs = [[] for _ in prompts]
         waiting = collections.deque(range(len(prompts)))
         owner = {}  # slot -> request, as of the last output read
@@ -490,6 +550,7 @@ class Engine:
                     state,
                     {slot: prompts[r] for slot, r in admitted.items()},
                     max_new_tokens,
+                    num_tokens=num_tokens,
                     stop_tokens=stop_tokens,
                     temperature=temperature,
                 )
@@ -520,12 +581,112 @@ def _is_int(value) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
-def _stop_array(stop_tokens) -> np.ndarray:
-    """``stop_tokens`` (a sequence of token ids, at most :data:`MAX_STOP_TOKENS`) as ``[MAX_STOP_TOKENS]``
-    int32 padded with -1."""
-    ids = np.asarray(list(stop_tokens), np.int64).reshape(-1)
-    if ids.size > MAX_STOP_TOKENS:
-        raise ValueError(f"stop_tokens: at most {MAX_STOP_TOKENS} ids, got {ids.size}")
-    if ids.size and ids.min() < 0:
-        raise ValueError(f"stop_tokens: ids must be >= 0, got {ids.min()}")
-    return np.concatenate([ids, np.full(MAX_STOP_TOKENS - ids.size, -1)]).astype(np.int32)
+def _check_int(name: str, value, low: int, high: int, bound: str = "") -> int:
+    """``value`` as an int: TypeError unless an int (bools refused), ValueError outside [low, high]
+    (``bound`` says what ``high`` is, e.g. " = max_draft")."""
+    if not _is_int(value):
+        raise TypeError(f"{name}: must be an int, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name}: must be in [{low}, {high}{bound}], got {value}")
+    return int(value)
+
+
+def _check_seed(seed) -> np.uint32:
+    """A PRNG seed, an int in [0, 2**32), as the uint32 the engine's jitted functions take."""
+    return np.uint32(_check_int("seed", seed, 0, MAX_SEED))
+
+
+def _check_num_tokens(num_tokens, config) -> int | None:
+    """N of a speculative step, an int in [2, max_draft], or None (plain steps)."""
+    if num_tokens is None:
+        return None
+    return _check_int("num_tokens", num_tokens, 2, config.max_draft, " = max_draft")
+
+
+def _check_max_new_tokens(max_new_tokens, num_tokens, config) -> int:
+    """Checks a request's budget: an int in [1, max_len - N - 1] (N = ``num_tokens`` or 1 for plain steps),
+    so that a prompt of one token fits. Returns the longest prompt it leaves room for,
+    ``max_len - max_new_tokens - N`` (a step writes up to N positions)."""
+    n = num_tokens or 1
+    budget = _check_int("max_new_tokens", max_new_tokens, 1, config.max_len - n - 1, " = max_len - N - 1")
+    return config.max_len - budget - n
+
+
+def _check_temperature(temperature) -> float:
+    """A finite number >= 0 (bools refused), as a float (a static argument of the jitted functions)."""
+    if not isinstance(temperature, int | float | np.integer | np.floating) or isinstance(temperature, bool):
+        raise TypeError(f"temperature: must be a number, got {temperature!r}")
+    if not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature: must be finite and >= 0, got {temperature}")
+    return float(temperature)
+
+
+def _check_stop_tokens(stop_tokens, config) -> tuple[int, ...]:
+    """A collection (list, tuple, bytes, 1-D integer array) of at most :data:`MAX_STOP_TOKENS` token ids
+    (ints, bools refused) in [0, vocab_size), as a tuple of ints."""
+    if isinstance(stop_tokens, np.ndarray | jax.Array):
+        stop_tokens = np.asarray(stop_tokens).tolist()  # a 0-d array gives a scalar, refused below
+    if not isinstance(stop_tokens, Collection) or isinstance(stop_tokens, str):
+        raise TypeError(f"stop_tokens: must be a sequence of token ids, got {stop_tokens!r}")
+    if len(stop_tokens) > MAX_STOP_TOKENS:
+        raise ValueError(f"stop_tokens: at most {MAX_STOP_TOKENS} ids, got {len(stop_tokens)}")
+    for token in stop_tokens:
+        if not _is_int(token):
+            raise TypeError(f"stop_tokens: ids must be ints, got {token!r}")
+        if not 0 <= token < config.vocab_size:
+            raise ValueError(f"stop_tokens: ids must be in [0, {config.vocab_size}), got {token}")
+    return tuple(map(int, stop_tokens))
+
+
+def _stop_array(stop_tokens: tuple[int, ...]) -> np.ndarray:
+    """Checked ``stop_tokens`` as ``[MAX_STOP_TOKENS]`` int32 padded with -1."""
+    return np.array([*stop_tokens, *[-1] * (MAX_STOP_TOKENS - len(stop_tokens))], np.int32)
+
+
+def _prompt_array(name: str, prompt, config, longest: int) -> np.ndarray:
+    """A prompt checked: a sequence (list, tuple, bytes) of ints or a 1-D integer array, 1 to ``longest``
+    token ids in [0, vocab_size). Returns it as ``[length]`` int32."""
+    if isinstance(prompt, np.ndarray | jax.Array):
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise TypeError(f"{name}: must be a 1-D integer array, got {ids.dtype}{list(ids.shape)}")
+    elif isinstance(prompt, Sequence) and not isinstance(prompt, str):
+        ids = list(prompt)  # bytes as ints
+        for token in ids:
+            if not _is_int(token):
+                raise TypeError(f"{name}: token ids must be ints, got {token!r}")
+    else:
+        raise TypeError(f"{name}: must be a sequence of token ids, got {type(prompt).__name__}")
+    if not 0 < len(ids) <= longest:
+        raise ValueError(
+            f"{name}: length {len(ids)} must be in [1, {longest} = max_len - max_new_tokens - N]"
+        )
+    low, high = (ids.min(), ids.max()) if isinstance(ids, np.ndarray) else (min(ids), max(ids))
+    if low < 0 or high >= config.vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"{name}: token ids must be in [0, {config.vocab_size}), got {bad}")
+    return np.asarray(ids, np.int32)
+
+
+def _check_state(state, layout: DecodeState) -> None:
+    """``state`` a :class:`DecodeState` of the engine's ``layout`` (its tree, shapes and dtypes) whose
+    buffers were not donated yet; read on the host only (no device sync)."""
+    if not isinstance(state, DecodeState):
+        raise TypeError(
+            f"state: must be a DecodeState (from init_state, prefill or decode), got {type(state).__name__}"
+        )
+    leaves, tree = jax.tree_util.tree_flatten_with_path(state)
+    expected, expected_tree = jax.tree.flatten(layout)
+    if tree != expected_tree:
+        raise ValueError("state: not this engine's (its caches have another structure: another model?)")
+    for (path, leaf), want in zip(leaves, expected, strict=True):
+        where = f"state{jax.tree_util.keystr(path)}"
+        if not isinstance(leaf, jax.Array):
+            raise TypeError(f"state: {where} must be a jax.Array, got {type(leaf).__name__}")
+        if leaf.shape != want.shape or leaf.dtype != want.dtype:
+            raise ValueError(
+                f"state: not this engine's: {where} is {leaf.dtype}{list(leaf.shape)}, this engine's is "
+                f"{want.dtype}{list(want.shape)} (another slot count or model?)"
+            )
+    if any(leaf.is_deleted() for _, leaf in leaves):
+        raise ValueError("state: already donated to an earlier call; use the state it returned")

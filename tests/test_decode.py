@@ -168,27 +168,3 @@ def test_speculative_sampling_follows_the_target(n):
     hidden = jnp.zeros((1, 1, config.hidden_size))
     draft_logits, _, _ = model.mtp(sequence[:, -1:], hidden, position, model.mtp.init_cache(1))
     assert np.abs(np.asarray(jax.nn.softmax(draft_logits[0, 0])) - expected / counts.sum()).max() > 0.05
-
-
-def test_bad_arguments_are_named():
-    engine = Engine(make_model(ONLINE), slots=1)
-    for max_new_tokens, kwargs, match in (
-        (3, dict(num_tokens=1), "num_tokens"),
-        (3, dict(num_tokens=CONFIG.max_draft + 1), "num_tokens"),
-        (3, dict(num_tokens=2.0), "num_tokens"),
-        (3, dict(temperature=-1.0), "temperature"),
-        (3, dict(temperature=float("nan")), "temperature"),
-        (0, {}, "max_new_tokens"),
-        (2.5, {}, "max_new_tokens"),
-    ):
-        with pytest.raises(ValueError, match=match):
-            engine.generate(prompts(lengths=(4,)), max_new_tokens, **kwargs)
-    with pytest.raises(TypeError, match=r"prompts\[0\]: token ids must be ints"):
-        engine.generate([[1.0, 2.0]], 3)
-    for slots in (0, -1, 2.0, True):
-        with pytest.raises(ValueError, match="slots"):
-            Engine(engine.model, slots=slots)
-    with pytest.raises(ValueError, match="prompts\\[1\\]: length 0"):
-        engine.generate([[1, 2], []], 3)
-    with pytest.raises(ValueError, match=r"prompts\[0\]: token ids"):
-        engine.generate([[1, CONFIG.vocab_size]], 3)
