@@ -119,16 +119,17 @@ def device_time(engine: Engine, prompts, num_tokens, steps: int, device_steps: i
     first calls' (compile) times."""
     n, max_len = num_tokens or 1, engine.model.config.max_len
     dispatches = max(2, math.ceil(device_steps / steps))
-    room = (max_len - len(prompts[0]) - n) // (n * steps) - 2  # dispatches before a row could pass max_len
+    budget = max_len - len(prompts[0]) - n  # the most a prompt of this length may be given
+    # no row may end: its first token (from the prefill) and 2 warm-up + D dispatches of K steps stay below
+    room = (budget - 2) // (n * steps) - 2
     if room < 1:
         raise ValueError(f"max_len {max_len}: no room for a dispatch of {steps} steps of N = {n}")
     dispatches = min(dispatches, room)
-    budget = n * steps * (dispatches + 2) + n + 1  # more than any row can spend (2 warm-ups): no row ends
     assignments = dict(enumerate(prompts))
     state, prefill = engine.init_state(0), []
     for _ in range(2):  # the first compiles; the second is the prefill's time
         start = time.perf_counter()
-        state, _ = engine.prefill(state, assignments, budget)
+        state, _ = engine.prefill(state, assignments, budget, num_tokens=num_tokens)
         jax.block_until_ready(state)
         prefill.append(time.perf_counter() - start)
     warm_up = []
