@@ -76,9 +76,13 @@ def _check_rows(**rows):
             raise ValueError(f"{name}: expected shape [{size}] (the rows of {first}), got {list(x.shape)}")
 
 
-def _check_mode(mode):
+def _check_forward(mode, slots, seq_lens, verify_bs):
+    """Trace-time checks of ``prepare_forward``'s arguments."""
     if not isinstance(mode, ForwardMode):
         raise TypeError(f"mode: expected a ForwardMode, got {mode!r}")
+    _check_rows(slots=slots, seq_lens=seq_lens)
+    if verify_bs is not None and jnp.ndim(verify_bs) != 0:
+        raise ValueError(f"verify_bs: expected a scalar, got shape {list(jnp.shape(verify_bs))}")
 
 
 def active_slots(slots, verify_bs=None):
@@ -86,8 +90,6 @@ def active_slots(slots, verify_bs=None):
     slots = jnp.asarray(slots, jnp.int32)
     if verify_bs is None:
         return slots
-    if jnp.ndim(verify_bs) != 0:
-        raise ValueError(f"verify_bs: expected a scalar, got shape {list(jnp.shape(verify_bs))}")
     return jnp.where(jnp.arange(slots.shape[0]) < verify_bs, slots, -1)
 
 
@@ -117,8 +119,7 @@ class Controller:
 
         Slots not in the batch keep their pending verify.
         """
-        _check_mode(mode)
-        _check_rows(slots=slots, seq_lens=seq_lens)
+        _check_forward(mode, slots, seq_lens, verify_bs)
         if mode in (ForwardMode.IDLE, ForwardMode.DRAFT_EXTEND):
             return cs
         slots = active_slots(slots, verify_bs)
@@ -192,8 +193,7 @@ class OfflineController:
         return cs
 
     def prepare_forward(self, cs: OfflineState, mode: ForwardMode, slots, seq_lens, verify_bs=None):
-        _check_mode(mode)
-        _check_rows(slots=slots, seq_lens=seq_lens)
+        _check_forward(mode, slots, seq_lens, verify_bs)
         return cs
 
     def commit(self, cs: OfflineState, slots, seq_lens, accept_lens) -> OfflineState:
@@ -210,6 +210,7 @@ class OfflineController:
 
     def open_state(self, cs: OfflineState, slots, seq_lens, ape):
         """``(max, sum, mean)`` float32 ``[layers, bs, D]`` of the open block, pooled from the raw rows."""
+        _check_rows(slots=slots, seq_lens=seq_lens)
         return cs.open_block(slots, seq_lens, ape)
 
 

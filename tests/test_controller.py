@@ -1,4 +1,6 @@
-"""The functional controller: long random schedules against the offline backend and float64, jit behaviour."""
+"""The functional controller: random and hypothesis-driven sequences of transitions against the offline
+backend, a model of what is pending and float64; retried and abandoned verifies, commits that do not fit,
+misuse errors, jit behaviour."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from harness import (
     OFFLINE_FP32,
     Request,
@@ -16,13 +19,14 @@ from harness import (
     count_compiles,
     ints,
     kv_score,
+    poisoned_state,
     record_entries,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from oracle import Stream, random_ape, random_tokens, state_err
 
-from jax_oc128.controller import Controller, ForwardMode, OfflineController, active_slots
+from jax_oc128.controller import BACKENDS, Controller, ForwardMode, OfflineController, active_slots
 from jax_oc128.state import CompressState, OfflineState, bytes_per_slot
 
 LAYERS, DIM, MAX_DRAFT, SLOTS, BATCH, EXTEND_WIDTH = 2, 32, 4, 20, 8, 160
@@ -336,27 +340,186 @@ def test_any_sequence_of_transitions_keeps_every_commit(seed, kinds):
         sim.check()
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Request A in slot 2 of a 4-slot state, one transition at a time
+
+A, JUNK = 2, 7.0
+
+
+def prefilled(seed, length=100):
+    """``(cs, stream, ape)``: request A's stream, its first ``length`` tokens compressed into slot A."""
+    rng = np.random.default_rng(seed)
+    ape = jnp.asarray(random_ape(rng, LAYERS, DIM))
+    stream = Stream(rng, LAYERS, 400, DIM)
+    cs = CompressState.create(LAYERS, 4, DIM, MAX_DRAFT)
+    kv = jnp.asarray(stream.rows[:, None, :length])
+    return ONLINE.compress(cs, kv, ints(0), ints(length), ints(A), ape)[0], stream, ape
+
+
+def begin(cs, seq, slot=A):
+    return ONLINE.prepare_forward(cs, ForwardMode.TARGET_VERIFY, ints(slot), ints(seq))
+
+
+def write(cs, stream, ape, seq, n, kept, slot=A, layers=range(LAYERS)):
+    """write_prefix of ``layers``, one call each: ``n`` tokens at ``seq``, the first ``kept`` from the
+    stream, junk after."""
+    drafts = stream.rows[:, None, seq : seq + n].copy()
+    drafts[:, :, kept:] = JUNK
+    for layer in layers:
+        kv = jnp.asarray(drafts[layer : layer + 1])
+        cs = ONLINE.write_prefix(cs, kv, ints(seq), ints(slot), ape[layer : layer + 1], layer=layer)[0]
+    return cs
+
+
+def verify(cs, stream, ape, seq, n, kept, slot=A):
+    """A whole verify forward; nothing committed."""
+    return write(begin(cs, seq, slot), stream, ape, seq, n, kept, slot)
+
+
+def prepare(cs, mode, seq, slot=A):
+    return ONLINE.prepare_forward(cs, mode, ints(slot), ints(seq))
+
+
+def assert_bank0(cs, stream, ape, length, slot=A):
+    """Bank 0 of ``slot`` is the state of feeding the stream's first ``length`` tokens one by one."""
+    errors = state_err(np.asarray(cs.banks[:, 0, slot]), *stream.open_state(np.asarray(ape), length))
+    assert max(errors) < OFFLINE_FP32, errors
+
+
+def assert_same(cs, before):
+    for name in ("banks", "pending", "pending_tokens", "to_commit"):
+        np.testing.assert_array_equal(getattr(cs, name), getattr(before, name), err_msg=name)
+
+
 def test_pending_commit_survives_unrelated_forwards_and_idle():
     """SGLang's lost lazy commit: verify A, then a prefill of B and an idle step, then A's next forward."""
-    rng = np.random.default_rng(1)
-    ape = jnp.asarray(random_ape(rng, LAYERS, DIM))
-    stream_a, stream_b = Stream(rng, LAYERS, 400, DIM), Stream(rng, LAYERS, 400, DIM)
+    cs, stream, ape = prefilled(seed=1)
+    other = Stream(np.random.default_rng(2), LAYERS, 400, DIM)
+    cs = verify(cs, stream, ape, 100, 4, kept=3)
+    cs = prepare(cs, ForwardMode.EXTEND, 0, slot=0)  # B's prefill
+    cs, _, _ = ONLINE.compress(cs, jnp.asarray(other.rows[:, None, :50]), ints(0), ints(50), ints(0), ape)
+    cs = prepare(cs, ForwardMode.IDLE, 0, slot=-1)
+    assert int(cs.pending[A]) == 100
+    cs = prepare(cs, ForwardMode.DECODE, 103)  # A kept 3 tokens
+    assert int(cs.pending[A]) == -1
+    assert_bank0(cs, stream, ape, 103)
+
+
+# What runs between A's verify at 100 (3 of 4 tokens kept: A is at 103) and A's next forward at 103.
+BETWEEN = {
+    "verify begun, abandoned": lambda cs, s, ape: begin(cs, 103),
+    "verify begun twice": lambda cs, s, ape: begin(begin(cs, 103), 103),
+    "verify begun at other lengths": lambda cs, s, ape: begin(begin(cs, 150), 101),
+    "verify begun, then B's verify": lambda cs, s, ape: verify(begin(cs, 103), s, ape, 0, 2, kept=2, slot=0),
+    "verify begun, then idle and draft": lambda cs, s, ape: prepare(
+        prepare(begin(cs, 103), ForwardMode.IDLE, 103), ForwardMode.DRAFT_EXTEND, 7
+    ),
+    "verify retried at other lengths": lambda cs, s, ape: verify(begin(cs, 110), s, ape, 103, 2, kept=0),
+    "verify retried at the same lengths": lambda cs, s, ape: verify(begin(cs, 103), s, ape, 103, 4, kept=0),
+}
+
+
+@pytest.mark.parametrize("between", BETWEEN)
+def test_retried_or_abandoned_verify_keeps_the_pending_commit(between):
+    """A verify begun and never written changes nothing a later forward reads: the pending commit lands
+    at A's next forward (or inside the verify that is finally written), exactly once."""
+    cs, stream, ape = prefilled(seed=3)
+    cs = verify(cs, stream, ape, 100, 4, kept=3)
+    cs = BETWEEN[between](cs, stream, ape)
+    cs = prepare(cs, ForwardMode.DECODE, 103)
+    assert int(cs.pending[A]) == -1 and int(cs.to_commit[A]) == -1
+    assert_bank0(cs, stream, ape, 103)
+
+
+def test_the_last_layer_closes_the_verify():
+    """The pending verify stays until write_prefix of the last layer, which commits it in its layer too;
+    then the new verify is pending, with its N."""
+    cs, stream, ape = prefilled(seed=4)
+    cs = verify(cs, stream, ape, 100, 4, kept=3)
+    cs = write(begin(cs, 103), stream, ape, 103, 2, kept=2, layers=range(LAYERS - 1))
+    assert (int(cs.pending[A]), int(cs.pending_tokens[A]), int(cs.to_commit[A])) == (100, 4, 100)
+    cs = write(cs, stream, ape, 103, 2, kept=2, layers=[LAYERS - 1])
+    assert (int(cs.pending[A]), int(cs.pending_tokens[A]), int(cs.to_commit[A])) == (103, 2, -1)
+    assert_bank0(cs, stream, ape, 103)
+    assert_bank0(prepare(cs, ForwardMode.DECODE, 105), stream, ape, 105)
+
+
+def test_commit_with_nothing_pending_changes_nothing():
+    """Bank 0 stays as it is, also for a slot whose verify was committed already (a second commit)."""
     cs = CompressState.create(LAYERS, 4, DIM, MAX_DRAFT)
-    cs, _, _ = ONLINE.compress(
-        cs, jnp.asarray(stream_a.rows[:, None, :100]), ints(0), ints(100), ints(2), ape
-    )
-    cs = ONLINE.prepare_forward(cs, ForwardMode.TARGET_VERIFY, ints(2), ints(100))
-    drafts = stream_a.rows[:, None, 100:104].copy()
-    drafts[:, :, 3] = 7.0  # the last draft is rejected
-    cs, _, _ = ONLINE.write_prefix(cs, jnp.asarray(drafts), ints(100), ints(2), ape)
-    cs = ONLINE.prepare_forward(cs, ForwardMode.EXTEND, ints(0), ints(0))  # B's prefill
-    cs, _, _ = ONLINE.compress(cs, jnp.asarray(stream_b.rows[:, None, :50]), ints(0), ints(50), ints(0), ape)
-    cs = ONLINE.prepare_forward(cs, ForwardMode.IDLE, ints(-1), ints(0))
-    assert int(cs.pending[2]) == 100
-    cs = ONLINE.prepare_forward(cs, ForwardMode.DECODE, ints(2), ints(103))  # A kept 3 tokens
-    assert int(cs.pending[2]) == -1
-    errors = state_err(np.asarray(cs.banks[:, 0, 2]), *stream_a.open_state(np.asarray(ape), 103))
-    assert max(errors) < OFFLINE_FP32
+    cs = cs.replace(banks=poisoned_state(np.random.default_rng(5), LAYERS, 4, DIM, MAX_DRAFT))
+    assert_same(ONLINE.commit(cs, ints(0, 1, 3, -1), ints(5, 130, 0, 9), ints(1, 4, 2, 3)), cs)
+    cs, stream, ape = prefilled(seed=5)
+    cs = ONLINE.commit(verify(cs, stream, ape, 100, 4, kept=2), ints(A), ints(100), ints(2))
+    assert_same(ONLINE.commit(cs, ints(A), ints(100), ints(3)), cs)
+    assert_bank0(cs, stream, ape, 102)
+
+
+def test_commit_that_does_not_fit_changes_nothing():
+    """An older verify (N = 4) left its prefixes in banks 3 and 4; the pending verify has N = 2. A commit
+    of more than N tokens, or at another length, eager or lazy, changes nothing and the verify stays
+    pending; the commit that fits keeps it."""
+    cs, stream, ape = prefilled(seed=6)
+    cs = ONLINE.commit(verify(cs, stream, ape, 100, 4, kept=2), ints(A), ints(100), ints(2))
+    cs = verify(cs, stream, ape, 102, 2, kept=2)
+    for bad in (
+        lambda cs: ONLINE.commit(cs, ints(A), ints(102), ints(3)),
+        lambda cs: ONLINE.commit(cs, ints(A), ints(101), ints(1)),
+        lambda cs: ONLINE.commit(cs, ints(A), ints(102), ints(-1)),
+        lambda cs: prepare(cs, ForwardMode.DECODE, 105),
+        lambda cs: prepare(cs, ForwardMode.EXTEND, 101),
+    ):
+        assert_same(bad(cs), cs)
+    assert_bank0(ONLINE.commit(cs, ints(A), ints(102), ints(2)), stream, ape, 104)
+    assert_bank0(prepare(cs, ForwardMode.DECODE, 104), stream, ape, 104)
+
+
+def test_verify_at_lengths_that_do_not_fit_drops_the_pending_verify():
+    """A verify's banks replace the pending verify's: where its lengths do not fit it (here 3 tokens past
+    a verify of N = 2), it is dropped without copying a bank into bank 0."""
+    cs, stream, ape = prefilled(seed=7)
+    cs = ONLINE.commit(verify(cs, stream, ape, 100, 4, kept=2), ints(A), ints(100), ints(2))
+    cs = verify(cs, stream, ape, 102, 2, kept=2)
+    bank0 = np.asarray(cs.banks[:, 0, A])
+    cs = verify(cs, stream, ape, 105, 2, kept=2)
+    np.testing.assert_array_equal(cs.banks[:, 0, A], bank0)
+    assert (int(cs.pending[A]), int(cs.pending_tokens[A])) == (105, 2)
+
+
+ROWS = jnp.zeros((2,), jnp.int32)
+#: valid keyword arguments of each controller method (but the state), for the misuse tests to change
+VALID = {
+    "prepare_forward": dict(mode=ForwardMode.DECODE, slots=ROWS, seq_lens=ROWS),
+    "commit": dict(slots=ROWS, seq_lens=ROWS, accept_lens=ROWS),
+    "open_state": dict(slots=ROWS, seq_lens=ROWS, ape=jnp.zeros((LAYERS, 128, DIM))),
+}
+MISUSE = [
+    ("prepare_forward", dict(mode="decode"), TypeError, "mode: expected a ForwardMode, got 'decode'"),
+    ("prepare_forward", dict(slots=jnp.zeros((2, 1), jnp.int32)), ValueError, "slots: expected shape"),
+    ("prepare_forward", dict(seq_lens=jnp.zeros(3, jnp.int32)), ValueError, r"seq_lens: .* shape \[2\]"),
+    ("prepare_forward", dict(seq_lens=jnp.zeros(2)), TypeError, "seq_lens: expected dtype int32"),
+    ("prepare_forward", dict(slots=[0, 1]), TypeError, "slots: expected an int32 array"),
+    ("prepare_forward", dict(verify_bs=jnp.ones(2, jnp.int32)), ValueError, "verify_bs: expected a scalar"),
+    ("commit", dict(accept_lens=jnp.zeros(1, jnp.int32)), ValueError, r"accept_lens: expected shape \[2\]"),
+    ("commit", dict(slots=jnp.zeros(2, jnp.uint32)), TypeError, "slots: expected dtype int32"),
+    ("open_state", dict(seq_lens=jnp.zeros((), jnp.int32)), ValueError, "seq_lens: expected shape"),
+]
+
+
+@pytest.mark.parametrize("backend", ["online", "offline"])
+@pytest.mark.parametrize("method, change, error, match", MISUSE)
+def test_misuse_is_named_at_trace_time(backend, method, change, error, match):
+    """Wrong shapes or dtypes of the per-row arguments and a mode that is not a ForwardMode raise while
+    tracing, naming the argument, outside jit and inside."""
+    backend = BACKENDS[backend]
+    state = backend.create(LAYERS, 4, DIM, MAX_DRAFT)
+
+    def call(state):
+        return getattr(backend.controller, method)(state, **(VALID[method] | change))
+
+    for run in (call, jax.jit(call)):
+        with pytest.raises(error, match=match):
+            run(state)
 
 
 def test_alloc_clears_the_slot_and_its_pending_verify():
