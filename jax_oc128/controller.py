@@ -13,8 +13,9 @@ The rules of :class:`Controller`, per slot:
   for every C128 layer in layer order; the ``write_prefix`` that covers the state's last layer closes the
   verify: the slot's pending verify becomes this one (its length and its N). A verify begun and never
   written (abandoned, or begun again with the same or other lengths: a retry) changes nothing that a
-  later forward reads: what was pending stays pending. A verify forward stopped between its layers is not
-  a state this controller recovers from (no forward can be: its caches are half written too).
+  later forward reads: what was pending stays pending. A verify forward stopped between the write_prefix
+  calls of its layers leaves the slot's layers at different points; the controller does not recover
+  from that (nor could the model: its attention caches are half written too).
 * **A pending verify is committed exactly once**: eagerly by :meth:`Controller.commit`, or lazily by the
   slot's next forward at ``seq_lens`` with ``accept = seq_lens - pending`` (a non-verify
   ``prepare_forward`` in one launch for all layers, or inside each layer's verify kernel of the slot's

@@ -9,6 +9,7 @@ layer-stacked: one state holds every C128 layer of a model, addressed by the lay
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -52,8 +53,8 @@ class CompressState:
     ) -> CompressState:
         """A zeroed state with nothing pending; every leaf is its own buffer, so the pytree can be donated."""
         banks = ops.init_state(layers, slots, head_dim, max_draft, dtype)
-        none = jnp.full((slots,), -1, jnp.int32)
-        return cls(banks, none, jnp.zeros((slots,), jnp.int32), jnp.copy(none))
+        table = functools.partial(jnp.full, (slots,), dtype=jnp.int32)
+        return cls(banks, pending=table(-1), pending_tokens=table(0), to_commit=table(-1))
 
     layers = property(lambda self: self.banks.shape[0])
     max_draft = property(lambda self: self.banks.shape[1] - 1)
