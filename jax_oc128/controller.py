@@ -1,21 +1,41 @@
 """The functional controller: pure transitions on the compressed-state pytree, usable inside ``jax.jit``.
 
 SGLang's controller (SPEC section 4) is an object with device state that commits pending verifies lazily
-at the start of the next forward and forgets them on idle forwards or when the request is absent. Here:
+at the start of the next forward and forgets them on idle forwards or when the request is absent. Here
+every transition is ``state in -> state out`` (donate the state to the enclosing jit); modes are static
+(:class:`ForwardMode`); lengths, slots and the active batch size are device values, and no transition
+branches on them in Python or synchronises with the host.
 
-* every transition is ``state in -> state out`` (donate the state to the enclosing jit);
-* pending commits belong to slots (``CompressState.pending``) and survive any interleaving of
-  forwards until committed (lazily by :meth:`Controller.prepare_forward`, or eagerly by
-  :meth:`Controller.commit`) or until the slot is freed;
-* modes are static (:class:`ForwardMode`); lengths, slots and the active batch size are device values,
-  and no transition branches on them in Python or synchronises with the host.
+The rules of :class:`Controller`, per slot:
+
+* **A verify is pending once its banks are written.** A verify forward is ``prepare_forward`` with
+  ``TARGET_VERIFY`` (it begins the verify: nothing is committed or forgotten yet), then ``write_prefix``
+  for every C128 layer in layer order; the ``write_prefix`` that covers the state's last layer closes the
+  verify: the slot's pending verify becomes this one (its length and its N). A verify begun and never
+  written (abandoned, or begun again with the same or other lengths: a retry) changes nothing that a
+  later forward reads: what was pending stays pending. A verify forward stopped between the write_prefix
+  calls of its layers leaves the slot's layers at different points; the controller does not recover
+  from that (nor could the model: its attention caches are half written too).
+* **A pending verify is committed exactly once**: eagerly by :meth:`Controller.commit`, or lazily by the
+  slot's next forward at ``seq_lens`` with ``accept = seq_lens - pending`` (a non-verify
+  ``prepare_forward`` in one launch for all layers, or inside each layer's verify kernel of the slot's
+  next verify). It survives any number of other forwards, idle and draft forwards and abandoned verifies
+  in between; ``free``/``alloc`` drop it.
+* **A commit that does not fit the pending verify changes nothing**: no verify pending for the slot,
+  ``seq_lens`` not the pending verify's length (eager commit), or ``accept`` outside ``[0, N]`` of that
+  verify (banks past N hold an older verify's prefixes). An eager or non-verify commit that does not fit
+  leaves the verify pending; a verify whose lengths do not fit it overwrites the banks, and then the old
+  verify is dropped uncommitted. Such lengths are a caller's bug: the slot's state no longer follows its
+  tokens, but no stale bank is ever copied.
 
 :class:`OfflineController` has the same interface over :class:`~jax_oc128.state.OfflineState` (raw rows,
 rollback by position): the baseline for memory and speed and a second oracle in tests.
 
 Shapes, for a batch of ``bs`` rows: ``slots``, ``seq_lens``, ``new_lens``, ``accept_lens`` are ``[bs]``
 int32 (slot -1 marks a padding row); ``kv_score`` is ``[Lk, bs, T, 2*D]`` float32 (score without ape)
-for layers ``layer .. layer + Lk - 1``; ``ape`` is ``[Lk, 128, D]`` float32.
+for layers ``layer .. layer + Lk - 1``; ``ape`` is ``[Lk, 128, D]`` float32. Wrong shapes or dtypes of
+the per-row arguments, and a mode that is not a :class:`ForwardMode`, raise at trace time, naming the
+argument.
 """
 
 from __future__ import annotations
@@ -26,7 +46,7 @@ import enum
 import jax.numpy as jnp
 
 from jax_oc128 import ops
-from jax_oc128.rules import commits_bank, drop_index, pending_commits
+from jax_oc128.rules import commits_bank, commits_pending, drop_index, lazy_commits, valid_rows
 from jax_oc128.state import CompressState, OfflineState
 
 
@@ -40,6 +60,32 @@ class ForwardMode(enum.Enum):
     IDLE = "idle"  # nothing for this rank: no transition at all
 
 
+def _check_rows(**rows):
+    """Trace-time checks of per-row arguments, given by name: each an int32 array ``[bs]``, one ``bs``
+    for all. Raises ``ValueError``/``TypeError`` naming the argument."""
+    first = size = None
+    for name, x in rows.items():
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name}: expected an int32 array [batch], got {type(x).__name__}")
+        if len(x.shape) != 1:
+            raise ValueError(f"{name}: expected shape [batch], got {list(x.shape)}")
+        if jnp.dtype(x.dtype) != jnp.int32:
+            raise TypeError(f"{name}: expected dtype int32, got {x.dtype}")
+        if first is None:
+            first, size = name, x.shape[0]
+        elif x.shape[0] != size:
+            raise ValueError(f"{name}: expected shape [{size}] (the rows of {first}), got {list(x.shape)}")
+
+
+def _check_forward(mode, slots, seq_lens, verify_bs):
+    """Trace-time checks of ``prepare_forward``'s arguments."""
+    if not isinstance(mode, ForwardMode):
+        raise TypeError(f"mode: expected a ForwardMode, got {mode!r}")
+    _check_rows(slots=slots, seq_lens=seq_lens)
+    if verify_bs is not None and jnp.ndim(verify_bs) != 0:
+        raise ValueError(f"verify_bs: expected a scalar, got shape {list(jnp.shape(verify_bs))}")
+
+
 def active_slots(slots, verify_bs=None):
     """``slots`` with rows ``>= verify_bs`` (a device or Python int) turned into padding (-1)."""
     slots = jnp.asarray(slots, jnp.int32)
@@ -50,52 +96,73 @@ def active_slots(slots, verify_bs=None):
 
 @dataclasses.dataclass(frozen=True)
 class Controller:
-    """Transitions of the online backend (:class:`~jax_oc128.state.CompressState`); no state of its own."""
+    """Transitions of the online backend (:class:`~jax_oc128.state.CompressState`); no state of its own.
+    The rules they keep are in this module's docstring."""
 
     def begin_verify(self, cs: CompressState, slots, seq_lens) -> CompressState:
-        """Record ``seq_lens`` as the pending verify of ``slots`` (SGLang's mark_pending); what was pending
-        for them becomes what their write_prefix commits first (``committing``)."""
-        index = drop_index(slots, cs.slots, seq_lens >= 0)
-        previous = cs.pending[jnp.clip(slots, 0, cs.slots - 1)]
-        return cs.replace(
-            pending=cs.pending.at[index].set(seq_lens, mode="drop"),
-            to_commit=cs.to_commit.at[index].set(previous, mode="drop"),
-        )
+        """Begin a verify of ``slots`` at ``seq_lens`` (SGLang's mark_pending): record in ``to_commit``
+        the pending verify that the forward's write_prefix commits first, where ``seq_lens`` fits it
+        (-1 elsewhere). ``pending`` is untouched: the verify becomes pending when write_prefix closes it."""
+        _check_rows(slots=slots, seq_lens=seq_lens)
+        verify_lens, _, rows = lazy_commits(cs.pending, cs.pending_tokens, slots, seq_lens)
+        commits = jnp.where(rows >= 0, verify_lens, -1)
+        return cs.replace(to_commit=cs.to_commit.at[drop_index(slots, cs.slots)].set(commits, mode="drop"))
 
     def prepare_forward(self, cs: CompressState, mode: ForwardMode, slots, seq_lens, verify_bs=None):
-        """Before a forward of ``slots`` at their current ``seq_lens``: commit what is pending for them
-        (accept = seq_lens - pending), then for a verify forward begin the verify. Rows ``>= verify_bs``
-        are padding. An idle forward changes nothing, and slots not in the batch keep their pending
-        verify.
+        """Before a forward of ``slots`` at their current ``seq_lens``; rows ``>= verify_bs`` are padding.
 
-        For a verify forward the commit is not a launch of its own: it is handed to write_prefix, whose
-        kernel commits each row before folding (so a lazily committed speculative step is one launch).
-        write_prefix must then run once for every C128 layer, as the protocol requires anyway. Any other
-        mode commits with one launch for all layers.
+        * ``TARGET_VERIFY``: begins the verify (:meth:`begin_verify`); its write_prefix calls commit what
+          is pending, inside each layer's verify kernel (a lazily committed speculative step is one launch
+          per layer), and the last layer's call makes the verify pending.
+        * ``EXTEND``, ``DECODE``: commits what is pending for the rows (accept = seq_lens - pending, where
+          it fits), one launch for all layers.
+        * ``IDLE``, ``DRAFT_EXTEND``: no C128 layer of the target runs; nothing changes.
+
+        Slots not in the batch keep their pending verify.
         """
-        if mode is ForwardMode.IDLE:
+        _check_forward(mode, slots, seq_lens, verify_bs)
+        if mode in (ForwardMode.IDLE, ForwardMode.DRAFT_EXTEND):
             return cs
         slots = active_slots(slots, verify_bs)
         if mode is ForwardMode.TARGET_VERIFY:
             return self.begin_verify(cs, slots, seq_lens)
-        verify_seq_lens, accept_lens, committing_slots = pending_commits(cs.pending, slots, seq_lens)
-        return self.commit(cs, committing_slots, verify_seq_lens, accept_lens)
+        verify_lens, accept_lens, rows = lazy_commits(cs.pending, cs.pending_tokens, slots, seq_lens)
+        return self.commit(cs, rows, verify_lens, accept_lens)
 
     def write_prefix(self, cs: CompressState, kv_score, seq_lens, slots, ape, *, layer: int = 0):
         """The verify's bank writes for layers ``layer .. layer + Lk - 1`` (all layers in one call when
-        ``kv_score`` has them all), after committing the rows' previous verify where prepare_forward left
-        it pending. Returns ``(cs, entries [Lk, bs, 1, D], entry_blocks [bs, 1])``."""
+        ``kv_score`` has them all), each row first committing its slot's pending verify where
+        prepare_forward recorded it (``to_commit``), in the same kernel. The call that covers the state's
+        last layer closes the verify: for its valid rows, ``pending = seq_lens`` and ``pending_tokens = N``
+        (``kv_score.shape[2]``). Returns ``(cs, entries [Lk, bs, 1, D], entry_blocks [bs, 1])``."""
         banks, entries, blocks = ops.verify(
             cs.banks, kv_score, seq_lens, slots, ape, layer=layer, pending=cs.to_commit
         )
-        return cs.replace(banks=banks), entries, blocks
+        cs = cs.replace(banks=banks)
+        if layer + kv_score.shape[0] == cs.layers:
+            index = drop_index(slots, cs.slots, valid_rows(slots, seq_lens, cs.slots))
+            cs = cs.replace(
+                pending=cs.pending.at[index].set(seq_lens, mode="drop"),
+                pending_tokens=cs.pending_tokens.at[index].set(kv_score.shape[2], mode="drop"),
+                to_commit=cs.to_commit.at[index].set(-1, mode="drop"),
+            )
+        return cs, entries, blocks
 
     def commit(self, cs: CompressState, slots, seq_lens, accept_lens) -> CompressState:
-        """Keep ``accept_lens`` tokens of the verify at ``seq_lens`` (the eager path), all layers, and clear
-        the slots' pending verify."""
-        banks = ops.commit(cs.banks, seq_lens, accept_lens, slots)
+        """Keep ``accept_lens`` tokens of the slots' pending verify at ``seq_lens`` (the eager path), all
+        layers in one launch, and clear it. A row whose commit does not fit the pending verify (nothing
+        pending, ``seq_lens`` not its length, ``accept_lens`` outside ``[0, N]``) changes nothing and its
+        verify stays pending."""
+        _check_rows(slots=slots, seq_lens=seq_lens, accept_lens=accept_lens)
+        fits = commits_pending(cs.pending, cs.pending_tokens, slots, seq_lens, accept_lens)
+        rows = jnp.where(fits, slots, -1)
+        # accept 0 where the row is padding: concrete values outside [0, max_draft] raise in ops.commit
+        banks = ops.commit(cs.banks, seq_lens, jnp.where(fits, accept_lens, 0), rows)
+        index = drop_index(rows, cs.slots)
         return cs.replace(
-            banks=banks, pending=cs.pending.at[drop_index(slots, cs.slots)].set(-1, mode="drop")
+            banks=banks,
+            pending=cs.pending.at[index].set(-1, mode="drop"),
+            to_commit=cs.to_commit.at[index].set(-1, mode="drop"),
         )
 
     def compress(self, cs: CompressState, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0):
@@ -106,15 +173,16 @@ class Controller:
 
     def open_state(self, cs: CompressState, slots, seq_lens, ape):
         """``(max, sum, mean)`` float32 ``[layers, bs, D]`` of each row's open block at ``seq_lens``, as it
-        is once any pending verify is committed (meaningless where ``seq_lens % 128 == 0``)."""
+        is once the slot's next forward at ``seq_lens`` commits what is pending (meaningless where
+        ``seq_lens % 128 == 0``)."""
         del ape  # the online state holds it already
-        ok = (slots >= 0) & (slots < cs.slots)
-        safe = jnp.where(ok, slots, 0)
-        verify_seq_lens = cs.pending[safe]
-        accept = jnp.where(verify_seq_lens >= 0, seq_lens - verify_seq_lens, 0)
-        bank = jnp.where(commits_bank(verify_seq_lens, accept, cs.max_draft + 1), accept, 0)
-        rows = cs.banks[:, bank, safe].astype(jnp.float32)
-        return rows[..., 0, :], rows[..., 1, :], rows[..., 2, :]
+        _check_rows(slots=slots, seq_lens=seq_lens)
+        verify_lens, accept_lens, rows = lazy_commits(cs.pending, cs.pending_tokens, slots, seq_lens)
+        keeps = (rows >= 0) & commits_bank(verify_lens, accept_lens, cs.max_draft + 1)
+        bank = jnp.where(keeps, accept_lens, 0)
+        safe = jnp.where((slots >= 0) & (slots < cs.slots), slots, 0)
+        stored = cs.banks[:, bank, safe].astype(jnp.float32)
+        return stored[..., 0, :], stored[..., 1, :], stored[..., 2, :]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,9 +194,11 @@ class OfflineController:
         return cs
 
     def prepare_forward(self, cs: OfflineState, mode: ForwardMode, slots, seq_lens, verify_bs=None):
+        _check_forward(mode, slots, seq_lens, verify_bs)
         return cs
 
     def commit(self, cs: OfflineState, slots, seq_lens, accept_lens) -> OfflineState:
+        _check_rows(slots=slots, seq_lens=seq_lens, accept_lens=accept_lens)
         return cs
 
     def write_prefix(self, cs: OfflineState, kv_score, seq_lens, slots, ape, *, layer: int = 0):
@@ -141,6 +211,7 @@ class OfflineController:
 
     def open_state(self, cs: OfflineState, slots, seq_lens, ape):
         """``(max, sum, mean)`` float32 ``[layers, bs, D]`` of the open block, pooled from the raw rows."""
+        _check_rows(slots=slots, seq_lens=seq_lens)
         return cs.open_block(slots, seq_lens, ape)
 
 

@@ -1,8 +1,8 @@
 """The slot and bank rules of the C128 state, in one place: the ops' jnp twins, the states, the
 controller and the attention all import them from here.
 
-Shapes: ``slots``, ``seq_lens``, ``accept_lens`` are ``[bs]`` int32 per row of a call (slot -1 marks a
-padding row); ``pending`` is ``[num_slots]`` int32 per slot of a state.
+Shapes: ``slots``, ``seq_lens``, ``verify_lens``, ``accept_lens`` are ``[bs]`` int32 per row of a call (slot
+-1 marks a padding row); ``pending`` and ``pending_tokens`` are ``[num_slots]`` int32 per slot of a state.
 """
 
 from __future__ import annotations
@@ -47,3 +47,23 @@ def pending_commits(pending, slots, seq_lens):
     before = jnp.where(valid, pending[jnp.where(valid, slots, 0)], -1)
     has = before >= 0
     return jnp.where(has, before, 0), jnp.where(has, seq_lens - before, 0), jnp.where(has, slots, -1)
+
+
+def commits_pending(pending, pending_tokens, slots, verify_lens, accept_lens):
+    """``[bs]`` bool: the row's commit keeps ``accept_lens`` tokens of its slot's pending verify. It does
+    when the row addresses a slot of the state whose pending verify was at ``verify_lens`` (``pending``,
+    >= 0) and ``0 <= accept_lens <= N``, the tokens that verify folded (``pending_tokens``): banks past N
+    hold an older verify's prefixes. Any other commit changes nothing."""
+    valid = valid_rows(slots, verify_lens, pending.shape[0])
+    safe = jnp.where(valid, slots, 0)
+    fits = (pending[safe] == verify_lens) & (accept_lens >= 0) & (accept_lens <= pending_tokens[safe])
+    return valid & fits
+
+
+def lazy_commits(pending, pending_tokens, slots, seq_lens):
+    """``(verify_lens, accept_lens, slots)``: the commit a forward of ``slots`` at ``seq_lens`` makes of
+    their pending verifies (:func:`pending_commits`), with rows whose ``accept_lens`` does not fit the
+    verify (:func:`commits_pending`) made padding."""
+    verify_lens, accept_lens, rows = pending_commits(pending, slots, seq_lens)
+    fits = commits_pending(pending, pending_tokens, rows, verify_lens, accept_lens)
+    return verify_lens, accept_lens, jnp.where(fits, rows, -1)

@@ -9,6 +9,7 @@ layer-stacked: one state holds every C128 layer of a model, addressed by the lay
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -26,16 +27,25 @@ class CompressState:
 
     Attributes:
       banks: ``[layers, 1 + max_draft, slots, 3, head_dim]`` float32 or bfloat16: ``[max | sum | mean]``
-        per slot per bank; bank 0 is committed, banks ``1..max_draft`` hold the last verify's prefixes.
-      pending: ``[slots]`` int32: the slot's sequence length at its last verify whose acceptance has not
-        been committed yet, -1 when nothing is pending.
-      to_commit: ``[slots]`` int32: for the slots of the current verify forward, the length at the pending
-        verify that each layer's write_prefix commits before folding (-1 for none); set by
-        ``prepare_forward``.
+        per slot per bank; bank 0 is committed, banks ``1..max_draft`` hold the prefixes of the slot's
+        last verify whose banks were written in every layer.
+      pending: ``[slots]`` int32: the slot's sequence length at that verify while its acceptance is not
+        committed, -1 when nothing is pending.
+      pending_tokens: ``[slots]`` int32: N, the tokens that verify folded into banks ``1..N`` (a commit
+        keeps at most N of them); meaningful where ``pending >= 0``.
+      to_commit: ``[slots]`` int32: for the slots of a begun verify forward, the ``pending`` length that
+        each layer's write_prefix commits before folding, -1 for none (nothing pending, or the forward's
+        lengths do not fit it); set by ``prepare_forward``, cleared when the slot's pending verify is
+        committed or replaced.
+
+    The controller's rules (:class:`~jax_oc128.controller.Controller`) keep ``pending`` for a slot until
+    it is committed (eagerly, or lazily by the slot's next forward), replaced by a verify whose banks
+    were written in every layer, or the slot is freed.
     """
 
     banks: jax.Array
     pending: jax.Array
+    pending_tokens: jax.Array
     to_commit: jax.Array
 
     @classmethod
@@ -44,7 +54,8 @@ class CompressState:
     ) -> CompressState:
         """A zeroed state with nothing pending; every leaf is its own buffer, so the pytree can be donated."""
         banks = ops.init_state(layers, slots, head_dim, max_draft, dtype)
-        return cls(banks, jnp.full((slots,), -1, jnp.int32), jnp.full((slots,), -1, jnp.int32))
+        table = functools.partial(jnp.full, (slots,), dtype=jnp.int32)
+        return cls(banks, pending=table(-1), pending_tokens=table(0), to_commit=table(-1))
 
     layers = property(lambda self: self.banks.shape[0])
     max_draft = property(lambda self: self.banks.shape[1] - 1)
@@ -54,7 +65,7 @@ class CompressState:
 
     def state_bytes(self) -> int:
         """Device bytes of this state, all slots (also for a ``jax.eval_shape`` of it)."""
-        return _nbytes(self.banks) + _nbytes(self.pending) + _nbytes(self.to_commit)
+        return sum(_nbytes(leaf) for leaf in jax.tree.leaves(self))
 
     def replace(self, **fields) -> CompressState:
         return dataclasses.replace(self, **fields)
