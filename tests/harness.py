@@ -20,9 +20,10 @@ import jax_oc128 as oc
 NATIVE_VS_REFERENCE_FP32 = 1e-5
 # Against the float64 offline pooling (the issue's bar for fp32).
 OFFLINE_FP32 = 1e-4
-# A bf16 state is rounded to 8 significant bits (relative 2**-9) each time it is stored. Native and
-# reference can round a value to neighbouring bf16 numbers when their fp32 values differ in the last
-# bits, so they agree to about one bf16 ulp (2**-8 relative to the value, below that normwise).
+# A bf16 state is rounded to 8 significant bits each time it is stored. Native and reference can round a
+# value to neighbouring bf16 numbers when their fp32 values differ in the last bits: one bf16 ulp, 2**-8 of
+# the value at the top of a binade and 2**-7 at its bottom. States are compared value by value against that
+# (assert_state_close); this bound is for the float32 entries computed from bf16 states.
 NATIVE_VS_REFERENCE_BF16 = 2**-8
 
 
@@ -41,12 +42,22 @@ def poisoned_state(rng, layers, slots, dim, max_draft, dtype=jnp.float32):
 
 
 def assert_state_close(x, y, tol):
-    """Per field (max, sum, mean), normwise relative error below ``tol``."""
+    """Per field (max, sum, mean): float32 states, normwise relative error below ``tol``; bfloat16 states,
+    each value within one bf16 ulp of ``y``'s (7 stored bits: up to 2**-7 of the value, at the bottom of a
+    binade) plus their float32 disagreement (``NATIVE_VS_REFERENCE_FP32`` of the field's largest value)."""
+    bf16 = jnp.asarray(x).dtype == jnp.bfloat16
     x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
     assert x.shape == y.shape
+    magnitude = np.abs(y)
+    ulp = np.where(magnitude > 0, np.exp2(np.floor(np.log2(np.maximum(magnitude, 1e-30))) - 7), 0.0)
     for field, name in enumerate(("max", "sum", "mean")):
-        err = rel_err(x[..., field, :], y[..., field, :])
-        assert err < tol, f"state {name}: relative error {err:.3g} >= {tol:.3g}"
+        if bf16:
+            bound = ulp[..., field, :] + NATIVE_VS_REFERENCE_FP32 * magnitude[..., field, :].max()
+            excess = (np.abs(x - y)[..., field, :] - bound).max()
+            assert excess <= 0, f"state {name}: {excess:.3g} past one bf16 ulp"
+        else:
+            err = rel_err(x[..., field, :], y[..., field, :])
+            assert err < tol, f"state {name}: relative error {err:.3g} >= {tol:.3g}"
 
 
 def assert_outputs_match(native, ref, tol):

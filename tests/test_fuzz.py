@@ -100,29 +100,12 @@ def assert_same_rows_written(native, ref, state):
     np.testing.assert_array_equal(written[0], written[1])
 
 
-def assert_bf16_states_agree(native, ref):
-    """bfloat16 states: native and reference store neighbouring bf16 numbers where their float32 values
-    differ in the last bits, so each stored value is within one bf16 ulp of the reference's (7 stored bits:
-    up to 2**-7 of the value, at the bottom of a binade) plus their float32 disagreement
-    (``NATIVE_VS_REFERENCE_FP32`` of the field's largest value)."""
-    x, y = np.asarray(native, np.float32), np.asarray(ref, np.float32)
-    magnitude = np.abs(y)
-    ulp = np.where(magnitude > 0, np.exp2(np.floor(np.log2(np.maximum(magnitude, 1e-30))) - 7), 0.0)
-    for field, name in enumerate(("max", "sum", "mean")):
-        bound = ulp[..., field, :] + NATIVE_VS_REFERENCE_FP32 * magnitude[..., field, :].max()
-        excess = (np.abs(x - y)[..., field, :] - bound).max()
-        assert excess <= 0, f"state {name}: {excess:.3g} past one bf16 ulp"
-
-
 def assert_match(op, state, *args, **kwargs):
     native, ref = native_ops[op](state, *args, **kwargs), reference_ops[op](state, *args, **kwargs)
     if op == "commit":  # a copy of a bank: exact
         np.testing.assert_array_equal(native, ref)
         return
     assert_same_rows_written(native[0], ref[0], state)
-    if state.dtype == jnp.bfloat16:
-        assert_bf16_states_agree(native[0], ref[0])
-        native = (ref[0], *native[1:])  # the state is checked: the entries and blocks below
     assert_outputs_match(native, ref, TOLERANCES[jnp.dtype(state.dtype)])
 
 
