@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session: build with CUDA, run the suite, the benchmark (C128 ops per speculative step in the model's
 # pattern, SGLang's and the launch floor), the decode loop's benchmark (device-only vs end-to-end, DECODE_ARGS),
-# the command-buffer-free GPU tests, a memcheck of the CUDA handlers and a kernel profile. Logs go to $OUT (the
+# the command-buffer-free GPU tests, compute-sanitizer's memcheck, racecheck, initcheck and synccheck of the CUDA
+# handlers and a kernel profile. Logs go to $OUT (the
 # device tool) or ./gpu_out.
 # The whole suite takes about 300 s on the H200 (many small compiles); STAGES picks what runs after it
 # (default: all), e.g. STAGES="demo" to run the demo only.
@@ -24,6 +25,10 @@ stage nocmdbuf && (cd tests && XLA_FLAGS=--xla_gpu_enable_command_buffer= timeou
   test_gpu.py test_verify_commit.py -k "gpu or case_matrix" 2>&1) | tee "$out/pytest_gpu_no_cmdbuf.log" | tail -3
 stage memcheck && (cd tests && timeout 100 compute-sanitizer --tool memcheck --error-exitcode 9 \
   python3 -m pytest -q -p no:cacheprovider test_gpu.py 2>&1) | tee "$out/memcheck.log" | tail -6
+for tool in racecheck initcheck synccheck; do  # the other sanitizers over the native ops of the GPU tests
+  stage "$tool" && (cd tests && timeout "${SANITIZER_TIMEOUT:-150}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+    python3 -m pytest -q -p no:cacheprovider test_gpu.py 2>&1) | tee "$out/$tool.log" | tail -6
+done
 stage ncu && (cd bench && timeout 100 ncu --clock-control none -k 'regex:verify_kernel|commit_kernel' --metrics \
   gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread \
   python3 profile_kernels.py --batch 8 256 2>&1) | grep -vE '^==PROF==' | tee "$out/ncu.log" | tail -40
