@@ -312,7 +312,9 @@ class Engine:
 
     Requests beyond the slots wait; a finished request frees its slot and the next one takes it (the slot's
     rows are cleared on allocation). The parameters are placed on the device once; the prefill and the
-    decode loop are jitted once per engine with the decode state donated.
+    decode loop are jitted once per engine with the decode state donated. On a GPU the loop is compiled
+    with :data:`GPU_LOOP_OPTIONS` (one CUDA graph per dispatch). :meth:`generate` keeps its state between
+    calls and reuses its buffers.
 
     Args:
       model: the target and its MTP head (a :class:`~jax_oc128.nn.SpeculativeModel`).

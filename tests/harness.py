@@ -243,10 +243,11 @@ def ints(*values):
 
 
 def valid_args(op, *, rows=2, tokens=3, layers=2, slots=4, dim=64, max_draft=4):
-    """Valid keyword arguments (zeros) of the op named ``op`` ("compress", "verify" or "commit"), for the
-    error tests to change one at a time."""
+    """Valid keyword arguments of the op named ``op`` ("compress", "verify" or "commit"): zeros, and one
+    slot per row (rows <= slots), for the error tests to change one at a time."""
     zeros = jnp.zeros((rows,), jnp.int32)
-    args = dict(state=oc.init_state(layers, slots, dim, max_draft), seq_lens=zeros, slots=zeros)
+    row_slots = jnp.arange(rows, dtype=jnp.int32)
+    args = dict(state=oc.init_state(layers, slots, dim, max_draft), seq_lens=zeros, slots=row_slots)
     if op == "commit":
         return args | dict(accept_lens=zeros)
     args |= dict(
