@@ -13,6 +13,11 @@ other: a verify cannot batch them. Patterns, per step:
   20 launches.
 * ``batched``: one verify and one commit for all 20 layers. A reference only, not a pattern a model can
   run (it needs every layer's kv_score before the first layer's attention).
+* ``deferred``: a candidate design a model can run. A layer's attention needs of the verify only the entry
+  of a block it closes, so per layer only that entry is computed, in jnp (the pending commit's bank
+  gathered, the N tokens folded: XLA fuses it with its neighbours), and the bank writes of every layer are
+  one ``verify(..., pending=...)`` of all layers at the end of the step (the layers' kv_score gathered into
+  one array): 1 launch per step.
 
 Every per-layer pattern carries the same dependency chain (see ``_depend``). Each pattern runs unrolled
 ``--repeat`` steps (positions advancing) inside one jit-compiled executable with the state donated. The time
@@ -38,9 +43,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_oc128 as oc
+from jax_oc128 import reference
+from jax_oc128.rules import commits_bank
 
 LAYERS, DIM, BLOCK = 20, 512, 128
-PATTERNS = ("launch", "model", "model_jnp", "sglang", "batched")
+PATTERNS = ("launch", "model", "model_jnp", "sglang", "batched", "deferred")
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "bench_ops.json"
 
 
@@ -106,6 +113,39 @@ def _layers(state, kv, blocks, seq, slots, ape, pending=None, ops=oc):
     return state, kv, blocks
 
 
+def _entry(state, kv, seq, slots, ape, committing, layer):
+    """The entry ``[1, rows, D]`` of the block a verify of ``kv`` ``[1, rows, N, 2D]`` closes (0 where none)
+    for ``layer``, in jnp, from the banks as they are before the step's writes: the bank the pending commit
+    keeps (``committing``), then the N tokens folded. Rows as in the model's step: valid, one per slot."""
+    dim = kv.shape[3] // 2
+    before = committing[slots]
+    accept = seq - before
+    keeps = (before >= 0) & commits_bank(before, accept, state.shape[1])
+    m, s, num = reference.load_state(state[layer, jnp.where(keeps, accept, 0), slots][None])
+    entry = jnp.zeros_like(m)
+    for i in range(kv.shape[2]):
+        pos = (seq + i) % BLOCK
+        m, s, num = reference.fold(
+            m, s, num, pos[None, :, None], kv[:, :, i, :dim], kv[:, :, i, dim:] + ape[:, pos]
+        )
+        entry = jnp.where((pos == BLOCK - 1)[None, :, None], reference.mean(num, s), entry)
+    return entry
+
+
+def _deferred_step(c, k):
+    committing = c["pending"]
+    pending = c["pending"].at[k["slots"]].set(c["seq"], mode="drop")
+    kv, entry = list(c["kv"]), c["entry"]
+    for layer in range(LAYERS):
+        # the next layer's input depends on this layer's attention, which reads the entry
+        kv[layer] = kv[layer].at[0, :, 0, 0].add((entry[0, :, 0] == -3e38).astype(kv[layer].dtype))
+        entry = _entry(c["state"], kv[layer], c["seq"], k["slots"], k["ape"][layer], committing, layer)
+    state, _, _ = oc.verify(
+        c["state"], jnp.concatenate(kv), c["seq"], k["slots"], k["ape_all"], pending=committing
+    )
+    return dict(state=state, kv=kv, entry=entry, seq=c["seq"] + k["accept"], pending=pending)
+
+
 def _model_step(c, k, ops=oc):
     # prepare_forward(TARGET_VERIFY): what was pending is committed by this step's verifies (fused), and
     # this step's seq_lens become pending; the next step's seq_lens - pending is this step's accept.
@@ -141,6 +181,7 @@ STEPS = {
     "model_jnp": functools.partial(_model_step, ops=oc.reference),
     "sglang": _sglang_step,
     "batched": _batched_step,
+    "deferred": _deferred_step,
 }
 
 
@@ -160,6 +201,10 @@ def setup(pattern, rows, n, dtype):
     if pattern == "batched":
         carry.pop("kv")
         consts.update(kv_all=kv, ape_all=ape)
+    if pattern == "deferred":
+        carry.pop("blocks")
+        carry["entry"] = jnp.zeros((1, rows, DIM), jnp.float32)
+        consts.update(ape_all=ape)
     return carry, consts
 
 
@@ -207,6 +252,7 @@ def main():
             model_jnp="the model's pattern with the jnp twin of verify (XLA fuses it with its neighbours)",
             sglang=f"{LAYERS} verify + {LAYERS} commit launches",
             batched="1 verify + 1 commit for all layers: reference only, not a pattern a model can run",
+            deferred="per layer the closed block's entry in jnp, then 1 verify of all layers' banks",
         ),
         rows=[],
     )
@@ -237,6 +283,7 @@ def main():
                 cells = " | ".join(f"{us[p]:9.1f} ({us[p] / launch:6.2f})" for p in args.patterns)
                 print(f"{dtype:8s} {n:2d} {rows:5d} | {cells} | {row['floor_us']:8.2f}")
     print("* batched: one verify + one commit for all layers, a reference, not a pattern a model can run")
+    print("* deferred: per layer the closed block's entry in jnp, then one verify of every layer's banks")
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1) + "\n")
