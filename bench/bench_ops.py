@@ -117,19 +117,11 @@ def _entry(state, kv, seq, slots, ape, committing, layer):
     """The entry ``[1, rows, D]`` of the block a verify of ``kv`` ``[1, rows, N, 2D]`` closes (0 where none)
     for ``layer``, in jnp, from the banks as they are before the step's writes: the bank the pending commit
     keeps (``committing``), then the N tokens folded. Rows as in the model's step: valid, one per slot."""
-    dim = kv.shape[3] // 2
     before = committing[slots]
     accept = seq - before
     keeps = (before >= 0) & commits_bank(before, accept, state.shape[1])
     m, s, num = reference.load_state(state[layer, jnp.where(keeps, accept, 0), slots][None])
-    entry = jnp.zeros_like(m)
-    for i in range(kv.shape[2]):
-        pos = (seq + i) % BLOCK
-        m, s, num = reference.fold(
-            m, s, num, pos[None, :, None], kv[:, :, i, :dim], kv[:, :, i, dim:] + ape[:, pos]
-        )
-        entry = jnp.where((pos == BLOCK - 1)[None, :, None], reference.mean(num, s), entry)
-    return entry
+    return reference.fold_verify(m, s, num, kv, seq % BLOCK, ape)[1]
 
 
 def _deferred_step(c, k):

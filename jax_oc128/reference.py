@@ -145,8 +145,7 @@ def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer=0):
 
 def verify(state, kv_score, seq_lens, slots, ape, pending=None, *, layer=0):
     """Reference of :func:`jax_oc128.verify`: the pending commit, then N <= 16 steps, statically unrolled."""
-    num_layers, rows, tokens, two_d = kv_score.shape
-    dim = two_d // 2
+    num_layers, rows = kv_score.shape[:2]
     num_slots = state.shape[2]
     valid = processed_rows(slots, valid_rows(slots, seq_lens, num_slots))
     if pending is not None and pending.shape[0]:
@@ -156,23 +155,35 @@ def verify(state, kv_score, seq_lens, slots, ape, pending=None, *, layer=0):
         )
     p0 = jnp.where(valid, seq_lens % BLOCK, 0)
     m, s, num = load_state(state[layer : layer + num_layers, 0][:, jnp.where(valid, slots, 0)])
-    entry = jnp.zeros((num_layers, rows, dim), jnp.float32)
+    prefixes, entry = fold_verify(m, s, num, kv_score, p0, ape)
     entry_block = jnp.full((rows,), -1, jnp.int32)
-    banks = []
-    for k in range(tokens):
+    for k, (closes, prefix) in enumerate(prefixes):
+        entry_block = jnp.where(closes, (seq_lens + k) // BLOCK, entry_block)
+        index = drop_index(slots, num_slots, valid & ~closes)
+        state = set_rows(
+            state, (slice(layer, layer + num_layers), k + 1, index), store_state(*prefix, state.dtype)
+        )
+    entry = jnp.where(valid[None, :, None], entry, 0.0)[:, :, None]
+    entry_block = jnp.where(valid, entry_block, -1)[:, None].astype(jnp.int32)
+    return state, entry, entry_block
+
+
+def fold_verify(m, s, num, kv_score, p0, ape):
+    """A verify's tokens ``kv_score`` ``[Lk, bs, N, 2*D]`` folded one by one into the open blocks' float32
+    ``(m, s, num)`` ``[Lk, bs, D]``, the first token at position ``p0`` ``[bs]`` of its block. Returns
+    ``(prefixes, entry)``: per token, ``(closes [bs], (m, s, num))``, whether it closed its block and the
+    state after it; ``entry`` ``[Lk, bs, D]``, the mean of the block a token closed (0 where none)."""
+    dim = kv_score.shape[3] // 2
+    entry = jnp.zeros_like(m)
+    prefixes = []
+    for k in range(kv_score.shape[2]):
         pos = (p0 + k) % BLOCK
         sigma = kv_score[:, :, k, dim:] + ape[:, pos]
         m, s, num = fold(m, s, num, pos[None, :, None], kv_score[:, :, k, :dim], sigma)
         closes = pos == BLOCK - 1
         entry = jnp.where(closes[None, :, None], mean(num, s), entry)
-        entry_block = jnp.where(closes, (seq_lens + k) // BLOCK, entry_block)
-        banks.append((closes, store_state(m, s, num, state.dtype)))
-    entry = jnp.where(valid[None, :, None], entry, 0.0)[:, :, None]
-    entry_block = jnp.where(valid, entry_block, -1)[:, None].astype(jnp.int32)
-    for k, (closes, rows_k) in enumerate(banks, start=1):
-        index = drop_index(slots, num_slots, valid & ~closes)
-        state = set_rows(state, (slice(layer, layer + num_layers), k, index), rows_k)
-    return state, entry, entry_block
+        prefixes.append((closes, (m, s, num)))
+    return prefixes, entry
 
 
 def commit(state, seq_lens, accept_lens, slots, *, layer=0, num_layers=None):
