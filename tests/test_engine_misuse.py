@@ -5,30 +5,21 @@ edges the checks must let through (an empty batch, the longest prompt, the large
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 from harness import count_compiles
+from test_decode import CONFIG as DECODE_CONFIG
 
 from jax_oc128.controller import OFFLINE
 from jax_oc128.decode import MAX_STOP_TOKENS, Engine
-from jax_oc128.nn import HCA, SLIDING, ModelConfig, SpeculativeModel
+from jax_oc128.nn import HCA, SLIDING, SpeculativeModel
 
-CONFIG = ModelConfig(
-    vocab_size=64,
-    hidden_size=64,
-    layer_types=(SLIDING, HCA),
-    num_heads=2,
-    head_dim=32,
-    rope_dim=16,
-    q_lora_rank=32,
-    o_lora_rank=32,
-    mlp_hidden=128,
-    sliding_window=16,
-    max_len=512,
-    max_draft=4,
-)
+# test_decode's model with one sliding and one C128 layer of 2 heads, shorter and with fewer draft banks
+CONFIG = dataclasses.replace(DECODE_CONFIG, layer_types=(SLIDING, HCA), num_heads=2, max_len=512, max_draft=4)
 VOCAB, MAX_LEN, MAX_DRAFT = CONFIG.vocab_size, CONFIG.max_len, CONFIG.max_draft
 SLOTS = 2
 # with max_new_tokens = 3: the longest prompt of plain steps (N = 1) and of N = MAX_DRAFT

@@ -3,29 +3,19 @@ mode."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import pytest
 from flax import nnx
+from test_model import CONFIG as MODEL_CONFIG
 
 from jax_oc128 import checkpoint
 from jax_oc128.decode import Engine
-from jax_oc128.nn import HCA, SLIDING, ModelConfig, SpeculativeModel
+from jax_oc128.nn import HCA, SLIDING, SpeculativeModel
 
-# small, for short compilations; one sliding and one C128 layer
-CONFIG = ModelConfig(
-    vocab_size=64,
-    hidden_size=32,
-    layer_types=(SLIDING, HCA),
-    num_heads=2,
-    head_dim=32,
-    rope_dim=8,
-    q_lora_rank=16,
-    o_lora_rank=16,
-    mlp_hidden=32,
-    sliding_window=8,
-    max_len=512,
-    max_draft=4,
-)
+# test_model's small model (short compilations) with one sliding and one C128 layer and a vocabulary of 64
+CONFIG = dataclasses.replace(MODEL_CONFIG, vocab_size=64, layer_types=(SLIDING, HCA))
 PROMPTS = [[(7 * i) % 64 for i in range(150)], [5, 9, 1]]  # the first crosses a 128-token block
 
 
