@@ -20,13 +20,20 @@ load(":defs.bzl", "BUILD_JSON", "CUDA_COMPATIBLE_WITH", "CXX_STD")
 
 package(default_visibility = ["//visibility:public"])
 
-# Targets that need a tool this repository did not find are compatible only with platforms having this
-# constraint value, which none has: `bazel build //...` skips them.
-constraint_setting(name = "tool")
+# Targets that need a tool this repository did not find (nvcc, cmake) are compatible only with platforms having
+# its constraint value, which none has: `bazel build //...` skips them.
+constraint_setting(name = "nvcc")
 
 constraint_value(
-    name = "tool_found",
-    constraint_setting = ":tool",
+    name = "nvcc_found",
+    constraint_setting = ":nvcc",
+)
+
+constraint_setting(name = "cmake")
+
+constraint_value(
+    name = "cmake_found",
+    constraint_setting = ":cmake",
 )
 
 cc_library(
@@ -144,7 +151,6 @@ def _oc128_configure_impl(rctx):
         rctx.symlink(cuda_dir + "/lib64/libcudart_static.a", "cuda/libcudart_static.a")
     archs = rctx.os.environ.get("JAX_OC128_CUDA_ARCHS") or build_json["cuda_architectures"]
     cmake = rctx.which("cmake")
-    missing = ["@%s//:tool_found" % rctx.name]
 
     rctx.file("BUILD", _BUILD.format(
         cudart_srcs = repr(["cuda/libcudart_static.a"] if nvcc else []),
@@ -156,9 +162,9 @@ def _oc128_configure_impl(rctx):
         build_json = repr(build_json),
         nvcc = repr(nvcc),
         cuda_architectures = repr(archs.split(";")),
-        cuda_compatible_with = repr([] if nvcc else missing),
+        cuda_compatible_with = repr([] if nvcc else ["@%s//:nvcc_found" % rctx.name]),
         cmake = repr(str(cmake) if cmake else None),
-        cmake_compatible_with = repr([] if cmake else missing),
+        cmake_compatible_with = repr([] if cmake else ["@%s//:cmake_found" % rctx.name]),
     ))
 
 oc128_configure = repository_rule(
