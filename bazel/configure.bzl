@@ -7,8 +7,8 @@ into the repository and defines:
   //:python_headers, //:nanobind (nanobind's core, from its wheel), //:xla_ffi   cc_library
   //:cudart_static                                                              cc_library (where nvcc is found)
   //:python_toolchain    the Python toolchain running py_binary/py_test with that Python
-  //:defs.bzl           PYTHON, EXT_SUFFIX, BUILD_JSON (ffi/build.json), CXX_STD, NVCC, CUDA_ARCHITECTURES, CMAKE and
-                        the target_compatible_with of targets that need nvcc / cmake
+  //:defs.bzl           EXT_SUFFIX, BUILD_JSON (ffi/build.json), CXX_STD, NVCC, CUDA_ARCHITECTURES, CMAKE and the
+                        target_compatible_with of targets that need nvcc / cmake
 
 As in the pip build, JAX_OC128_CUDA=AUTO|ON|OFF says whether to build the CUDA module (AUTO: where nvcc is on
 $PATH) and JAX_OC128_CUDA_ARCHS (e.g. "80;90") overrides ffi/build.json's CUDA architectures.
@@ -101,12 +101,9 @@ toolchain(
 
 _DEFS = """\
 # Made by bazel/configure.bzl for this machine.
-PYTHON = {python}
 EXT_SUFFIX = {ext_suffix}
 BUILD_JSON = {build_json}
-
-# The C++ standard as CMake passes it (CMAKE_CXX_EXTENSIONS is on: gnu++NN)
-CXX_STD = "-std=gnu++%d" % BUILD_JSON["cxx_standard"]
+CXX_STD = "-std=gnu++%d" % BUILD_JSON["cxx_standard"]  # as CMake passes it (CMAKE_CXX_EXTENSIONS is on)
 NVCC = {nvcc}
 CUDA_ARCHITECTURES = {cuda_architectures}
 CUDA_COMPATIBLE_WITH = {cuda_compatible_with}
@@ -157,7 +154,6 @@ def _oc128_configure_impl(rctx):
         python = repr(python["python"]),
     ))
     rctx.file("defs.bzl", _DEFS.format(
-        python = repr(python["python"]),
         ext_suffix = repr(python["ext_suffix"]),
         build_json = repr(build_json),
         nvcc = repr(nvcc),

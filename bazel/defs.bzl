@@ -33,7 +33,7 @@ def _nvcc_object_impl(ctx):
     ctx.actions.run(
         executable = NVCC,
         arguments = [args],
-        inputs = depset([ctx.file.src] + ctx.files.hdrs, transitive = [compilation.headers]),
+        inputs = depset([ctx.file.src], transitive = [compilation.headers]),
         outputs = [out],
         mnemonic = "NvccCompile",
         progress_message = "nvcc %s" % ctx.file.src.short_path,
@@ -46,25 +46,22 @@ nvcc_object = rule(
     doc = "One CUDA source compiled by nvcc (ffi/build.json's nvcc_copts) into a position-independent object.",
     attrs = {
         "src": attr.label(allow_single_file = [".cu"], mandatory = True),
-        "hdrs": attr.label_list(allow_files = [".h"], doc = "headers the source includes from its directory"),
         "deps": attr.label_list(providers = [CcInfo], doc = "cc_libraries whose headers the source includes"),
     },
 )
 
-def nanobind_extension(name, module, srcs, deps = [], target_compatible_with = [], **kwargs):
+def nanobind_extension(name, module, srcs, deps = [], target_compatible_with = []):
     """The extension module ``module`` of ffi/build.json's package, as the pip build makes it.
 
     ``name`` is an alias of ``<package>/<module><EXT_SUFFIX>`` (the file Python imports); .cu sources are
     compiled by nvcc with ``deps``' headers and linked in."""
     cu = [src for src in srcs if src.endswith(".cu")]
-    headers = [src for src in srcs if src.endswith(".h")]
     objects = []
     for src in cu:
         objects.append(name + "_" + src.split("/")[-1][:-len(".cu")])
         nvcc_object(
             name = objects[-1],
             src = src,
-            hdrs = headers,
             deps = deps,
             target_compatible_with = target_compatible_with,
         )
@@ -77,9 +74,8 @@ def nanobind_extension(name, module, srcs, deps = [], target_compatible_with = [
         linkshared = True,
         deps = deps + ["@oc128_config//:nanobind"],
         target_compatible_with = target_compatible_with,
-        **kwargs
     )
-    native.alias(name = name, actual = filename, **kwargs)
+    native.alias(name = name, actual = filename)
 
 def pytest_test(name, tests, data = [], **kwargs):
     """pytest on ``tests`` with the package (//:jax_oc128) and its native modules from this workspace's build:
@@ -91,7 +87,7 @@ def pytest_test(name, tests, data = [], **kwargs):
         args = ["$(rootpath %s)" % test for test in tests],
         data = data,
         deps = ["//:jax_oc128"],
+        # no __init__.py made in tests/: pytest imports the test files and their helpers as top-level modules
         legacy_create_init = False,
-        python_version = "PY3",
         **kwargs
     )
