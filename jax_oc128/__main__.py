@@ -49,8 +49,9 @@ DEMO_PROMPTS = (
 
 
 def _progress_display():
-    """A rich progress display on stderr, one bar per task: live on a terminal; elsewhere (a pipe, a file)
-    no live updates, the bars printed once when it stops."""
+    """A rich progress display on stderr, one bar per task, redrawn only when a task is updated (no refresh
+    thread: one would take the interpreter from the engine's dispatch loop, which the demo times); on a
+    terminal the bars move, elsewhere (a pipe, a file) they are printed once when it stops."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -61,6 +62,7 @@ def _progress_display():
         TextColumn("tokens"),
         TimeElapsedColumn(),
         console=Console(stderr=True),
+        auto_refresh=False,
     )
 
 
@@ -96,7 +98,7 @@ def demo(args, model, meta, prompts) -> str:
                 num_tokens=n,
                 temperature=args.temperature,
                 seed=args.seed,
-                progress=lambda done, task=task: progress.update(task, completed=done),
+                progress=lambda done, task=task: progress.update(task, completed=done, refresh=True),
             )
     config = model.config
     c128 = config.compressed_layers
