@@ -235,7 +235,7 @@ def test_bad_arguments_are_named(change, error, match):
 def test_bad_layer_argument():
     with pytest.raises(ValueError, match="layer: layers"):
         oc.compress(**valid_args("compress"), layer=1)
-    with pytest.raises(TypeError, match="layer: must be a Python int"):
+    with pytest.raises(TypeError, match="layer: must be an int"):
         oc.compress(**valid_args("compress"), layer=jnp.int32(0))
 
 
