@@ -29,3 +29,12 @@ def normal_param(rngs: nnx.Rngs, *shape, scale=None) -> nnx.Param:
 def ones_param(size: int) -> nnx.Param:
     """A float32 ``[size]`` parameter of ones (a norm's weight)."""
     return nnx.Param(jnp.ones((size,), jnp.float32))
+
+
+def swiglu(x, gate, up, down, limit=None):
+    """The SwiGLU MLP ``down(silu(gate(x)) * up(x))`` with ``[out, in]`` weights; with a ``limit`` the gate
+    is clamped from above and the up projection to ``[-limit, limit]`` (transformers' ``swiglu_limit``)."""
+    g, u = linear(x, gate), linear(x, up)
+    if limit is not None:
+        g, u = jnp.minimum(g, limit), jnp.clip(u, -limit, limit)
+    return linear(jax.nn.silu(g) * u, down)
