@@ -562,7 +562,22 @@ class MTPHead(nnx.Module):
 class SpeculativeModel(nnx.Module):
     """The target and its MTP head, as one module (one checkpoint)."""
 
-    def __init__(self, config: ModelConfig, *, backend: Backend = ONLINE, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        backend: Backend = ONLINE,
+        rngs: nnx.Rngs,
+        target: DeepseekV4Model | None = None,
+    ):
         self.config = config
-        self.target = DeepseekV4Model(config, backend=backend, rngs=rngs)
+        self.target = DeepseekV4Model(config, backend=backend, rngs=rngs) if target is None else target
         self.mtp = MTPHead(config, self.target.embed, self.target.norm, self.target.lm_head, rngs=rngs)
+
+    @classmethod
+    def from_hf(cls, config: dict, weights: dict, *, rngs: nnx.Rngs, **kwargs) -> SpeculativeModel:
+        """The target of :meth:`DeepseekV4Model.from_hf` (``kwargs``: its keyword arguments) with a new MTP
+        head drawn from ``rngs`` (transformers has no MTP layers; the head is this package's draft head, a
+        placeholder until DeepSeek's MTP layers load)."""
+        target = DeepseekV4Model.from_hf(config, weights, **kwargs)
+        return cls(target.config, backend=target.backend, rngs=rngs, target=target)
