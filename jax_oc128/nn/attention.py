@@ -26,13 +26,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jax_oc128.controller import ONLINE, Backend, ForwardMode
 from jax_oc128.nn import csa
 from jax_oc128.nn.csa import CSACompressor, IndexerConfig
-from jax_oc128.nn.functional import FULL, linear, normal_param, ones_param, rms_norm
+from jax_oc128.nn.functional import FULL, assign_weights, linear, normal_param, ones_param, rms_norm
 from jax_oc128.nn.rope import RopeConfig
 from jax_oc128.rules import BLOCK, drop_index
 
@@ -157,33 +156,6 @@ HF_WEIGHT_NAMES = {
     "compressor.position_bias": "compressor_ape",
     "compressor.kv_norm.weight": "compressor_kv_norm",
 }
-
-
-def assign_weights(module: nnx.Module, paths: dict, weights: dict, prefix: str = "") -> None:
-    """Set ``module``'s variables from ``weights`` (name -> array), ``paths`` mapping each expected name to
-    the attribute path (a tuple of attribute names and list indices) of its variable. Every expected name
-    must be given with the variable's shape and kind (integer or floating), and no other; each error names
-    the tensor (``prefix`` + name). Everything is checked before the first variable is set."""
-    for problem, names in (
-        ("missing", paths.keys() - weights.keys()),
-        ("unexpected", weights.keys() - paths.keys()),
-    ):
-        if names:
-            error = KeyError if problem == "missing" else ValueError
-            raise error(f"weights: {problem} tensors {sorted(prefix + name for name in names)}")
-    variables = {}
-    for name, path in paths.items():
-        variable = module
-        for step in path:
-            variable = variable[step] if isinstance(step, int) else getattr(variable, step)
-        value, want = np.asarray(weights[name]), variable[...]
-        if value.shape != want.shape:
-            raise ValueError(f"weights[{prefix + name!r}]: expected shape {want.shape}, got {value.shape}")
-        if np.issubdtype(value.dtype, np.integer) != jnp.issubdtype(want.dtype, jnp.integer):
-            raise ValueError(f"weights[{prefix + name!r}]: expected a {want.dtype} tensor, got {value.dtype}")
-        variables[name] = variable, value.astype(want.dtype)
-    for variable, value in variables.values():
-        variable[...] = jnp.asarray(value)
 
 
 class DeepseekV4Attention(nnx.Module):

@@ -85,14 +85,9 @@ class CSACompressor(nnx.Module):
 
     def _rows(self, x):
         """The raw rows ``[batch, T, row_width]`` of ``x`` ``[batch, T, hidden]``."""
-        stacked = jnp.concatenate(
-            [
-                self._by_half(self.kv_proj[...].T, self.indexer_kv_proj[...].T),
-                self._by_half(self.gate_proj[...].T, self.indexer_gate_proj[...].T),
-            ],
-            axis=-1,
-        )
-        return jnp.matmul(x, stacked, precision=FULL)
+        kv = self._by_half(linear(x, self.kv_proj[...]), linear(x, self.indexer_kv_proj[...]))
+        gate = self._by_half(linear(x, self.gate_proj[...]), linear(x, self.indexer_gate_proj[...]))
+        return jnp.concatenate([kv, gate], axis=-1)
 
     def compress(self, x, positions, lengths, rows, entries, keys):
         """Fold the new tokens into the state: pool every window they close, then write their raw rows.

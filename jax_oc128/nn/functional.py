@@ -1,10 +1,11 @@
-"""The float32 building blocks the modules share: linear layers in transformers' weight layout, RMSNorm and
-parameter initialisation."""
+"""The float32 building blocks the modules share: linear layers in transformers' weight layout, RMSNorm, the
+SwiGLU MLP, parameter initialisation and loading."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 FULL = jax.lax.Precision.HIGHEST  # float32 matmuls stay float32 (on GPUs the default would allow TF32)
@@ -38,3 +39,30 @@ def swiglu(x, gate, up, down, limit=None):
     if limit is not None:
         g, u = jnp.minimum(g, limit), jnp.clip(u, -limit, limit)
     return linear(jax.nn.silu(g) * u, down)
+
+
+def assign_weights(module: nnx.Module, paths: dict, weights: dict, prefix: str = "") -> None:
+    """Set ``module``'s variables from ``weights`` (name -> array), ``paths`` mapping each expected name to
+    the attribute path (a tuple of attribute names and list indices) of its variable. Every expected name
+    must be given with the variable's shape and kind (integer or floating), and no other; each error names
+    the tensor (``prefix`` + name). Everything is checked before the first variable is set."""
+    for problem, names in (
+        ("missing", paths.keys() - weights.keys()),
+        ("unexpected", weights.keys() - paths.keys()),
+    ):
+        if names:
+            error = KeyError if problem == "missing" else ValueError
+            raise error(f"weights: {problem} tensors {sorted(prefix + name for name in names)}")
+    variables = {}
+    for name, path in paths.items():
+        variable = module
+        for step in path:
+            variable = variable[step] if isinstance(step, int) else getattr(variable, step)
+        value, want = np.asarray(weights[name]), variable[...]
+        if value.shape != want.shape:
+            raise ValueError(f"weights[{prefix + name!r}]: expected shape {want.shape}, got {value.shape}")
+        if np.issubdtype(value.dtype, np.integer) != jnp.issubdtype(want.dtype, jnp.integer):
+            raise ValueError(f"weights[{prefix + name!r}]: expected a {want.dtype} tensor, got {value.dtype}")
+        variables[name] = variable, value.astype(want.dtype)
+    for variable, value in variables.values():
+        variable[...] = jnp.asarray(value)

@@ -38,11 +38,10 @@ from jax_oc128.nn.attention import (
     AttentionCache,
     AttentionConfig,
     DeepseekV4Attention,
-    assign_weights,
     prepare_forward,
 )
 from jax_oc128.nn.csa import IndexerConfig
-from jax_oc128.nn.functional import linear, normal_param, ones_param, rms_norm, swiglu
+from jax_oc128.nn.functional import assign_weights, linear, normal_param, ones_param, rms_norm, swiglu
 from jax_oc128.nn.hyper_connections import HyperConnection, HyperHead
 from jax_oc128.nn.moe import HASH_MOE, MOE, MoE, MoEConfig
 from jax_oc128.nn.rope import RopeConfig
