@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 from oracle import rel_err
 
+from jax_oc128 import checkpoint
 from jax_oc128.controller import OFFLINE, ONLINE, ForwardMode
 from jax_oc128.decode import Engine
 from jax_oc128.nn import CSA, HCA, SLIDING, DeepseekV4Model, ModelConfig, SpeculativeModel
@@ -202,3 +203,19 @@ def test_bad_configs_are_named(change, error, match):
     config = {k: v for k, v in {**fixture("small_window")[0], **change}.items() if v is not None}
     with pytest.raises(error, match=match):
         ModelConfig.from_hf(config)
+
+
+def test_checkpoint_round_trip(tmp_path):
+    """A model loaded from transformers' weights saves to this package's checkpoint format and loads back
+    with the same config (tuples, None fields) and parameters (the int32 hash tables included)."""
+    config, weights, _ = fixture("small_window")
+    model = SpeculativeModel.from_hf(config, weights, rngs=nnx.Rngs(0), max_len=512)
+    checkpoint.save(model, tmp_path / "v4.npz")
+    loaded, _ = checkpoint.load(tmp_path / "v4.npz")
+    assert loaded.config == model.config
+    for (path, want), (_, got) in zip(
+        jax.tree_util.tree_leaves_with_path(nnx.state(model)),
+        jax.tree_util.tree_leaves_with_path(nnx.state(loaded)),
+        strict=True,
+    ):
+        assert got.dtype == want.dtype and np.array_equal(got, want), jax.tree_util.keystr(path)
