@@ -11,6 +11,8 @@ other: a verify cannot batch them. Patterns, per step:
   commit_pending): 40 launches. (SGLang also launches mark_pending twice per step; not counted here.)
 * ``launch``: the floor, per layer one do-nothing launch (a verify of a single padding row, slot -1):
   20 launches.
+* ``chain``: the dependency chain alone (see ``_depend``), no C128 op: what stands for the model's own
+  kernels between two C128 layers. A pattern's cost minus the chain's is what its C128 ops add to a step.
 * ``batched``: one verify and one commit for all 20 layers. A reference only, not a pattern a model can
   run (it needs every layer's kv_score before the first layer's attention).
 * ``deferred``: a candidate design a model can run. A layer's attention needs of the verify only the entry
@@ -47,14 +49,17 @@ from jax_oc128 import reference
 from jax_oc128.rules import commits_bank
 
 LAYERS, DIM, BLOCK = 20, 512, 128
-PATTERNS = ("launch", "model", "model_jnp", "sglang", "batched", "deferred")
+PATTERNS = ("chain", "launch", "model", "model_jnp", "sglang", "batched", "deferred")
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "bench_ops.json"
 
 
-def timed(fn, carry, consts, iters):
-    """Median seconds per call of ``carry = fn(carry, consts)`` (carry donated)."""
-    carry = fn(carry, consts)
-    jax.block_until_ready(carry)
+def timed(fn, carry, consts, iters, warmup_s=0.2):
+    """Median seconds per call of ``carry = fn(carry, consts)`` (carry donated), after ``warmup_s`` seconds of
+    untimed calls (the first compiles; the rest bring the device's clocks up)."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < warmup_s:
+        carry = fn(carry, consts)
+        jax.block_until_ready(carry)
     times = []
     for _ in range(iters):
         start = time.perf_counter()
@@ -113,6 +118,15 @@ def _layers(state, kv, blocks, seq, slots, ape, pending=None, ops=oc):
     return state, kv, blocks
 
 
+def _chain_step(c, k):
+    kv, blocks = list(c["kv"]), c["blocks"]
+    for layer in range(LAYERS):
+        kv[layer] = _depend(kv[layer], blocks)
+        # the next layer's input depends on this one's: blocks made from kv (-1, as kv is finite)
+        blocks = jnp.where(jnp.isnan(kv[layer][0, :, :1, 0]), -2, -1).astype(jnp.int32)
+    return dict(c, kv=kv, blocks=blocks)
+
+
 def _entry(state, kv, seq, slots, ape, committing, layer):
     """The entry ``[1, rows, D]`` of the block a verify of ``kv`` ``[1, rows, N, 2D]`` closes (0 where none)
     for ``layer``, in jnp, from the banks as they are before the step's writes: the bank the pending commit
@@ -168,6 +182,7 @@ def _batched_step(c, k):
 
 
 STEPS = {
+    "chain": _chain_step,
     "launch": _launch_step,
     "model": _model_step,
     "model_jnp": functools.partial(_model_step, ops=oc.reference),
@@ -230,7 +245,8 @@ def main():
     print(
         f"us per speculative step, {LAYERS} C128 layers, head_dim {DIM}, {args.repeat} steps per executable:"
     )
-    print("dtype     N batch | " + " | ".join(f"{p:>9s} (/launch)" for p in args.patterns) + " | bw floor")
+    print("(in parentheses: the pattern minus the chain, what its C128 ops add)")
+    print("dtype     N batch | " + " | ".join(f"{p:>9s} (-chain)" for p in args.patterns) + " | bw floor")
     results = dict(
         device=device,
         copy_bandwidth=bandwidth,
@@ -239,6 +255,7 @@ def main():
         repeat=args.repeat,
         iters=args.iters,
         patterns=dict(
+            chain=f"the dependency chain of {LAYERS} layers alone, no C128 op",
             launch=f"{LAYERS} do-nothing launches (verify of one padding row), same dependency chain",
             model=f"{LAYERS} verify launches, the previous step's commit fused (pending)",
             model_jnp="the model's pattern with the jnp twin of verify (XLA fuses it with its neighbours)",
@@ -269,10 +286,13 @@ def main():
                     **{f"{p}_x_launch": us[p] / launch for p in us},
                     call_us=raw,
                 )
+                if "chain" in us:  # what each pattern's C128 ops add to the chain
+                    row.update({f"{p}_c128_us": us[p] - us["chain"] for p in us if p != "chain"})
                 if "model" in us and "sglang" in us:
                     row["model_x_sglang"] = us["model"] / us["sglang"]
                 results["rows"].append(row)
-                cells = " | ".join(f"{us[p]:9.1f} ({us[p] / launch:6.2f})" for p in args.patterns)
+                chain = us.get("chain", float("nan"))
+                cells = " | ".join(f"{us[p]:9.1f} ({us[p] - chain:6.1f})" for p in args.patterns)
                 print(f"{dtype:8s} {n:2d} {rows:5d} | {cells} | {row['floor_us']:8.2f}")
     print("* batched: one verify + one commit for all layers, a reference, not a pattern a model can run")
     print("* deferred: per layer the closed block's entry in jnp, then one verify of every layer's banks")

@@ -23,11 +23,13 @@ stage decode && timeout "${DECODE_TIMEOUT:-500}" python3 bench/bench_decode.py $
   | tee "$out/bench_decode.log"
 stage nocmdbuf && (cd tests && XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 80 python3 -m pytest -q -p no:cacheprovider \
   test_gpu.py test_verify_commit.py -k "gpu or case_matrix" 2>&1) | tee "$out/pytest_gpu_no_cmdbuf.log" | tail -3
-stage memcheck && (cd tests && timeout 100 compute-sanitizer --tool memcheck --error-exitcode 9 \
-  python3 -m pytest -q -p no:cacheprovider test_gpu.py 2>&1) | tee "$out/memcheck.log" | tail -6
-for tool in racecheck initcheck synccheck; do  # the other sanitizers over the native ops of the GPU tests
-  stage "$tool" && (cd tests && timeout "${SANITIZER_TIMEOUT:-150}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
-    python3 -m pytest -q -p no:cacheprovider test_gpu.py 2>&1) | tee "$out/$tool.log" | tail -6
+# the sanitizers over the CUDA handlers of the GPU tests and of every on-device policy; synccheck with XLA's
+# command buffers off (the tool crashes under them)
+for tool in memcheck racecheck initcheck synccheck; do
+  flags=""; [ "$tool" = synccheck ] && flags="--xla_gpu_enable_command_buffer="
+  stage "$tool" && (cd tests && XLA_FLAGS="$flags" timeout "${SANITIZER_TIMEOUT:-150}" compute-sanitizer --tool "$tool" \
+    --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider test_gpu.py test_misuse_ops.py \
+    -k "gpu or (on_device_policy and float32)" 2>&1) | tee "$out/$tool.log" | tail -6
 done
 stage ncu && (cd bench && timeout 100 ncu --clock-control none -k 'regex:verify_kernel|commit_kernel' --metrics \
   gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread \

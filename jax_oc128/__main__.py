@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import math
 import os
@@ -49,8 +50,9 @@ DEMO_PROMPTS = (
 
 
 def _progress_display():
-    """A rich progress display on stderr, one bar per task: live on a terminal; elsewhere (a pipe, a file)
-    no live updates, the bars printed once when it stops."""
+    """A rich progress display on stderr, one bar per task, redrawn only when a task is updated (no refresh
+    thread: one would take the interpreter from the engine's dispatch loop, which the demo times); on a
+    terminal the bars move, elsewhere (a pipe, a file) they are printed once when it stops."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -61,6 +63,7 @@ def _progress_display():
         TextColumn("tokens"),
         TimeElapsedColumn(),
         console=Console(stderr=True),
+        auto_refresh=False,
     )
 
 
@@ -81,22 +84,24 @@ def demo(args, model, meta, prompts) -> str:
     slots = min(args.batch, len(prompts))
     engine = Engine(model, slots=slots, steps_per_dispatch=min(args.steps_per_dispatch, args.tokens))
     modes = [("plain", None)] + [(f"speculative N={n}", n) for n in args.draft]
-    # compile first, so that the timings below are the steady state: the decode loop of each mode, and the
-    # prefill of each prompt's padded width (a batch of admitted prompts takes the widest one's)
-    for _, n in modes:
-        for prompt in prompts:
-            engine.generate([prompt], min(2, args.tokens), num_tokens=n, temperature=args.temperature)
     results = {}
     with _progress_display() as progress:
         for name, n in modes:
-            task = progress.add_task(name, total=len(prompts) * args.tokens)
-            results[name] = engine.generate(
+            run = functools.partial(
+                engine.generate,
                 prompts,
                 args.tokens,
                 num_tokens=n,
                 temperature=args.temperature,
                 seed=args.seed,
-                progress=lambda done, task=task: progress.update(task, completed=done),
+            )
+            # each mode runs twice and the second run is timed: the first compiles the prefill (one per
+            # padded prompt width) and the decode loop, and on a GPU records their CUDA graphs for the
+            # engine's buffers (after another mode ran, a mode's first dispatches record them again)
+            run()
+            task = progress.add_task(name, total=len(prompts) * args.tokens)
+            results[name] = run(
+                progress=lambda done, task=task: progress.update(task, completed=done, refresh=True)
             )
     config = model.config
     c128 = config.compressed_layers

@@ -23,6 +23,7 @@ from flax import nnx
 
 from jax_oc128.controller import ONLINE, Backend
 from jax_oc128.nn import ModelConfig, SpeculativeModel
+from jax_oc128.nn.model import V4_FIELDS
 
 DEFAULT_MODEL = pathlib.Path(__file__).parent / "assets" / "default_model.npz"
 #: the archive member holding the JSON metadata
@@ -128,21 +129,32 @@ def _metadata(archive: zipfile.ZipFile, headers: dict, path) -> dict:
 
 
 def _config(meta: dict, tensors: int, path) -> ModelConfig:
-    """The :class:`~jax_oc128.nn.ModelConfig` of ``meta["config"]``: exactly its fields, each checked by
-    the config itself; no more layers than the file has ``tensors`` (each layer has parameters: a small
-    file claiming a huge number of layers is refused before the model's shapes are traced)."""
+    """The :class:`~jax_oc128.nn.ModelConfig` of ``meta["config"]``: exactly its fields (those of the full
+    DeepSeek-V4 layout, :data:`~jax_oc128.nn.model.V4_FIELDS`, may be absent: the look-alike's defaults),
+    each checked by the config itself; no more layers than the file has ``tensors`` (each layer has
+    parameters: a small file claiming a huge number of layers is refused before the model's shapes are
+    traced)."""
     raw = meta["config"]
     fields = {field.name for field in dataclasses.fields(ModelConfig)}
-    for problem, names in (("unknown", raw.keys() - fields), ("missing", fields - raw.keys())):
+    for problem, names in (
+        ("unknown", raw.keys() - fields),
+        ("missing", fields - raw.keys() - set(V4_FIELDS)),
+    ):
         if names:
             raise ValueError(f"{path}: config: {problem} fields {sorted(names)}")
-    layer_types = raw["layer_types"]
-    if not isinstance(layer_types, list):
-        raise ValueError(f"{path}: config: layer_types: must be a list, got {layer_types!r}")
-    if len(layer_types) > tensors:
-        raise ValueError(f"{path}: config: layer_types: {len(layer_types)} layers but only {tensors} tensors")
+    tuples = {}
+    for name in ("layer_types", "mlp_layer_types"):
+        value = raw.get(name)
+        if name in raw and not isinstance(value, list) and not (name == "mlp_layer_types" and value is None):
+            raise ValueError(f"{path}: config: {name}: must be a list, got {value!r}")
+        if isinstance(value, list):
+            tuples[name] = tuple(value)
+    if len(raw["layer_types"]) > tensors:
+        raise ValueError(
+            f"{path}: config: layer_types: {len(raw['layer_types'])} layers but only {tensors} tensors"
+        )
     try:
-        return ModelConfig(**{**raw, "layer_types": tuple(layer_types)})
+        return ModelConfig(**{**raw, **tuples})
     except (TypeError, ValueError) as error:
         raise ValueError(f"{path}: config: {error}") from None
 

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_oc128.checks import check_int, is_int
 from jax_oc128.controller import ForwardMode
 from jax_oc128.nn import AttentionCache, ModelCache, SpeculativeModel
 
@@ -336,9 +337,9 @@ class Engine:
         if not isinstance(model, SpeculativeModel):
             raise TypeError(f"model: must be a SpeculativeModel, got {type(model).__name__}")
         self.model = model
-        self.slots = _check_int("slots", slots, 1, MAX_INT32)
-        self.prompt_bucket = _check_int("prompt_bucket", prompt_bucket, 1, MAX_INT32)
-        self.steps_per_dispatch = _check_int("steps_per_dispatch", steps_per_dispatch, 1, MAX_INT32)
+        self.slots = check_int("slots", slots, 1, MAX_INT32)
+        self.prompt_bucket = check_int("prompt_bucket", prompt_bucket, 1, MAX_INT32)
+        self.steps_per_dispatch = check_int("steps_per_dispatch", steps_per_dispatch, 1, MAX_INT32)
         graphdef, params = nnx.split(model)
         self.params = jax.device_put(params)
 
@@ -439,7 +440,7 @@ class Engine:
             raise ValueError("assignments: no request (a mapping {slot: prompt} with at least one entry)")
         prompts = {}
         for slot, prompt in assignments.items():
-            _check_int("assignments: a slot", slot, 0, self.slots - 1)
+            check_int("assignments: a slot", slot, 0, self.slots - 1)
             prompts[slot] = _prompt_array(f"assignments[{slot}]", prompt, config, longest_prompt)
         longest = max(map(len, prompts.values()))
         width = -(-longest // self.prompt_bucket) * self.prompt_bucket
@@ -472,7 +473,7 @@ class Engine:
         num_tokens = _check_num_tokens(num_tokens, config)
         temperature = _check_temperature(temperature)
         stops = _stop_array(_check_stop_tokens(stop_tokens, config))
-        steps = self.steps_per_dispatch if steps is None else _check_int("steps", steps, 1, MAX_INT32)
+        steps = self.steps_per_dispatch if steps is None else check_int("steps", steps, 1, MAX_INT32)
         if not isinstance(waiting, bool | np.bool_):
             raise TypeError(f"waiting: must be a bool, got {waiting!r}")
         return self._decode(self.params, state, stops, np.bool_(waiting), steps, num_tokens, temperature)
@@ -578,31 +579,16 @@ class Engine:
         return Result(outputs, totals["steps"], totals["dispatches"], seconds, mean)
 
 
-def _is_int(value) -> bool:
-    """An integer (Python or numpy), not a bool."""
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
-
-
-def _check_int(name: str, value, low: int, high: int, bound: str = "") -> int:
-    """``value`` as an int: TypeError unless an int (bools refused), ValueError outside [low, high]
-    (``bound`` says what ``high`` is, e.g. " = max_draft")."""
-    if not _is_int(value):
-        raise TypeError(f"{name}: must be an int, got {value!r}")
-    if not low <= value <= high:
-        raise ValueError(f"{name}: must be in [{low}, {high}{bound}], got {value}")
-    return int(value)
-
-
 def _check_seed(seed) -> np.uint32:
     """A PRNG seed, an int in [0, 2**32), as the uint32 the engine's jitted functions take."""
-    return np.uint32(_check_int("seed", seed, 0, MAX_SEED))
+    return np.uint32(check_int("seed", seed, 0, MAX_SEED))
 
 
 def _check_num_tokens(num_tokens, config) -> int | None:
     """N of a speculative step, an int in [2, max_draft], or None (plain steps)."""
     if num_tokens is None:
         return None
-    return _check_int("num_tokens", num_tokens, 2, config.max_draft, " = max_draft")
+    return check_int("num_tokens", num_tokens, 2, config.max_draft, " = max_draft")
 
 
 def _check_max_new_tokens(max_new_tokens, num_tokens, config) -> int:
@@ -610,7 +596,7 @@ def _check_max_new_tokens(max_new_tokens, num_tokens, config) -> int:
     so that a prompt of one token fits. Returns the longest prompt it leaves room for,
     ``max_len - max_new_tokens - N`` (a step writes up to N positions)."""
     n = num_tokens or 1
-    budget = _check_int("max_new_tokens", max_new_tokens, 1, config.max_len - n - 1, " = max_len - N - 1")
+    budget = check_int("max_new_tokens", max_new_tokens, 1, config.max_len - n - 1, " = max_len - N - 1")
     return config.max_len - budget - n
 
 
@@ -633,7 +619,7 @@ def _check_stop_tokens(stop_tokens, config) -> tuple[int, ...]:
     if len(stop_tokens) > MAX_STOP_TOKENS:
         raise ValueError(f"stop_tokens: at most {MAX_STOP_TOKENS} ids, got {len(stop_tokens)}")
     for token in stop_tokens:
-        if not _is_int(token):
+        if not is_int(token):
             raise TypeError(f"stop_tokens: ids must be ints, got {token!r}")
         if not 0 <= token < config.vocab_size:
             raise ValueError(f"stop_tokens: ids must be in [0, {config.vocab_size}), got {token}")
@@ -655,7 +641,7 @@ def _prompt_array(name: str, prompt, config, longest: int) -> np.ndarray:
     elif isinstance(prompt, Sequence) and not isinstance(prompt, str):
         ids = list(prompt)  # bytes as ints
         for token in ids:
-            if not _is_int(token):
+            if not is_int(token):
                 raise TypeError(f"{name}: token ids must be ints, got {token!r}")
     else:
         raise TypeError(f"{name}: must be a sequence of token ids, got {type(prompt).__name__}")

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_oc128 import _native, reference
+from jax_oc128.checks import check_int
 from jax_oc128.rules import BLOCK, MAX_DRAFT
 
 STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -55,14 +56,6 @@ OPERANDS = {
 _native.check_operands(OPERANDS)
 
 
-def _check_int(name, value, low):
-    """``value`` is a Python (or numpy) int, not a bool, and at least ``low``."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name}: must be a Python int (static), got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name}: must be >= {low}, got {value}")
-
-
 def init_state(layers: int, slots: int, head_dim: int, max_draft: int, dtype=jnp.float32) -> jax.Array:
     """A zeroed state ``[layers, 1 + max_draft, slots, 3, head_dim]`` of ``dtype`` (float32 or bfloat16).
 
@@ -74,8 +67,8 @@ def init_state(layers: int, slots: int, head_dim: int, max_draft: int, dtype=jnp
     if dtype not in STATE_DTYPES:
         raise TypeError(f"dtype: must be float32 or bfloat16, got {dtype}")
     for name, value, low in (("layers", layers, 1), ("slots", slots, 1), ("head_dim", head_dim, 1)):
-        _check_int(name, value, low)
-    _check_int("max_draft", max_draft, 0)
+        check_int(name, value, low)
+    check_int("max_draft", max_draft, 0)
     if max_draft > MAX_DRAFT:
         raise ValueError(f"max_draft: at most {MAX_DRAFT}, got {max_draft}")
     if head_dim % 32:
@@ -118,7 +111,7 @@ def _check_array(name, x, shape, dtype):
 
 
 def _check_layers(layer, count, state_layers):
-    _check_int("layer", layer, 0)
+    check_int("layer", layer, 0)
     if count < 1 or layer + count > state_layers:
         raise ValueError(
             f"layer: layers [{layer}, {layer + count}) are not inside the state's {state_layers}"
@@ -321,11 +314,11 @@ def commit(state, seq_lens, accept_lens, slots, *, layer: int = 0, num_layers: i
         state=state, seq_lens=seq_lens, accept_lens=accept_lens, slots=slots
     )
     layers, banks, num_slots, _ = _check_state(state)
-    _check_int("layer", layer, 0)
+    check_int("layer", layer, 0)
     if num_layers is None:
         num_layers = layers - layer
     else:
-        _check_int("num_layers", num_layers, 1)
+        check_int("num_layers", num_layers, 1)
     _check_layers(layer, num_layers, layers)
     rows = seq_lens.shape[0] if seq_lens.ndim == 1 else -1
     if rows < 0:

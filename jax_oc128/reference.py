@@ -71,11 +71,21 @@ def load_state(rows):
     return rows[..., 0, :], rows[..., 1, :], rows[..., 2, :] * rows[..., 1, :]
 
 
+def widen(x):
+    """``x`` (float32 or bfloat16) as float32, exactly, on the bits for bfloat16: XLA on GPUs drops a
+    float32 -> bfloat16 -> float32 round trip by default (``xla_allow_excess_precision``), which would skip
+    the rounding that :func:`store_state` rescales the sum for."""
+    if jnp.dtype(x.dtype) == jnp.float32:
+        return x
+    bits = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def store_state(m, s, num, dtype):
     """float32 ``(m, s, num)`` -> ``[..., 3, D]`` rows of ``dtype``. For bf16 the max is rounded first
     and the sum rescaled to it (where rounding changed it), so that the stored pair stays consistent."""
     mq = m.astype(dtype)
-    rounded = mq.astype(jnp.float32)
+    rounded = widen(mq)
     sq = jnp.where(rounded == m, s, s * jnp.exp(m - rounded))
     return jnp.stack([mq, sq.astype(dtype), mean(num, s).astype(dtype)], axis=-2)
 

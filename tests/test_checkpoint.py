@@ -117,7 +117,10 @@ def test_huge_config_claimed_by_a_small_file_fails_fast(tmp_path, claim):
         ({"max_draft": 0}, r"config: max_draft: must be in \[1, 2\*\*31\)"),
         ({"rms_norm_eps": -1.0}, "config: rms_norm_eps: must be finite and > 0"),
         ({"layer_types": "sliding_attention"}, "config: layer_types: must be a list"),
-        ({"layer_types": [SLIDING, "compressed_sparse_attention"]}, r"config: layer_types\[1\]: must be"),
+        ({"layer_types": [SLIDING, "full_attention"]}, r"config: layer_types\[1\]: must be"),
+        ({"mlp_layer_types": "moe"}, "config: mlp_layer_types: must be a list"),
+        ({"mlp_layer_types": ["moe"]}, "config: mlp_layer_types: must be None or a tuple of 4"),
+        ({"hc_mult": 0}, r"config: hc_mult: must be in \[1, 2\*\*31\)"),
         ({"rope_dim": 15}, "config: rope_dim: must be even"),
     ],
 )

@@ -138,10 +138,14 @@ def test_cache_is_donated_under_jit():
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(new_cache))
 
 
-def test_compressed_sparse_attention_is_not_supported_yet():
-    config = dict(CONFIG, layer_types=["compressed_sparse_attention", "heavily_compressed_attention"])
-    with pytest.raises(NotImplementedError, match="compressed_sparse_attention"):
-        AttentionConfig.from_hf(config, 0)
+def test_unknown_layer_type_and_compress_rate_are_named():
+    with pytest.raises(ValueError, match=r"layer_types\[0\]: unknown layer type 'full_attention'"):
+        AttentionConfig.from_hf(dict(CONFIG, layer_types=["full_attention", "sliding_attention"]), 0)
+    rates = {"compressed_sparse_attention": 8, "heavily_compressed_attention": 128}
+    with pytest.raises(
+        NotImplementedError, match="compress_rates\\['compressed_sparse_attention'\\] must be 4"
+    ):
+        AttentionConfig.from_hf(dict(CONFIG, compress_rates=rates), 1)
 
 
 def test_missing_weight_is_named():

@@ -1,5 +1,7 @@
-"""Flax NNX modules: DeepSeek-V4 attention (:mod:`~jax_oc128.nn.attention`), RoPE
-(:mod:`~jax_oc128.nn.rope`), the decoder with its MTP draft head (:mod:`~jax_oc128.nn.model`)."""
+"""Flax NNX modules: DeepSeek-V4 attention (:mod:`~jax_oc128.nn.attention`) with the CSA compressor and
+indexer (:mod:`~jax_oc128.nn.csa`), RoPE (:mod:`~jax_oc128.nn.rope`), hyper-connections
+(:mod:`~jax_oc128.nn.hyper_connections`), the mixture of experts (:mod:`~jax_oc128.nn.moe`), the decoder
+with its MTP draft head (:mod:`~jax_oc128.nn.model`)."""
 
 from jax_oc128.nn.attention import (
     CSA,
@@ -12,6 +14,8 @@ from jax_oc128.nn.attention import (
     batch_slots,
     prepare_forward,
 )
+from jax_oc128.nn.csa import CSACompressor
+from jax_oc128.nn.hyper_connections import HyperConnection, HyperHead
 from jax_oc128.nn.model import (
     Block,
     DeepseekV4Model,
@@ -20,6 +24,7 @@ from jax_oc128.nn.model import (
     MTPHead,
     SpeculativeModel,
 )
+from jax_oc128.nn.moe import MoE
 from jax_oc128.nn.rope import RopeConfig
 
 __all__ = [
@@ -30,9 +35,13 @@ __all__ = [
     "AttentionCache",
     "AttentionConfig",
     "Block",
+    "CSACompressor",
     "DeepseekV4Attention",
     "DeepseekV4Model",
+    "HyperConnection",
+    "HyperHead",
     "MTPHead",
+    "MoE",
     "ModelCache",
     "ModelConfig",
     "RopeConfig",

@@ -1,14 +1,15 @@
 """Flax NNX DeepSeek-V4 attention with the C128 compressed state threaded through explicitly.
 
 :class:`DeepseekV4Attention` follows Hugging Face transformers' ``DeepseekV4Attention`` (5.24.0) for the
-layer types ``sliding_attention`` and ``heavily_compressed_attention`` (HCA, C128). Compressed sparse
-attention (CSA, C4 with the lightning indexer) is not supported yet. Modules hold parameters only; caches go
-in and come out as pytrees (donate them to the enclosing jit).
+layer types ``sliding_attention``, ``compressed_sparse_attention`` (CSA, ratio 4 with the lightning indexer,
+:mod:`~jax_oc128.nn.csa`) and ``heavily_compressed_attention`` (HCA, C128). Modules hold parameters only;
+caches go in and come out as pytrees (donate them to the enclosing jit).
 
-The C128 compressor state is not the layer's: one layer-stacked state (:class:`~jax_oc128.CompressState`
-or :class:`~jax_oc128.OfflineState`) holds every C128 layer of a model, and each layer writes its own
-``compress_layer`` of it. The controller's once-per-forward transition runs before the layers
-(:func:`prepare_forward`), so a standalone layer is driven like this::
+A CSA layer keeps its compressor's raw rows, entries and indexer keys in its own
+:class:`AttentionCache`. The C128 compressor state is not the layer's: one layer-stacked state
+(:class:`~jax_oc128.CompressState` or :class:`~jax_oc128.OfflineState`) holds every C128 layer of a
+model, and each layer writes its own ``compress_layer`` of it. The controller's once-per-forward transition
+runs before the layers (:func:`prepare_forward`), so a standalone layer is driven like this::
 
     compressed = prepare_forward(attn.backend, compressed, mode, positions, lengths)
     y, cache, compressed = attn(x, positions, cache, compressed, lengths=lengths, mode=mode)
@@ -28,7 +29,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_oc128.controller import ONLINE, Backend, ForwardMode
-from jax_oc128.nn.functional import FULL, linear, normal_param, ones_param, rms_norm
+from jax_oc128.nn import csa
+from jax_oc128.nn.csa import CSACompressor, IndexerConfig
+from jax_oc128.nn.functional import FULL, assign_weights, linear, normal_param, ones_param, rms_norm
 from jax_oc128.nn.rope import RopeConfig
 from jax_oc128.rules import BLOCK, drop_index
 
@@ -50,21 +53,21 @@ class AttentionConfig:
     rms_norm_eps: float
     rope: RopeConfig
     max_position_embeddings: int
+    indexer: IndexerConfig | None = None  # CSA layers
 
     @classmethod
     def from_hf(cls, config: dict, layer_idx: int) -> AttentionConfig:
         """From ``DeepseekV4Config.to_dict()``."""
         layer_type = config["layer_types"][layer_idx]
-        if layer_type == CSA:
-            raise NotImplementedError(
-                "compressed_sparse_attention (C4 with the lightning indexer) is not supported yet; "
-                "jax_oc128 implements sliding_attention and heavily_compressed_attention layers"
-            )
-        if layer_type not in (SLIDING, HCA):
+        if layer_type not in (SLIDING, CSA, HCA):
             raise ValueError(f"layer_types[{layer_idx}]: unknown layer type {layer_type!r}")
-        if config.get("compress_rates", {}).get(HCA, BLOCK) != BLOCK:
-            raise NotImplementedError(f"compress_rates[{HCA!r}] must be {BLOCK}")
+        for kind, rate in ((HCA, BLOCK), (CSA, csa.RATE)):
+            if config.get("compress_rates", {}).get(kind, rate) != rate:
+                raise NotImplementedError(f"compress_rates[{kind!r}] must be {rate}")
         rope_kind = "main" if layer_type == SLIDING else "compress"
+        indexer = None
+        if layer_type == CSA:
+            indexer = IndexerConfig(config["index_n_heads"], config["index_head_dim"], config["index_topk"])
         return cls(
             layer_type=layer_type,
             hidden_size=config["hidden_size"],
@@ -77,7 +80,13 @@ class AttentionConfig:
             rms_norm_eps=config["rms_norm_eps"],
             rope=RopeConfig.from_hf(config["rope_parameters"][rope_kind], config["head_dim"]),
             max_position_embeddings=config["max_position_embeddings"],
+            indexer=indexer,
         )
+
+    @property
+    def compress_rate(self) -> int:
+        """Tokens per compressed entry: 128 (HCA), 4 (CSA), 0 for a sliding layer."""
+        return {SLIDING: 0, CSA: csa.RATE, HCA: BLOCK}[self.layer_type]
 
 
 @jax.tree_util.register_dataclass
@@ -90,13 +99,19 @@ class AttentionCache:
         position p. ``R = sliding_window + max_draft``, so that a verify's rejected drafts never overwrite
         a row that the window still needs.
       window_positions: ``[batch, R]`` int32: the position held by each ring row, -1 for none.
-      entries: ``[batch, max_entries, D]`` float32: normed, rotated compressed entries by block index (HCA;
-        zero-sized for sliding layers).
+      entries: ``[batch, max_entries, D]`` float32: normed, rotated compressed entries by block index (HCA
+        and CSA; zero-sized for sliding layers).
+      index_keys: ``[batch, max_entries, index_head_dim]`` float32: the CSA indexer's keys by window index
+        (zero-sized for other layers).
+      rows: ``[batch, ring, row_width]`` float32: the CSA compressor's raw rows by position
+        (:mod:`~jax_oc128.nn.csa`; zero-sized for other layers).
     """
 
     window: jax.Array
     window_positions: jax.Array
     entries: jax.Array
+    index_keys: jax.Array
+    rows: jax.Array
 
     def clear(self, rows) -> AttentionCache:
         """Empty ``rows`` ([n] int32, -1 ignored) for new sequences."""
@@ -105,6 +120,8 @@ class AttentionCache:
             self.window.at[index].set(0, mode="drop"),
             self.window_positions.at[index].set(-1, mode="drop"),
             self.entries.at[index].set(0, mode="drop"),
+            self.index_keys.at[index].set(0, mode="drop"),
+            self.rows.at[index].set(0, mode="drop"),
         )
 
 
@@ -124,7 +141,7 @@ def prepare_forward(backend: Backend, compressed, mode: ForwardMode, positions, 
     return backend.controller.prepare_forward(compressed, mode, batch_slots(lengths), positions[:, 0])
 
 
-# transformers state-dict name (within the layer's self_attn) -> attribute
+# transformers state-dict name (within the layer's self_attn) -> attribute, for sliding and HCA layers
 HF_WEIGHT_NAMES = {
     "q_a_proj.weight": "q_a_proj",
     "q_a_norm.weight": "q_a_norm",
@@ -142,7 +159,7 @@ HF_WEIGHT_NAMES = {
 
 
 class DeepseekV4Attention(nnx.Module):
-    """DeepSeek-V4 attention (sliding or HCA) with explicit caches.
+    """DeepSeek-V4 attention (sliding, CSA or HCA) with explicit caches.
 
     Args:
       config: the layer's :class:`AttentionConfig`.
@@ -180,6 +197,17 @@ class DeepseekV4Attention(nnx.Module):
             self.compressor_gate_proj = normal_param(rngs, c.head_dim, c.hidden_size)
             self.compressor_ape = nnx.Param(jnp.zeros((BLOCK, c.head_dim), jnp.float32))
             self.compressor_kv_norm = ones_param(c.head_dim)
+        if c.layer_type == CSA:
+            self.compressor = CSACompressor(
+                c.hidden_size, c.head_dim, c.q_lora_rank, c.rms_norm_eps, c.indexer, c.rope, rngs=rngs
+            )
+
+    def hf_weight_paths(self) -> dict[str, tuple[str, ...]]:
+        """transformers state-dict name (within the layer's ``self_attn``) -> attribute path of this layer."""
+        paths = {name: (attr,) for name, attr in HF_WEIGHT_NAMES.items() if hasattr(self, attr)}
+        if self.config.layer_type == CSA:
+            paths |= {name: ("compressor", attr) for name, attr in csa.HF_WEIGHT_NAMES.items()}
+        return paths
 
     @classmethod
     def from_hf(cls, config: dict, layer_idx: int, weights: dict, **kwargs) -> DeepseekV4Attention:
@@ -196,16 +224,7 @@ class DeepseekV4Attention(nnx.Module):
             AttentionConfig.from_hf(config, layer_idx), rngs=kwargs.pop("rngs", nnx.Rngs(0)), **kwargs
         )
         given = {name.split("self_attn.")[-1]: value for name, value in weights.items()}
-        for name, attr in HF_WEIGHT_NAMES.items():
-            if not hasattr(module, attr):
-                continue
-            if name not in given:
-                raise KeyError(f"weights: missing {name!r} for layer {layer_idx}")
-            current = getattr(module, attr)
-            value = jnp.asarray(given[name], jnp.float32)
-            if value.shape != current.shape:
-                raise ValueError(f"weights[{name!r}]: expected shape {current.shape}, got {value.shape}")
-            current[...] = value
+        assign_weights(module, module.hf_weight_paths(), given, f"model.layers.{layer_idx}.self_attn.")
         return module
 
     def init_cache(self, batch: int, max_len: int | None = None) -> AttentionCache:
@@ -214,11 +233,19 @@ class DeepseekV4Attention(nnx.Module):
         c = self.config
         max_len = c.max_position_embeddings if max_len is None else max_len
         rows = c.sliding_window + self.max_draft
+        is_csa = c.layer_type == CSA
+        max_entries = max_len // c.compress_rate if c.compress_rate else 0
+        index_dim = c.indexer.head_dim if is_csa else 0
         return AttentionCache(
             window=jnp.zeros((batch, rows, c.head_dim), jnp.float32),
             window_positions=jnp.full((batch, rows), -1, jnp.int32),
-            entries=jnp.zeros(
-                (batch, max_len // BLOCK if c.layer_type == HCA else 0, c.head_dim), jnp.float32
+            entries=jnp.zeros((batch, max_entries, c.head_dim), jnp.float32),
+            index_keys=jnp.zeros((batch, max_entries if is_csa else 0, index_dim), jnp.float32),
+            rows=jnp.zeros(
+                (batch, csa.ring_rows(self.max_draft), self.compressor.row_width)
+                if is_csa
+                else (batch, 0, 0),
+                jnp.float32,
             ),
         )
 
@@ -273,16 +300,21 @@ class DeepseekV4Attention(nnx.Module):
             keys = jnp.concatenate([keys, cache.entries], axis=1)
             entry = jnp.arange(cache.entries.shape[1])[None, None, :]
             visible = jnp.concatenate([visible, entry < (t + 1) // BLOCK], axis=2)
-
-        logits = jnp.einsum("bthd,bkd->bhtk", q, keys, precision=FULL) * c.head_dim**-0.5
+        scale = c.head_dim**-0.5
+        logits = jnp.einsum("bthd,bkd->bhtk", q, keys, precision=FULL) * scale
         logits = jnp.where(visible[:, None], logits, -jnp.inf)
+        if c.layer_type == CSA:  # the indexer's picks, per query
+            cache, selected, picked = self._compress_sparse(x, q_res, positions, lengths, cache)
+            picked_logits = jnp.einsum("bthd,btkd->bhtk", q, selected, precision=FULL) * scale
+            logits = jnp.concatenate([logits, jnp.where(picked[:, None], picked_logits, -jnp.inf)], axis=-1)
         sink = self.sinks[...][None, :, None]
         top = jnp.maximum(jnp.max(logits, axis=-1), sink)
         weights = jnp.exp(logits - top[..., None])
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + jnp.exp(sink - top)[..., None])
-        out = c.rope.apply(
-            jnp.einsum("bhtk,bkd->bthd", weights, keys, precision=FULL), positions, inverse=True
-        )
+        out = jnp.einsum("bhtk,bkd->bthd", weights[..., : keys.shape[1]], keys, precision=FULL)
+        if c.layer_type == CSA:
+            out += jnp.einsum("bhtk,btkd->bthd", weights[..., keys.shape[1] :], selected, precision=FULL)
+        out = c.rope.apply(out, positions, inverse=True)
 
         grouped = out.reshape(batch, tokens, c.o_groups, -1)
         o_a = self.o_a_proj[...].reshape(c.o_groups, c.o_lora_rank, -1)
@@ -331,6 +363,16 @@ class DeepseekV4Attention(nnx.Module):
         index = jnp.where(blocks >= 0, blocks, cache.entries.shape[1])
         stored = cache.entries.at[jnp.arange(batch)[:, None], index].set(normed, mode="drop")
         return dataclasses.replace(cache, entries=stored), compressed
+
+    def _compress_sparse(self, x, q_res, positions, lengths, cache):
+        """A CSA layer's compressor and indexer (:mod:`~jax_oc128.nn.csa`): fold the new tokens into the
+        cache, then pick each query's entries. Returns ``(cache, selected [batch, T, k, D], picked
+        [batch, T, k] bool)``."""
+        rows, entries, keys = self.compressor.compress(
+            x, positions, lengths, cache.rows, cache.entries, cache.index_keys
+        )
+        selected, picked = self.compressor.select(x, q_res, positions, entries, keys)
+        return dataclasses.replace(cache, rows=rows, entries=entries, index_keys=keys), selected, picked
 
     def commit(self, compressed, seq_lens, accept_lens):
         """Keep ``accept_lens`` ``[batch]`` tokens of the verify at ``seq_lens`` (the eager commit), in every

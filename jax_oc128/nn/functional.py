@@ -1,10 +1,11 @@
-"""The float32 building blocks the modules share: linear layers in transformers' weight layout, RMSNorm and
-parameter initialisation."""
+"""The float32 building blocks the modules share: linear layers in transformers' weight layout, RMSNorm, the
+SwiGLU MLP, parameter initialisation and loading."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 FULL = jax.lax.Precision.HIGHEST  # float32 matmuls stay float32 (on GPUs the default would allow TF32)
@@ -29,3 +30,39 @@ def normal_param(rngs: nnx.Rngs, *shape, scale=None) -> nnx.Param:
 def ones_param(size: int) -> nnx.Param:
     """A float32 ``[size]`` parameter of ones (a norm's weight)."""
     return nnx.Param(jnp.ones((size,), jnp.float32))
+
+
+def swiglu(x, gate, up, down, limit=None):
+    """The SwiGLU MLP ``down(silu(gate(x)) * up(x))`` with ``[out, in]`` weights; with a ``limit`` the gate
+    is clamped from above and the up projection to ``[-limit, limit]`` (transformers' ``swiglu_limit``)."""
+    g, u = linear(x, gate), linear(x, up)
+    if limit is not None:
+        g, u = jnp.minimum(g, limit), jnp.clip(u, -limit, limit)
+    return linear(jax.nn.silu(g) * u, down)
+
+
+def assign_weights(module: nnx.Module, paths: dict, weights: dict, prefix: str = "") -> None:
+    """Set ``module``'s variables from ``weights`` (name -> array), ``paths`` mapping each expected name to
+    the attribute path (a tuple of attribute names and list indices) of its variable. Every expected name
+    must be given with the variable's shape and kind (integer or floating), and no other; each error names
+    the tensor (``prefix`` + name). Everything is checked before the first variable is set."""
+    for problem, names in (
+        ("missing", paths.keys() - weights.keys()),
+        ("unexpected", weights.keys() - paths.keys()),
+    ):
+        if names:
+            error = KeyError if problem == "missing" else ValueError
+            raise error(f"weights: {problem} tensors {sorted(prefix + name for name in names)}")
+    variables = {}
+    for name, path in paths.items():
+        variable = module
+        for step in path:
+            variable = variable[step] if isinstance(step, int) else getattr(variable, step)
+        value, want = np.asarray(weights[name]), variable[...]
+        if value.shape != want.shape:
+            raise ValueError(f"weights[{prefix + name!r}]: expected shape {want.shape}, got {value.shape}")
+        if np.issubdtype(value.dtype, np.integer) != jnp.issubdtype(want.dtype, jnp.integer):
+            raise ValueError(f"weights[{prefix + name!r}]: expected a {want.dtype} tensor, got {value.dtype}")
+        variables[name] = variable, value.astype(want.dtype)
+    for variable, value in variables.values():
+        variable[...] = jnp.asarray(value)

@@ -1,7 +1,12 @@
-"""A small DeepSeek-V4-style decoder and its MTP draft head (Flax NNX), with one compressed state per model.
+"""The DeepSeek-V4 decoder and an MTP draft head (Flax NNX), with one compressed state per model.
 
-:class:`DeepseekV4Model`: embedding, blocks of RMSNorm -> attention -> residual and RMSNorm -> SwiGLU ->
-residual mixing sliding and C128 (HCA) layers, final norm, LM head. Its cache (:class:`ModelCache`) holds a
+:class:`DeepseekV4Model` is transformers' ``DeepseekV4ForCausalLM`` (5.24.0) when its :class:`ModelConfig`
+says so (:meth:`ModelConfig.from_hf`, :meth:`DeepseekV4Model.from_hf`): embedding, blocks of attention
+(sliding, CSA or HCA layers) and a mixture of experts (hash-routed or top-k routed), each sublayer inside
+hyper-connections over ``hc_mult`` residual streams (:mod:`~jax_oc128.nn.hyper_connections`), the
+streams' final collapse, norm and LM head. With the config's defaults (no ``hc_mult``, no
+``mlp_layer_types``) it is the small look-alike the package ships: one residual stream, RMSNorm ->
+attention -> residual and RMSNorm -> SwiGLU -> residual. Its cache (:class:`ModelCache`) holds a
 window/entry cache per layer and one layer-stacked compressor state for all its C128 layers: the
 controller's transition runs once per forward, each C128 layer writes its own layer of the state, and an
 eager commit is one launch for all layers.
@@ -25,7 +30,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_oc128.controller import ONLINE, Backend, ForwardMode
+from jax_oc128.nn import moe
 from jax_oc128.nn.attention import (
+    CSA,
     HCA,
     SLIDING,
     AttentionCache,
@@ -33,13 +40,38 @@ from jax_oc128.nn.attention import (
     DeepseekV4Attention,
     prepare_forward,
 )
-from jax_oc128.nn.functional import linear, normal_param, ones_param, rms_norm
+from jax_oc128.nn.csa import IndexerConfig
+from jax_oc128.nn.functional import assign_weights, linear, normal_param, ones_param, rms_norm, swiglu
+from jax_oc128.nn.hyper_connections import HyperConnection, HyperHead
+from jax_oc128.nn.moe import HASH_MOE, MOE, MoE, MoEConfig
 from jax_oc128.nn.rope import RopeConfig
 from jax_oc128.rules import MAX_DRAFT
+
+#: the fields of the full DeepSeek-V4 layout, whose defaults give the look-alike (a checkpoint written before
+#: they existed has those defaults)
+V4_FIELDS = (
+    "mlp_layer_types",
+    "num_experts",
+    "num_experts_per_tok",
+    "routed_scaling_factor",
+    "swiglu_limit",
+    "hc_mult",
+    "hc_sinkhorn_iters",
+    "hc_eps",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
+    "compress_rope_factor",
+    "compress_rope_original_max_position_embeddings",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+    """The decoder's static configuration (transformers' ``DeepseekV4Config`` fields, by
+    :meth:`from_hf`). ``mlp_hidden`` is the dense MLP's width, or ``moe_intermediate_size`` (each
+    expert's and the shared expert's) with ``mlp_layer_types``."""
+
     vocab_size: int = 256
     hidden_size: int = 128
     layer_types: tuple[str, ...] = (SLIDING, HCA, SLIDING, HCA)
@@ -56,6 +88,19 @@ class ModelConfig:
     compress_rope_theta: float = 160000.0
     max_len: int = 4096
     max_draft: int = 8  # most tokens per verify (banks of the online C128 state)
+    mlp_layer_types: tuple[str, ...] | None = None  # moe / hash_moe per layer; None: a dense SwiGLU MLP
+    num_experts: int = 4  # n_routed_experts
+    num_experts_per_tok: int = 2
+    routed_scaling_factor: float = 1.5
+    swiglu_limit: float = 10.0  # MoE layers only
+    hc_mult: int | None = None  # residual streams of the hyper-connections; None: one plain residual
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    index_n_heads: int = 16  # CSA layers' lightning indexer
+    index_head_dim: int = 32
+    index_topk: int = 16
+    compress_rope_factor: float | None = None  # YaRN on the compress RoPE (CSA and HCA layers)
+    compress_rope_original_max_position_embeddings: int | None = None
 
     def __post_init__(self):
         """Every field checked (a config read from a file is checked before any parameter is built): ints
@@ -63,12 +108,15 @@ class ModelConfig:
         supported layer types, and the shapes' constraints."""
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.type == "int":
+            kind = field.type.removesuffix(" | None")
+            if value is None and kind != field.type:
+                continue
+            if kind == "int":
                 if not isinstance(value, int) or isinstance(value, bool):
                     raise TypeError(f"{field.name}: must be an int, got {value!r}")
                 if not 1 <= value < 2**31:
                     raise ValueError(f"{field.name}: must be in [1, 2**31), got {value}")
-            elif field.type == "float":
+            elif kind == "float":
                 if not isinstance(value, int | float) or isinstance(value, bool):
                     raise TypeError(f"{field.name}: must be a number, got {value!r}")
                 if not 0 < value < math.inf:
@@ -76,10 +124,42 @@ class ModelConfig:
         if not isinstance(self.layer_types, tuple) or not self.layer_types:
             raise TypeError(f"layer_types: must be a non-empty tuple, got {self.layer_types!r}")
         for i, layer_type in enumerate(self.layer_types):
-            if layer_type not in (SLIDING, HCA):
-                raise ValueError(f"layer_types[{i}]: must be {SLIDING!r} or {HCA!r}, got {layer_type!r}")
+            if layer_type not in (SLIDING, CSA, HCA):
+                raise ValueError(
+                    f"layer_types[{i}]: must be {SLIDING!r}, {CSA!r} or {HCA!r}, got {layer_type!r}"
+                )
+        if self.mlp_layer_types is not None:
+            if not isinstance(self.mlp_layer_types, tuple) or len(self.mlp_layer_types) != len(
+                self.layer_types
+            ):
+                raise TypeError(
+                    f"mlp_layer_types: must be None or a tuple of {len(self.layer_types)} (one per layer), "
+                    f"got {self.mlp_layer_types!r}"
+                )
+            for i, mlp_type in enumerate(self.mlp_layer_types):
+                if mlp_type not in (MOE, HASH_MOE):
+                    raise ValueError(
+                        f"mlp_layer_types[{i}]: must be {MOE!r} or {HASH_MOE!r}, got {mlp_type!r}"
+                    )
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok: at most num_experts ({self.num_experts}), "
+                f"got {self.num_experts_per_tok}"
+            )
+        if (self.compress_rope_factor is None) != (
+            self.compress_rope_original_max_position_embeddings is None
+        ):
+            raise ValueError(
+                "compress_rope_factor: YaRN needs it and compress_rope_original_max_position_embeddings, got "
+                f"{self.compress_rope_factor!r} and {self.compress_rope_original_max_position_embeddings!r}"
+            )
         if self.rope_dim % 2 or self.rope_dim > self.head_dim:
             raise ValueError(f"rope_dim: must be even and <= head_dim ({self.head_dim}), got {self.rope_dim}")
+        if CSA in self.layer_types and self.rope_dim > self.index_head_dim:
+            raise ValueError(
+                f"rope_dim: must be <= index_head_dim ({self.index_head_dim}) with CSA layers, "
+                f"got {self.rope_dim}"
+            )
         if self.num_heads * self.head_dim % self.o_groups:
             raise ValueError(
                 f"o_groups: must divide num_heads * head_dim ({self.num_heads * self.head_dim}), "
@@ -95,8 +175,25 @@ class ModelConfig:
         """The number of C128 (HCA) layers: the layers of the model's compressor state."""
         return self.layer_types.count(HCA)
 
+    @property
+    def hyper_connections(self) -> bool:
+        """Whether the residual is ``hc_mult`` streams inside hyper-connections (else one plain residual)."""
+        return self.hc_mult is not None
+
     def attention(self, layer_type: str) -> AttentionConfig:
-        theta = self.rope_theta if layer_type == SLIDING else self.compress_rope_theta
+        """The :class:`~jax_oc128.nn.AttentionConfig` of a layer of ``layer_type``."""
+        if layer_type == SLIDING:
+            rope = RopeConfig(self.rope_dim, self.rope_theta)
+        else:  # YaRN's attention factor is 1 here, as transformers forces it for V4
+            rope = RopeConfig(
+                self.rope_dim,
+                self.compress_rope_theta,
+                self.compress_rope_factor,
+                self.compress_rope_original_max_position_embeddings,
+            )
+        indexer = None
+        if layer_type == CSA:
+            indexer = IndexerConfig(self.index_n_heads, self.index_head_dim, self.index_topk)
         return AttentionConfig(
             layer_type=layer_type,
             hidden_size=self.hidden_size,
@@ -107,9 +204,103 @@ class ModelConfig:
             o_lora_rank=self.o_lora_rank,
             sliding_window=self.sliding_window,
             rms_norm_eps=self.rms_norm_eps,
-            rope=RopeConfig(self.rope_dim, theta),
+            rope=rope,
             max_position_embeddings=self.max_len,
+            indexer=indexer,
         )
+
+    def moe(self, layer: int) -> MoEConfig | None:
+        """The :class:`~jax_oc128.nn.moe.MoEConfig` of ``layer``'s MLP, None for the dense MLP."""
+        if self.mlp_layer_types is None:
+            return None
+        return MoEConfig(
+            hash_routed=self.mlp_layer_types[layer] == HASH_MOE,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.mlp_hidden,
+            num_experts=self.num_experts,
+            num_experts_per_tok=self.num_experts_per_tok,
+            routed_scaling_factor=self.routed_scaling_factor,
+            swiglu_limit=self.swiglu_limit,
+            vocab_size=self.vocab_size,
+        )
+
+    @classmethod
+    def from_hf(cls, config: dict, *, max_len: int | None = None, max_draft: int = 8) -> ModelConfig:
+        """From ``DeepseekV4Config.to_dict()`` (a Hugging Face ``config.json``); ``max_len`` (default
+        ``max_position_embeddings``) bounds the sequences the caches hold. Raises ValueError naming a
+        missing field, NotImplementedError for what transformers allows and this model does not have."""
+        missing = sorted(HF_FIELDS - config.keys())
+        if missing:
+            raise ValueError(f"config: missing fields {missing}")
+        for name, want in HF_FIXED.items():
+            if config.get(name, want) != want:
+                raise NotImplementedError(f"config: {name} must be {want!r}, got {config[name]!r}")
+        main, compress = config["rope_parameters"]["main"], config["rope_parameters"]["compress"]
+        head_dim = config["head_dim"]
+        rope_dim = RopeConfig.from_hf(main, head_dim).dim
+        main_rope = RopeConfig(rope_dim, float(config["rope_theta"]))
+        compress_rope = RopeConfig.from_hf(compress, head_dim)
+        if RopeConfig.from_hf(main, head_dim) != main_rope or compress_rope.dim != rope_dim:
+            raise NotImplementedError(f"config: rope_parameters: unsupported {config['rope_parameters']!r}")
+        model_config = cls(
+            **{ours: config[theirs] for ours, theirs in HF_NAMES.items()},
+            layer_types=tuple(config["layer_types"]),
+            mlp_layer_types=tuple(config["mlp_layer_types"]),
+            rope_dim=rope_dim,
+            compress_rope_theta=compress_rope.theta,
+            compress_rope_factor=compress_rope.factor,
+            compress_rope_original_max_position_embeddings=compress_rope.original_max_position_embeddings,
+            max_len=config["max_position_embeddings"] if max_len is None else max_len,
+            max_draft=max_draft,
+        )
+        if model_config.attention(HCA).rope != compress_rope:
+            raise NotImplementedError(f"config: rope_parameters['compress']: unsupported {compress!r}")
+        return model_config
+
+
+#: ModelConfig field -> the transformers config field it is (the others :meth:`ModelConfig.from_hf` derives)
+HF_NAMES = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "num_heads": "num_attention_heads",
+    "head_dim": "head_dim",
+    "q_lora_rank": "q_lora_rank",
+    "o_groups": "o_groups",
+    "o_lora_rank": "o_lora_rank",
+    "sliding_window": "sliding_window",
+    "mlp_hidden": "moe_intermediate_size",
+    "rms_norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
+    "num_experts": "n_routed_experts",
+    "num_experts_per_tok": "num_experts_per_tok",
+    "routed_scaling_factor": "routed_scaling_factor",
+    "swiglu_limit": "swiglu_limit",
+    "hc_mult": "hc_mult",
+    "hc_sinkhorn_iters": "hc_sinkhorn_iters",
+    "hc_eps": "hc_eps",
+    "index_n_heads": "index_n_heads",
+    "index_head_dim": "index_head_dim",
+    "index_topk": "index_topk",
+}
+#: the transformers config fields :meth:`ModelConfig.from_hf` reads
+HF_FIELDS = frozenset(HF_NAMES.values()) | {
+    "layer_types",
+    "mlp_layer_types",
+    "rope_parameters",
+    "max_position_embeddings",
+}
+#: transformers config fields whose other values this model does not implement (absent: the default)
+HF_FIXED = {
+    "num_key_value_heads": 1,
+    "n_shared_experts": 1,
+    "scoring_func": "sqrtsoftplus",
+    "norm_topk_prob": True,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "compress_rates": {CSA: 4, HCA: 128},
+}
 
 
 @jax.tree_util.register_dataclass
@@ -136,39 +327,92 @@ class ModelCache:
 
 
 class Block(nnx.Module):
-    """RMSNorm -> attention -> residual, RMSNorm -> SwiGLU MLP -> residual."""
+    """One decoder layer of ``config``: RMSNorm -> attention, RMSNorm -> MLP (dense SwiGLU or MoE), each
+    added to the residual, or with ``hc_mult`` inside its hyper-connection over the residual streams.
+
+    Args:
+      config: the model's config; layer: the layer's index in it.
+      backend: the C128 compressor backend; compress_layer: the layer's index among the HCA layers.
+    """
 
     def __init__(
-        self, config: ModelConfig, layer_type: str, backend: Backend, compress_layer: int, *, rngs: nnx.Rngs
+        self, config: ModelConfig, layer: int, backend: Backend, compress_layer: int, *, rngs: nnx.Rngs
     ):
         self.eps = config.rms_norm_eps
         self.attn_norm = ones_param(config.hidden_size)
         self.attn = DeepseekV4Attention(
-            config.attention(layer_type),
+            config.attention(config.layer_types[layer]),
             backend=backend,
             max_draft=config.max_draft,
             compress_layer=compress_layer,
             rngs=rngs,
         )
         self.mlp_norm = ones_param(config.hidden_size)
-        self.gate = normal_param(rngs, config.mlp_hidden, config.hidden_size)
-        self.up = normal_param(rngs, config.mlp_hidden, config.hidden_size)
-        self.down = normal_param(rngs, config.hidden_size, config.mlp_hidden)
+        moe_config = config.moe(layer)
+        if moe_config is None:
+            self.gate = normal_param(rngs, config.mlp_hidden, config.hidden_size)
+            self.up = normal_param(rngs, config.mlp_hidden, config.hidden_size)
+            self.down = normal_param(rngs, config.hidden_size, config.mlp_hidden)
+        else:
+            self.moe = MoE(moe_config, rngs=rngs)
+        if config.hyper_connections:
+            hc = (config.hc_mult, config.hidden_size, config.hc_sinkhorn_iters, config.hc_eps, self.eps)
+            self.attn_hc = HyperConnection(*hc, rngs=rngs)
+            self.ffn_hc = HyperConnection(*hc, rngs=rngs)
 
-    def __call__(self, h, positions, cache, compressed, lengths, mode):
-        """``h`` ``[batch, T, hidden]`` -> ``(h, cache, compressed)``."""
-        y, cache, compressed = self.attn(
-            rms_norm(h, self.attn_norm[...], self.eps),
-            positions,
-            cache,
-            compressed,
-            lengths=lengths,
-            mode=mode,
-        )
-        h = h + y
+    def __call__(self, h, tokens, positions, cache, compressed, lengths, mode):
+        """``h`` the residual ``[batch, T, hidden]`` (or the streams ``[batch, T, hc_mult, hidden]``) of
+        ``tokens`` ``[batch, T]`` -> ``(h, cache, compressed)``."""
+
+        def attention(x):
+            nonlocal cache, compressed
+            y, cache, compressed = self.attn(
+                rms_norm(x, self.attn_norm[...], self.eps),
+                positions,
+                cache,
+                compressed,
+                lengths=lengths,
+                mode=mode,
+            )
+            return y
+
+        h = self._residual(getattr(self, "attn_hc", None), h, attention)
+        h = self._residual(getattr(self, "ffn_hc", None), h, lambda x: self._mlp(x, tokens))
+        return h, cache, compressed
+
+    @staticmethod
+    def _residual(hc, h, sublayer):
+        """``h + sublayer(h)``, or with a hyper-connection ``hc`` its collapse, sublayer and expansion."""
+        if hc is None:
+            return h + sublayer(h)
+        post, comb, collapsed = hc(h)
+        return hc.expand(post, comb, sublayer(collapsed), h)
+
+    def _mlp(self, h, tokens):
         x = rms_norm(h, self.mlp_norm[...], self.eps)
-        mlp = linear(jax.nn.silu(linear(x, self.gate[...])) * linear(x, self.up[...]), self.down[...])
-        return h + mlp, cache, compressed
+        if hasattr(self, "moe"):
+            return self.moe(x, tokens)
+        return swiglu(x, self.gate[...], self.up[...], self.down[...])
+
+    def hf_weight_paths(self) -> dict[str, tuple]:
+        """transformers state-dict name (within ``model.layers.{i}.``) -> attribute path of this block."""
+        paths = {"input_layernorm.weight": ("attn_norm",), "post_attention_layernorm.weight": ("mlp_norm",)}
+        paths |= {f"self_attn.{name}": ("attn", *path) for name, path in self.attn.hf_weight_paths().items()}
+        if hasattr(self, "moe"):
+            paths |= {
+                f"mlp.{name}": ("moe", attr)
+                for name, attr in moe.HF_WEIGHT_NAMES.items()
+                if hasattr(self.moe, attr)
+            }
+        else:
+            raise NotImplementedError(
+                "a dense MLP layer has no transformers counterpart (DeepSeek-V4 layers are MoE)"
+            )
+        if hasattr(self, "attn_hc"):
+            paths |= {
+                f"{hc}.{name}": (hc, name) for hc in ("attn_hc", "ffn_hc") for name in ("fn", "base", "scale")
+            }
+        return paths
 
 
 def output_logits(hidden, norm, lm_head, eps):
@@ -184,13 +428,55 @@ class DeepseekV4Model(nnx.Module):
         self.embed = normal_param(rngs, config.vocab_size, config.hidden_size, scale=0.5)
         compress_layers = [config.layer_types[:i].count(HCA) for i in range(len(config.layer_types))]
         self.blocks = nnx.List(
-            [
-                Block(config, kind, backend, index, rngs=rngs)
-                for kind, index in zip(config.layer_types, compress_layers, strict=True)
-            ]
+            [Block(config, layer, backend, index, rngs=rngs) for layer, index in enumerate(compress_layers)]
         )
+        if config.hyper_connections:
+            self.hc_head = HyperHead(
+                config.hc_mult, config.hidden_size, config.hc_eps, config.rms_norm_eps, rngs=rngs
+            )
         self.norm = ones_param(config.hidden_size)
         self.lm_head = normal_param(rngs, config.vocab_size, config.hidden_size)
+
+    @classmethod
+    def from_hf(cls, config: dict, weights: dict, *, backend: Backend = ONLINE, **kwargs) -> DeepseekV4Model:
+        """The model of a transformers ``DeepseekV4ForCausalLM``: its ``config`` (``to_dict()``) and its
+        ``weights``, the full state dict (name -> numpy array; ``mtp.*`` tensors, which transformers drops,
+        are not expected). Every tensor is checked (missing, unexpected, shape, integer or floating) before
+        any is set, each error naming it; ``kwargs``: ``max_len``, ``max_draft`` of
+        :meth:`ModelConfig.from_hf`."""
+        model_config = ModelConfig.from_hf(config, **kwargs)
+        model = nnx.eval_shape(lambda: cls(model_config, backend=backend, rngs=nnx.Rngs(0)))
+        paths = model.hf_weight_paths()
+        graphdef, abstract = nnx.split(model)
+        model = nnx.merge(graphdef, jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), abstract))
+        assign_weights(model, paths, weights)
+        for i, block in enumerate(model.blocks):
+            table = getattr(getattr(block, "moe", None), "tid2eid", None)
+            experts = model_config.num_experts
+            if table is not None and not ((table[...] >= 0) & (table[...] < experts)).all():
+                name = f"model.layers.{i}.mlp.gate.tid2eid"
+                raise ValueError(f"weights[{name!r}]: expert ids must be in [0, {experts})")
+        return model
+
+    def hf_weight_paths(self) -> dict[str, tuple]:
+        """transformers state-dict name -> attribute path of this model (its config must have MoE layers and
+        hyper-connections, as every DeepSeek-V4 has)."""
+        if not hasattr(self, "hc_head"):
+            raise NotImplementedError("a model without hyper-connections has no transformers counterpart")
+        paths = {
+            "model.embed_tokens.weight": ("embed",),
+            "lm_head.weight": ("lm_head",),
+            "model.norm.weight": ("norm",),
+            "model.hc_head.hc_fn": ("hc_head", "fn"),
+            "model.hc_head.hc_base": ("hc_head", "base"),
+            "model.hc_head.hc_scale": ("hc_head", "scale"),
+        }
+        for i, block in enumerate(self.blocks):
+            paths |= {
+                f"model.layers.{i}.{name}": ("blocks", i, *path)
+                for name, path in block.hf_weight_paths().items()
+            }
+        return paths
 
     def init_cache(self, batch: int) -> ModelCache:
         """An empty cache for ``batch`` rows (slots)."""
@@ -208,15 +494,19 @@ class DeepseekV4Model(nnx.Module):
         """A forward of ``mode`` (static :class:`~jax_oc128.controller.ForwardMode`: EXTEND or DECODE fold
         the tokens into the caches; TARGET_VERIFY writes a verify's banks, kept by :meth:`commit` or
         committed lazily by the rows' next forward). Returns ``(logits [batch, T, vocab], hidden
-        [batch, T, hidden], cache)``; ``hidden`` is the last block's output (before the final norm), what
-        the MTP head takes."""
+        [batch, T, hidden], cache)``; ``hidden`` is the last block's output (with hyper-connections, the
+        streams' final collapse) before the final norm, what the MTP head takes."""
         lengths = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32) if lengths is None else lengths
         compressed = prepare_forward(self.backend, cache.compressed, mode, positions, lengths)
         h = self.embed[...][tokens]
+        if self.config.hyper_connections:
+            h = jnp.broadcast_to(h[..., None, :], (*h.shape[:-1], self.config.hc_mult, h.shape[-1]))
         layers = []
         for block, layer in zip(self.blocks, cache.layers, strict=True):
-            h, layer, compressed = block(h, positions, layer, compressed, lengths, mode)
+            h, layer, compressed = block(h, tokens, positions, layer, compressed, lengths, mode)
             layers.append(layer)
+        if self.config.hyper_connections:
+            h = self.hc_head(h)
         return self.logits(h), h, ModelCache(tuple(layers), compressed)
 
     def commit(self, cache: ModelCache, seq_lens, accept_lens) -> ModelCache:
@@ -244,7 +534,14 @@ class MTPHead(nnx.Module):
         self.embed_norm = ones_param(config.hidden_size)
         self.hidden_norm = ones_param(config.hidden_size)
         self.proj = normal_param(rngs, config.hidden_size, 2 * config.hidden_size)
-        self.block = Block(config, SLIDING, ONLINE, 0, rngs=rngs)
+        # one sliding layer with a dense MLP and one residual stream, whatever the target's layout
+        self.block = Block(
+            dataclasses.replace(config, layer_types=(SLIDING,), mlp_layer_types=None, hc_mult=None),
+            0,
+            ONLINE,
+            0,
+            rngs=rngs,
+        )
 
     def init_cache(self, batch: int) -> AttentionCache:
         return self.block.attn.init_cache(batch)
@@ -257,14 +554,29 @@ class MTPHead(nnx.Module):
         h = linear(
             jnp.concatenate([e, rms_norm(hidden, self.hidden_norm[...], self.eps)], axis=-1), self.proj[...]
         )
-        h, cache, _ = self.block(h, positions, cache, None, lengths, ForwardMode.DRAFT_EXTEND)
+        h, cache, _ = self.block(h, tokens, positions, cache, None, lengths, ForwardMode.DRAFT_EXTEND)
         return output_logits(h, self.norm[...], self.lm_head[...], self.eps), h, cache
 
 
 class SpeculativeModel(nnx.Module):
     """The target and its MTP head, as one module (one checkpoint)."""
 
-    def __init__(self, config: ModelConfig, *, backend: Backend = ONLINE, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        backend: Backend = ONLINE,
+        rngs: nnx.Rngs,
+        target: DeepseekV4Model | None = None,
+    ):
         self.config = config
-        self.target = DeepseekV4Model(config, backend=backend, rngs=rngs)
+        self.target = DeepseekV4Model(config, backend=backend, rngs=rngs) if target is None else target
         self.mtp = MTPHead(config, self.target.embed, self.target.norm, self.target.lm_head, rngs=rngs)
+
+    @classmethod
+    def from_hf(cls, config: dict, weights: dict, *, rngs: nnx.Rngs, **kwargs) -> SpeculativeModel:
+        """The target of :meth:`DeepseekV4Model.from_hf` (``kwargs``: its keyword arguments) with a new MTP
+        head drawn from ``rngs`` (transformers has no MTP layers; the head is this package's draft head, a
+        placeholder until DeepSeek's MTP layers load)."""
+        target = DeepseekV4Model.from_hf(config, weights, **kwargs)
+        return cls(target.config, backend=target.backend, rngs=rngs, target=target)

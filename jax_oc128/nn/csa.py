@@ -1,0 +1,175 @@
+"""The compressor and lightning indexer of DeepSeek-V4's compressed sparse attention (CSA, ratio 4), as
+transformers' ``DeepseekV4CSACompressor`` and ``DeepseekV4Indexer`` (5.24.0) define them.
+
+Every token projects a value ``kv`` and a gate of width ``2 * dim`` for the attention's entries (dim =
+``head_dim``) and for the indexer's keys (dim = ``index_head_dim``): half A (the first ``dim`` channels)
+feeds the next window's entry, half B the token's own window's. Entry w pools 8 slots per channel, the A
+halves of tokens ``4w - 4 .. 4w - 1`` and the B halves of tokens ``4w .. 4w + 3``, by the softmax of gate +
+``ape[j]``; then its RMSNorm and RoPE at position ``4w``. It exists once token ``4w + 3`` has been seen and
+is visible to the queries at ``t >= 4w + 3``. The indexer scores each query against the visible keys,
+``Σ_h (x·W_wᵀ)_h nI^-½ ReLU(q_h · K_w) dI^-½``, and the attention sees the top ``index_topk`` entries.
+
+State: the raw projected rows (``[kv | gate]``, no ape) of the last ``2 * RATE + max_draft`` positions per
+row, in a ring addressed by position (``p % ring``), and the entries and indexer keys by window index. As in
+:class:`~jax_oc128.OfflineState`, a verify's rejected drafts need no rollback: their rows and entries are
+rewritten by the positions that replace them before any query may read them. Everything is float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_oc128.nn.functional import FULL, linear, normal_param, ones_param, rms_norm
+from jax_oc128.reference import pool
+
+#: tokens per CSA window (transformers' ``compress_rates["compressed_sparse_attention"]``)
+RATE = 4
+#: raw rows an entry reads before the window it closes: the previous window's A halves and its own
+LOOKBACK = 2 * RATE
+
+
+def ring_rows(max_draft: int) -> int:
+    """Rows of the raw ring: a call reads positions down to ``seq_len - (LOOKBACK - 1)`` that the previous
+    call (at most ``max_draft`` tokens past ``seq_len - 1``) must not have overwritten."""
+    return LOOKBACK + max_draft
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerConfig:
+    """The lightning indexer's static configuration."""
+
+    num_heads: int  # index_n_heads
+    head_dim: int  # index_head_dim
+    topk: int  # index_topk
+
+
+class CSACompressor(nnx.Module):
+    """The CSA compressor and indexer parameters of one attention layer (transformers' names in
+    :data:`HF_WEIGHT_NAMES`).
+
+    Args:
+      hidden_size, head_dim, q_lora_rank, rms_norm_eps: the attention layer's.
+      indexer: the :class:`IndexerConfig`.
+      rope: the layer's (compress) :class:`~jax_oc128.nn.RopeConfig`, for entries, keys and indexer queries.
+    """
+
+    def __init__(
+        self, hidden_size, head_dim, q_lora_rank, rms_norm_eps, indexer: IndexerConfig, rope, *, rngs
+    ):
+        self.head_dim, self.eps, self.indexer, self.rope = head_dim, rms_norm_eps, indexer, rope
+        index_dim = indexer.head_dim
+        self.kv_proj = normal_param(rngs, 2 * head_dim, hidden_size)
+        self.gate_proj = normal_param(rngs, 2 * head_dim, hidden_size)
+        self.ape = nnx.Param(jnp.zeros((RATE, 2 * head_dim), jnp.float32))
+        self.kv_norm = ones_param(head_dim)
+        self.indexer_kv_proj = normal_param(rngs, 2 * index_dim, hidden_size)
+        self.indexer_gate_proj = normal_param(rngs, 2 * index_dim, hidden_size)
+        self.indexer_ape = nnx.Param(jnp.zeros((RATE, 2 * index_dim), jnp.float32))
+        self.indexer_kv_norm = ones_param(index_dim)
+        self.indexer_q_b_proj = normal_param(rngs, indexer.num_heads * index_dim, q_lora_rank)
+        self.indexer_weights_proj = normal_param(rngs, indexer.num_heads, hidden_size)
+
+    @property
+    def row_width(self) -> int:
+        """Channels of a raw ring row: ``[kv | gate]``, each ``[A | B]`` of ``head_dim + index_head_dim``."""
+        return 4 * (self.head_dim + self.indexer.head_dim)
+
+    def _by_half(self, main, index):
+        """``[A | B]`` along the last axis, each half the attention's then the indexer's channels."""
+        d, di = self.head_dim, self.indexer.head_dim
+        return jnp.concatenate([main[..., :d], index[..., :di], main[..., d:], index[..., di:]], axis=-1)
+
+    def _rows(self, x):
+        """The raw rows ``[batch, T, row_width]`` of ``x`` ``[batch, T, hidden]``."""
+        kv = self._by_half(linear(x, self.kv_proj[...]), linear(x, self.indexer_kv_proj[...]))
+        gate = self._by_half(linear(x, self.gate_proj[...]), linear(x, self.indexer_gate_proj[...]))
+        return jnp.concatenate([kv, gate], axis=-1)
+
+    def compress(self, x, positions, lengths, rows, entries, keys):
+        """Fold the new tokens into the state: pool every window they close, then write their raw rows.
+
+        Args:
+          x: ``[batch, T, hidden]``; positions: ``[batch, T]`` int32, consecutive; lengths: ``[batch]``.
+          rows: ``[batch, ring, row_width]``; entries: ``[batch, E, head_dim]``; keys: ``[batch, E,
+            index_head_dim]``, by window index.
+
+        Returns:
+          ``(rows, entries, keys)`` updated.
+        """
+        batch, tokens, _ = x.shape
+        ring, width = rows.shape[1], self.row_width
+        new = self._rows(x)
+        seq_lens = positions[:, 0]
+        windows = seq_lens[:, None] // RATE + jnp.arange((tokens + RATE - 1) // RATE + 1)  # [batch, W]
+        closed = (windows + 1) * RATE <= (seq_lens + lengths)[:, None]
+        # the 8 slots of each window: previous window's tokens (A halves), then its own (B halves)
+        slot_pos = windows[..., None] * RATE + jnp.arange(-RATE, RATE)  # [batch, W, 8]
+        is_new = slot_pos >= seq_lens[:, None, None]
+        from_new = jnp.take_along_axis(
+            new, jnp.clip(slot_pos - seq_lens[:, None, None], 0, tokens - 1).reshape(batch, -1, 1), axis=1
+        )
+        from_ring = jnp.take_along_axis(rows, (slot_pos % ring).reshape(batch, -1, 1), axis=1)
+        slot_rows = jnp.where(
+            is_new[..., None],
+            from_new.reshape(*slot_pos.shape, width),
+            from_ring.reshape(*slot_pos.shape, width),
+        )
+        half = width // 4
+        is_b = jnp.arange(LOOKBACK) >= RATE  # [8]
+        kv = jnp.where(is_b[:, None], slot_rows[..., half : 2 * half], slot_rows[..., :half])
+        gate = jnp.where(is_b[:, None], slot_rows[..., 3 * half :], slot_rows[..., 2 * half : 3 * half])
+        ape = self._by_half(self.ape[...], self.indexer_ape[...])  # [4, 2 * half]
+        ape = jnp.where(is_b[:, None], jnp.tile(ape[:, half:], (2, 1)), jnp.tile(ape[:, :half], (2, 1)))
+        gate = jnp.where((slot_pos >= 0)[..., None], gate + ape, -jnp.inf)
+        _, _, pooled = pool(gate, kv, axis=2)  # [batch, W, half]
+
+        start = windows * RATE
+        main = self.rope.apply(rms_norm(pooled[..., : self.head_dim], self.kv_norm[...], self.eps), start)
+        index = self.rope.apply(
+            rms_norm(pooled[..., self.head_dim :], self.indexer_kv_norm[...], self.eps), start
+        )
+        at = (jnp.arange(batch)[:, None], jnp.where(closed, windows, entries.shape[1]))
+        entries = entries.at[at].set(main, mode="drop")
+        keys = keys.at[at].set(index, mode="drop")
+
+        t = jnp.arange(tokens)[None]
+        write = (t < lengths[:, None]) & (t >= lengths[:, None] - ring)
+        rows = rows.at[jnp.arange(batch)[:, None], jnp.where(write, positions % ring, ring)].set(
+            new, mode="drop"
+        )
+        return rows, entries, keys
+
+    def select(self, x, q_res, positions, entries, keys):
+        """The indexer's picks: ``(selected [batch, T, k, head_dim], valid [batch, T, k] bool)``, the top
+        ``k = min(index_topk, E)`` entries each query may see (``valid`` False for picks past the visible
+        ones, where fewer than k are visible)."""
+        c = self.indexer
+        batch, tokens, _ = x.shape
+        q = linear(q_res, self.indexer_q_b_proj[...]).reshape(batch, tokens, c.num_heads, c.head_dim)
+        q = self.rope.apply(q, positions)
+        relu = jax.nn.relu(jnp.einsum("bthi,bei->bthe", q, keys, precision=FULL)) * c.head_dim**-0.5
+        head_weights = linear(x, self.indexer_weights_proj[...]) * c.num_heads**-0.5
+        scores = jnp.einsum("bth,bthe->bte", head_weights, relu, precision=FULL)
+        visible = jnp.arange(keys.shape[1]) < ((positions + 1) // RATE)[..., None]
+        top, picks = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), min(c.topk, keys.shape[1]))
+        selected = entries[jnp.arange(batch)[:, None, None], picks]
+        return selected, top > -jnp.inf
+
+
+# transformers state-dict name (within the layer's self_attn) -> attribute of the CSA compressor
+HF_WEIGHT_NAMES = {
+    "compressor.kv_proj.weight": "kv_proj",
+    "compressor.gate_proj.weight": "gate_proj",
+    "compressor.position_bias": "ape",
+    "compressor.kv_norm.weight": "kv_norm",
+    "compressor.indexer.kv_proj.weight": "indexer_kv_proj",
+    "compressor.indexer.gate_proj.weight": "indexer_gate_proj",
+    "compressor.indexer.position_bias": "indexer_ape",
+    "compressor.indexer.kv_norm.weight": "indexer_kv_norm",
+    "compressor.indexer.q_b_proj.weight": "indexer_q_b_proj",
+    "compressor.indexer.scorer.weights_proj.weight": "indexer_weights_proj",
+}
