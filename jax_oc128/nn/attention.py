@@ -17,7 +17,8 @@ runs before the layers (:func:`prepare_forward`), so a standalone layer is drive
 
 Shapes: ``x`` ``[batch, T, hidden]`` float32 (the layer input after its input norm), ``positions``
 ``[batch, T]`` int32, consecutive per row, ``lengths`` ``[batch]`` int32. Batch row b is slot b of the
-compressed state. Everything is computed in float32.
+compressed state. Activations and caches are float32; the weights are float32 or bfloat16, their matmuls
+accumulating in float32 (:mod:`~jax_oc128.nn.functional`).
 """
 
 from __future__ import annotations
@@ -319,7 +320,13 @@ class DeepseekV4Attention(nnx.Module):
         grouped = out.reshape(batch, tokens, c.o_groups, -1)
         o_a = self.o_a_proj[...].reshape(c.o_groups, c.o_lora_rank, -1)
         y = linear(
-            jnp.einsum("btgi,goi->btgo", grouped, o_a, precision=FULL).reshape(batch, tokens, -1),
+            jnp.einsum(
+                "btgi,goi->btgo",
+                grouped.astype(o_a.dtype),
+                o_a,
+                precision=FULL,
+                preferred_element_type=jnp.float32,
+            ).reshape(batch, tokens, -1),
             self.o_b_proj[...],
         )
         return y, self._update_window(cache, kv, positions, lengths), compressed

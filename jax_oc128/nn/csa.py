@@ -12,7 +12,8 @@ is visible to the queries at ``t >= 4w + 3``. The indexer scores each query agai
 State: the raw projected rows (``[kv | gate]``, no ape) of the last ``2 * RATE + max_draft`` positions per
 row, in a ring addressed by position (``p % ring``), and the entries and indexer keys by window index. As in
 :class:`~jax_oc128.OfflineState`, a verify's rejected drafts need no rollback: their rows and entries are
-rewritten by the positions that replace them before any query may read them. Everything is float32.
+rewritten by the positions that replace them before any query may read them. Activations, pooling and state
+are float32; the projections' weights are float32 or bfloat16 (:mod:`~jax_oc128.nn.functional`).
 """
 
 from __future__ import annotations

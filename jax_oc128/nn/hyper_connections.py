@@ -5,7 +5,8 @@ The residual is ``n = hc_mult`` parallel streams ``[batch, T, n, hidden]``. Arou
 MLP) a :class:`HyperConnection` collapses the streams into the sublayer's input and mixes the sublayer's
 output back in: ``streams' = post ⊗ f(Σ_i pre_i streams_i) + combᵀ streams``, where pre, post and the
 doubly-stochastic comb (Sinkhorn-projected) are computed from the streams themselves. :class:`HyperHead`
-collapses the streams once more before the final norm. Everything is float32.
+collapses the streams once more before the final norm. Everything is float32 (parameters included, as in
+transformers).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class HyperConnection(nnx.Module):
             norm_eps,
         )
         width = (2 + hc_mult) * hc_mult
-        self.fn = normal_param(rngs, width, hc_mult * hidden_size)
+        self.fn = normal_param(rngs, width, hc_mult * hidden_size, kind=nnx.Param)
         self.base = nnx.Param(jnp.zeros((width,), jnp.float32))
         self.scale = nnx.Param(jnp.ones((3,), jnp.float32))
 
@@ -86,7 +87,7 @@ class HyperHead(nnx.Module):
 
     def __init__(self, hc_mult: int, hidden_size: int, hc_eps: float, norm_eps: float, *, rngs):
         self.hc_eps, self.norm_eps = hc_eps, norm_eps
-        self.fn = normal_param(rngs, hc_mult, hc_mult * hidden_size)
+        self.fn = normal_param(rngs, hc_mult, hc_mult * hidden_size, kind=nnx.Param)
         self.base = nnx.Param(jnp.zeros((hc_mult,), jnp.float32))
         self.scale = nnx.Param(jnp.ones((1,), jnp.float32))
 

@@ -4,7 +4,8 @@ Router scores are ``sqrt(softplus(x · W_gᵀ))`` per expert. A ``moe`` layer pi
 (scores + the selection-only ``e_score_correction_bias``); a ``hash_moe`` layer picks ``tid2eid[token]``, a
 fixed table. The picked scores, normalised to sum to 1 and times ``routed_scaling_factor``, weight the picked
 experts' SwiGLU outputs (gate and up clamped by ``swiglu_limit``); the shared expert, the same MLP unrouted,
-is added. Everything is float32.
+is added. Activations and routing are float32; the router's and experts' weights are float32 or bfloat16
+(:mod:`~jax_oc128.nn.functional`).
 
 Every expert runs on every token and the unpicked ones get weight 0 (exact, and simple for these tiny
 configs; a grouped dispatch is the later optimisation for real sizes).
