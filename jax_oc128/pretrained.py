@@ -206,8 +206,10 @@ def _read_config(file: pathlib.Path) -> tuple[dict, int]:
         raise NotImplementedError(f"{file}: num_nextn_predict_layers: at most 1 MTP layer, got {mtp_layers}")
     try:
         return _from_deepseek(config, mtp_layers), mtp_layers
-    except (KeyError, TypeError, ValueError) as error:
-        raise ValueError(f"{file}: {error}") from None
+    except KeyError as error:
+        raise ValueError(f"{file}: config: missing fields [{error.args[0]!r}]") from None
+    except (TypeError, ValueError, NotImplementedError) as error:
+        raise type(error)(f"{file}: {error}") from None
 
 
 def _from_deepseek(config: dict, mtp_layers: int) -> dict:

@@ -125,6 +125,34 @@ def test_single_file_with_transformers_names(tmp_path, name):
     assert rel_err(prefill_logits(model, data["prompt"]), data["prefill_logits"]) < HF_TOL
 
 
+def test_deepseek_config_fields(tmp_path):
+    """A config.json with DeepSeek's fields instead of transformers' (``compress_ratios`` with the MTP
+    layer's entry, ``num_hash_layers``, ``qk_rope_head_dim``, ``rope_scaling``): the same model config as
+    transformers makes of them (the fixture's config is transformers' conversion of these fields)."""
+    config, weights, _ = fixture("small_window")
+    theirs = {
+        k: v for k, v in config.items() if k not in ("layer_types", "mlp_layer_types", "rope_parameters")
+    }
+    theirs |= {
+        "compress_ratios": [0, 4, 128, 4, 0],
+        "num_hash_layers": 2,
+        "qk_rope_head_dim": 8,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32,
+        },
+    }
+    model = load_pretrained(write(tmp_path / "ckpt", theirs, weights), max_len=512)
+    assert model.config == ModelConfig.from_hf(config, max_len=512, mtp=False)
+    theirs["compress_ratios"] = [0, 4, 128, 4, 128]
+    with pytest.raises(
+        NotImplementedError, match=r"config\.json: compress_ratios\[4\]: the MTP layer must be sliding"
+    ):
+        load_pretrained(write(tmp_path / "mtp-hca", theirs | {"num_nextn_predict_layers": 1}, weights))
+
+
 def test_shards_with_deepseek_names_and_mtp_decode_speculatively(tmp_path, small_window_with_mtp):
     """Three shards and an index, DeepSeek's names (``layers.{i}.attn.wq_a.weight``, per-expert tensors, the
     MTP layer as ``mtp.0.*``), BF16 and F32 storage: the same model; its MTP layer drafts in the engine and
@@ -189,6 +217,44 @@ def test_mtp_layer_drafts_are_accepted(tmp_path):
     speculative = engine.generate(prompts, 40, num_tokens=4)
     assert speculative.tokens == plain.tokens
     assert speculative.mean_accepted > 2.5, speculative.mean_accepted
+
+
+def first_difference(a: list, b: list) -> int:
+    """The index of the first token where two outputs differ (their length if none)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+
+
+def test_bfloat16_against_float32(tmp_path):
+    """The copying checkpoint (:func:`copying_checkpoint`) in bfloat16 and in float32 on the same prompts
+    (the small-window fixture's first 100 tokens): prefill logits, greedy tokens and the MTP layer's accepted
+    lengths. bfloat16 rounds each matmul's inputs to 8 significant bits: the logits are within 5% (2x the
+    2.7% measured on the CPU; transformers' own bfloat16 forward of the small-window model is 16% from its
+    float32 logits, the indexer's and routers' discrete picks flipping) and their argmax the same at 95% of
+    the positions (99% measured), the greedy speculative tokens are the plain greedy tokens in bfloat16 too,
+    and the drafts are accepted as often. Prints the numbers
+    (``pytest -s``; bench/RESULTS.md records them)."""
+    config, written = copying_checkpoint()
+    directory = write(tmp_path / "ckpt", config, deepseek_named(tensors_of(written), 2))
+    prompts = fixture("small_window")[2]["prompt"][:, :100]
+    report = {}
+    for dtype in ("float32", "bfloat16"):
+        model = load_pretrained(directory, dtype=dtype, max_len=512, max_draft=4)
+        engine = Engine(model, slots=2)
+        plain = engine.generate([list(map(int, row)) for row in prompts], 100)
+        speculative = engine.generate([list(map(int, row)) for row in prompts], 100, num_tokens=4)
+        assert speculative.tokens == plain.tokens, dtype
+        report[dtype] = prefill_logits(model, prompts), plain.tokens, speculative.mean_accepted
+    (logits32, tokens32, accepted32), (logits16, tokens16, accepted16) = report.values()
+    error = rel_err(logits16, logits32)
+    argmax = float(jnp.mean(jnp.argmax(logits16, -1) == jnp.argmax(logits32, -1)))
+    same = [first_difference(a, b) for a, b in zip(tokens32, tokens16, strict=True)]
+    print(
+        f"\nbfloat16 vs float32: prefill logits rel. error {error:.4f}, argmax agreement {argmax:.4f}; "
+        f"greedy tokens equal up to {same} of 100; mean accepted length (N = 4) float32 "
+        f"{accepted32:.3f}, bfloat16 {accepted16:.3f}"
+    )
+    assert error < 0.05 and argmax > 0.95
+    assert accepted16 > 2.5 and accepted32 > 2.5
 
 
 def test_without_mtp_layer_decodes_plainly_only():
