@@ -20,8 +20,9 @@ Configs:
   shared one, routed scaling 1.5, SwiGLU limit 10, hyper-connections of 4 streams with 20 Sinkhorn iterations,
   the vocabulary of 129280, and DeepSeek-V4's MTP layer as the draft head; but 16 routed experts instead of
   256 (the MoE computes every expert for every token) so that it fits one GPU: 4.9 billion parameters, 9.8 GB
-  in bfloat16 (the matrices; norms, hyper-connections and biases float32). Random weights drawn on the
-  device in their dtype (``nnx.jit`` of the constructor), ``max_len`` 4096, ``max_draft`` 4; random prompts.
+  in bfloat16 (the matrices; norms, hyper-connections and biases float32). Random weights made one at a time
+  (each drawn in float32, stored in bfloat16; the constructor under ``jit`` would hold every float32 draw at
+  once, 39 GB), ``max_len`` 4096, ``max_draft`` 4; random prompts.
 
 Per (config, backend, mode, slots), with one engine of ``slots`` slots and K steps per dispatch:
 
@@ -139,8 +140,8 @@ def build_model(config: str, backend: str) -> SpeculativeModel:
         return checkpoint.load(backend=BACKENDS[backend])[0]
     if config == "v4flash-attn":
         return SpeculativeModel(V4FLASH_ATTN, backend=BACKENDS[backend], rngs=nnx.Rngs(0))
-    if config == "v4flash-slice":  # drawn on the device, each weight in its dtype (no float32 copy)
-        return nnx.jit(lambda: SpeculativeModel(V4FLASH_SLICE, backend=BACKENDS[backend], rngs=nnx.Rngs(0)))()
+    if config == "v4flash-slice":
+        return SpeculativeModel(V4FLASH_SLICE, backend=BACKENDS[backend], rngs=nnx.Rngs(0))
     raise ValueError(f"unknown config {config!r}")
 
 

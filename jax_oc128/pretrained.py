@@ -40,10 +40,12 @@ import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, safe_open
 
+from jax_oc128.checks import check_int
 from jax_oc128.controller import ONLINE, Backend
 from jax_oc128.nn import CSA, HCA, SLIDING, ModelConfig, SpeculativeModel
 from jax_oc128.nn.functional import DTYPES, variable_at
 from jax_oc128.nn.moe import HASH_MOE, MOE
+from jax_oc128.rules import MAX_DRAFT
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -140,21 +142,27 @@ def load_pretrained(
     not such a checkpoint or that does not fit its config, NotImplementedError for what the config asks
     and this model does not have; both before anything of the model's size is allocated.
     """
-    directory = pathlib.Path(os.fspath(path))
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"path: must be a str or os.PathLike (a directory), got {type(path).__name__}")
+    directory = pathlib.Path(path)
     dtype = _check_dtype(dtype)
+    if not isinstance(backend, Backend):
+        raise TypeError(f"backend: must be a jax_oc128.Backend (ONLINE or OFFLINE), got {backend!r}")
+    if max_len is not None:
+        check_int("max_len", max_len, 1)  # (the config bounds it by 2**31)
+    check_int("max_draft", max_draft, 1, MAX_DRAFT)
     config, mtp_layers = _read_config(directory / CONFIG)
+    try:
+        model_config = ModelConfig.from_hf(config, max_len=max_len, max_draft=max_draft, dtype=dtype)
+    except (TypeError, ValueError, NotImplementedError) as error:
+        raise type(error)(f"{directory / CONFIG}: {error}") from None
     headers = _read_headers(directory)
-    layers = len(config["layer_types"])
+    layers = len(model_config.layer_types)
     parts = {name: _part(name, layers) for name in headers}
     has_mtp = mtp_layers > 0 and any(
         part is not None and part.param.startswith(f"model.layers.{layers}.") for part in parts.values()
     )
-    try:
-        model_config = ModelConfig.from_hf(
-            config, max_len=max_len, max_draft=max_draft, mtp=has_mtp, dtype=dtype
-        )
-    except (TypeError, ValueError, NotImplementedError) as error:
-        raise type(error)(f"{directory / CONFIG}: {error}") from None
+    model_config = dataclasses.replace(model_config, mtp=has_mtp)
     model = nnx.eval_shape(lambda: SpeculativeModel(model_config, backend=backend, rngs=nnx.Rngs(0)))
     params = parameter_paths(model)
     variables = {name: variable_at(model, path) for name, path in params.items()}
@@ -352,9 +360,7 @@ def _check_tensors(directory, headers: dict, parts: dict, params: dict, layers: 
             unexpected.append(name)
             continue
         want = params[part.param]
-        if part.expert is not None and (
-            part.expert >= want.shape[0] or (part.half is not None and want.shape[1] % 2)
-        ):
+        if part.expert is not None and part.expert >= want.shape[0]:  # an expert the config has not
             unexpected.append(name)
             continue
         given.setdefault(part.param, {}).setdefault((part.expert, part.half), []).append(name)
@@ -374,12 +380,11 @@ def _check_tensors(directory, headers: dict, parts: dict, params: dict, layers: 
                 problems.append(f"tensors {', '.join(sorted(names))}: the same parameter ({param}) twice")
         if (None, None) in pieces and len(pieces) > 1:
             problems.append(f"tensor {param}: given whole and per expert")
+        halves = (0, 1) if param.endswith(DEEPSEEK_EXPERT["w1"][0]) else (None,)  # DeepSeek's w1 and w3
         if not pieces:
-            halves = (0, 1) if param.endswith(DEEPSEEK_EXPERT["w1"][0]) else (None,)
             theirs = " and ".join(deepseek_name(Part(param, None, h), layers) for h in halves)
             missing.append(f"{param} (DeepSeek: {theirs})")
         elif (None, None) not in pieces:
-            halves = (0, 1) if param.endswith(DEEPSEEK_EXPERT["w1"][0]) else (None,)
             for expert in range(want.shape[0]):
                 missing += [
                     deepseek_name(Part(param, expert, h), layers) for h in halves if (expert, h) not in pieces

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -108,7 +109,7 @@ def test_transformers_save_pretrained_loads():
     storage): the from_hf model's parameters and transformers' prompt logits; no MTP layer in it, so the
     model has no draft head."""
     _, _, data = fixture("small_window")
-    model = load_pretrained(HF_CHECKPOINT, max_len=512)
+    model = load_pretrained(HF_CHECKPOINT, dtype="float32", max_len=512)
     assert model.mtp is None and not model.config.mtp
     assert_same_parameters(model, target_tensors("small_window"))
     assert rel_err(prefill_logits(model, data["prompt"]), data["prefill_logits"]) < HF_TOL
@@ -119,7 +120,7 @@ def test_single_file_with_transformers_names(tmp_path, name):
     """One model.safetensors with transformers' state-dict names (the fixtures' float32 tensors): the
     fixture's logits, exactly the weights written."""
     config, weights, data = fixture(name)
-    model = load_pretrained(write(tmp_path / name, config, weights), max_len=512)
+    model = load_pretrained(write(tmp_path / name, config, weights), dtype="float32", max_len=512)
     assert model.config == ModelConfig.from_hf(config, max_len=512, mtp=False)
     assert_same_parameters(model, target_tensors(name))
     assert rel_err(prefill_logits(model, data["prompt"]), data["prefill_logits"]) < HF_TOL
@@ -144,7 +145,7 @@ def test_deepseek_config_fields(tmp_path):
             "beta_fast": 32,
         },
     }
-    model = load_pretrained(write(tmp_path / "ckpt", theirs, weights), max_len=512)
+    model = load_pretrained(write(tmp_path / "ckpt", theirs, weights), dtype="float32", max_len=512)
     assert model.config == ModelConfig.from_hf(config, max_len=512, mtp=False)
     theirs["compress_ratios"] = [0, 4, 128, 4, 128]
     with pytest.raises(
@@ -163,7 +164,7 @@ def test_shards_with_deepseek_names_and_mtp_decode_speculatively(tmp_path, small
     directory = write(
         tmp_path / "ckpt", config | {"num_nextn_predict_layers": 1}, deepseek_named(tensors, 4), 3
     )
-    model = load_pretrained(directory, max_len=512, max_draft=4)
+    model = load_pretrained(directory, dtype="float32", max_len=512, max_draft=4)
     assert model.config == written.config
     assert_same_parameters(model, tensors)
     engine = Engine(model, slots=2)
@@ -209,7 +210,9 @@ def test_mtp_layer_drafts_are_accepted(tmp_path):
     config, written = copying_checkpoint()
     tensors = tensors_of(written)
     named = {n.replace("mtp.0.", "model.layers.2."): v for n, v in deepseek_named(tensors, 2).items()}
-    model = load_pretrained(write(tmp_path / "ckpt", config, named), max_len=512, max_draft=4)
+    model = load_pretrained(
+        write(tmp_path / "ckpt", config, named), dtype="float32", max_len=512, max_draft=4
+    )
     assert_same_parameters(model, tensors)
     engine = Engine(model, slots=2)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
@@ -269,10 +272,13 @@ def test_without_mtp_layer_decodes_plainly_only():
 def test_bfloat16_weights(tmp_path):
     """``dtype="bfloat16"``: the matrices in bfloat16 (the fixture's values exactly, they are bfloat16
     values), norms, hyper-connections, sinks, position biases and router biases in float32; the hash
-    tables int32. The default on a CPU is float32; a dtype that is neither is refused."""
+    tables int32. The default is bfloat16 on a GPU, float32 elsewhere; a dtype that is neither is refused."""
     model = load_pretrained(HF_CHECKPOINT, dtype="bfloat16", max_len=512)
     assert model.config.dtype == "bfloat16"
-    got, expected = tensors_of(model), tensors_of(load_pretrained(HF_CHECKPOINT, max_len=512))
+    got, expected = (
+        tensors_of(model),
+        tensors_of(load_pretrained(HF_CHECKPOINT, dtype="float32", max_len=512)),
+    )
     float32 = (
         "norm.weight",
         "hc_fn",
@@ -293,6 +299,8 @@ def test_bfloat16_weights(tmp_path):
             want = ml_dtypes.bfloat16
         assert got[name].dtype == want, name
         assert np.array_equal(got[name].astype(np.float32), value.astype(np.float32)), name
+    default = load_pretrained(HF_CHECKPOINT).config.dtype
+    assert default == ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     with pytest.raises(ValueError, match="dtype: must be None, 'float32' or 'bfloat16'"):
         load_pretrained(HF_CHECKPOINT, dtype="float16")
     with pytest.raises(TypeError, match="dtype: must be None"):
@@ -418,6 +426,21 @@ def test_bad_configs_are_named(tmp_path, nothing_placed, case):
     config = {k: v for k, v in {**config, **change}.items() if v is not None}
     with pytest.raises(error, match=match):
         load_pretrained(write(tmp_path / "ckpt", config, weights), max_len=512)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"path": 3}, TypeError, "path: must be a str or os.PathLike"),
+        ({"backend": "online"}, TypeError, "backend: must be a jax_oc128.Backend"),
+        ({"max_len": 0}, ValueError, r"max_len: must be >= 1, got 0"),
+        ({"max_draft": 17}, ValueError, r"max_draft: must be in \[1, 16\]"),
+        ({"max_draft": 2.0}, TypeError, "max_draft: must be an int"),
+    ],
+)
+def test_bad_arguments_are_named(nothing_placed, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        load_pretrained(**{"path": HF_CHECKPOINT, **kwargs})
 
 
 def test_bad_directories_are_named(tmp_path, nothing_placed):

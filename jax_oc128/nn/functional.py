@@ -1,9 +1,9 @@
 """The building blocks the modules share: linear layers in transformers' weight layout, RMSNorm, the SwiGLU
 MLP, parameter initialisation, the parameters' dtype and loading.
 
-Precision: activations are float32. The matrices (:class:`Weight`: linear layers, experts, the embedding and
-the LM head) are stored in the model's dtype, float32 or bfloat16 (:func:`set_weight_dtype`); every other
-parameter stays float32, as transformers keeps DeepSeek-V4's norms, hyper-connections, sinks, position biases
+Precision: activations are float32. The matrices (linear layers, experts, the embedding and the LM head, made
+by :func:`normal_param`) are stored in the model's dtype, float32 or bfloat16; every other parameter stays
+float32, as transformers keeps DeepSeek-V4's norms, hyper-connections, sinks, position biases
 and router biases in float32. A linear layer takes its input in the weight's dtype and accumulates in float32
 (:func:`linear`), so a bfloat16 model runs its matmuls on bfloat16 operands and everything else (norms,
 softmaxes, RoPE, the residual streams, routing, the compressors' pooling) in float32."""
@@ -20,18 +20,6 @@ FULL = jax.lax.Precision.HIGHEST  # float32 matmuls stay float32 (on GPUs the de
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-class Weight(nnx.Param):
-    """A matrix parameter (a linear layer's weight, the experts, the embedding, the LM head), stored in the
-    model's dtype (:func:`set_weight_dtype`); other parameters stay float32."""
-
-
-def set_weight_dtype(module: nnx.Module, dtype: str) -> None:
-    """Store every :class:`Weight` of ``module`` as ``dtype`` (a name in :data:`DTYPES`)."""
-    for _, node in nnx.iter_graph(module):
-        if isinstance(node, Weight):
-            node.set_value(node[...].astype(DTYPES[dtype]))
-
-
 def linear(x, weight):
     """``x @ weight.T`` for a ``[out, in]`` weight (transformers' layout): ``x`` is taken in the weight's
     dtype and the products are accumulated and returned in float32 (full float32 for a float32 weight)."""
@@ -43,11 +31,11 @@ def rms_norm(x, weight, eps):
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
 
-def normal_param(rngs: nnx.Rngs, *shape, scale=None, kind: type[nnx.Param] = Weight) -> nnx.Param:
-    """A float32 parameter ~ N(0, scale^2), by default ``scale = 1 / sqrt(shape[-1])`` (fan-in), a
-    :class:`Weight` unless ``kind`` says otherwise."""
+def normal_param(rngs: nnx.Rngs, *shape, scale=None, dtype: str = "float32") -> nnx.Param:
+    """A parameter ~ N(0, scale^2), by default ``scale = 1 / sqrt(shape[-1])`` (fan-in), drawn in float32
+    and stored as ``dtype`` (a name in :data:`DTYPES`)."""
     scale = shape[-1] ** -0.5 if scale is None else scale
-    return kind(jax.random.normal(rngs.params(), shape, jnp.float32) * scale)
+    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(DTYPES[dtype]))
 
 
 def ones_param(size: int) -> nnx.Param:

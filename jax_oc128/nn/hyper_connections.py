@@ -50,7 +50,7 @@ class HyperConnection(nnx.Module):
             norm_eps,
         )
         width = (2 + hc_mult) * hc_mult
-        self.fn = normal_param(rngs, width, hc_mult * hidden_size, kind=nnx.Param)
+        self.fn = normal_param(rngs, width, hc_mult * hidden_size)
         self.base = nnx.Param(jnp.zeros((width,), jnp.float32))
         self.scale = nnx.Param(jnp.ones((3,), jnp.float32))
 
@@ -87,7 +87,7 @@ class HyperHead(nnx.Module):
 
     def __init__(self, hc_mult: int, hidden_size: int, hc_eps: float, norm_eps: float, *, rngs):
         self.hc_eps, self.norm_eps = hc_eps, norm_eps
-        self.fn = normal_param(rngs, hc_mult, hc_mult * hidden_size, kind=nnx.Param)
+        self.fn = normal_param(rngs, hc_mult, hc_mult * hidden_size)
         self.base = nnx.Param(jnp.zeros((hc_mult,), jnp.float32))
         self.scale = nnx.Param(jnp.ones((1,), jnp.float32))
 

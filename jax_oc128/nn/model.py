@@ -52,7 +52,6 @@ from jax_oc128.nn.functional import (
     normal_param,
     ones_param,
     rms_norm,
-    set_weight_dtype,
     swiglu,
 )
 from jax_oc128.nn.hyper_connections import HyperConnection, HyperHead
@@ -234,6 +233,7 @@ class ModelConfig:
             rope=rope,
             max_position_embeddings=self.max_len,
             indexer=indexer,
+            dtype=self.dtype,
         )
 
     def moe(self, layer: int) -> MoEConfig | None:
@@ -249,6 +249,7 @@ class ModelConfig:
             routed_scaling_factor=self.routed_scaling_factor,
             swiglu_limit=self.swiglu_limit,
             vocab_size=self.vocab_size,
+            dtype=self.dtype,
         )
 
     @classmethod
@@ -388,9 +389,9 @@ class Block(nnx.Module):
         self.mlp_norm = ones_param(config.hidden_size)
         moe_config = config.moe(layer)
         if moe_config is None:
-            self.gate = normal_param(rngs, config.mlp_hidden, config.hidden_size)
-            self.up = normal_param(rngs, config.mlp_hidden, config.hidden_size)
-            self.down = normal_param(rngs, config.hidden_size, config.mlp_hidden)
+            self.gate = normal_param(rngs, config.mlp_hidden, config.hidden_size, dtype=config.dtype)
+            self.up = normal_param(rngs, config.mlp_hidden, config.hidden_size, dtype=config.dtype)
+            self.down = normal_param(rngs, config.hidden_size, config.mlp_hidden, dtype=config.dtype)
         else:
             self.moe = MoE(moe_config, rngs=rngs)
         if config.hyper_connections:
@@ -469,7 +470,7 @@ class DeepseekV4Model(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, backend: Backend = ONLINE, rngs: nnx.Rngs):
         self.config, self.backend = config, backend
-        self.embed = normal_param(rngs, config.vocab_size, config.hidden_size, scale=0.5)
+        self.embed = normal_param(rngs, config.vocab_size, config.hidden_size, scale=0.5, dtype=config.dtype)
         compress_layers = [config.layer_types[:i].count(HCA) for i in range(len(config.layer_types))]
         self.blocks = nnx.List(
             [Block(config, layer, backend, index, rngs=rngs) for layer, index in enumerate(compress_layers)]
@@ -479,8 +480,7 @@ class DeepseekV4Model(nnx.Module):
                 config.hc_mult, config.hidden_size, config.hc_eps, config.rms_norm_eps, rngs=rngs
             )
         self.norm = ones_param(config.hidden_size)
-        self.lm_head = normal_param(rngs, config.vocab_size, config.hidden_size)
-        set_weight_dtype(self, config.dtype)
+        self.lm_head = normal_param(rngs, config.vocab_size, config.hidden_size, dtype=config.dtype)
 
     @classmethod
     def from_hf(cls, config: dict, weights: dict, *, backend: Backend = ONLINE, **kwargs) -> DeepseekV4Model:
@@ -578,7 +578,7 @@ class MTPHead(nnx.Module):
         self.embed, self.norm, self.lm_head = embed, norm, lm_head
         self.embed_norm = ones_param(config.hidden_size)
         self.hidden_norm = ones_param(config.hidden_size)
-        self.proj = normal_param(rngs, config.hidden_size, 2 * config.hidden_size)
+        self.proj = normal_param(rngs, config.hidden_size, 2 * config.hidden_size, dtype=config.dtype)
         # one sliding layer with a dense MLP and one residual stream, whatever the target's layout
         self.block = Block(
             dataclasses.replace(config, layer_types=(SLIDING,), mlp_layer_types=None, hc_mult=None),
@@ -624,8 +624,8 @@ class DeepseekV4MTP(nnx.Module):
         self.embed, self.lm_head = embed, lm_head
         self.embed_norm = ones_param(size)
         self.hidden_norm = ones_param(size)
-        self.embed_proj = normal_param(rngs, size, size)
-        self.hidden_proj = normal_param(rngs, size, size)
+        self.embed_proj = normal_param(rngs, size, size, dtype=config.dtype)
+        self.hidden_proj = normal_param(rngs, size, size, dtype=config.dtype)
         layer = dataclasses.replace(config, layer_types=(SLIDING,), mlp_layer_types=(MOE,))
         self.block = Block(layer, 0, ONLINE, 0, rngs=rngs)
         self.hc_head = HyperHead(config.hc_mult, size, config.hc_eps, config.rms_norm_eps, rngs=rngs)
@@ -687,7 +687,6 @@ class SpeculativeModel(nnx.Module):
             self.mtp = DeepseekV4MTP(config, t.embed, t.lm_head, rngs=rngs)
         else:
             self.mtp = MTPHead(config, t.embed, t.norm, t.lm_head, rngs=rngs)
-        set_weight_dtype(self, config.dtype)
 
     @classmethod
     def from_hf(cls, config: dict, weights: dict, *, rngs: nnx.Rngs, **kwargs) -> SpeculativeModel:

@@ -36,6 +36,7 @@ class MoEConfig:
     routed_scaling_factor: float
     swiglu_limit: float
     vocab_size: int
+    dtype: str = "float32"  # the router's and experts' weights'
 
 
 class MoE(nnx.Module):
@@ -44,7 +45,7 @@ class MoE(nnx.Module):
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
         c = config
         self.config = c
-        self.router_weight = normal_param(rngs, c.num_experts, c.hidden_size)
+        self.router_weight = normal_param(rngs, c.num_experts, c.hidden_size, dtype=c.dtype)
         if c.hash_routed:
             self.tid2eid = nnx.Variable(
                 jnp.arange(c.vocab_size * c.num_experts_per_tok, dtype=jnp.int32).reshape(c.vocab_size, -1)
@@ -52,11 +53,15 @@ class MoE(nnx.Module):
             )
         else:
             self.e_score_correction_bias = nnx.Param(jnp.zeros((c.num_experts,), jnp.float32))
-        self.experts_gate_up = normal_param(rngs, c.num_experts, 2 * c.intermediate_size, c.hidden_size)
-        self.experts_down = normal_param(rngs, c.num_experts, c.hidden_size, c.intermediate_size)
-        self.shared_gate = normal_param(rngs, c.intermediate_size, c.hidden_size)
-        self.shared_up = normal_param(rngs, c.intermediate_size, c.hidden_size)
-        self.shared_down = normal_param(rngs, c.hidden_size, c.intermediate_size)
+        self.experts_gate_up = normal_param(
+            rngs, c.num_experts, 2 * c.intermediate_size, c.hidden_size, dtype=c.dtype
+        )
+        self.experts_down = normal_param(
+            rngs, c.num_experts, c.hidden_size, c.intermediate_size, dtype=c.dtype
+        )
+        self.shared_gate = normal_param(rngs, c.intermediate_size, c.hidden_size, dtype=c.dtype)
+        self.shared_up = normal_param(rngs, c.intermediate_size, c.hidden_size, dtype=c.dtype)
+        self.shared_down = normal_param(rngs, c.hidden_size, c.intermediate_size, dtype=c.dtype)
 
     def route(self, x, tokens):
         """``[batch, T, num_experts]``: each token's weight per expert (0 for the experts not picked)."""
