@@ -156,9 +156,9 @@ def test_deepseek_config_fields(tmp_path):
 
 def test_shards_with_deepseek_names_and_mtp_decode_speculatively(tmp_path, small_window_with_mtp):
     """Three shards and an index, DeepSeek's names (``layers.{i}.attn.wq_a.weight``, per-expert tensors, the
-    MTP layer as ``mtp.0.*``), BF16 and F32 storage: the same model; its MTP layer drafts in the engine and
-    greedy speculative decoding (N = 2 and 4) gives the plain greedy tokens, whose first 40 are
-    transformers'."""
+    MTP layer as ``mtp.0.*``), BF16 and F32 storage: the same model, transformers' prompt logits; its MTP
+    layer drafts in the engine and greedy speculative decoding (N = 2 and 4) gives the plain greedy tokens,
+    whose first 40 are transformers'."""
     config, written, tensors = small_window_with_mtp
     _, _, data = fixture("small_window")
     directory = write(
@@ -167,6 +167,7 @@ def test_shards_with_deepseek_names_and_mtp_decode_speculatively(tmp_path, small
     model = load_pretrained(directory, dtype="float32", max_len=512, max_draft=4)
     assert model.config == written.config
     assert_same_parameters(model, tensors)
+    assert rel_err(prefill_logits(model, data["prompt"]), data["prefill_logits"]) < HF_TOL
     engine = Engine(model, slots=2)
     prompts = [list(map(int, row)) for row in data["prompt"]]
     plain = engine.generate(prompts, 50)
