@@ -1,5 +1,5 @@
 """The decode loop's time per step on the device alone against end to end through ``Engine.generate``, for the
-shipped model and a DeepSeek-V4-Flash-attention model, online and offline C128 state, plain and speculative.
+shipped model and DeepSeek-V4-Flash-shaped models, online and offline C128 state, plain and speculative.
 
 Configs:
 
@@ -13,6 +13,16 @@ Configs:
   every draft) would dominate the small-batch steps. Prompts are random token ids; the random MTP head's
   drafts are almost never accepted (mean accepted length about 1), which does not matter for the time per
   step.
+* ``v4flash-slice``: the full DeepSeek-V4 layer at DeepSeek-V4-Flash's dimensions (its config.json), its first
+  6 layers (sliding, sliding, CSA, HCA, CSA, HCA; hash-routed MoE in the first 3, top-k in the others): hidden
+  4096, 64 heads x 512, q and o LoRA rank 1024, 8 o-groups, rope_dim 64 (compress RoPE YaRN x16 from 65536),
+  window 128, the CSA indexer's 64 heads x 128 and top-512, MoE experts of 2048 with 6 routed per token and a
+  shared one, routed scaling 1.5, SwiGLU limit 10, hyper-connections of 4 streams with 20 Sinkhorn iterations,
+  the vocabulary of 129280, and DeepSeek-V4's MTP layer as the draft head; but 16 routed experts instead of
+  256 (the MoE computes every expert for every token) so that it fits one GPU: 4.9 billion parameters, 9.8 GB
+  in bfloat16 (the matrices; norms, hyper-connections and biases float32). Random weights made one at a time
+  (each drawn in float32, stored in bfloat16; the constructor under ``jit`` would hold every float32 draw at
+  once, 39 GB), ``max_len`` 4096, ``max_draft`` 4; random prompts.
 
 Per (config, backend, mode, slots), with one engine of ``slots`` slots and K steps per dispatch:
 
@@ -41,7 +51,7 @@ backend, for the given modes and slots, to choose the engine's default K by meas
 
 Usage (from a directory other than the repository root, or with jax_oc128 installed)::
 
-    python bench/bench_decode.py [--configs shipped v4flash-attn] [--backends online offline]
+    python bench/bench_decode.py [--configs shipped v4flash-attn v4flash-slice] [--backends online offline]
         [--modes plain 2 4] [--slots 1 8 64] [--steps-per-dispatch K] [--tokens 256]
         [--out bench/results/bench_decode.json]
     python bench/bench_decode.py --configs shipped --sweep-k 1 4 16 64 --modes plain 4 --slots 8
@@ -64,10 +74,11 @@ from jax_oc128 import checkpoint
 from jax_oc128.controller import BACKENDS
 from jax_oc128.decode import STEPS_PER_DISPATCH, Engine
 from jax_oc128.nn import ModelConfig, SpeculativeModel
-from jax_oc128.nn.attention import HCA, SLIDING
+from jax_oc128.nn.attention import CSA, HCA, SLIDING
+from jax_oc128.nn.moe import HASH_MOE, MOE
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "bench_decode.json"
-CONFIGS = ("shipped", "v4flash-attn")
+CONFIGS = ("shipped", "v4flash-attn", "v4flash-slice")
 #: DeepSeek-V4-Flash's attention shapes in 6 layers (see the module doc)
 V4FLASH_ATTN = ModelConfig(
     vocab_size=4096,
@@ -83,6 +94,35 @@ V4FLASH_ATTN = ModelConfig(
     mlp_hidden=2048,
     max_len=4096,
     max_draft=4,
+)
+#: DeepSeek-V4-Flash's first 6 layers with 16 experts, in bfloat16 (see the module doc)
+V4FLASH_SLICE = ModelConfig(
+    vocab_size=129280,
+    hidden_size=4096,
+    layer_types=(SLIDING, SLIDING, CSA, HCA, CSA, HCA),
+    num_heads=64,
+    head_dim=512,
+    rope_dim=64,
+    q_lora_rank=1024,
+    o_groups=8,
+    o_lora_rank=1024,
+    sliding_window=128,
+    mlp_hidden=2048,
+    max_len=4096,
+    max_draft=4,
+    mlp_layer_types=(HASH_MOE,) * 3 + (MOE,) * 3,
+    num_experts=16,
+    num_experts_per_tok=6,
+    routed_scaling_factor=1.5,
+    swiglu_limit=10.0,
+    hc_mult=4,
+    hc_sinkhorn_iters=20,
+    index_n_heads=64,
+    index_head_dim=128,
+    index_topk=512,
+    compress_rope_factor=16.0,
+    compress_rope_original_max_position_embeddings=65536,
+    dtype="bfloat16",
 )
 #: the demo's prompts (byte-level text for the shipped model)
 TEXT = (
@@ -100,6 +140,8 @@ def build_model(config: str, backend: str) -> SpeculativeModel:
         return checkpoint.load(backend=BACKENDS[backend])[0]
     if config == "v4flash-attn":
         return SpeculativeModel(V4FLASH_ATTN, backend=BACKENDS[backend], rngs=nnx.Rngs(0))
+    if config == "v4flash-slice":
+        return SpeculativeModel(V4FLASH_SLICE, backend=BACKENDS[backend], rngs=nnx.Rngs(0))
     raise ValueError(f"unknown config {config!r}")
 
 
@@ -223,7 +265,7 @@ def check_targets(rows) -> list[str]:
     by_key = {(r["config"], r["backend"], r["mode"], r["slots"]): r for r in rows}
     for (config, backend, mode, slots), row in by_key.items():
         other = by_key.get((config, "offline", mode, slots))
-        if config == "v4flash-attn" and backend == "online" and other is not None:
+        if config.startswith("v4flash") and backend == "online" and other is not None:
             x = row["device_us"] / other["device_us"]
             lines.append(
                 f"online <= offline per step, {config} {mode} {slots} slots: online/offline {x:.3f} "
@@ -300,6 +342,7 @@ def main():
         configs={
             "shipped": "checkpoint.load() (the shipped model)",
             "v4flash-attn": dataclasses.asdict(V4FLASH_ATTN),
+            "v4flash-slice": dataclasses.asdict(V4FLASH_SLICE),
         },
     )
     if args.sweep_k:

@@ -3,7 +3,8 @@ default model shipped in the package.
 
 A checkpoint is a ``.npz`` archive: ``__meta__``, the UTF-8 JSON ``{"config": {<every ModelConfig field>},
 ...metadata}`` as a 1-D uint8 array, and one array per parameter, named by its path in the model's state
-(``['target']['embed'].value``: ``[vocab_size, hidden_size]`` float32, ...). :func:`load` checks the file
+(``['target']['embed'].value``: ``[vocab_size, hidden_size]`` float32, ...; a bfloat16 parameter as its bits,
+uint16, which the .npy format can hold). :func:`load` checks the file
 against its config before it allocates anything of the model's size: the metadata, every config field, then
 each tensor's name, shape and dtype, read from the ``.npy`` headers before any tensor is decompressed.
 Nothing is unpickled. Every error is a :class:`ValueError` naming the file (and the tensor or field).
@@ -18,6 +19,7 @@ import zipfile
 import zlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -32,6 +34,8 @@ META = "__meta__"
 MAX_META_BYTES = 1 << 20
 #: .npy header readers by format version (3.0 only adds UTF-8 field names, which no parameter has)
 HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+#: parameter dtype -> the dtype it is stored as (its bits), for the dtypes the .npy format has not
+STORED_AS = {np.dtype(jnp.bfloat16): np.dtype(np.uint16)}
 #: what reading a damaged, encrypted or otherwise unreadable archive member raises
 READ_ERRORS = (
     ValueError,
@@ -59,7 +63,7 @@ def save(model: SpeculativeModel, path, **metadata) -> None:
     np.savez_compressed(
         path,
         **{META: np.frombuffer(json.dumps(meta).encode(), np.uint8)},
-        **{name: np.asarray(leaf) for name, leaf in _named_leaves(state)},
+        **{name: _stored(np.asarray(leaf)) for name, leaf in _named_leaves(state)},
     )
 
 
@@ -85,9 +89,16 @@ def load(path=DEFAULT_MODEL, *, backend: Backend = ONLINE) -> tuple[SpeculativeM
         )
         expected = dict(_named_leaves(abstract))
         _check_tensors(headers, expected, path)
-        arrays = [jax.device_put(_read(archive, name, path)) for name in expected]
+        arrays = [
+            jax.device_put(_read(archive, name, path).view(want.dtype)) for name, want in expected.items()
+        ]
     state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract), arrays)
     return nnx.merge(graphdef, state), meta
+
+
+def _stored(array: np.ndarray) -> np.ndarray:
+    """``array`` as it is stored: its bits for a dtype of :data:`STORED_AS`, else itself."""
+    return array.view(STORED_AS[array.dtype]) if array.dtype in STORED_AS else array
 
 
 def _header(archive: zipfile.ZipFile, member: str, path) -> tuple[tuple[int, ...], np.dtype]:
@@ -170,5 +181,6 @@ def _check_tensors(headers: dict, expected: dict, path) -> None:
         shape, dtype = headers[name]
         if shape != want.shape:
             raise ValueError(f"{path}: tensor {name}: shape {shape}, the config gives {want.shape}")
-        if dtype != want.dtype:
-            raise ValueError(f"{path}: tensor {name}: dtype {dtype}, expected {want.dtype}")
+        if dtype != STORED_AS.get(want.dtype, want.dtype):
+            stored = f" (stored as {STORED_AS[want.dtype]})" if want.dtype in STORED_AS else ""
+            raise ValueError(f"{path}: tensor {name}: dtype {dtype}, expected {want.dtype}{stored}")

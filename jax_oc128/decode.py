@@ -75,10 +75,10 @@ class DecodeState:
 
     Attributes:
       cache: the target's :class:`~jax_oc128.nn.ModelCache` (per-layer caches and the C128 state).
-      mtp_cache: the MTP head's :class:`~jax_oc128.nn.AttentionCache`.
+      mtp_cache: the MTP head's :class:`~jax_oc128.nn.AttentionCache` (None for a model without one).
       token: ``[slots]`` int32, the newest token of each slot (not yet in the caches).
       position: ``[slots]`` int32, its position (the number of tokens in the caches).
-      hidden: ``[slots, hidden]`` float32, the target's hidden state at ``position - 1``.
+      hidden: ``[slots, draft_hidden_size]`` float32, the target's hidden state at ``position - 1``.
       active: ``[slots]`` bool, slots whose request is still generating.
       remaining: ``[slots]`` int32, tokens the slot's request may still generate.
       key: the PRNG key of the next step (split on the device).
@@ -147,16 +147,16 @@ def _prefill(model, state, slots, tokens, lengths, budgets, stop_tokens, tempera
     token comes from the last prompt token. Returns ``(state, DecodeOutput)``, the output holding the first
     tokens as one step with no steps counted."""
     cache = state.cache.clear(slots)
-    mtp_cache = state.mtp_cache.clear(slots)
     rows, width = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width))
     logits, hidden, cache = model.target(tokens, positions, cache, lengths=lengths, mode=ForwardMode.EXTEND)
     last = jnp.maximum(lengths - 1, 0)[:, None]
     key, sub = jax.random.split(state.key)
     first = _pick(jnp.take_along_axis(logits, last[..., None], axis=1)[:, 0], sub, temperature)
-    # the MTP head sees token p with the target's hidden state at p - 1, for p = 1 .. length - 1
-    prev = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
-    _, _, mtp_cache = model.mtp(tokens, prev, positions, mtp_cache, lengths=lengths)
+    mtp_cache = state.mtp_cache
+    if model.mtp is not None:  # it sees token p with the target's hidden state at p - 1, p = 1 .. length - 1
+        prev = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
+        _, _, mtp_cache = model.mtp(tokens, prev, positions, mtp_cache.clear(slots), lengths=lengths)
     new = lengths > 0
     kept, done = _stop_rule(first[:, None], new.astype(jnp.int32), budgets, stop_tokens)
     state = DecodeState(
@@ -363,10 +363,10 @@ class Engine:
             slots = self.slots
             return DecodeState(
                 model.target.init_cache(slots),
-                model.mtp.init_cache(slots),
+                None if model.mtp is None else model.mtp.init_cache(slots),
                 token=jnp.zeros((slots,), jnp.int32),
                 position=jnp.zeros((slots,), jnp.int32),
-                hidden=jnp.zeros((slots, model.config.hidden_size), jnp.float32),
+                hidden=jnp.zeros((slots, model.config.draft_hidden_size), jnp.float32),
                 active=jnp.zeros((slots,), bool),
                 remaining=jnp.zeros((slots,), jnp.int32),
                 key=jax.random.key(seed),
@@ -498,7 +498,7 @@ class Engine:
             integer array of token ids in [0, vocab_size), 1 to ``max_len - max_new_tokens - N`` long. An
             empty sequence returns an empty :class:`Result` at once (nothing dispatched).
           max_new_tokens: an int in [1, max_len - N - 1].
-          num_tokens: None, or an int in [2, max_draft].
+          num_tokens: None, or an int in [2, max_draft] (None only, for a model without an MTP head).
           temperature: a number >= 0 (0: greedy).
           stop_tokens: at most 8 token ids in [0, vocab_size).
           seed: the sampling's PRNG seed, an int in [0, 2**32).
@@ -585,9 +585,15 @@ def _check_seed(seed) -> np.uint32:
 
 
 def _check_num_tokens(num_tokens, config) -> int | None:
-    """N of a speculative step, an int in [2, max_draft], or None (plain steps)."""
+    """N of a speculative step, an int in [2, max_draft], or None (plain steps, the only ones of a model
+    without a draft head)."""
     if num_tokens is None:
         return None
+    if not config.mtp:
+        raise ValueError(
+            "num_tokens: this model has no MTP head (its checkpoint carries no MTP layer), so it decodes "
+            f"plainly only: pass num_tokens=None, got {num_tokens!r}"
+        )
     return check_int("num_tokens", num_tokens, 2, config.max_draft, " = max_draft")
 
 

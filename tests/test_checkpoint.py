@@ -39,14 +39,20 @@ def with_config(meta, **fields):
     return {**meta, "config": {**meta["config"], **fields}}
 
 
-def test_saved_model_loads_back_exactly(tmp_path):
-    config = ModelConfig(vocab_size=40, hidden_size=32, layer_types=(HCA, SLIDING), head_dim=32, rope_dim=8)
+@pytest.mark.parametrize("fields", [{}, {"dtype": "bfloat16", "mtp": False}], ids=["float32", "bfloat16"])
+def test_saved_model_loads_back_exactly(tmp_path, fields):
+    """Also a model of bfloat16 weights (stored as their bits) without a draft head."""
+    config = ModelConfig(
+        vocab_size=40, hidden_size=32, layer_types=(HCA, SLIDING), head_dim=32, rope_dim=8, **fields
+    )
     model = SpeculativeModel(config, rngs=nnx.Rngs(3))
     checkpoint.save(model, tmp_path / "m.npz", note="hi")
     loaded, meta = checkpoint.load(tmp_path / "m.npz")
     assert loaded.config == config and meta["note"] == "hi"
-    assert loaded.mtp.embed is loaded.target.embed  # shared, as in the model built from the config
+    if config.mtp:
+        assert loaded.mtp.embed is loaded.target.embed  # shared, as in the model built from the config
     saved, restored = (jax.tree.leaves(nnx.split(m)[1]) for m in (model, loaded))
+    assert [leaf.dtype for leaf in saved] == [leaf.dtype for leaf in restored]
     assert len(saved) == len(restored) and all(map(np.array_equal, saved, restored))
     with pytest.raises(ValueError, match="metadata: 'config' is reserved"):
         checkpoint.save(model, tmp_path / "n.npz", config={})

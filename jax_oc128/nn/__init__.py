@@ -1,7 +1,7 @@
 """Flax NNX modules: DeepSeek-V4 attention (:mod:`~jax_oc128.nn.attention`) with the CSA compressor and
 indexer (:mod:`~jax_oc128.nn.csa`), RoPE (:mod:`~jax_oc128.nn.rope`), hyper-connections
 (:mod:`~jax_oc128.nn.hyper_connections`), the mixture of experts (:mod:`~jax_oc128.nn.moe`), the decoder
-with its MTP draft head (:mod:`~jax_oc128.nn.model`)."""
+with its draft heads (:mod:`~jax_oc128.nn.model`)."""
 
 from jax_oc128.nn.attention import (
     CSA,
@@ -19,6 +19,7 @@ from jax_oc128.nn.hyper_connections import HyperConnection, HyperHead
 from jax_oc128.nn.model import (
     Block,
     DeepseekV4Model,
+    DeepseekV4MTP,
     ModelCache,
     ModelConfig,
     MTPHead,
@@ -37,6 +38,7 @@ __all__ = [
     "Block",
     "CSACompressor",
     "DeepseekV4Attention",
+    "DeepseekV4MTP",
     "DeepseekV4Model",
     "HyperConnection",
     "HyperHead",

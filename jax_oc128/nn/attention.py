@@ -17,7 +17,8 @@ runs before the layers (:func:`prepare_forward`), so a standalone layer is drive
 
 Shapes: ``x`` ``[batch, T, hidden]`` float32 (the layer input after its input norm), ``positions``
 ``[batch, T]`` int32, consecutive per row, ``lengths`` ``[batch]`` int32. Batch row b is slot b of the
-compressed state. Everything is computed in float32.
+compressed state. Activations and caches are float32; the weights are float32 or bfloat16, their matmuls
+accumulating in float32 (:mod:`~jax_oc128.nn.functional`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class AttentionConfig:
     rope: RopeConfig
     max_position_embeddings: int
     indexer: IndexerConfig | None = None  # CSA layers
+    dtype: str = "float32"  # the projections' weights'
 
     @classmethod
     def from_hf(cls, config: dict, layer_idx: int) -> AttentionConfig:
@@ -184,22 +186,31 @@ class DeepseekV4Attention(nnx.Module):
         self.config, self.backend, self.max_draft = config, backend, max_draft
         self.compress_layer = compress_layer if config.layer_type == HCA else None
         c = config
-        self.q_a_proj = normal_param(rngs, c.q_lora_rank, c.hidden_size)
+        self.q_a_proj = normal_param(rngs, c.q_lora_rank, c.hidden_size, dtype=c.dtype)
         self.q_a_norm = ones_param(c.q_lora_rank)
-        self.q_b_proj = normal_param(rngs, c.num_heads * c.head_dim, c.q_lora_rank)
-        self.kv_proj = normal_param(rngs, c.head_dim, c.hidden_size)
+        self.q_b_proj = normal_param(rngs, c.num_heads * c.head_dim, c.q_lora_rank, dtype=c.dtype)
+        self.kv_proj = normal_param(rngs, c.head_dim, c.hidden_size, dtype=c.dtype)
         self.kv_norm = ones_param(c.head_dim)
-        self.o_a_proj = normal_param(rngs, c.o_groups * c.o_lora_rank, c.num_heads * c.head_dim // c.o_groups)
-        self.o_b_proj = normal_param(rngs, c.hidden_size, c.o_groups * c.o_lora_rank)
+        self.o_a_proj = normal_param(
+            rngs, c.o_groups * c.o_lora_rank, c.num_heads * c.head_dim // c.o_groups, dtype=c.dtype
+        )
+        self.o_b_proj = normal_param(rngs, c.hidden_size, c.o_groups * c.o_lora_rank, dtype=c.dtype)
         self.sinks = nnx.Param(jnp.zeros((c.num_heads,), jnp.float32))
         if c.layer_type == HCA:
-            self.compressor_kv_proj = normal_param(rngs, c.head_dim, c.hidden_size)
-            self.compressor_gate_proj = normal_param(rngs, c.head_dim, c.hidden_size)
+            self.compressor_kv_proj = normal_param(rngs, c.head_dim, c.hidden_size, dtype=c.dtype)
+            self.compressor_gate_proj = normal_param(rngs, c.head_dim, c.hidden_size, dtype=c.dtype)
             self.compressor_ape = nnx.Param(jnp.zeros((BLOCK, c.head_dim), jnp.float32))
             self.compressor_kv_norm = ones_param(c.head_dim)
         if c.layer_type == CSA:
             self.compressor = CSACompressor(
-                c.hidden_size, c.head_dim, c.q_lora_rank, c.rms_norm_eps, c.indexer, c.rope, rngs=rngs
+                c.hidden_size,
+                c.head_dim,
+                c.q_lora_rank,
+                c.rms_norm_eps,
+                c.indexer,
+                c.rope,
+                dtype=c.dtype,
+                rngs=rngs,
             )
 
     def hf_weight_paths(self) -> dict[str, tuple[str, ...]]:
@@ -319,7 +330,13 @@ class DeepseekV4Attention(nnx.Module):
         grouped = out.reshape(batch, tokens, c.o_groups, -1)
         o_a = self.o_a_proj[...].reshape(c.o_groups, c.o_lora_rank, -1)
         y = linear(
-            jnp.einsum("btgi,goi->btgo", grouped, o_a, precision=FULL).reshape(batch, tokens, -1),
+            jnp.einsum(
+                "btgi,goi->btgo",
+                grouped.astype(o_a.dtype),
+                o_a,
+                precision=FULL,
+                preferred_element_type=jnp.float32,
+            ).reshape(batch, tokens, -1),
             self.o_b_proj[...],
         )
         return y, self._update_window(cache, kv, positions, lengths), compressed

@@ -12,7 +12,8 @@ is visible to the queries at ``t >= 4w + 3``. The indexer scores each query agai
 State: the raw projected rows (``[kv | gate]``, no ape) of the last ``2 * RATE + max_draft`` positions per
 row, in a ring addressed by position (``p % ring``), and the entries and indexer keys by window index. As in
 :class:`~jax_oc128.OfflineState`, a verify's rejected drafts need no rollback: their rows and entries are
-rewritten by the positions that replace them before any query may read them. Everything is float32.
+rewritten by the positions that replace them before any query may read them. Activations, pooling and state
+are float32; the projections' weights are float32 or bfloat16 (:mod:`~jax_oc128.nn.functional`).
 """
 
 from __future__ import annotations
@@ -55,23 +56,33 @@ class CSACompressor(nnx.Module):
       hidden_size, head_dim, q_lora_rank, rms_norm_eps: the attention layer's.
       indexer: the :class:`IndexerConfig`.
       rope: the layer's (compress) :class:`~jax_oc128.nn.RopeConfig`, for entries, keys and indexer queries.
+      dtype: the projections' weights' (a name in :data:`~jax_oc128.nn.functional.DTYPES`).
     """
 
     def __init__(
-        self, hidden_size, head_dim, q_lora_rank, rms_norm_eps, indexer: IndexerConfig, rope, *, rngs
+        self,
+        hidden_size,
+        head_dim,
+        q_lora_rank,
+        rms_norm_eps,
+        indexer: IndexerConfig,
+        rope,
+        *,
+        dtype: str = "float32",
+        rngs,
     ):
         self.head_dim, self.eps, self.indexer, self.rope = head_dim, rms_norm_eps, indexer, rope
         index_dim = indexer.head_dim
-        self.kv_proj = normal_param(rngs, 2 * head_dim, hidden_size)
-        self.gate_proj = normal_param(rngs, 2 * head_dim, hidden_size)
+        self.kv_proj = normal_param(rngs, 2 * head_dim, hidden_size, dtype=dtype)
+        self.gate_proj = normal_param(rngs, 2 * head_dim, hidden_size, dtype=dtype)
         self.ape = nnx.Param(jnp.zeros((RATE, 2 * head_dim), jnp.float32))
         self.kv_norm = ones_param(head_dim)
-        self.indexer_kv_proj = normal_param(rngs, 2 * index_dim, hidden_size)
-        self.indexer_gate_proj = normal_param(rngs, 2 * index_dim, hidden_size)
+        self.indexer_kv_proj = normal_param(rngs, 2 * index_dim, hidden_size, dtype=dtype)
+        self.indexer_gate_proj = normal_param(rngs, 2 * index_dim, hidden_size, dtype=dtype)
         self.indexer_ape = nnx.Param(jnp.zeros((RATE, 2 * index_dim), jnp.float32))
         self.indexer_kv_norm = ones_param(index_dim)
-        self.indexer_q_b_proj = normal_param(rngs, indexer.num_heads * index_dim, q_lora_rank)
-        self.indexer_weights_proj = normal_param(rngs, indexer.num_heads, hidden_size)
+        self.indexer_q_b_proj = normal_param(rngs, indexer.num_heads * index_dim, q_lora_rank, dtype=dtype)
+        self.indexer_weights_proj = normal_param(rngs, indexer.num_heads, hidden_size, dtype=dtype)
 
     @property
     def row_width(self) -> int:

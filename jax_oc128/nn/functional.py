@@ -1,5 +1,12 @@
-"""The float32 building blocks the modules share: linear layers in transformers' weight layout, RMSNorm, the
-SwiGLU MLP, parameter initialisation and loading."""
+"""The building blocks the modules share: linear layers in transformers' weight layout, RMSNorm, the SwiGLU
+MLP, parameter initialisation, the parameters' dtype and loading.
+
+Precision: activations are float32. The matrices (linear layers, experts, the embedding and the LM head, made
+by :func:`normal_param`) are stored in the model's dtype, float32 or bfloat16; every other parameter stays
+float32, as transformers keeps DeepSeek-V4's norms, hyper-connections, sinks, position biases
+and router biases in float32. A linear layer takes its input in the weight's dtype and accumulates in float32
+(:func:`linear`), so a bfloat16 model runs its matmuls on bfloat16 operands and everything else (norms,
+softmaxes, RoPE, the residual streams, routing, the compressors' pooling) in float32."""
 
 from __future__ import annotations
 
@@ -9,11 +16,14 @@ import numpy as np
 from flax import nnx
 
 FULL = jax.lax.Precision.HIGHEST  # float32 matmuls stay float32 (on GPUs the default would allow TF32)
+#: the dtypes a model's weights may have, by name (``ModelConfig.dtype``)
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def linear(x, weight):
-    """``x @ weight.T`` for a ``[out, in]`` weight (transformers' layout), in full float32."""
-    return jnp.matmul(x, weight.T, precision=FULL)
+    """``x @ weight.T`` for a ``[out, in]`` weight (transformers' layout): ``x`` is taken in the weight's
+    dtype and the products are accumulated and returned in float32 (full float32 for a float32 weight)."""
+    return jnp.matmul(x.astype(weight.dtype), weight.T, precision=FULL, preferred_element_type=jnp.float32)
 
 
 def rms_norm(x, weight, eps):
@@ -21,10 +31,11 @@ def rms_norm(x, weight, eps):
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
 
-def normal_param(rngs: nnx.Rngs, *shape, scale=None) -> nnx.Param:
-    """A float32 parameter ~ N(0, scale^2), by default ``scale = 1 / sqrt(shape[-1])`` (fan-in)."""
+def normal_param(rngs: nnx.Rngs, *shape, scale=None, dtype: str = "float32") -> nnx.Param:
+    """A parameter ~ N(0, scale^2), by default ``scale = 1 / sqrt(shape[-1])`` (fan-in), drawn in float32
+    and stored as ``dtype`` (a name in :data:`DTYPES`)."""
     scale = shape[-1] ** -0.5 if scale is None else scale
-    return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32) * scale)
+    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(DTYPES[dtype]))
 
 
 def ones_param(size: int) -> nnx.Param:
@@ -41,6 +52,13 @@ def swiglu(x, gate, up, down, limit=None):
     return linear(jax.nn.silu(g) * u, down)
 
 
+def variable_at(module: nnx.Module, path: tuple) -> nnx.Variable:
+    """The variable at ``path`` in ``module``: a tuple of attribute names and list indices."""
+    for step in path:
+        module = module[step] if isinstance(step, int) else getattr(module, step)
+    return module
+
+
 def assign_weights(module: nnx.Module, paths: dict, weights: dict, prefix: str = "") -> None:
     """Set ``module``'s variables from ``weights`` (name -> array), ``paths`` mapping each expected name to
     the attribute path (a tuple of attribute names and list indices) of its variable. Every expected name
@@ -55,9 +73,7 @@ def assign_weights(module: nnx.Module, paths: dict, weights: dict, prefix: str =
             raise error(f"weights: {problem} tensors {sorted(prefix + name for name in names)}")
     variables = {}
     for name, path in paths.items():
-        variable = module
-        for step in path:
-            variable = variable[step] if isinstance(step, int) else getattr(variable, step)
+        variable = variable_at(module, path)
         value, want = np.asarray(weights[name]), variable[...]
         if value.shape != want.shape:
             raise ValueError(f"weights[{prefix + name!r}]: expected shape {want.shape}, got {value.shape}")

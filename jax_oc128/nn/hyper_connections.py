@@ -5,7 +5,8 @@ The residual is ``n = hc_mult`` parallel streams ``[batch, T, n, hidden]``. Arou
 MLP) a :class:`HyperConnection` collapses the streams into the sublayer's input and mixes the sublayer's
 output back in: ``streams' = post ⊗ f(Σ_i pre_i streams_i) + combᵀ streams``, where pre, post and the
 doubly-stochastic comb (Sinkhorn-projected) are computed from the streams themselves. :class:`HyperHead`
-collapses the streams once more before the final norm. Everything is float32.
+collapses the streams once more before the final norm. Everything is float32 (parameters included, as in
+transformers).
 """
 
 from __future__ import annotations

@@ -14,10 +14,14 @@ eager commit is one launch for all layers.
 :class:`MTPHead`: the draft head in the DeepSeek manner (the next token's embedding and the last hidden
 state, each normed, projected together, one sliding-window block, then the target's final norm and LM head,
 which it shares; applied recursively, its own output hidden state feeding the next draft).
+:class:`DeepseekV4MTP`: DeepSeek-V4's own MTP layer (its checkpoints' ``mtp.0.*``), the draft head of a
+model with hyper-connections. :class:`SpeculativeModel` is the target and its draft head (or none:
+``ModelConfig.mtp`` False, plain decoding only).
 
 Shapes: ``tokens`` ``[batch, T]`` int32, ``positions`` ``[batch, T]`` int32 (consecutive per row),
 ``lengths`` ``[batch]`` int32 (valid tokens per row, default all; rows of length 0 are untouched).
-Everything is computed in float32.
+Activations, caches and logits are float32; the matrices are stored in ``ModelConfig.dtype`` (float32 or
+bfloat16, accumulated in float32: :mod:`~jax_oc128.nn.functional`).
 """
 
 from __future__ import annotations
@@ -41,14 +45,22 @@ from jax_oc128.nn.attention import (
     prepare_forward,
 )
 from jax_oc128.nn.csa import IndexerConfig
-from jax_oc128.nn.functional import assign_weights, linear, normal_param, ones_param, rms_norm, swiglu
+from jax_oc128.nn.functional import (
+    DTYPES,
+    assign_weights,
+    linear,
+    normal_param,
+    ones_param,
+    rms_norm,
+    swiglu,
+)
 from jax_oc128.nn.hyper_connections import HyperConnection, HyperHead
 from jax_oc128.nn.moe import HASH_MOE, MOE, MoE, MoEConfig
 from jax_oc128.nn.rope import RopeConfig
 from jax_oc128.rules import MAX_DRAFT
 
-#: the fields of the full DeepSeek-V4 layout, whose defaults give the look-alike (a checkpoint written before
-#: they existed has those defaults)
+#: the fields added with the full DeepSeek-V4 layout (its layout, the draft head's presence, the weights'
+#: dtype), whose defaults give the look-alike (a checkpoint written before they existed has those defaults)
 V4_FIELDS = (
     "mlp_layer_types",
     "num_experts",
@@ -63,6 +75,8 @@ V4_FIELDS = (
     "index_topk",
     "compress_rope_factor",
     "compress_rope_original_max_position_embeddings",
+    "mtp",
+    "dtype",
 )
 
 
@@ -101,11 +115,13 @@ class ModelConfig:
     index_topk: int = 16
     compress_rope_factor: float | None = None  # YaRN on the compress RoPE (CSA and HCA layers)
     compress_rope_original_max_position_embeddings: int | None = None
+    mtp: bool = True  # a draft head (False: plain decoding only)
+    dtype: str = "float32"  # the matrices' storage dtype, a name in functional.DTYPES
 
     def __post_init__(self):
         """Every field checked (a config read from a file is checked before any parameter is built): ints
         in [1, 2**31) (positions and token ids are int32), finite floats > 0, a non-empty tuple of
-        supported layer types, and the shapes' constraints."""
+        supported layer types, a bool ``mtp``, a known ``dtype``, and the shapes' constraints."""
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             kind = field.type.removesuffix(" | None")
@@ -121,6 +137,10 @@ class ModelConfig:
                     raise TypeError(f"{field.name}: must be a number, got {value!r}")
                 if not 0 < value < math.inf:
                     raise ValueError(f"{field.name}: must be finite and > 0, got {value}")
+        if not isinstance(self.mtp, bool):
+            raise TypeError(f"mtp: must be a bool, got {self.mtp!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.layer_types, tuple) or not self.layer_types:
             raise TypeError(f"layer_types: must be a non-empty tuple, got {self.layer_types!r}")
         for i, layer_type in enumerate(self.layer_types):
@@ -180,6 +200,12 @@ class ModelConfig:
         """Whether the residual is ``hc_mult`` streams inside hyper-connections (else one plain residual)."""
         return self.hc_mult is not None
 
+    @property
+    def draft_hidden_size(self) -> int:
+        """The width of the target's hidden state that the draft head takes: the residual streams, flattened
+        (``hc_mult * hidden_size`` with hyper-connections, else ``hidden_size``)."""
+        return (self.hc_mult or 1) * self.hidden_size
+
     def attention(self, layer_type: str) -> AttentionConfig:
         """The :class:`~jax_oc128.nn.AttentionConfig` of a layer of ``layer_type``."""
         if layer_type == SLIDING:
@@ -207,6 +233,7 @@ class ModelConfig:
             rope=rope,
             max_position_embeddings=self.max_len,
             indexer=indexer,
+            dtype=self.dtype,
         )
 
     def moe(self, layer: int) -> MoEConfig | None:
@@ -222,13 +249,23 @@ class ModelConfig:
             routed_scaling_factor=self.routed_scaling_factor,
             swiglu_limit=self.swiglu_limit,
             vocab_size=self.vocab_size,
+            dtype=self.dtype,
         )
 
     @classmethod
-    def from_hf(cls, config: dict, *, max_len: int | None = None, max_draft: int = 8) -> ModelConfig:
+    def from_hf(
+        cls,
+        config: dict,
+        *,
+        max_len: int | None = None,
+        max_draft: int = 8,
+        mtp: bool = True,
+        dtype: str = "float32",
+    ) -> ModelConfig:
         """From ``DeepseekV4Config.to_dict()`` (a Hugging Face ``config.json``); ``max_len`` (default
-        ``max_position_embeddings``) bounds the sequences the caches hold. Raises ValueError naming a
-        missing field, NotImplementedError for what transformers allows and this model does not have."""
+        ``max_position_embeddings``) bounds the sequences the caches hold; ``max_draft``, ``mtp`` and
+        ``dtype`` are the fields of the same names. Raises ValueError naming a missing field,
+        NotImplementedError for what transformers allows and this model does not have."""
         missing = sorted(HF_FIELDS - config.keys())
         if missing:
             raise ValueError(f"config: missing fields {missing}")
@@ -252,6 +289,8 @@ class ModelConfig:
             compress_rope_original_max_position_embeddings=compress_rope.original_max_position_embeddings,
             max_len=config["max_position_embeddings"] if max_len is None else max_len,
             max_draft=max_draft,
+            mtp=mtp,
+            dtype=dtype,
         )
         if model_config.attention(HCA).rope != compress_rope:
             raise NotImplementedError(f"config: rope_parameters['compress']: unsupported {compress!r}")
@@ -350,9 +389,9 @@ class Block(nnx.Module):
         self.mlp_norm = ones_param(config.hidden_size)
         moe_config = config.moe(layer)
         if moe_config is None:
-            self.gate = normal_param(rngs, config.mlp_hidden, config.hidden_size)
-            self.up = normal_param(rngs, config.mlp_hidden, config.hidden_size)
-            self.down = normal_param(rngs, config.hidden_size, config.mlp_hidden)
+            self.gate = normal_param(rngs, config.mlp_hidden, config.hidden_size, dtype=config.dtype)
+            self.up = normal_param(rngs, config.mlp_hidden, config.hidden_size, dtype=config.dtype)
+            self.down = normal_param(rngs, config.hidden_size, config.mlp_hidden, dtype=config.dtype)
         else:
             self.moe = MoE(moe_config, rngs=rngs)
         if config.hyper_connections:
@@ -415,6 +454,12 @@ class Block(nnx.Module):
         return paths
 
 
+def flatten_streams(streams):
+    """The residual streams ``[batch, T, hc_mult, hidden]`` as one hidden state ``[batch, T, hc_mult *
+    hidden]`` (what the target hands the draft head)."""
+    return streams.reshape(*streams.shape[:-2], -1)
+
+
 def output_logits(hidden, norm, lm_head, eps):
     """The final RMSNorm and the LM head: ``[..., hidden]`` -> ``[..., vocab]``."""
     return linear(rms_norm(hidden, norm, eps), lm_head)
@@ -425,7 +470,7 @@ class DeepseekV4Model(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, backend: Backend = ONLINE, rngs: nnx.Rngs):
         self.config, self.backend = config, backend
-        self.embed = normal_param(rngs, config.vocab_size, config.hidden_size, scale=0.5)
+        self.embed = normal_param(rngs, config.vocab_size, config.hidden_size, scale=0.5, dtype=config.dtype)
         compress_layers = [config.layer_types[:i].count(HCA) for i in range(len(config.layer_types))]
         self.blocks = nnx.List(
             [Block(config, layer, backend, index, rngs=rngs) for layer, index in enumerate(compress_layers)]
@@ -435,14 +480,14 @@ class DeepseekV4Model(nnx.Module):
                 config.hc_mult, config.hidden_size, config.hc_eps, config.rms_norm_eps, rngs=rngs
             )
         self.norm = ones_param(config.hidden_size)
-        self.lm_head = normal_param(rngs, config.vocab_size, config.hidden_size)
+        self.lm_head = normal_param(rngs, config.vocab_size, config.hidden_size, dtype=config.dtype)
 
     @classmethod
     def from_hf(cls, config: dict, weights: dict, *, backend: Backend = ONLINE, **kwargs) -> DeepseekV4Model:
         """The model of a transformers ``DeepseekV4ForCausalLM``: its ``config`` (``to_dict()``) and its
         ``weights``, the full state dict (name -> numpy array; ``mtp.*`` tensors, which transformers drops,
         are not expected). Every tensor is checked (missing, unexpected, shape, integer or floating) before
-        any is set, each error naming it; ``kwargs``: ``max_len``, ``max_draft`` of
+        any is set, each error naming it; ``kwargs``: ``max_len``, ``max_draft``, ``dtype`` of
         :meth:`ModelConfig.from_hf`."""
         model_config = ModelConfig.from_hf(config, **kwargs)
         model = nnx.eval_shape(lambda: cls(model_config, backend=backend, rngs=nnx.Rngs(0)))
@@ -494,11 +539,11 @@ class DeepseekV4Model(nnx.Module):
         """A forward of ``mode`` (static :class:`~jax_oc128.controller.ForwardMode`: EXTEND or DECODE fold
         the tokens into the caches; TARGET_VERIFY writes a verify's banks, kept by :meth:`commit` or
         committed lazily by the rows' next forward). Returns ``(logits [batch, T, vocab], hidden
-        [batch, T, hidden], cache)``; ``hidden`` is the last block's output (with hyper-connections, the
-        streams' final collapse) before the final norm, what the MTP head takes."""
+        [batch, T, draft_hidden_size], cache)``; ``hidden`` is what the draft head takes, the last block's
+        output (with hyper-connections its residual streams, flattened, before their final collapse)."""
         lengths = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32) if lengths is None else lengths
         compressed = prepare_forward(self.backend, cache.compressed, mode, positions, lengths)
-        h = self.embed[...][tokens]
+        h = self.embed[...][tokens].astype(jnp.float32)
         if self.config.hyper_connections:
             h = jnp.broadcast_to(h[..., None, :], (*h.shape[:-1], self.config.hc_mult, h.shape[-1]))
         layers = []
@@ -506,7 +551,7 @@ class DeepseekV4Model(nnx.Module):
             h, layer, compressed = block(h, tokens, positions, layer, compressed, lengths, mode)
             layers.append(layer)
         if self.config.hyper_connections:
-            h = self.hc_head(h)
+            return self.logits(self.hc_head(h)), flatten_streams(h), ModelCache(tuple(layers), compressed)
         return self.logits(h), h, ModelCache(tuple(layers), compressed)
 
     def commit(self, cache: ModelCache, seq_lens, accept_lens) -> ModelCache:
@@ -533,7 +578,7 @@ class MTPHead(nnx.Module):
         self.embed, self.norm, self.lm_head = embed, norm, lm_head
         self.embed_norm = ones_param(config.hidden_size)
         self.hidden_norm = ones_param(config.hidden_size)
-        self.proj = normal_param(rngs, config.hidden_size, 2 * config.hidden_size)
+        self.proj = normal_param(rngs, config.hidden_size, 2 * config.hidden_size, dtype=config.dtype)
         # one sliding layer with a dense MLP and one residual stream, whatever the target's layout
         self.block = Block(
             dataclasses.replace(config, layer_types=(SLIDING,), mlp_layer_types=None, hc_mult=None),
@@ -550,7 +595,7 @@ class MTPHead(nnx.Module):
         """``tokens`` at ``positions`` with the hidden states ``[batch, T, hidden]`` of the positions before
         them. Returns ``(logits, hidden, cache)``: the logits of the next tokens and the head's own hidden
         states."""
-        e = rms_norm(self.embed[...][tokens], self.embed_norm[...], self.eps)
+        e = rms_norm(self.embed[...][tokens].astype(jnp.float32), self.embed_norm[...], self.eps)
         h = linear(
             jnp.concatenate([e, rms_norm(hidden, self.hidden_norm[...], self.eps)], axis=-1), self.proj[...]
         )
@@ -558,8 +603,72 @@ class MTPHead(nnx.Module):
         return output_logits(h, self.norm[...], self.lm_head[...], self.eps), h, cache
 
 
+class DeepseekV4MTP(nnx.Module):
+    """DeepSeek-V4's MTP layer (DeepSeek's ``MTPBlock``, its checkpoints' ``mtp.0.*`` tensors) as the draft
+    head: predicts token ``p + 1`` from token ``p`` and the target's residual streams at ``p - 1``. The
+    token's embedding (normed by ``enorm``) and each stream (normed by ``hnorm``) are projected (``e_proj``,
+    ``h_proj``) and added, the embedding's projection to every stream; one decoder block with
+    hyper-connections follows (sliding-window attention and a top-k routed MoE: DeepSeek-V4's MTP layer
+    type), then the layer's own stream collapse (``hc_head``) and norm, and the target's LM head. Applied
+    recursively, its output streams feeding the next draft.
+
+    Args:
+      config: the target's config (with hyper-connections).
+      embed, lm_head: the target's embedding and LM head ``[vocab, hidden]``, shared (the same
+        :class:`flax.nnx.Param` objects).
+    """
+
+    def __init__(self, config: ModelConfig, embed: nnx.Param, lm_head: nnx.Param, *, rngs: nnx.Rngs):
+        self.config = config
+        size = config.hidden_size
+        self.embed, self.lm_head = embed, lm_head
+        self.embed_norm = ones_param(size)
+        self.hidden_norm = ones_param(size)
+        self.embed_proj = normal_param(rngs, size, size, dtype=config.dtype)
+        self.hidden_proj = normal_param(rngs, size, size, dtype=config.dtype)
+        layer = dataclasses.replace(config, layer_types=(SLIDING,), mlp_layer_types=(MOE,))
+        self.block = Block(layer, 0, ONLINE, 0, rngs=rngs)
+        self.hc_head = HyperHead(config.hc_mult, size, config.hc_eps, config.rms_norm_eps, rngs=rngs)
+        self.norm = ones_param(size)
+
+    def init_cache(self, batch: int) -> AttentionCache:
+        return self.block.attn.init_cache(batch)
+
+    def weight_paths(self) -> dict[str, tuple]:
+        """Tensor name (within the layer's prefix, ``mtp.0.``: DeepSeek's names for the layer's own tensors,
+        transformers' for its block's) -> attribute path of this head."""
+        paths = {name: (attr,) for name, attr in MTP_WEIGHT_NAMES.items()}
+        paths |= {f"hc_head_{name}": ("hc_head", name) for name in ("fn", "base", "scale")}
+        return paths | {name: ("block", *path) for name, path in self.block.hf_weight_paths().items()}
+
+    def __call__(self, tokens, hidden, positions, cache: AttentionCache, *, lengths=None):
+        """``tokens`` at ``positions`` with the target's (or this head's) hidden states ``[batch, T,
+        hc_mult * hidden]`` of the positions before them. Returns ``(logits, hidden, cache)``: the logits of
+        the next tokens and this head's own output streams, flattened."""
+        c = self.config
+        e = rms_norm(self.embed[...][tokens].astype(jnp.float32), self.embed_norm[...], c.rms_norm_eps)
+        streams = hidden.reshape(*hidden.shape[:-1], c.hc_mult, c.hidden_size)
+        h = linear(rms_norm(streams, self.hidden_norm[...], c.rms_norm_eps), self.hidden_proj[...])
+        h = h + linear(e, self.embed_proj[...])[..., None, :]
+        h, cache, _ = self.block(h, tokens, positions, cache, None, lengths, ForwardMode.DRAFT_EXTEND)
+        logits = output_logits(self.hc_head(h), self.norm[...], self.lm_head[...], c.rms_norm_eps)
+        return logits, flatten_streams(h), cache
+
+
+#: DeepSeek's name of an MTP layer's own tensor (within ``mtp.{i}.``) -> attribute of :class:`DeepseekV4MTP`
+MTP_WEIGHT_NAMES = {
+    "enorm.weight": "embed_norm",
+    "hnorm.weight": "hidden_norm",
+    "e_proj.weight": "embed_proj",
+    "h_proj.weight": "hidden_proj",
+    "norm.weight": "norm",
+}
+
+
 class SpeculativeModel(nnx.Module):
-    """The target and its MTP head, as one module (one checkpoint)."""
+    """The target and its draft head, as one module (one checkpoint): ``mtp`` is a :class:`MTPHead` for a
+    model without hyper-connections, DeepSeek-V4's :class:`DeepseekV4MTP` for one with them, or None
+    (``config.mtp`` False: plain decoding only)."""
 
     def __init__(
         self,
@@ -571,12 +680,18 @@ class SpeculativeModel(nnx.Module):
     ):
         self.config = config
         self.target = DeepseekV4Model(config, backend=backend, rngs=rngs) if target is None else target
-        self.mtp = MTPHead(config, self.target.embed, self.target.norm, self.target.lm_head, rngs=rngs)
+        t = self.target
+        if not config.mtp:
+            self.mtp = None
+        elif config.hyper_connections:
+            self.mtp = DeepseekV4MTP(config, t.embed, t.lm_head, rngs=rngs)
+        else:
+            self.mtp = MTPHead(config, t.embed, t.norm, t.lm_head, rngs=rngs)
 
     @classmethod
     def from_hf(cls, config: dict, weights: dict, *, rngs: nnx.Rngs, **kwargs) -> SpeculativeModel:
-        """The target of :meth:`DeepseekV4Model.from_hf` (``kwargs``: its keyword arguments) with a new MTP
-        head drawn from ``rngs`` (transformers has no MTP layers; the head is this package's draft head, a
-        placeholder until DeepSeek's MTP layers load)."""
+        """The target of :meth:`DeepseekV4Model.from_hf` (``kwargs``: its keyword arguments) with a new,
+        untrained draft head (a :class:`DeepseekV4MTP`) drawn from ``rngs``: transformers has no MTP layers
+        (:func:`jax_oc128.load_pretrained` loads a checkpoint's)."""
         target = DeepseekV4Model.from_hf(config, weights, **kwargs)
         return cls(target.config, backend=target.backend, rngs=rngs, target=target)

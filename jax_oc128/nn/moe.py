@@ -4,7 +4,8 @@ Router scores are ``sqrt(softplus(x · W_gᵀ))`` per expert. A ``moe`` layer pi
 (scores + the selection-only ``e_score_correction_bias``); a ``hash_moe`` layer picks ``tid2eid[token]``, a
 fixed table. The picked scores, normalised to sum to 1 and times ``routed_scaling_factor``, weight the picked
 experts' SwiGLU outputs (gate and up clamped by ``swiglu_limit``); the shared expert, the same MLP unrouted,
-is added. Everything is float32.
+is added. Activations and routing are float32; the router's and experts' weights are float32 or bfloat16
+(:mod:`~jax_oc128.nn.functional`).
 
 Every expert runs on every token and the unpicked ones get weight 0 (exact, and simple for these tiny
 configs; a grouped dispatch is the later optimisation for real sizes).
@@ -35,6 +36,7 @@ class MoEConfig:
     routed_scaling_factor: float
     swiglu_limit: float
     vocab_size: int
+    dtype: str = "float32"  # the router's and experts' weights'
 
 
 class MoE(nnx.Module):
@@ -43,7 +45,7 @@ class MoE(nnx.Module):
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
         c = config
         self.config = c
-        self.router_weight = normal_param(rngs, c.num_experts, c.hidden_size)
+        self.router_weight = normal_param(rngs, c.num_experts, c.hidden_size, dtype=c.dtype)
         if c.hash_routed:
             self.tid2eid = nnx.Variable(
                 jnp.arange(c.vocab_size * c.num_experts_per_tok, dtype=jnp.int32).reshape(c.vocab_size, -1)
@@ -51,11 +53,15 @@ class MoE(nnx.Module):
             )
         else:
             self.e_score_correction_bias = nnx.Param(jnp.zeros((c.num_experts,), jnp.float32))
-        self.experts_gate_up = normal_param(rngs, c.num_experts, 2 * c.intermediate_size, c.hidden_size)
-        self.experts_down = normal_param(rngs, c.num_experts, c.hidden_size, c.intermediate_size)
-        self.shared_gate = normal_param(rngs, c.intermediate_size, c.hidden_size)
-        self.shared_up = normal_param(rngs, c.intermediate_size, c.hidden_size)
-        self.shared_down = normal_param(rngs, c.hidden_size, c.intermediate_size)
+        self.experts_gate_up = normal_param(
+            rngs, c.num_experts, 2 * c.intermediate_size, c.hidden_size, dtype=c.dtype
+        )
+        self.experts_down = normal_param(
+            rngs, c.num_experts, c.hidden_size, c.intermediate_size, dtype=c.dtype
+        )
+        self.shared_gate = normal_param(rngs, c.intermediate_size, c.hidden_size, dtype=c.dtype)
+        self.shared_up = normal_param(rngs, c.intermediate_size, c.hidden_size, dtype=c.dtype)
+        self.shared_down = normal_param(rngs, c.hidden_size, c.intermediate_size, dtype=c.dtype)
 
     def route(self, x, tokens):
         """``[batch, T, num_experts]``: each token's weight per expert (0 for the experts not picked)."""
