@@ -22,8 +22,9 @@ each operand's layout from the state's:
 
 On each device the op runs on its local state with the rows' global slots made local: ``slot - first`` for
 the slots of its shard (``first`` = its shard index times ``S / n``), -1 (padding) for every other slot. The
-state is never gathered nor copied: the op updates each device's shard in place. On one device, and in
-eager calls (outside ``jax.jit``), the op is called as it is.
+state is never gathered nor copied: the op updates each device's shard in place. On one device, in eager
+calls (outside ``jax.jit``) and inside ``shard_map`` (where the operands are a device's already), the op is
+called as it is.
 """
 
 from __future__ import annotations
@@ -60,9 +61,11 @@ def by_slots(fn, arg_names, ret_names, results, operands):
       results: ``jax.ShapeDtypeStruct`` per result, of the global (unpartitioned) call.
       operands: the arrays, in ``arg_names``' order.
 
-    Called outside ``jax.jit`` (no operand traced) the op runs as it is, unpartitioned.
+    Called outside ``jax.jit`` (no operand traced), or inside ``shard_map`` (whose operands are each device's
+    own), the op runs as it is.
     """
-    if not any(isinstance(x, jax.core.Tracer) for x in operands):
+    eager = not any(isinstance(x, jax.core.Tracer) for x in operands)
+    if eager or jax.sharding.get_abstract_mesh().manual_axes:
         return fn(results, *operands)
     call = custom_partitioning(lambda *operands: fn(results, *operands))
     num_slots = operands[arg_names.index("state")].shape[SLOT_AXIS["state"]]

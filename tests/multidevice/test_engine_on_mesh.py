@@ -1,0 +1,119 @@
+"""The engine on meshes of 4 CPU devices (data x model: 4x1, 2x2, 1x4), the small model of test_decode: the
+same greedy tokens as one device, plain and speculative, with slots reused; the decode state keeps its layout
+from call to call and the compiled steps move no cache or state between devices."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_decode import make_model, prompts
+
+from jax_oc128.controller import ONLINE
+from jax_oc128.decode import Engine, _stop_array
+from jax_oc128.nn import sharding
+
+SLOTS, NEW_TOKENS, N = (
+    4,
+    40,
+    4,
+)  # 5 prompts for 4 slots: a slot is reused; blocks of 128 close in prefill and decode
+MESHES = [(4, 1), (2, 2), (1, 4)]
+
+
+@functools.cache
+def model():
+    return make_model(ONLINE)
+
+
+@functools.cache
+def engine(shape=None):
+    mesh = None if shape is None else sharding.make_mesh(*shape)
+    return Engine(model(), SLOTS, prompt_bucket=256, mesh=mesh)  # one prompt bucket: one prefill compiled
+
+
+@functools.cache
+def one_device(num_tokens):
+    return engine().generate(prompts(), NEW_TOKENS, num_tokens=num_tokens).tokens
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=[f"{d}x{m}" for d, m in MESHES])
+def test_same_greedy_tokens_as_one_device(shape):
+    on_mesh = engine(shape)
+    for num_tokens in (None, N):
+        tokens = on_mesh.generate(prompts(), NEW_TOKENS, num_tokens=num_tokens).tokens
+        assert tokens == one_device(num_tokens), f"N = {num_tokens}"
+    state = on_mesh._idle_state  # what generate left: the layout the steps keep
+    mesh = on_mesh.mesh
+    assert state.cache.compressed.banks.sharding.is_equivalent_to(
+        NamedSharding(mesh, P(None, None, "data")), 5
+    )
+    for leaf in [*jax.tree.leaves(state.cache.layers), state.token, state.hidden, state.mtp_cache.window]:
+        assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), leaf.ndim)
+    q_b_proj = on_mesh.params["target"]["blocks"][0]["attn"]["q_b_proj"][...]
+    assert q_b_proj.sharding.is_equivalent_to(NamedSharding(mesh, P("model")), 2)
+
+
+COLLECTIVE = re.compile(r"= (\S+) (all-gather|all-to-all|collective-permute|reduce-scatter|all-reduce)\(")
+
+
+def collectives(compiled) -> list[tuple[str, str, str]]:
+    """(kind, shape, jax operation) of each collective of a compiled step."""
+    found = []
+    for line in compiled.as_text().splitlines():
+        match = COLLECTIVE.search(line)
+        if match:
+            op = re.search(r'op_name="[^"]*/(\w+)"', line)
+            found.append((match.group(2), match.group(1).split("{")[0], op.group(1) if op else ""))
+    return found
+
+
+def compiled_steps(on_mesh):
+    state = on_mesh.init_state()
+    stops = _stop_array(())
+    decode = on_mesh._decode.lower(on_mesh.params, state, stops, np.bool_(False), 8, N, 0.0).compile()
+    tokens, lengths = np.zeros((SLOTS, 256), np.int32), np.ones(SLOTS, np.int32)
+    prefill = on_mesh._prefill.lower(on_mesh.params, state, tokens, lengths, lengths, stops, 0.0).compile()
+    return prefill, decode
+
+
+def test_data_parallel_steps_communicate_only_the_loops_counts():
+    """4x1: each device prefills and decodes its own slots; the only collectives are the all-reduces of the
+    loop's condition and counts (scalars)."""
+    prefill, decode = compiled_steps(engine((4, 1)))
+    assert collectives(prefill) == []
+    found = collectives(decode)
+    assert found and all(kind == "all-reduce" and shape == "s32[]" for kind, shape, _ in found), found
+
+
+def test_tensor_parallel_steps_move_no_cache_or_state():
+    """2x2: the model axis adds the all-reduces of the split contractions (o-projection, MLP down) and the
+    all-gathers of the vocabulary-split argmax; no collective has the shape of an array of the decode state
+    (whole or one device's)."""
+    on_mesh = engine((2, 2))
+    hlo_types = {"float32": "f32", "int32": "s32", "bool": "pred"}
+    state_shapes = set()
+    for leaf, spec in zip(
+        jax.tree.leaves(on_mesh._state_layout),
+        jax.tree.leaves(sharding.slot_specs(on_mesh._state_layout)),
+        strict=True,
+    ):
+        if leaf.dtype.name in hlo_types:
+            for shape in (leaf.shape, NamedSharding(on_mesh.mesh, spec).shard_shape(leaf.shape)):
+                state_shapes.add(f"{hlo_types[leaf.dtype.name]}[{','.join(map(str, shape))}]")
+    prefill, decode = compiled_steps(on_mesh)
+    found = collectives(prefill) + collectives(decode)
+    kinds = {(kind, op) for kind, _, op in found}
+    assert kinds <= {("all-reduce", "dot_general"), ("all-gather", "reduce"), ("all-reduce", "psum")}, kinds
+    assert ("all-reduce", "dot_general") in kinds
+    assert not [c for c in found if c[1] in state_shapes], found
+
+
+def test_slots_must_split_evenly_over_the_data_axis():
+    with pytest.raises(ValueError, match=r"slots: must be a multiple of the mesh's data axis \(4\), got 6"):
+        Engine(model(), 6, mesh=sharding.make_mesh(4, 1))
