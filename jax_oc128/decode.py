@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_oc128.checks import check_int, is_int
@@ -412,14 +412,24 @@ class Engine:
             )
 
         def placed(in_specs, out_specs):
-            """The jit's placement of the arguments (the parameters first) and results, on a mesh."""
+            """The jit's placement of the arguments (the parameters first) and results, on a mesh. The state
+            stays split; the output, small, is gathered on every device (every process reads it whole)."""
             if mesh is None:
                 return {}
             return dict(
                 in_shardings=sharding.named((param_specs, *in_specs), mesh),
-                out_shardings=sharding.named(out_specs, mesh),
+                out_shardings=sharding.named((out_specs[0], everywhere), mesh),
             )
 
+        def host_rows(array):
+            """A host array of the slots as the prefill takes it: on a mesh, each process gives its devices
+            their slots (every process holds the whole array)."""
+            if mesh is None:
+                return array
+            placement = NamedSharding(mesh, row)
+            return jax.make_array_from_callback(array.shape, placement, lambda index: array[index])
+
+        self._host_rows = host_rows
         prefill_specs = ((state, row, row, row, everywhere), (state, output))
         decode_specs = ((state, everywhere, everywhere), (state, output))
 
@@ -518,7 +528,8 @@ class Engine:
         for slot, prompt in prompts.items():
             tokens[slot, : len(prompt)], lengths[slot] = prompt, len(prompt)
         budgets = np.full(self.slots, max_new_tokens, np.int32)
-        return self._prefill(self.params, state, tokens, lengths, budgets, stops, temperature)
+        rows = (self._host_rows(x) for x in (tokens, lengths, budgets))
+        return self._prefill(self.params, state, *rows, stops, temperature)
 
     def decode(
         self,

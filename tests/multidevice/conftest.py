@@ -8,7 +8,11 @@ import jax
 
 DEVICES = 4
 
-FLAG = f"--xla_force_host_platform_device_count={DEVICES}"
+# the devices, and a quicker compilation (every comparison of these tests is between programs compiled alike)
+FLAGS = (
+    f"--xla_force_host_platform_device_count={DEVICES} --xla_backend_optimization_level=0 "
+    "--xla_llvm_disable_expensive_passes=true"
+)
 
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FLAG}"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FLAGS}"
 jax.config.update("jax_platforms", "cpu")

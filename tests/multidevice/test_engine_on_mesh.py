@@ -8,6 +8,7 @@ import functools
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
@@ -73,45 +74,62 @@ def collectives(compiled) -> list[tuple[str, str, str]]:
     return found
 
 
-def compiled_steps(on_mesh):
+HLO_TYPES = {"float32": "f32", "int32": "s32", "bool": "pred"}
+
+
+def hlo_shape(dtype, shape) -> str:
+    return f"{HLO_TYPES[jnp.dtype(dtype).name]}[{','.join(map(str, shape))}]"
+
+
+def kind_of(collective, outputs) -> str:
+    """What a collective of the compiled prefill or decode moves: "counts" (the loop's condition and counts),
+    "output" (the dispatch's output, gathered once at its end for the host), "tensor parallel" (an all-reduce
+    of a split contraction, an all-gather of a vocabulary-split argmax), or "other"."""
+    kind, shape, op = collective
+    if kind == "all-reduce" and shape == "s32[]":
+        return "counts"
+    if kind == "all-gather" and shape in outputs:
+        return "output"
+    if (kind, op) in (("all-reduce", "dot_general"), ("all-gather", "reduce")):
+        return "tensor parallel"
+    return "other"
+
+
+def steps_collectives(on_mesh):
+    """The collectives of the compiled prefill and decode (N = 4), each with its :func:`kind_of` (those
+    that generate ran: after test_same_greedy_tokens_as_one_device, they are compiled already)."""
     state = on_mesh.init_state()
-    stops = _stop_array(())
-    decode = on_mesh._decode.lower(on_mesh.params, state, stops, np.bool_(False), 8, N, 0.0).compile()
+    stops, steps = _stop_array(()), on_mesh.steps_per_dispatch
+    decode = on_mesh._decode.lower(on_mesh.params, state, stops, np.bool_(False), steps, N, 0.0).compile()
     tokens, lengths = np.zeros((SLOTS, 256), np.int32), np.ones(SLOTS, np.int32)
     prefill = on_mesh._prefill.lower(on_mesh.params, state, tokens, lengths, lengths, stops, 0.0).compile()
-    return prefill, decode
+    outputs = {hlo_shape(bool, [SLOTS])}
+    for k, n in ((1, 1), (steps, N)):
+        outputs |= {hlo_shape(np.int32, [k, SLOTS, n]), hlo_shape(np.int32, [k, SLOTS])}
+    return [(kind_of(c, outputs), c) for c in collectives(prefill) + collectives(decode)]
 
 
 def test_data_parallel_steps_communicate_only_the_loops_counts():
-    """4x1: each device prefills and decodes its own slots; the only collectives are the all-reduces of the
-    loop's condition and counts (scalars)."""
-    prefill, decode = compiled_steps(engine((4, 1)))
-    assert collectives(prefill) == []
-    found = collectives(decode)
-    assert found and all(kind == "all-reduce" and shape == "s32[]" for kind, shape, _ in found), found
+    """4x1: each device prefills and decodes its own slots; the collectives are the all-reduces of the loop's
+    condition and counts (scalars) and the gathering of the output."""
+    found = steps_collectives(engine((4, 1)))
+    assert {kind for kind, _ in found} == {"counts", "output"}, found
 
 
 def test_tensor_parallel_steps_move_no_cache_or_state():
     """2x2: the model axis adds the all-reduces of the split contractions (o-projection, MLP down) and the
-    all-gathers of the vocabulary-split argmax; no collective has the shape of an array of the decode state
-    (whole or one device's)."""
+    all-gathers of the vocabulary-split argmax; no other collective than the output's has the shape of an
+    array of the decode state (whole or one device's)."""
     on_mesh = engine((2, 2))
-    hlo_types = {"float32": "f32", "int32": "s32", "bool": "pred"}
     state_shapes = set()
-    for leaf, spec in zip(
-        jax.tree.leaves(on_mesh._state_layout),
-        jax.tree.leaves(sharding.slot_specs(on_mesh._state_layout)),
-        strict=True,
-    ):
-        if leaf.dtype.name in hlo_types:
+    layout = jax.tree.leaves(on_mesh._state_layout)
+    for leaf, spec in zip(layout, jax.tree.leaves(sharding.slot_specs(on_mesh._state_layout)), strict=True):
+        if leaf.dtype.name in HLO_TYPES:
             for shape in (leaf.shape, NamedSharding(on_mesh.mesh, spec).shard_shape(leaf.shape)):
-                state_shapes.add(f"{hlo_types[leaf.dtype.name]}[{','.join(map(str, shape))}]")
-    prefill, decode = compiled_steps(on_mesh)
-    found = collectives(prefill) + collectives(decode)
-    kinds = {(kind, op) for kind, _, op in found}
-    assert kinds <= {("all-reduce", "dot_general"), ("all-gather", "reduce"), ("all-reduce", "psum")}, kinds
-    assert ("all-reduce", "dot_general") in kinds
-    assert not [c for c in found if c[1] in state_shapes], found
+                state_shapes.add(hlo_shape(leaf.dtype, shape))
+    found = steps_collectives(on_mesh)
+    assert {kind for kind, _ in found} == {"counts", "output", "tensor parallel"}, found
+    assert not [c for kind, c in found if kind != "output" and c[1] in state_shapes], found
 
 
 def test_slots_must_split_evenly_over_the_data_axis():
