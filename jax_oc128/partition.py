@@ -77,7 +77,24 @@ def by_slots(fn, arg_names, ret_names, results, operands):
         sharding_rule=rule,
         need_replication_factors=replicated,
     )
-    return call(*operands)
+    return _sequential_under_vmap(call)(*operands)
+
+
+def _sequential_under_vmap(call):
+    """``call`` with a batching rule (custom_partitioning has none): under ``jax.vmap``, one call per batch
+    element in sequence (a ``lax.map``), as the native call's own ``vmap_method="sequential"``."""
+    batchable = jax.custom_batching.custom_vmap(call)
+
+    @batchable.def_vmap
+    def rule(axis_size, in_batched, *operands):
+        def one(batched):
+            it = iter(batched)
+            return batchable(*(next(it) if b else x for x, b in zip(operands, in_batched, strict=True)))
+
+        out = jax.lax.map(one, [x for x, b in zip(operands, in_batched, strict=True) if b])
+        return out, jax.tree.map(lambda _: True, out)
+
+    return batchable
 
 
 def _split_axis(name, shape, num_slots):
