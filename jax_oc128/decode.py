@@ -331,6 +331,67 @@ class Result:
     mean_accepted: float  # tokens a slot gains per step (1 for plain decoding)
 
 
+class _Placement:
+    """Where an engine's arrays lie and how its steps run: on one device (``mesh`` None), or on a mesh of the
+    axes ``("data", "model")``: the decode state split by slot over ``"data"``, each device running the steps
+    on its own slots (a ``shard_map``), the parameters split over ``"model"`` by their rules
+    (:mod:`jax_oc128.nn.sharding`), the dispatch's output gathered on every device.
+
+    Args:
+      mesh: the mesh, or None; params: the model's parameters; state: the decode state's layout.
+    """
+
+    def __init__(self, mesh: Mesh | None, params, state: DecodeState):
+        self.mesh = mesh
+        self.axis = None if mesh is None else sharding.DATA  # the mesh axis of the slots inside the steps
+        self.params = None if mesh is None else sharding.param_specs(params, mesh)
+        self.state = dataclasses.replace(sharding.slot_specs(state), key=P())  # the PRNG key everywhere
+        per_step = sharding.slots_at(1)
+        self.output = DecodeOutput(per_step, per_step, sharding.slots_at(0), P(), P(), P())
+
+    def put_params(self, params):
+        """The parameters on the device, or split over the mesh."""
+        return jax.device_put(params, None if self.mesh is None else sharding.named(self.params, self.mesh))
+
+    def per_slot_shard(self, fn, in_specs, out_specs):
+        """``fn(params, *args)`` on each device's slots (the parameters whole, the args by ``in_specs``), or
+        ``fn`` itself without a mesh."""
+        if self.mesh is None:
+            return fn
+        # check_vma off: the C128 ops' custom calls and platform branches carry no varying-axes types
+        return jax.shard_map(
+            fn,
+            mesh=self.mesh,
+            in_specs=(P(), *in_specs),
+            out_specs=out_specs,
+            axis_names={self.axis},
+            check_vma=False,
+        )
+
+    def jit_options(self, in_specs, out_specs) -> dict:
+        """``jax.jit``'s placement of a step's arguments (the parameters first, then by ``in_specs``) and of
+        its ``(state, output)``: the state as it came, the output, small, whole on every device (every
+        process reads it)."""
+        if self.mesh is None:
+            return {}
+        return dict(
+            in_shardings=sharding.named((self.params, *in_specs), self.mesh),
+            out_shardings=sharding.named((out_specs[0], P()), self.mesh),
+        )
+
+    def state_options(self) -> dict:
+        """``jax.jit``'s placement of a function's decode state result."""
+        return {} if self.mesh is None else dict(out_shardings=sharding.named(self.state, self.mesh))
+
+    def host_rows(self, array):
+        """A host array of the slots as a step takes it: on a mesh, each process gives its devices their slots
+        (every process holds the whole array)."""
+        if self.mesh is None:
+            return array
+        placement = NamedSharding(self.mesh, sharding.slots_at(0))
+        return jax.make_array_from_callback(array.shape, placement, lambda index: array[index])
+
+
 class Engine:
     """Generation over ``slots`` slots with a :class:`~jax_oc128.nn.SpeculativeModel`.
 
@@ -377,7 +438,6 @@ class Engine:
                 f"got {self.slots}"
             )
         graphdef, params = nnx.split(model)
-        axis = None if mesh is None else sharding.DATA  # the mesh axis of the slots inside the steps
 
         def init_state(seed):  # the caches' layout comes from the config; no parameter is read
             slots = self.slots
@@ -394,50 +454,18 @@ class Engine:
 
         # the decode state's tree, shapes and dtypes (traced, not compiled), what prefill and decode accept
         self._state_layout = jax.eval_shape(init_state, np.uint32(0))
-        # on a mesh: the slots over its data axis (the PRNG key everywhere), the parameters by their rules
-        state = dataclasses.replace(sharding.slot_specs(self._state_layout), key=P())
-        output = DecodeOutput(sharding.slots_at(1), sharding.slots_at(1), sharding.slots_at(0), P(), P(), P())
-        row, everywhere = sharding.slots_at(0), P()
-        param_specs = None if mesh is None else sharding.param_specs(params, mesh)
-        self.params = jax.device_put(params, None if mesh is None else sharding.named(param_specs, mesh))
-
-        def per_slot_shard(fn, in_specs, out_specs):
-            """``fn`` on each device's slots (parameters whole), or ``fn`` itself without a mesh."""
-            if mesh is None:
-                return fn
-            in_specs = (everywhere, *in_specs)
-            # check_vma off: the C128 ops' custom calls and platform branches carry no varying-axes types
-            return jax.shard_map(
-                fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={axis}, check_vma=False
-            )
-
-        def placed(in_specs, out_specs):
-            """The jit's placement of the arguments (the parameters first) and results, on a mesh. The state
-            stays split; the output, small, is gathered on every device (every process reads it whole)."""
-            if mesh is None:
-                return {}
-            return dict(
-                in_shardings=sharding.named((param_specs, *in_specs), mesh),
-                out_shardings=sharding.named((out_specs[0], everywhere), mesh),
-            )
-
-        def host_rows(array):
-            """A host array of the slots as the prefill takes it: on a mesh, each process gives its devices
-            their slots (every process holds the whole array)."""
-            if mesh is None:
-                return array
-            placement = NamedSharding(mesh, row)
-            return jax.make_array_from_callback(array.shape, placement, lambda index: array[index])
-
-        self._host_rows = host_rows
-        prefill_specs = ((state, row, row, row, everywhere), (state, output))
-        decode_specs = ((state, everywhere, everywhere), (state, output))
+        self._placement = placement = _Placement(self.mesh, params, self._state_layout)
+        self.params = placement.put_params(params)
+        row, axis = sharding.slots_at(0), placement.axis
+        prefill_specs = ((placement.state, row, row, row, P()), (placement.state, placement.output))
+        decode_specs = ((placement.state, P(), P()), (placement.state, placement.output))
 
         def prefill(params, state, tokens, lengths, budgets, stop_tokens, temperature):
             def run(params, *args):
                 return _prefill(nnx.merge(graphdef, params), *args, temperature, axis)
 
-            return per_slot_shard(run, *prefill_specs)(params, state, tokens, lengths, budgets, stop_tokens)
+            run = placement.per_slot_shard(run, *prefill_specs)
+            return run(params, state, tokens, lengths, budgets, stop_tokens)
 
         def decode(params, state, stop_tokens, waiting, steps, num_tokens, temperature):
             def run(params, *args):
@@ -446,7 +474,7 @@ class Engine:
                     model, *args, steps=steps, num_tokens=num_tokens, temperature=temperature, axis=axis
                 )
 
-            return per_slot_shard(run, *decode_specs)(params, state, stop_tokens, waiting)
+            return placement.per_slot_shard(run, *decode_specs)(params, state, stop_tokens, waiting)
 
         def restart(state, seed):
             zeros = jnp.zeros_like(state.remaining)
@@ -458,18 +486,20 @@ class Engine:
             "XLA_FLAGS", ""
         ):
             loop_options = GPU_LOOP_OPTIONS
-        on_mesh = {} if mesh is None else dict(out_shardings=sharding.named(state, mesh))
-        self._init_state = jax.jit(init_state, **on_mesh)
-        self._restart = jax.jit(restart, donate_argnames="state", **on_mesh)
+        self._init_state = jax.jit(init_state, **placement.state_options())
+        self._restart = jax.jit(restart, donate_argnames="state", **placement.state_options())
         self._prefill = jax.jit(
-            prefill, static_argnames="temperature", donate_argnames="state", **placed(*prefill_specs)
+            prefill,
+            static_argnames="temperature",
+            donate_argnames="state",
+            **placement.jit_options(*prefill_specs),
         )
         self._decode = jax.jit(
             decode,
             static_argnames=("steps", "num_tokens", "temperature"),
             donate_argnames="state",
             compiler_options=loop_options,
-            **placed(*decode_specs),
+            **placement.jit_options(*decode_specs),
         )
         self._idle_state = None  # generate's state between calls (its buffers reused, their slots cleared)
 
@@ -528,7 +558,7 @@ class Engine:
         for slot, prompt in prompts.items():
             tokens[slot, : len(prompt)], lengths[slot] = prompt, len(prompt)
         budgets = np.full(self.slots, max_new_tokens, np.int32)
-        rows = (self._host_rows(x) for x in (tokens, lengths, budgets))
+        rows = (self._placement.host_rows(x) for x in (tokens, lengths, budgets))
         return self._prefill(self.params, state, *rows, stops, temperature)
 
     def decode(
