@@ -1,8 +1,9 @@
 """Where the model, its caches and the C128 state lie on a mesh of two axes, in one place.
 
 * ``"data"`` (:data:`DATA`) splits the slots: the batch rows of every cache and the slots of the C128 state
-  (each device runs the C128 ops on its own slots, :mod:`jax_oc128.partition`). Batch row b of a forward is
-  slot b, so a device's rows address its own slots and the ops communicate nothing.
+  (:data:`SLOT_AXES`). Batch row b of a forward is slot b, so a device's rows address its own slots: the
+  engine runs each device's slots on their own (``shard_map``), and the C128 ops alone partition so too
+  (:mod:`jax_oc128.partition`).
 * ``"model"`` (:data:`MODEL`) splits the parameters by :data:`PARAM_RULES`: the attention heads and
   o-groups, the MLP's hidden units, the experts and the LM head's vocabulary (tensor parallel; XLA adds the
   all-reduces of the contractions). The caches, of one KV head, and the C128 state are replicated over it.
@@ -70,8 +71,7 @@ def param_specs(params, mesh: Mesh):
     of arrays whose paths end in a module's attribute names) by :data:`PARAM_RULES`, on ``mesh``."""
 
     def spec(path, x):
-        names = tuple(_name(key) for key in path)
-        names = names[:-1] if names[-1] == "value" else names  # an nnx.Variable's array
+        names = path_names(path)
         rule = next((spec for tail, spec in PARAM_RULES if names[-len(tail) :] == tail), P())
         return _divisible(rule, x.shape, mesh)
 
@@ -103,12 +103,18 @@ def named(specs, mesh: Mesh):
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def _name(key) -> str:
-    """The name in a pytree path entry: a dict key, an attribute or a sequence index."""
-    for field in ("key", "name", "idx"):
-        if hasattr(key, field):
-            return str(getattr(key, field))
-    return str(key)
+def path_names(path) -> tuple[str, ...]:
+    """The names of a pytree path (dict keys, attributes, sequence indices as strings), without the final
+    ``value`` of an ``nnx.Variable``'s array: the path the rules match."""
+
+    def name(key):
+        for field in ("key", "name", "idx"):
+            if hasattr(key, field):
+                return str(getattr(key, field))
+        return str(key)
+
+    names = tuple(name(key) for key in path)
+    return names[:-1] if names and names[-1] == "value" else names
 
 
 def _divisible(spec: P, shape, mesh: Mesh) -> P:

@@ -11,19 +11,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_decode import make_model, prompts
+from test_v4_parity import fixture
 
 from jax_oc128.controller import ONLINE
 from jax_oc128.decode import Engine, _stop_array
-from jax_oc128.nn import sharding
+from jax_oc128.nn import SpeculativeModel, sharding
 
-SLOTS, NEW_TOKENS, N = (
-    4,
-    40,
-    4,
-)  # 5 prompts for 4 slots: a slot is reused; blocks of 128 close in prefill and decode
+# 5 prompts for 4 slots: a slot is reused; blocks of 128 close in prefill and in decoding
+SLOTS, NEW_TOKENS, N = 4, 40, 4
 MESHES = [(4, 1), (2, 2), (1, 4)]
 
 
@@ -135,3 +134,17 @@ def test_tensor_parallel_steps_move_no_cache_or_state():
 def test_slots_must_split_evenly_over_the_data_axis():
     with pytest.raises(ValueError, match=r"slots: must be a multiple of the mesh's data axis \(4\), got 6"):
         Engine(model(), 6, mesh=sharding.make_mesh(4, 1))
+
+
+def test_full_deepseek_v4_on_a_mesh():
+    """The tiny transformers DeepSeek-V4 of test_v4_parity (sliding, CSA and C128 layers, hash and top-k MoE
+    of 4 experts, hyper-connections) on the 2x2 mesh: its experts split over the model axis, its CSA caches by
+    slot; speculative greedy tokens (N = 2) are one device's."""
+    config, weights, data = fixture("small_window")
+    v4 = SpeculativeModel.from_hf(config, weights, rngs=nnx.Rngs(0), max_len=512)
+    requests = [list(map(int, prompt)) for prompt in data["prompt"]]
+    engines = [Engine(v4, 2, prompt_bucket=256, mesh=mesh) for mesh in (None, sharding.make_mesh(2, 2))]
+    experts = engines[1].params["target"]["blocks"][0]["moe"]["experts_gate_up"][...]
+    assert experts.sharding.is_equivalent_to(NamedSharding(engines[1].mesh, P("model")), 3)
+    one, on_mesh = (engine.generate(requests, 12, num_tokens=2).tokens for engine in engines)
+    assert on_mesh == one
