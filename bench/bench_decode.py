@@ -49,12 +49,17 @@ go away; the per-step ratio is printed beside it).
 ``--sweep-k 1 4 16 64`` instead measures e2e tokens/s for each K (one engine per K) at the first config and
 backend, for the given modes and slots, to choose the engine's default K by measurement.
 
+``--mesh data=D,model=M`` runs every engine on a mesh of D x M devices (``Engine(mesh=)``): the slots split
+over the D devices of the data axis (data parallel; each slot count a multiple of D), the heads, o-groups,
+MLP and vocabulary over the M of the model axis (tensor parallel). Without it: one device.
+
 Usage (from a directory other than the repository root, or with jax_oc128 installed)::
 
     python bench/bench_decode.py [--configs shipped v4flash-attn v4flash-slice] [--backends online offline]
         [--modes plain 2 4] [--slots 1 8 64] [--steps-per-dispatch K] [--tokens 256]
         [--out bench/results/bench_decode.json]
     python bench/bench_decode.py --configs shipped --sweep-k 1 4 16 64 --modes plain 4 --slots 8
+    python bench/bench_decode.py --configs v4flash-attn --backends online --mesh data=2,model=1 --slots 8 16
 """
 
 from __future__ import annotations
@@ -73,7 +78,7 @@ from flax import nnx
 from jax_oc128 import checkpoint
 from jax_oc128.controller import BACKENDS
 from jax_oc128.decode import STEPS_PER_DISPATCH, Engine
-from jax_oc128.nn import ModelConfig, SpeculativeModel
+from jax_oc128.nn import ModelConfig, SpeculativeModel, sharding
 from jax_oc128.nn.attention import CSA, HCA, SLIDING
 from jax_oc128.nn.moe import HASH_MOE, MOE
 
@@ -227,7 +232,7 @@ def measure(args) -> list[dict]:
         for backend in args.backends:
             model = build_model(config, backend)
             for slots in args.slots:
-                engine = Engine(model, slots, steps_per_dispatch=args.steps_per_dispatch)
+                engine = Engine(model, slots, steps_per_dispatch=args.steps_per_dispatch, mesh=args.mesh)
                 prompts = make_prompts(model.config, slots, args.prompt_len)
                 for num_tokens in args.modes:
                     row = dict(config=config, backend=backend, mode=mode_name(num_tokens), slots=slots)
@@ -286,7 +291,7 @@ def sweep(args) -> list[dict]:
         for slots in args.slots:
             prompts = make_prompts(model.config, slots, args.prompt_len)
             for k in args.sweep_k:
-                engine = Engine(model, slots, steps_per_dispatch=k)
+                engine = Engine(model, slots, steps_per_dispatch=k, mesh=args.mesh)
                 start = time.perf_counter()
                 engine.generate(prompts, 4, num_tokens=num_tokens)  # compiles
                 compile_s = time.perf_counter() - start
@@ -300,6 +305,22 @@ def sweep(args) -> list[dict]:
                 )
                 del engine
     return rows
+
+
+def parse_mesh(text: str, parser) -> dict[str, int]:
+    """``--mesh data=D,model=M`` as ``{"data": D, "model": M}`` (an axis left out has size 1); a parser error
+    for anything else or more devices than there are."""
+    sizes = {"data": 1, "model": 1}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        if name not in sizes or not size.isdigit() or int(size) < 1:
+            parser.error(f"--mesh: expected data=D,model=M with sizes >= 1, got {text!r}")
+        sizes[name] = int(size)
+    if sizes["data"] * sizes["model"] > jax.device_count():
+        parser.error(
+            f"--mesh: {text} needs {sizes['data'] * sizes['model']} devices, {jax.device_count()} found"
+        )
+    return sizes
 
 
 def main():
@@ -319,6 +340,9 @@ def main():
     parser.add_argument(
         "--sweep-k", type=int, nargs="+", default=None, help="measure e2e tokens/s per K only"
     )
+    parser.add_argument(
+        "--mesh", default=None, help="data=D,model=M: the engines on a mesh of D x M devices (default: one)"
+    )
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args()
     try:
@@ -327,13 +351,19 @@ def main():
         parser.error(f"--modes: 'plain' or integers N >= 2, got {args.modes}")
     if any(m is not None and m < 2 for m in args.modes):
         parser.error("--modes: N must be >= 2")
+    mesh_shape = None if args.mesh is None else parse_mesh(args.mesh, parser)
+    args.mesh = None if mesh_shape is None else sharding.make_mesh(mesh_shape["data"], mesh_shape["model"])
+    if mesh_shape is not None and any(slots % mesh_shape["data"] for slots in args.slots):
+        parser.error(f"--slots: each must be a multiple of the mesh's data axis ({mesh_shape['data']})")
 
     device = jax.devices()[0].device_kind
     k = args.sweep_k or args.steps_per_dispatch
-    print(f"device: {device}, jax {jax.__version__}, K = {k}, prompts of {args.prompt_len} tokens")
+    on = "1 device" if mesh_shape is None else f"mesh data={mesh_shape['data']} x model={mesh_shape['model']}"
+    print(f"device: {device} ({on}), jax {jax.__version__}, K = {k}, prompts of {args.prompt_len} tokens")
     results = dict(
         bench="decode",
         device=device,
+        mesh=mesh_shape,
         jax=jax.__version__,
         steps_per_dispatch=args.steps_per_dispatch,
         tokens=args.tokens,

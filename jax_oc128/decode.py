@@ -33,10 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_oc128.checks import check_int, is_int
 from jax_oc128.controller import ForwardMode
-from jax_oc128.nn import AttentionCache, ModelCache, SpeculativeModel
+from jax_oc128.nn import AttentionCache, ModelCache, SpeculativeModel, batch_slots, sharding
 
 #: stop token ids per generate call (padded with -1 to this size, so their number never recompiles)
 MAX_STOP_TOKENS = 8
@@ -141,17 +143,37 @@ def _stop_rule(tokens, counts, remaining, stop_tokens):
     return kept, done
 
 
-def _prefill(model, state, slots, tokens, lengths, budgets, stop_tokens, temperature):
-    """New requests: clear ``slots`` [slots] (-1: none) and feed right-padded prompts ``tokens`` [slots, P]
-    (``lengths`` 0 for rows that are not new; ``budgets`` [slots] their max new tokens); the first generated
-    token comes from the last prompt token. Returns ``(state, DecodeOutput)``, the output holding the first
-    tokens as one step with no steps counted."""
+def _split_key(key, axis):
+    """``(key, sub)``: the next key and a key for this step's draws, on a mesh (``axis`` the mesh axis of the
+    slots, None without one) each device's own."""
+    key, sub = jax.random.split(key)
+    return key, sub if axis is None else jax.random.fold_in(sub, jax.lax.axis_index(axis))
+
+
+def _any(x, axis):
+    """Whether any of ``x`` (bool) is set: on a mesh, on any device along ``axis``."""
+    return jnp.any(x) if axis is None else jax.lax.psum(jnp.any(x).astype(jnp.int32), axis) > 0
+
+
+def _total(x, axis):
+    """The int32 sum of ``x`` over all slots: on a mesh, over every device along ``axis`` too."""
+    total = jnp.sum(x, dtype=jnp.int32)
+    return total if axis is None else jax.lax.psum(total, axis)
+
+
+def _prefill(model, state, tokens, lengths, budgets, stop_tokens, temperature, axis=None):
+    """New requests: clear the slots of the rows with ``lengths`` > 0 and feed them right-padded prompts
+    ``tokens`` [slots, P] (``budgets`` [slots] their max new tokens); the first generated token comes from
+    the last prompt token. ``axis``: the mesh axis of the slots (the arrays are a device's slots), None
+    without a mesh. Returns ``(state, DecodeOutput)``, the output holding the first tokens as one step with
+    no steps counted."""
+    slots = batch_slots(lengths)
     cache = state.cache.clear(slots)
     rows, width = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width))
     logits, hidden, cache = model.target(tokens, positions, cache, lengths=lengths, mode=ForwardMode.EXTEND)
     last = jnp.maximum(lengths - 1, 0)[:, None]
-    key, sub = jax.random.split(state.key)
+    key, sub = _split_key(state.key, axis)
     first = _pick(jnp.take_along_axis(logits, last[..., None], axis=1)[:, 0], sub, temperature)
     mtp_cache = state.mtp_cache
     if model.mtp is not None:  # it sees token p with the target's hidden state at p - 1, p = 1 .. length - 1
@@ -234,10 +256,11 @@ def _speculative_step(model, state, key, num_tokens, temperature):
     return state, out, counts
 
 
-def _decode(model, state, stop_tokens, waiting, *, steps, num_tokens, temperature):
+def _decode(model, state, stop_tokens, waiting, *, steps, num_tokens, temperature, axis=None):
     """Up to ``steps`` plain (``num_tokens`` None) or speculative steps in a ``lax.while_loop``; rows end on
     the device by :func:`_stop_rule`. The loop leaves early when no row is active, or when a row ended and
-    ``waiting`` (a bool scalar: requests wait for a slot). Returns ``(state, DecodeOutput)``."""
+    ``waiting`` (a bool scalar: requests wait for a slot); on a mesh (``axis`` the mesh axis of the slots,
+    the arrays a device's slots) every device runs the same steps. Returns ``(state, DecodeOutput)``."""
     slots, n = state.token.shape[0], num_tokens or 1
     zero = jnp.zeros((), jnp.int32)
     output = DecodeOutput(
@@ -251,12 +274,12 @@ def _decode(model, state, stop_tokens, waiting, *, steps, num_tokens, temperatur
 
     def running(carry):
         state, output, ended = carry
-        return (output.steps < steps) & jnp.any(state.active) & ~(ended & waiting)
+        return (output.steps < steps) & _any(state.active, axis) & ~(ended & waiting)
 
     def step(carry):
         state, output, ended = carry
         active, remaining = state.active, state.remaining
-        key, sub = jax.random.split(state.key)
+        key, sub = _split_key(state.key, axis)
         state = dataclasses.replace(state, key=key)
         if num_tokens is None:
             state, tokens, counts = _plain_step(model, state, sub, temperature)
@@ -270,10 +293,10 @@ def _decode(model, state, stop_tokens, waiting, *, steps, num_tokens, temperatur
             output.counts.at[i].set(kept),
             state.active,
             i + 1,
-            output.slot_steps + jnp.sum(active, dtype=jnp.int32),
-            output.accepted + jnp.sum(counts, dtype=jnp.int32),
+            output.slot_steps + _total(active, axis),
+            output.accepted + _total(counts, axis),
         )
-        return state, output, ended | jnp.any(done)
+        return state, output, ended | _any(done, axis)
 
     state, output, _ = jax.lax.while_loop(running, step, (state, output, jnp.zeros((), bool)))
     return state, output
@@ -308,6 +331,67 @@ class Result:
     mean_accepted: float  # tokens a slot gains per step (1 for plain decoding)
 
 
+class _Placement:
+    """Where an engine's arrays lie and how its steps run: on one device (``mesh`` None), or on a mesh of the
+    axes ``("data", "model")``: the decode state split by slot over ``"data"``, each device running the steps
+    on its own slots (a ``shard_map``), the parameters split over ``"model"`` by their rules
+    (:mod:`jax_oc128.nn.sharding`), the dispatch's output gathered on every device.
+
+    Args:
+      mesh: the mesh, or None; params: the model's parameters; state: the decode state's layout.
+    """
+
+    def __init__(self, mesh: Mesh | None, params, state: DecodeState):
+        self.mesh = mesh
+        self.axis = None if mesh is None else sharding.DATA  # the mesh axis of the slots inside the steps
+        self.params = None if mesh is None else sharding.param_specs(params, mesh)
+        self.state = dataclasses.replace(sharding.slot_specs(state), key=P())  # the PRNG key everywhere
+        per_step = sharding.slots_at(1)
+        self.output = DecodeOutput(per_step, per_step, sharding.slots_at(0), P(), P(), P())
+
+    def put_params(self, params):
+        """The parameters on the device, or split over the mesh."""
+        return jax.device_put(params, None if self.mesh is None else sharding.named(self.params, self.mesh))
+
+    def per_slot_shard(self, fn, in_specs, out_specs):
+        """``fn(params, *args)`` on each device's slots (the parameters whole, the args by ``in_specs``), or
+        ``fn`` itself without a mesh."""
+        if self.mesh is None:
+            return fn
+        # check_vma off: the C128 ops' custom calls and platform branches carry no varying-axes types
+        return jax.shard_map(
+            fn,
+            mesh=self.mesh,
+            in_specs=(P(), *in_specs),
+            out_specs=out_specs,
+            axis_names={self.axis},
+            check_vma=False,
+        )
+
+    def jit_options(self, in_specs, out_specs) -> dict:
+        """``jax.jit``'s placement of a step's arguments (the parameters first, then by ``in_specs``) and of
+        its ``(state, output)``: the state as it came, the output, small, whole on every device (every
+        process reads it)."""
+        if self.mesh is None:
+            return {}
+        return dict(
+            in_shardings=sharding.named((self.params, *in_specs), self.mesh),
+            out_shardings=sharding.named((out_specs[0], P()), self.mesh),
+        )
+
+    def state_options(self) -> dict:
+        """``jax.jit``'s placement of a function's decode state result."""
+        return {} if self.mesh is None else dict(out_shardings=sharding.named(self.state, self.mesh))
+
+    def host_rows(self, array):
+        """A host array of the slots as a step takes it: on a mesh, each process gives its devices their slots
+        (every process holds the whole array)."""
+        if self.mesh is None:
+            return array
+        placement = NamedSharding(self.mesh, sharding.slots_at(0))
+        return jax.make_array_from_callback(array.shape, placement, lambda index: array[index])
+
+
 class Engine:
     """Generation over ``slots`` slots with a :class:`~jax_oc128.nn.SpeculativeModel`.
 
@@ -324,6 +408,12 @@ class Engine:
         an int >= 1.
       steps_per_dispatch: K, the most decoding steps one dispatch runs on the device (1: a dispatch per
         step, the host reading each step's tokens), an int >= 1.
+      mesh: None (one device), or a :class:`jax.sharding.Mesh` of the axes ``("data", "model")``
+        (:func:`jax_oc128.nn.sharding.make_mesh`). The slots are split over ``"data"`` (``slots`` a multiple
+        of its size): each device runs the prefill and the decode loop on its own slots (``shard_map``),
+        communicating only the loop's condition and counts; the parameters are split over ``"model"`` by
+        :mod:`jax_oc128.nn.sharding` (tensor parallel). The jitted steps take and return the decode state
+        in that layout. Greedy tokens are those of one device; sampling draws per device.
     """
 
     def __init__(
@@ -333,6 +423,7 @@ class Engine:
         *,
         prompt_bucket: int = 128,
         steps_per_dispatch: int = STEPS_PER_DISPATCH,
+        mesh: Mesh | None = None,
     ):
         if not isinstance(model, SpeculativeModel):
             raise TypeError(f"model: must be a SpeculativeModel, got {type(model).__name__}")
@@ -340,24 +431,13 @@ class Engine:
         self.slots = check_int("slots", slots, 1, MAX_INT32)
         self.prompt_bucket = check_int("prompt_bucket", prompt_bucket, 1, MAX_INT32)
         self.steps_per_dispatch = check_int("steps_per_dispatch", steps_per_dispatch, 1, MAX_INT32)
-        graphdef, params = nnx.split(model)
-        self.params = jax.device_put(params)
-
-        def prefill(params, state, slots, tokens, lengths, budgets, stop_tokens, temperature):
-            model = nnx.merge(graphdef, params)
-            return _prefill(model, state, slots, tokens, lengths, budgets, stop_tokens, temperature)
-
-        def decode(params, state, stop_tokens, waiting, steps, num_tokens, temperature):
-            model = nnx.merge(graphdef, params)
-            return _decode(
-                model,
-                state,
-                stop_tokens,
-                waiting,
-                steps=steps,
-                num_tokens=num_tokens,
-                temperature=temperature,
+        self.mesh = None if mesh is None else sharding.check_mesh(mesh)
+        if mesh is not None and self.slots % mesh.shape[sharding.DATA]:
+            raise ValueError(
+                f"slots: must be a multiple of the mesh's data axis ({mesh.shape[sharding.DATA]}), "
+                f"got {self.slots}"
             )
+        graphdef, params = nnx.split(model)
 
         def init_state(seed):  # the caches' layout comes from the config; no parameter is read
             slots = self.slots
@@ -372,27 +452,56 @@ class Engine:
                 key=jax.random.key(seed),
             )
 
+        # the decode state's tree, shapes and dtypes (traced, not compiled), what prefill and decode accept
+        self._state_layout = jax.eval_shape(init_state, np.uint32(0))
+        self._placement = placement = _Placement(self.mesh, params, self._state_layout)
+        self.params = placement.put_params(params)
+        row, axis = sharding.slots_at(0), placement.axis
+        prefill_specs = ((placement.state, row, row, row, P()), (placement.state, placement.output))
+        decode_specs = ((placement.state, P(), P()), (placement.state, placement.output))
+
+        def prefill(params, state, tokens, lengths, budgets, stop_tokens, temperature):
+            def run(params, *args):
+                return _prefill(nnx.merge(graphdef, params), *args, temperature, axis)
+
+            run = placement.per_slot_shard(run, *prefill_specs)
+            return run(params, state, tokens, lengths, budgets, stop_tokens)
+
+        def decode(params, state, stop_tokens, waiting, steps, num_tokens, temperature):
+            def run(params, *args):
+                model = nnx.merge(graphdef, params)
+                return _decode(
+                    model, *args, steps=steps, num_tokens=num_tokens, temperature=temperature, axis=axis
+                )
+
+            return placement.per_slot_shard(run, *decode_specs)(params, state, stop_tokens, waiting)
+
         def restart(state, seed):
             zeros = jnp.zeros_like(state.remaining)
             return dataclasses.replace(state, active=zeros > 0, remaining=zeros, key=jax.random.key(seed))
 
+        device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
         loop_options = None
-        if jax.default_backend() == "gpu" and "xla_gpu_enable_command_buffer" not in os.environ.get(
+        if device.platform == "gpu" and "xla_gpu_enable_command_buffer" not in os.environ.get(
             "XLA_FLAGS", ""
         ):
             loop_options = GPU_LOOP_OPTIONS
-        self._init_state = jax.jit(init_state)
-        self._restart = jax.jit(restart, donate_argnames="state")
-        self._prefill = jax.jit(prefill, static_argnames="temperature", donate_argnames="state")
+        self._init_state = jax.jit(init_state, **placement.state_options())
+        self._restart = jax.jit(restart, donate_argnames="state", **placement.state_options())
+        self._prefill = jax.jit(
+            prefill,
+            static_argnames="temperature",
+            donate_argnames="state",
+            **placement.jit_options(*prefill_specs),
+        )
         self._decode = jax.jit(
             decode,
             static_argnames=("steps", "num_tokens", "temperature"),
             donate_argnames="state",
             compiler_options=loop_options,
+            **placement.jit_options(*decode_specs),
         )
         self._idle_state = None  # generate's state between calls (its buffers reused, their slots cleared)
-        # the decode state's tree, shapes and dtypes (traced, not compiled), what prefill and decode accept
-        self._state_layout = jax.eval_shape(self._init_state, np.uint32(0))
 
     def init_state(self, seed: int = 0) -> DecodeState:
         """An empty decode state (no active slot), its PRNG key ``jax.random.key(seed)`` (``seed`` an int in
@@ -446,11 +555,11 @@ class Engine:
         width = -(-longest // self.prompt_bucket) * self.prompt_bucket
         tokens = np.zeros((self.slots, width), np.int32)
         lengths = np.zeros(self.slots, np.int32)
-        slots = np.full(self.slots, -1, np.int32)
         for slot, prompt in prompts.items():
-            tokens[slot, : len(prompt)], lengths[slot], slots[slot] = prompt, len(prompt), slot
+            tokens[slot, : len(prompt)], lengths[slot] = prompt, len(prompt)
         budgets = np.full(self.slots, max_new_tokens, np.int32)
-        return self._prefill(self.params, state, slots, tokens, lengths, budgets, stops, temperature)
+        rows = (self._placement.host_rows(x) for x in (tokens, lengths, budgets))
+        return self._prefill(self.params, state, *rows, stops, temperature)
 
     def decode(
         self,

@@ -18,6 +18,10 @@ traced), an invalid row with a slot other than -1, or two rows with the same slo
 instead. In ``verify(pending=...)`` a pending commit whose accept ``seq_lens - pending`` is outside
 ``[1, max_draft]`` commits nothing, as :func:`commit` with that accept.
 
+On a mesh (under ``jax.jit``, the state sharded over its slot axis), each device runs the op on its own slots
+and the state is never gathered: :mod:`jax_oc128.partition` gives the layouts, and how rows split like the
+slots differ from replicated rows (a row addressing another device's slot is skipped).
+
 Scores (score + ape) are finite or -inf: a -inf score has weight zero, and a block whose scores are all
 -inf has the state ``(max, sum, mean) = (-inf, 0, 0)`` and the entry 0. NaN or +inf scores, and non-finite
 kv, are outside the domain: that block's state and entry are unspecified, nothing else is affected.
@@ -29,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_oc128 import _native, reference
+from jax_oc128 import _native, partition, reference
 from jax_oc128.checks import check_int
 from jax_oc128.rules import BLOCK, MAX_DRAFT
 
@@ -163,7 +167,8 @@ def native_targets(platform: str) -> tuple[str, ...]:
 
 
 def _dispatch(target, ref_fn, args, results, attrs):
-    """Run ``target`` natively where it is registered for the platform, else the jnp reference ``ref_fn``.
+    """Run ``target`` natively where it is registered for the platform, else the jnp reference ``ref_fn``,
+    partitioned over the state's slots on a mesh (:func:`jax_oc128.partition.by_slots`).
 
     ``args``, ``results`` (shapes and dtypes) and ``attrs`` map the names of ``OPERANDS[target]`` to values;
     they reach the target in its binding's order, and ``ref_fn`` by keyword. Returns the results in that
@@ -175,27 +180,32 @@ def _dispatch(target, ref_fn, args, results, attrs):
     for kind, given in (("args", args), ("rets", results), ("attrs", attrs)):
         if set(given) != set(getattr(names, kind)):
             raise TypeError(f"{target}: {kind} must be named {getattr(names, kind)}, got {tuple(given)}")
-    shapes = tuple(results[name] for name in names.rets)
     aliases = {names.args.index(name): i for i, name in enumerate(names.rets) if name in names.args}
-
-    def native(*operands):
-        call = jax.ffi.ffi_call(
-            target,
-            shapes if len(shapes) > 1 else shapes[0],
-            input_output_aliases=aliases,
-            vmap_method="sequential",
-        )
-        return call(*operands, **{name: np.int64(attrs[name]) for name in names.attrs})
-
-    def ref(*operands):
-        return ref_fn(**dict(zip(names.args, operands, strict=True)), **attrs)
-
-    operands = [args[name] for name in names.args]
     has_native = {p: target in native_targets(p) for p in ("cpu", "cuda")}
-    if all(has_native.values()):
-        return native(*operands)
-    branches = {p: native if has else ref for p, has in has_native.items()}
-    return jax.lax.platform_dependent(*operands, default=ref, **branches)
+
+    def run(shapes, *operands):
+        """The op on ``operands`` (a device's shards), its results of ``shapes``."""
+
+        def native(*operands):
+            call = jax.ffi.ffi_call(
+                target,
+                shapes if len(shapes) > 1 else shapes[0],
+                input_output_aliases=aliases,
+                vmap_method="sequential",
+            )
+            return call(*operands, **{name: np.int64(attrs[name]) for name in names.attrs})
+
+        def ref(*operands):
+            return ref_fn(**dict(zip(names.args, operands, strict=True)), **attrs)
+
+        if all(has_native.values()):
+            return native(*operands)
+        branches = {p: native if has else ref for p, has in has_native.items()}
+        return jax.lax.platform_dependent(*operands, default=ref, **branches)
+
+    shapes = tuple(results[name] for name in names.rets)
+    operands = [args[name] for name in names.args]
+    return partition.by_slots(run, names.args, names.rets, shapes, operands)
 
 
 def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0):

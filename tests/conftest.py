@@ -3,6 +3,9 @@ import os
 import jax
 import pytest
 
+# tests/multidevice needs 4 CPU devices from the start of its process: tests/test_multidevice.py runs it so
+collect_ignore = ["multidevice"]
+
 
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests need a CUDA device; JAX_OC128_REQUIRE_GPU=1 makes a missing GPU a failure."""

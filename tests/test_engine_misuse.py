@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 from flax import nnx
 from harness import count_compiles
+from jax.sharding import Mesh
 from test_decode import CONFIG as DECODE_CONFIG
 
 from jax_oc128.controller import OFFLINE
 from jax_oc128.decode import MAX_STOP_TOKENS, Engine
-from jax_oc128.nn import HCA, SLIDING, SpeculativeModel
+from jax_oc128.nn import HCA, SLIDING, SpeculativeModel, sharding
 
 # test_decode's model with one sliding and one C128 layer of 2 heads, shorter and with fewer draft banks
 CONFIG = dataclasses.replace(DECODE_CONFIG, layer_types=(SLIDING, HCA), num_heads=2, max_len=512, max_draft=4)
@@ -72,6 +73,13 @@ def construct(model=None, **kwargs):
     )
 
 
+def construct_on_mesh(axes):
+    """A call of ``Engine(...)`` on a mesh of one device with the axes ``axes``."""
+    return lambda engine, state, others: Engine(
+        engine.model, 1, mesh=Mesh(np.array(jax.devices()[:1]).reshape(1, 1), axes)
+    )
+
+
 def init_state(seed):
     return lambda engine, state, others: engine.init_state(seed)
 
@@ -91,6 +99,8 @@ CASES = [
     ("Engine prompt_bucket 0", construct(prompt_bucket=0), ValueError, "prompt_bucket: must be in"),
     ("Engine K '4'", construct(steps_per_dispatch="4"), TypeError, "steps_per_dispatch: must be an int"),
     ("Engine K 0", construct(steps_per_dispatch=0), ValueError, "steps_per_dispatch: must be in"),
+    ("Engine mesh devices", construct(mesh=[0]), TypeError, "mesh: must be a jax.sharding.Mesh, got list"),
+    ("Engine mesh axes", construct_on_mesh(("slots", "heads")), ValueError, r"mesh: axes must be \('data', "),
     # init_state: seeds are ints in [0, 2**32)
     ("init_state seed -1", init_state(-1), ValueError, r"seed: must be in \[0, 4294967295\], got -1"),
     ("init_state seed 2**32", init_state(2**32), ValueError, "seed: must be in"),
@@ -312,6 +322,19 @@ def test_misuse_raises_before_anything_runs(engine, foreign_states, monkeypatch,
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
 
 
+@pytest.mark.parametrize(
+    ("data", "model", "error", "match"),
+    [
+        (0, 1, ValueError, "data: must be >= 1, got 0"),
+        (1, 1.0, TypeError, "model: must be an int, got 1.0"),
+        (2, 1, ValueError, "data: 2 x model 1 devices, but 1 are available"),
+    ],
+)
+def test_make_mesh_misuse(data, model, error, match):
+    with pytest.raises(error, match=match):
+        sharding.make_mesh(data, model, jax.devices()[:1])
+
+
 def test_empty_batch_returns_at_once(engine, monkeypatch):
     """generate([]) returns an empty Result, nothing dispatched; its other arguments are still checked."""
     monkeypatch.setattr(engine, "_restart", lambda *args: pytest.fail("dispatched"))
@@ -356,8 +379,7 @@ def test_numpy_scalars_and_bytes_reach_the_device_as_checked(engine, monkeypatch
     state = engine.init_state()
     budget = np.int32(MAX_LEN - 4)  # the largest of plain steps leaves room for a prompt of 3
     engine.prefill(state, {np.int64(SLOTS - 1): b"\x01\x02\x03"}, budget, stop_tokens=(0, VOCAB - 1))
-    _, _, slots, tokens, lengths, budgets, stops, temperature = calls["prefill"]
-    np.testing.assert_array_equal(slots, [-1, SLOTS - 1])
+    _, _, tokens, lengths, budgets, stops, temperature = calls["prefill"]
     np.testing.assert_array_equal(tokens[SLOTS - 1, :4], [1, 2, 3, 0])
     np.testing.assert_array_equal(lengths, [0, 3])
     np.testing.assert_array_equal(budgets, [budget] * SLOTS)

@@ -196,6 +196,26 @@ def test_all_layers_in_one_call_and_a_layer_range():
     np.testing.assert_array_equal(oc.commit(state, *args, layer=1), ref)
 
 
+def test_vmap_runs_the_op_per_element():
+    """Under jit and vmap (a batch of states, per-element rows; the slots shared) verify and commit run once
+    per element: the reference's results, element by element."""
+    rng = np.random.default_rng(13)
+    states = jnp.stack([poisoned_state(rng, 2, 3, DIM, 4) for _ in range(3)])
+    kv = jnp.asarray(random_tokens(rng, (3, 2, 2, 4), DIM))
+    ape = jnp.asarray(random_ape(rng, 2, DIM))
+    seq, accept = jnp.asarray(rng.integers(0, 300, (3, 2)), jnp.int32), jnp.asarray([[1, 4], [0, 2], [3, 3]])
+    slots = jnp.asarray([2, 0], jnp.int32)
+
+    def step(ops, state, kv, seq, accept):
+        state, entries, blocks = ops.verify(state, kv, seq, slots, ape)
+        return ops.commit(state, seq, accept.astype(jnp.int32), slots), entries, blocks
+
+    native = jax.jit(jax.vmap(lambda *a: step(oc, *a)))(states, kv, seq, accept)
+    for i in range(3):
+        ref = step(reference, states[i], kv[i], seq[i], accept[i])
+        assert_outputs_match([x[i] for x in native], ref, NATIVE_VS_REFERENCE_FP32)
+
+
 def test_empty_batch():
     state = oc.init_state(2, 3, DIM, 4)
     empty = jnp.zeros((0,), jnp.int32)

@@ -1,0 +1,127 @@
+"""Where the model, its caches and the C128 state lie on a mesh of two axes, in one place.
+
+* ``"data"`` (:data:`DATA`) splits the slots: the batch rows of every cache and the slots of the C128 state
+  (:data:`SLOT_AXES`). Batch row b of a forward is slot b, so a device's rows address its own slots: the
+  engine runs each device's slots on their own (``shard_map``), and the C128 ops alone partition so too
+  (:mod:`jax_oc128.partition`).
+* ``"model"`` (:data:`MODEL`) splits the parameters by :data:`PARAM_RULES`: the attention heads and
+  o-groups, the MLP's hidden units, the experts and the LM head's vocabulary (tensor parallel; XLA adds the
+  all-reduces of the contractions). The caches, of one KV head, and the C128 state are replicated over it.
+
+Parameters that no rule names are replicated, and so is a dimension the mesh axis does not divide.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_oc128.checks import check_int
+from jax_oc128.state import CompressState, OfflineState
+
+DATA, MODEL = "data", "model"
+
+#: parameter path (its last names) -> the split of its axes: the first rule whose names end the path applies
+PARAM_RULES = (
+    (("attn", "q_b_proj"), P(MODEL, None)),  # [heads * head_dim, q_lora_rank]: heads
+    (("attn", "sinks"), P(MODEL)),  # [heads]
+    (("attn", "o_a_proj"), P(MODEL, None)),  # [o_groups * o_lora_rank, heads * head_dim / o_groups]: groups
+    (("attn", "o_b_proj"), P(None, MODEL)),  # [hidden, o_groups * o_lora_rank]: groups, summed
+    (("gate",), P(MODEL, None)),  # the dense SwiGLU MLP: [mlp_hidden, hidden]
+    (("up",), P(MODEL, None)),
+    (("down",), P(None, MODEL)),  # [hidden, mlp_hidden], summed
+    (("moe", "experts_gate_up"), P(MODEL, None, None)),  # [experts, 2 * intermediate, hidden]: experts
+    (("moe", "experts_down"), P(MODEL, None, None)),  # [experts, hidden, intermediate]
+    (("moe", "shared_gate"), P(MODEL, None)),
+    (("moe", "shared_up"), P(MODEL, None)),
+    (("moe", "shared_down"), P(None, MODEL)),
+    (("lm_head",), P(MODEL, None)),  # [vocab, hidden]: the vocabulary
+)
+
+#: the slot axis of each array of the compressed states (the arrays of every other cache: their first axis)
+SLOT_AXES = {CompressState: {"banks": 2}, OfflineState: {"rows": 1}}
+
+
+def make_mesh(data: int, model: int = 1, devices=None) -> Mesh:
+    """A mesh of ``data`` x ``model`` devices (of ``devices``, default ``jax.devices()``), axes
+    ``("data", "model")``."""
+    devices = jax.devices() if devices is None else list(devices)
+    check_int("data", data, 1)
+    check_int("model", model, 1)
+    if data * model > len(devices):
+        raise ValueError(f"data: {data} x model {model} devices, but {len(devices)} are available")
+    return Mesh(np.array(devices[: data * model]).reshape(data, model), (DATA, MODEL))
+
+
+def check_mesh(mesh) -> Mesh:
+    """``mesh`` must be a :class:`jax.sharding.Mesh` of the axes ``("data", "model")``."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh: must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if tuple(mesh.axis_names) != (DATA, MODEL):
+        raise ValueError(f"mesh: axes must be ('data', 'model'), got {tuple(mesh.axis_names)}")
+    return mesh
+
+
+def param_specs(params, mesh: Mesh):
+    """A :class:`~jax.sharding.PartitionSpec` per array of ``params`` (a model's ``nnx.State``, or any pytree
+    of arrays whose paths end in a module's attribute names) by :data:`PARAM_RULES`, on ``mesh``."""
+
+    def spec(path, x):
+        names = path_names(path)
+        rule = next((spec for tail, spec in PARAM_RULES if names[-len(tail) :] == tail), P())
+        return _divisible(rule, x.shape, mesh)
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def slot_specs(tree):
+    """A :class:`~jax.sharding.PartitionSpec` per array of ``tree`` (caches, compressed states, or any pytree
+    of arrays whose first axis is the slots) splitting its slot axis over ``"data"``."""
+
+    def specs(node):
+        if type(node) not in SLOT_AXES:
+            return slots_at(0)
+        axes = SLOT_AXES[type(node)]
+        return dataclasses.replace(
+            node, **{f.name: slots_at(axes.get(f.name, 0)) for f in dataclasses.fields(node)}
+        )
+
+    return jax.tree.map(specs, tree, is_leaf=lambda node: type(node) in SLOT_AXES)
+
+
+def slots_at(axis: int) -> P:
+    """The spec of an array whose axis ``axis`` holds the slots."""
+    return P(*(None,) * axis, DATA)
+
+
+def named(specs, mesh: Mesh):
+    """A :class:`~jax.sharding.NamedSharding` on ``mesh`` per spec of the pytree ``specs``."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def path_names(path) -> tuple[str, ...]:
+    """The names of a pytree path (dict keys, attributes, sequence indices as strings), without the final
+    ``value`` of an ``nnx.Variable``'s array: the path the rules match."""
+
+    def name(key):
+        for field in ("key", "name", "idx"):
+            if hasattr(key, field):
+                return str(getattr(key, field))
+        return str(key)
+
+    names = tuple(name(key) for key in path)
+    return names[:-1] if names and names[-1] == "value" else names
+
+
+def _divisible(spec: P, shape, mesh: Mesh) -> P:
+    """``spec`` without the splits of the dimensions its mesh axes do not divide."""
+    return P(
+        *(
+            None if axis is not None and size % mesh.shape[axis] else axis
+            for axis, size in zip(spec, shape, strict=False)
+        )
+    )

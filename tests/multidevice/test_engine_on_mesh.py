@@ -1,0 +1,150 @@
+"""The engine on meshes of 4 CPU devices (data x model: 4x1, 2x2, 1x4), the small model of test_decode: the
+same greedy tokens as one device, plain and speculative, with slots reused; the decode state keeps its layout
+from call to call and the compiled steps move no cache or state between devices."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_decode import make_model, prompts
+from test_v4_parity import fixture
+
+from jax_oc128.controller import ONLINE
+from jax_oc128.decode import Engine, _stop_array
+from jax_oc128.nn import SpeculativeModel, sharding
+
+# 5 prompts for 4 slots: a slot is reused; blocks of 128 close in prefill and in decoding
+SLOTS, NEW_TOKENS, N = 4, 40, 4
+MESHES = [(4, 1), (2, 2), (1, 4)]
+
+
+@functools.cache
+def model():
+    return make_model(ONLINE)
+
+
+@functools.cache
+def engine(shape=None):
+    mesh = None if shape is None else sharding.make_mesh(*shape)
+    return Engine(model(), SLOTS, prompt_bucket=256, mesh=mesh)  # one prompt bucket: one prefill compiled
+
+
+@functools.cache
+def one_device(num_tokens):
+    return engine().generate(prompts(), NEW_TOKENS, num_tokens=num_tokens).tokens
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=[f"{d}x{m}" for d, m in MESHES])
+def test_same_greedy_tokens_as_one_device(shape):
+    on_mesh = engine(shape)
+    for num_tokens in (None, N):
+        tokens = on_mesh.generate(prompts(), NEW_TOKENS, num_tokens=num_tokens).tokens
+        assert tokens == one_device(num_tokens), f"N = {num_tokens}"
+    state = on_mesh._idle_state  # what generate left: the layout the steps keep
+    mesh = on_mesh.mesh
+    assert state.cache.compressed.banks.sharding.is_equivalent_to(
+        NamedSharding(mesh, P(None, None, "data")), 5
+    )
+    for leaf in [*jax.tree.leaves(state.cache.layers), state.token, state.hidden, state.mtp_cache.window]:
+        assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), leaf.ndim)
+    q_b_proj = on_mesh.params["target"]["blocks"][0]["attn"]["q_b_proj"][...]
+    assert q_b_proj.sharding.is_equivalent_to(NamedSharding(mesh, P("model")), 2)
+
+
+COLLECTIVE = re.compile(r"= (\S+) (all-gather|all-to-all|collective-permute|reduce-scatter|all-reduce)\(")
+
+
+def collectives(compiled) -> list[tuple[str, str, str]]:
+    """(kind, shape, jax operation) of each collective of a compiled step."""
+    found = []
+    for line in compiled.as_text().splitlines():
+        match = COLLECTIVE.search(line)
+        if match:
+            op = re.search(r'op_name="[^"]*/(\w+)"', line)
+            found.append((match.group(2), match.group(1).split("{")[0], op.group(1) if op else ""))
+    return found
+
+
+HLO_TYPES = {"float32": "f32", "int32": "s32", "bool": "pred"}
+
+
+def hlo_shape(dtype, shape) -> str:
+    return f"{HLO_TYPES[jnp.dtype(dtype).name]}[{','.join(map(str, shape))}]"
+
+
+def kind_of(collective, outputs) -> str:
+    """What a collective of the compiled prefill or decode moves: "counts" (the loop's condition and counts),
+    "output" (the dispatch's output, gathered once at its end for the host), "tensor parallel" (an all-reduce
+    of a split contraction, an all-gather of a vocabulary-split argmax), or "other"."""
+    kind, shape, op = collective
+    if kind == "all-reduce" and shape == "s32[]":
+        return "counts"
+    if kind == "all-gather" and shape in outputs:
+        return "output"
+    if (kind, op) in (("all-reduce", "dot_general"), ("all-gather", "reduce")):
+        return "tensor parallel"
+    return "other"
+
+
+def steps_collectives(on_mesh):
+    """The collectives of the compiled prefill and decode (N = 4), each with its :func:`kind_of` (those
+    that generate ran: after test_same_greedy_tokens_as_one_device, they are compiled already)."""
+    state = on_mesh.init_state()
+    stops, steps = _stop_array(()), on_mesh.steps_per_dispatch
+    decode = on_mesh._decode.lower(on_mesh.params, state, stops, np.bool_(False), steps, N, 0.0).compile()
+    tokens, lengths = np.zeros((SLOTS, 256), np.int32), np.ones(SLOTS, np.int32)
+    prefill = on_mesh._prefill.lower(on_mesh.params, state, tokens, lengths, lengths, stops, 0.0).compile()
+    outputs = {hlo_shape(bool, [SLOTS])}
+    for k, n in ((1, 1), (steps, N)):
+        outputs |= {hlo_shape(np.int32, [k, SLOTS, n]), hlo_shape(np.int32, [k, SLOTS])}
+    return [(kind_of(c, outputs), c) for c in collectives(prefill) + collectives(decode)]
+
+
+def test_data_parallel_steps_communicate_only_the_loops_counts():
+    """4x1: each device prefills and decodes its own slots; the collectives are the all-reduces of the loop's
+    condition and counts (scalars) and the gathering of the output."""
+    found = steps_collectives(engine((4, 1)))
+    assert {kind for kind, _ in found} == {"counts", "output"}, found
+
+
+def test_tensor_parallel_steps_move_no_cache_or_state():
+    """2x2: the model axis adds the all-reduces of the split contractions (o-projection, MLP down) and the
+    all-gathers of the vocabulary-split argmax; no other collective than the output's has the shape of an
+    array of the decode state (whole or one device's)."""
+    on_mesh = engine((2, 2))
+    state_shapes = set()
+    layout = jax.tree.leaves(on_mesh._state_layout)
+    for leaf, spec in zip(layout, jax.tree.leaves(sharding.slot_specs(on_mesh._state_layout)), strict=True):
+        if leaf.dtype.name in HLO_TYPES:
+            for shape in (leaf.shape, NamedSharding(on_mesh.mesh, spec).shard_shape(leaf.shape)):
+                state_shapes.add(hlo_shape(leaf.dtype, shape))
+    found = steps_collectives(on_mesh)
+    assert {kind for kind, _ in found} == {"counts", "output", "tensor parallel"}, found
+    assert not [c for kind, c in found if kind != "output" and c[1] in state_shapes], found
+
+
+def test_slots_must_split_evenly_over_the_data_axis():
+    with pytest.raises(ValueError, match=r"slots: must be a multiple of the mesh's data axis \(4\), got 6"):
+        Engine(model(), 6, mesh=sharding.make_mesh(4, 1))
+
+
+def test_full_deepseek_v4_on_a_mesh():
+    """The tiny transformers DeepSeek-V4 of test_v4_parity (sliding, CSA and C128 layers, hash and top-k MoE
+    of 4 experts, hyper-connections) on the 2x2 mesh: its experts split over the model axis, its CSA caches by
+    slot; speculative greedy tokens (N = 2) are one device's."""
+    config, weights, data = fixture("small_window")
+    v4 = SpeculativeModel.from_hf(config, weights, rngs=nnx.Rngs(0), max_len=512)
+    requests = [list(map(int, prompt)) for prompt in data["prompt"]]
+    engines = [Engine(v4, 2, prompt_bucket=256, mesh=mesh) for mesh in (None, sharding.make_mesh(2, 2))]
+    experts = engines[1].params["target"]["blocks"][0]["moe"]["experts_gate_up"][...]
+    assert experts.sharding.is_equivalent_to(NamedSharding(engines[1].mesh, P("model")), 3)
+    one, on_mesh = (engine.generate(requests, 12, num_tokens=2).tokens for engine in engines)
+    assert on_mesh == one

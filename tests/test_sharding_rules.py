@@ -1,0 +1,51 @@
+"""The parameter rules of jax_oc128.nn.sharding on the full DeepSeek-V4 decoder (MoE, hyper-connections, CSA)
+and its MTP head, shapes only: what the model axis splits, what stays whole."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
+from test_v4_parity import fixture
+
+from jax_oc128.nn import ModelConfig, SpeculativeModel, sharding
+
+
+def specs(model_size):
+    config = ModelConfig.from_hf(fixture("small_window")[0], max_len=512)  # 4 heads, 2 o-groups, 4 experts
+    model = nnx.eval_shape(lambda: SpeculativeModel(config, rngs=nnx.Rngs(0)))
+    specs = sharding.param_specs(nnx.state(model), AbstractMesh((2, model_size), ("data", "model")))
+    flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]
+    return {sharding.path_names(path): spec for path, spec in flat}
+
+
+def test_the_model_axis_splits_heads_groups_experts_hidden_and_vocabulary():
+    by_path = specs(2)
+    block = ("target", "blocks", "1")  # a CSA layer with a top-k MoE
+    assert by_path[(*block, "attn", "q_b_proj")] == P("model", None)
+    assert by_path[(*block, "attn", "sinks")] == P("model")
+    assert by_path[(*block, "attn", "o_a_proj")] == P("model", None)
+    assert by_path[(*block, "attn", "o_b_proj")] == P(None, "model")
+    assert by_path[(*block, "moe", "experts_gate_up")] == P("model", None, None)
+    assert by_path[(*block, "moe", "experts_down")] == P("model", None, None)
+    assert by_path[(*block, "moe", "shared_down")] == P(None, "model")
+    # the MTP layer's MoE
+    assert by_path[("mtp", "block", "moe", "experts_gate_up")] == P("model", None, None)
+    assert by_path[("mtp", "block", "moe", "shared_down")] == P(None, "model")
+    assert by_path[("mtp", "lm_head")] == P("model", None)  # shared with the target
+    for whole in (
+        (*block, "attn", "kv_proj"),  # one KV head
+        (*block, "attn", "compressor", "kv_proj"),
+        (*block, "moe", "router_weight"),
+        (*block, "attn_hc", "fn"),
+        ("target", "blocks", "2", "attn", "compressor_kv_proj"),  # the C128 compressor
+        ("mtp", "embed"),
+    ):
+        assert by_path[whole] == P(), whole
+
+
+def test_a_dimension_the_model_axis_does_not_divide_stays_whole():
+    by_path = specs(3)  # 4 heads, 4 experts: not divisible by 3
+    assert by_path[("target", "blocks", "1", "attn", "sinks")] == P(None)
+    assert by_path[("target", "blocks", "1", "moe", "experts_gate_up")] == P(None, None, None)
