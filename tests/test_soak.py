@@ -20,6 +20,7 @@ device where the backend has it (a GPU; not the CPU).
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import gc
 import os
@@ -64,6 +65,10 @@ WARM_UP_WORKLOADS = 2
 # arrays are caught exactly by the live-array count, compilations by the compile count.
 HOST_GROWTH_BOUND = 16 * 2**20
 PROC_STATUS = Path("/proc/self/status")
+try:
+    LIBC = ctypes.CDLL("libc.so.6")  # glibc, for malloc_trim
+except OSError:
+    LIBC = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,8 +236,13 @@ def host_memory(field: str) -> int:
 
 
 def memory_now() -> Memory:
-    """The process's memory now, after a garbage collection (so that only reachable arrays are live)."""
+    """The process's memory now, after a garbage collection (so that only reachable arrays are live) and, with
+    glibc, ``malloc_trim``: host RSS then counts what the process holds, not the free pages the allocator
+    keeps for reuse (in a process that has run the rest of the suite, enough of them come and go to move RSS
+    by over 16 MiB); memory that leaks stays allocated and counted."""
     gc.collect()
+    if LIBC is not None:
+        LIBC.malloc_trim(0)
     live = jax.live_arrays()
     stats = jax.devices()[0].memory_stats()
     return Memory(
