@@ -101,20 +101,10 @@ V4FLASH_ATTN = ModelConfig(
     max_draft=4,
 )
 #: DeepSeek-V4-Flash's first 6 layers with 16 experts, in bfloat16 (see the module doc)
-V4FLASH_SLICE = ModelConfig(
+V4FLASH_SLICE = dataclasses.replace(
+    V4FLASH_ATTN,
     vocab_size=129280,
-    hidden_size=4096,
     layer_types=(SLIDING, SLIDING, CSA, HCA, CSA, HCA),
-    num_heads=64,
-    head_dim=512,
-    rope_dim=64,
-    q_lora_rank=1024,
-    o_groups=8,
-    o_lora_rank=1024,
-    sliding_window=128,
-    mlp_hidden=2048,
-    max_len=4096,
-    max_draft=4,
     mlp_layer_types=(HASH_MOE,) * 3 + (MOE,) * 3,
     num_experts=16,
     num_experts_per_tok=6,
