@@ -44,7 +44,7 @@ from jax_oc128.checks import check_int
 from jax_oc128.controller import ONLINE, Backend
 from jax_oc128.nn import CSA, HCA, SLIDING, ModelConfig, SpeculativeModel
 from jax_oc128.nn.functional import DTYPES, variable_at
-from jax_oc128.nn.moe import HASH_MOE, MOE
+from jax_oc128.nn.moe import HASH_MOE, MOE, check_expert_ids
 from jax_oc128.rules import MAX_DRAFT
 
 CONFIG = "config.json"
@@ -171,7 +171,7 @@ def load_pretrained(
     for file, names in _by_file({name: headers[name] for name in tables}).items():
         with safe_open(file, framework="numpy") as stored:
             for name in names:
-                _check_expert_ids(stored.get_tensor(name), model_config.num_experts, f"{file}: tensor {name}")
+                check_expert_ids(stored.get_tensor(name), model_config.num_experts, f"{file}: tensor {name}")
     for file, names in _by_file(headers).items():
         with safe_open(file, framework="numpy") as stored:
             for name in names:
@@ -395,12 +395,6 @@ def _check_tensors(directory, headers: dict, parts: dict, params: dict, layers: 
         problems.insert(0, f"unexpected tensors ({len(unexpected)}): {', '.join(sorted(unexpected))}")
     if problems:
         raise ValueError(f"{directory}: the checkpoint does not fit its config:\n  " + "\n  ".join(problems))
-
-
-def _check_expert_ids(table: np.ndarray, experts: int, name: str) -> None:
-    """A hash layer's token -> expert table holds expert ids only."""
-    if table.size and not (table.min() >= 0 and table.max() < experts):
-        raise ValueError(f"{name}: expert ids must be in [0, {experts})")
 
 
 def _by_file(headers: dict) -> dict[pathlib.Path, list[str]]:

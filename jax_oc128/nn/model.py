@@ -55,7 +55,7 @@ from jax_oc128.nn.functional import (
     swiglu,
 )
 from jax_oc128.nn.hyper_connections import HyperConnection, HyperHead
-from jax_oc128.nn.moe import HASH_MOE, MOE, MoE, MoEConfig
+from jax_oc128.nn.moe import HASH_MOE, MOE, MoE, MoEConfig, check_expert_ids
 from jax_oc128.nn.rope import RopeConfig
 from jax_oc128.rules import MAX_DRAFT
 
@@ -497,10 +497,9 @@ class DeepseekV4Model(nnx.Module):
         assign_weights(model, paths, weights)
         for i, block in enumerate(model.blocks):
             table = getattr(getattr(block, "moe", None), "tid2eid", None)
-            experts = model_config.num_experts
-            if table is not None and not ((table[...] >= 0) & (table[...] < experts)).all():
+            if table is not None:
                 name = f"model.layers.{i}.mlp.gate.tid2eid"
-                raise ValueError(f"weights[{name!r}]: expert ids must be in [0, {experts})")
+                check_expert_ids(table[...], model_config.num_experts, f"weights[{name!r}]")
         return model
 
     def hf_weight_paths(self) -> dict[str, tuple]:

@@ -17,6 +17,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jax_oc128.nn.functional import FULL, linear, normal_param, swiglu
@@ -84,6 +85,14 @@ class MoE(nnx.Module):
         routed = jnp.einsum("bte,bted->btd", self.route(x, tokens), experts, precision=FULL)
         shared = swiglu(x, self.shared_gate[...], self.shared_up[...], self.shared_down[...], c.swiglu_limit)
         return routed + shared
+
+
+def check_expert_ids(table, num_experts: int, name: str) -> None:
+    """A hash layer's token -> expert table (``tid2eid``, integers) holds expert ids in ``[0, num_experts)``
+    only; a ValueError naming the tensor (``name``) otherwise."""
+    table = np.asarray(table)
+    if table.size and not (table.min() >= 0 and table.max() < num_experts):
+        raise ValueError(f"{name}: expert ids must be in [0, {num_experts})")
 
 
 # transformers state-dict name (within the layer's mlp) -> attribute
