@@ -291,6 +291,12 @@ def _optional_table(name, x, shape):
     return x
 
 
+def _constant(values):
+    """An int32 vector of ``values``, made by an op (a tracer under ``jax.jit``, which XLA folds into a
+    constant): custom_partitioning refuses a concrete array among the operands it traces."""
+    return jnp.zeros((len(values),), jnp.int32) + np.asarray(values, np.int32)
+
+
 def verify(
     state, kv_score, seq_lens, slots, ape, *, layer: int = 0, pending=None, pending_banks=None, tree=None
 ):
@@ -363,7 +369,7 @@ def verify(
         ape=ape,
         pending=pending,
         pending_banks=pending_banks,
-        tree=jnp.asarray(np.asarray(() if tree is None else tree, np.int32)),  # a constant of the call
+        tree=_constant(() if tree is None else tree),
     )
     return _dispatch("oc128_verify", reference.verify, args, results, dict(layer=layer))
 

@@ -214,10 +214,11 @@ def fold_verify(m, s, num, kv_score, p0, ape, tree=None):
         if tree is None:
             depth, before = k, nodes[-1][2] if k else start
         else:
-            parent = jnp.where((tree[k] >= 0) & (tree[k] < k), tree[k], -1) + 1  # 0: the committed state
-            depths = jnp.asarray([-1] + [d for _, d, _ in nodes], jnp.int32)
-            depth = depths[parent] + 1
-            before = tuple(jnp.stack([f, *(n[2][i] for n in nodes)])[parent] for i, f in enumerate(start))
+            parent = jnp.where((tree[k] >= 0) & (tree[k] < k), tree[k], -1)  # -1: the committed state
+            depth, before = 0, start
+            for j, (_, node_depth, after) in enumerate(nodes):
+                depth = jnp.where(parent == j, node_depth + 1, depth)
+                before = tuple(jnp.where(parent == j, x, y) for x, y in zip(after, before, strict=True))
         pos = (p0 + depth) % BLOCK
         sigma = kv_score[:, :, k, dim:] + ape[:, pos]
         after = fold(*before, pos[None, :, None], kv_score[:, :, k, :dim], sigma)
