@@ -142,9 +142,8 @@ template <typename Backend>
 ffi::Error verify(Backend& backend, ffi::AnyBuffer state_in, ffi::Buffer<ffi::F32> kv_score,
                   ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> ape,
                   ffi::Buffer<ffi::S32> pending, ffi::Buffer<ffi::S32> pending_banks, ffi::Buffer<ffi::S32> tree,
-                  ffi::Result<ffi::AnyBuffer> state_out,
-                  ffi::Result<ffi::Buffer<ffi::F32>> entries, ffi::Result<ffi::Buffer<ffi::S32>> entry_blocks,
-                  int64_t layer) {
+                  ffi::Result<ffi::AnyBuffer> state_out, ffi::Result<ffi::Buffer<ffi::F32>> entries,
+                  ffi::Result<ffi::Buffer<ffi::S32>> entry_blocks, int64_t layer) {
   StateShape st;
   OC128_RETURN_IF_ERROR(check_state(backend, state_in, state_out, &st));
   const auto kd = kv_score.dimensions();
@@ -198,8 +197,7 @@ ffi::Error verify(Backend& backend, ffi::AnyBuffer state_in, ffi::Buffer<ffi::F3
 template <typename Backend>
 ffi::Error commit(Backend& backend, ffi::AnyBuffer state_in, ffi::Buffer<ffi::S32> seq_lens,
                   ffi::Buffer<ffi::S32> accept_lens, ffi::Buffer<ffi::S32> accept_banks, ffi::Buffer<ffi::S32> slots,
-                  ffi::Result<ffi::AnyBuffer> state_out,
-                  int64_t layer, int64_t num_layers) {
+                  ffi::Result<ffi::AnyBuffer> state_out, int64_t layer, int64_t num_layers) {
   StateShape st;
   OC128_RETURN_IF_ERROR(check_state(backend, state_in, state_out, &st));
   OC128_RETURN_IF_ERROR(check_layers(layer, num_layers, st.layers));
@@ -277,8 +275,8 @@ struct Commit {
   static constexpr auto kOperands =
       std::make_tuple(NamedArg<ffi::AnyBuffer>{"state"}, NamedArg<ffi::Buffer<ffi::S32>>{"seq_lens"},
                       NamedArg<ffi::Buffer<ffi::S32>>{"accept_lens"}, NamedArg<ffi::Buffer<ffi::S32>>{"accept_banks"},
-                      NamedArg<ffi::Buffer<ffi::S32>>{"slots"},
-                      NamedRet<ffi::AnyBuffer>{"state"}, NamedAttr<int64_t>{"layer"}, NamedAttr<int64_t>{"num_layers"});
+                      NamedArg<ffi::Buffer<ffi::S32>>{"slots"}, NamedRet<ffi::AnyBuffer>{"state"},
+                      NamedAttr<int64_t>{"layer"}, NamedAttr<int64_t>{"num_layers"});
   template <typename Backend, typename... Operands>
   static ffi::Error run(Backend& backend, Operands... operands) {
     return commit(backend, std::move(operands)...);

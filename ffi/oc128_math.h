@@ -346,8 +346,7 @@ OC128_FN void verify_channel(const VerifyArgs<T>& a, int64_t lk, int64_t row, in
 #endif
   for (int k = 0; k < N; ++k) {
     v[k] = load_input(kv + k * 2 * dim + d);
-    sigma[k] =
-        load_input(kv + k * 2 * dim + dim + d) + load_input(ape + ((p0 + nodes.depth(k)) % kBlock) * dim + d);
+    sigma[k] = load_input(kv + k * 2 * dim + dim + d) + load_input(ape + ((p0 + nodes.depth(k)) % kBlock) * dim + d);
   }
   T* bank0 = a.state + a.layout.offset(a.layer0 + lk, 0, slot);
   const int64_t bank_stride = a.layout.slots * 3 * dim;
@@ -420,8 +419,7 @@ OC128_FN void commit_word(const CommitArgs& a, int64_t l, int64_t row, int64_t w
   if (!processed) return;
   const int32_t slot = a.slots[row], seq = a.seq_lens[row];
   const int32_t accept = a.accept_lens[row];
-  const int32_t bank =
-      committed_bank(seq, accept, a.accept_banks != nullptr ? a.accept_banks[row] : accept, a.banks);
+  const int32_t bank = committed_bank(seq, accept, a.accept_banks != nullptr ? a.accept_banks[row] : accept, a.banks);
   if (bank == 0) return;
   Word16* bank0 = a.state + ((a.layer0 + l) * a.banks * a.slots_per_bank + slot) * a.words_per_slot;
   bank0[w] = bank0[bank * a.slots_per_bank * a.words_per_slot + w];
