@@ -329,11 +329,10 @@ OC128_FN void verify_channel(const VerifyArgs<T>& a, int64_t lk, int64_t row, in
   const int64_t dim = a.layout.dim;
   const int32_t slot = a.slots[row], seq = a.seq_lens[row];
   float* entry = a.entries + (lk * a.rows + row) * kEntries * dim;
-  int32_t* entry_block = a.entry_blocks + row * kEntries;
   if (!processed) {
     for (int e = 0; e < kEntries; ++e) entry[e * dim + d] = 0.0f;
     if (lk == 0 && d == 0)
-      for (int e = 0; e < kEntries; ++e) entry_block[e] = -1;
+      for (int e = 0; e < kEntries; ++e) a.entry_blocks[row * kEntries + e] = -1;
     return;
   }
   const Nodes<N, kTree> nodes(a.tree);
@@ -355,11 +354,13 @@ OC128_FN void verify_channel(const VerifyArgs<T>& a, int64_t lk, int64_t row, in
   const int32_t kept = a.pending_banks != nullptr ? a.pending_banks[slot] : accept;
   const int32_t bank = before >= 0 ? committed_bank(before, accept, kept, a.layout.banks) : 0;
   const T* committed = bank0 + bank * bank_stride;
-  const Online start = p0 != 0 ? load_state(committed, dim, d) : Online{0.0f, 0.0f, 0.0f};
+  Online st = p0 != 0 ? load_state(committed, dim, d) : Online{0.0f, 0.0f, 0.0f};
   if (bank != 0)
     for (int f = 0; f < 3; ++f) bank0[f * dim + d] = committed[f * dim + d];
-  Online st = start;
-  Online after[kEntries];  // a tree: the state after each node, where its children start
+  // A tree: where a root starts (the committed state) and where each node's children start (the state
+  // after it). The chain needs neither (the compiler drops them).
+  const Online root = st;
+  Online after[kEntries];
   float closed_entry = 0.0f;
   int32_t closed_block = -1;
 #ifdef __CUDA_ARCH__
@@ -367,7 +368,7 @@ OC128_FN void verify_channel(const VerifyArgs<T>& a, int64_t lk, int64_t row, in
 #endif
   for (int k = 0; k < N; ++k) {
     const int pos = (p0 + nodes.depth(k)) % kBlock;
-    if constexpr (kTree) st = nodes.parent(k) < 0 ? start : after[nodes.parent(k)];
+    if constexpr (kTree) st = nodes.parent(k) < 0 ? root : after[nodes.parent(k)];
     st = fold(st, pos, v[k], sigma[k]);
     const bool closes = pos == kBlock - 1;
     if (closes) {
@@ -379,12 +380,12 @@ OC128_FN void verify_channel(const VerifyArgs<T>& a, int64_t lk, int64_t row, in
     if constexpr (kTree) {
       after[k] = st;
       entry[k * dim + d] = closes ? closed_entry : 0.0f;
-      if (lk == 0 && d == 0) entry_block[k] = closes ? closed_block : -1;
+      if (lk == 0 && d == 0) a.entry_blocks[row * kEntries + k] = closes ? closed_block : -1;
     }
   }
   if constexpr (!kTree) {
     entry[d] = closed_entry;
-    if (lk == 0 && d == 0) entry_block[0] = closed_block;
+    if (lk == 0 && d == 0) a.entry_blocks[row] = closed_block;
   }
 }
 
