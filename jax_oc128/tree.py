@@ -175,10 +175,11 @@ class Tree:
         """The default tree of ``size`` nodes (an int in [1, 16]): the root and the first ``size - 1`` of
         :data:`DEFAULT_CHOICES`.
 
-        Why this tree: a tree's expected accepted length is 1 + the sum over its drafts of the
-        probability that the whole path to the draft is the target's, so the best tree of a given size
-        takes the most probable paths. With a rank-r draft the target's token with probability 0.7, 0.15,
-        0.05 (DeepSeek's MTP keeps its top-1 draft 85-90% of the time at the first level and less deeper,
+        Why this tree: with a rank-r draft the target's token with a probability that depends on r alone
+        (Sequoia's positional acceptance model), a tree's expected accepted length is 1 + the sum over
+        its drafts of the probability that the whole path to the draft is the target's, so the best tree
+        of a given size takes the most probable paths. With probabilities 0.7, 0.15, 0.05 for ranks 0,
+        1, 2 (DeepSeek's MTP keeps its top-1 draft 85-90% of the time at the first level and less deeper,
         SPEC.md 4; lower ranks are far behind) those are the top-1 chain and its first alternatives. The
         depth is capped at 4 because every level is one sequential run of the draft head while width is
         nearly free in the verify: under that model 8 nodes (depth 4) expect 3.13 tokens a step, about as
@@ -227,6 +228,12 @@ def draft_tree(tree: Tree, root, draft_fn: Callable, carry, key=None, temperatur
     logits at the nodes ``tree.expanded[level]``, and ``carry`` is anything the head threads through the
     levels (e.g. its cache and hidden states). The children of each such node are then drafted by
     :func:`draft_children` (``key`` split per level; ``temperature`` 0, static, is greedy).
+
+    With the MTP head, ``carry`` can hold its cache and ``[bs, N, H]`` hidden states by node: at level d
+    the head reads the tokens ``tokens[:, expanded[d]]`` at positions ``position + d``, each with the
+    target's hidden state (the root, level 0) or the head's own output at its parent (``hidden[:,
+    parents[k]]``, stored there at level d - 1), and stores its outputs at ``hidden[:, expanded[d]]``;
+    each node attends to the committed tokens and to its ancestors (``tree.mask``), not to its siblings.
 
     Returns ``(tokens, draft_logits, carry)``: ``tokens`` ``[bs, N]`` int32 (node 0 the root),
     ``draft_logits`` ``[bs, N, V]`` float32 each node's draft logits (zeros at the leaves: what
