@@ -213,6 +213,8 @@ def draft_children(logits, width: int, key=None, temperature: float = 0.0):
     ``[bs, n, width]`` int32, distinct tokens per node (``width`` <= V)."""
     if not 1 <= width <= logits.shape[-1]:
         raise ValueError(f"width: must be in [1, {logits.shape[-1]}] (the vocabulary), got {width}")
+    if temperature != 0 and key is None:
+        raise ValueError(f"key: a PRNG key is needed to sample (temperature {temperature})")
     scores = logits.astype(jnp.float32)
     if temperature != 0:
         scores = scores / temperature + jax.random.gumbel(key, scores.shape, jnp.float32)

@@ -219,9 +219,11 @@ def test_draft_children_samples_without_replacement():
     assert ok, detail
 
 
-def test_draft_children_bad_width():
+def test_draft_children_bad_arguments():
     with pytest.raises(ValueError, match=r"^width: must be in \[1, 10\]"):
         draft_children(jnp.zeros((1, 1, 10)), 11)
+    with pytest.raises(ValueError, match=r"^key: a PRNG key is needed to sample"):
+        draft_children(jnp.zeros((1, 1, 10)), 2, None, 1.0)
 
 
 def test_draft_tree_greedy():
