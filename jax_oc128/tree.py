@@ -64,6 +64,25 @@ DEFAULT_CHOICES = (
 )
 
 
+def check_parents(parents, name: str = "parents") -> tuple[int, ...]:
+    """A tree's parents checked (the one rule, for :class:`Tree` and an op's ``tree=``): a sequence of 1 to
+    MAX_DRAFT ints (bools refused), ``parents[0] == -1``, ``0 <= parents[k] < k``. Errors name ``name``.
+    Returns them as a tuple of ints."""
+    if isinstance(parents, str | bytes) or not isinstance(parents, Sequence):
+        raise TypeError(f"{name}: must be a sequence of ints, got {type(parents).__name__}")
+    if not 1 <= len(parents) <= MAX_DRAFT:
+        raise ValueError(f"{name}: must have 1 to {MAX_DRAFT} (MAX_DRAFT) nodes, got {len(parents)}")
+    for k, parent in enumerate(parents):
+        if not is_int(parent):
+            raise TypeError(f"{name}: {name}[{k}] must be an int, got {parent!r}")
+    if parents[0] != -1:
+        raise ValueError(f"{name}: {name}[0] must be -1 (node 0 is the root), got {parents[0]}")
+    for k, parent in enumerate(parents[1:], 1):
+        if not 0 <= parent < k:
+            raise ValueError(f"{name}: {name}[{k}] must be in [0, {k}) (a node before it), got {parent}")
+    return tuple(map(int, parents))
+
+
 def _frozen(array: np.ndarray) -> np.ndarray:
     array.setflags(write=False)
     return array
@@ -93,21 +112,7 @@ class Tree:
     """
 
     def __init__(self, parents: Sequence[int]):
-        if isinstance(parents, str | bytes) or not isinstance(parents, Sequence):
-            raise TypeError(f"parents: must be a sequence of ints, got {type(parents).__name__}")
-        if not 1 <= len(parents) <= MAX_DRAFT:
-            raise ValueError(f"parents: must have 1 to {MAX_DRAFT} (MAX_DRAFT) nodes, got {len(parents)}")
-        for k, parent in enumerate(parents):
-            if not is_int(parent):
-                raise TypeError(f"parents: parents[{k}] must be an int, got {parent!r}")
-        if parents[0] != -1:
-            raise ValueError(f"parents: parents[0] must be -1 (node 0 is the root), got {parents[0]}")
-        for k, parent in enumerate(parents[1:], 1):
-            if not 0 <= parent < k:
-                raise ValueError(
-                    f"parents: parents[{k}] must be in [0, {k}) (a node before it), got {parent}"
-                )
-        self.parents = tuple(map(int, parents))
+        self.parents = check_parents(parents)
         n = self.size = len(self.parents)
         children = [[] for _ in range(n)]
         depths, ranks = np.zeros(n, np.int32), np.zeros(n, np.int32)

@@ -18,6 +18,7 @@ from jax_oc128.tree import (
     Tree,
     accept_greedy,
     accept_sampled,
+    check_parents,
     draft_children,
     draft_tree,
 )
@@ -126,6 +127,8 @@ def test_default_trees():
 def test_bad_parents(parents, error, message):
     with pytest.raises(error, match="^" + re.escape(message)):
         Tree(parents)
+    with pytest.raises(error, match="^" + re.escape(message.replace("parents", "tree"))):
+        check_parents(parents, "tree")  # an op's tree= argument
 
 
 @pytest.mark.parametrize(
