@@ -28,7 +28,7 @@ from jax_oc128.tree import (
 CHI2_AT_1E3 = {3: 16.266, 5: 20.515, 15: 37.697, 19: 43.820, 35: 66.619}
 VOCAB = 6
 
-# the example: nodes 0 (root), 1 = [0], 2 = [1], 3 = [0, 0], 4 = [0, 1], 5 = [1, 0], 6 = [0, 0, 0]
+# an EAGLE-style example: nodes 0 (root), 1 = [0], 2 = [1], 3 = [0, 0], 4 = [0, 1], 5 = [1, 0], 6 = [0, 0, 0]
 EXAMPLE_CHOICES = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 EXAMPLE = (-1, 0, 0, 1, 1, 2, 3)
 
