@@ -20,6 +20,13 @@ other: a verify cannot batch them. Patterns, per step:
   gathered, the N tokens folded: XLA fuses it with its neighbours), and the bank writes of every layer are
   one ``verify(..., pending=...)`` of all layers at the end of the step (the layers' kv_score gathered into
   one array): 1 launch per step.
+* ``skip``: a candidate design that stays exact (native math only). A layer needs the verify's entry only
+  when some row's N tokens close a 128-block (``seq % 128 + N > 128``; about N / 128 of a row's steps), and
+  whether one does is known before the forward. So one ``lax.cond`` per step: when a block closes, the
+  ``model`` pattern; when none does, the layers run without C128 op and one ``verify(..., pending=...)`` of
+  all layers writes every bank at the end of the step (its entries are all zero). Its cost per step depends
+  on how many steps close a block, as in a model's decoding: the rows' positions advance by their accept
+  lengths from the offsets of ``make_inputs``.
 
 Every per-layer pattern carries the same dependency chain (see ``_depend``). Each pattern runs unrolled
 ``--repeat`` steps (positions advancing) inside one jit-compiled executable with the state donated. The time
@@ -46,10 +53,11 @@ import numpy as np
 
 import jax_oc128 as oc
 from jax_oc128 import reference
+from jax_oc128.decode import GPU_LOOP_OPTIONS
 from jax_oc128.rules import committed_bank
 
 LAYERS, DIM, BLOCK = 20, 512, 128
-PATTERNS = ("chain", "launch", "model", "model_jnp", "sglang", "batched", "deferred")
+PATTERNS = ("chain", "launch", "model", "model_jnp", "sglang", "batched", "deferred", "skip")
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "bench_ops.json"
 
 
@@ -152,6 +160,21 @@ def _deferred_step(c, k):
     return dict(state=state, kv=kv, entry=entry, seq=c["seq"] + k["accept"], pending=pending)
 
 
+def _skip_step(c, k):
+    closes = jnp.any(c["seq"] % BLOCK + c["kv"][0].shape[2] > BLOCK)
+
+    def deferred(c, k):
+        c = _chain_step(c, k)
+        committing = c["pending"]
+        state, _, _ = oc.verify(
+            c["state"], jnp.concatenate(c["kv"]), c["seq"], k["slots"], k["ape_all"], pending=committing
+        )
+        pending = committing.at[k["slots"]].set(c["seq"], mode="drop")
+        return dict(c, state=state, seq=c["seq"] + k["accept"], pending=pending)
+
+    return jax.lax.cond(closes, _model_step, deferred, c, k)
+
+
 def _model_step(c, k, ops=oc):
     # prepare_forward(TARGET_VERIFY): what was pending is committed by this step's verifies (fused), and
     # this step's seq_lens become pending; the next step's seq_lens - pending is this step's accept.
@@ -189,6 +212,7 @@ STEPS = {
     "sglang": _sglang_step,
     "batched": _batched_step,
     "deferred": _deferred_step,
+    "skip": _skip_step,
 }
 
 
@@ -208,6 +232,8 @@ def setup(pattern, rows, n, dtype):
     if pattern == "batched":
         carry.pop("kv")
         consts.update(kv_all=kv, ape_all=ape)
+    if pattern == "skip":
+        consts.update(ape_all=ape)
     if pattern == "deferred":
         carry.pop("blocks")
         carry["entry"] = jnp.zeros((1, rows, DIM), jnp.float32)
@@ -216,14 +242,17 @@ def setup(pattern, rows, n, dtype):
 
 
 def build(pattern, repeat):
-    """A jitted function running ``repeat`` steps of ``pattern``, the carry donated."""
+    """A jitted function running ``repeat`` steps of ``pattern``, the carry donated, compiled as the engine
+    compiles its decode loop (on a GPU with :data:`~jax_oc128.decode.GPU_LOOP_OPTIONS`: a ``lax.cond`` is a
+    conditional node of the command buffer, not a return to the host)."""
 
     def run(carry, consts):
         for _ in range(repeat):
             carry = STEPS[pattern](carry, consts)
         return carry
 
-    return jax.jit(run, donate_argnums=0)
+    options = GPU_LOOP_OPTIONS if jax.default_backend() == "gpu" else None
+    return jax.jit(run, donate_argnums=0, compiler_options=options)
 
 
 def main():
@@ -262,6 +291,7 @@ def main():
             sglang=f"{LAYERS} verify + {LAYERS} commit launches",
             batched="1 verify + 1 commit for all layers: reference only, not a pattern a model can run",
             deferred="per layer the closed block's entry in jnp, then 1 verify of all layers' banks",
+            skip="per step a cond: the model pattern when a row closes a block, else 1 verify of all layers",
         ),
         rows=[],
     )
@@ -296,6 +326,7 @@ def main():
                 print(f"{dtype:8s} {n:2d} {rows:5d} | {cells} | {row['floor_us']:8.2f}")
     print("* batched: one verify + one commit for all layers, a reference, not a pattern a model can run")
     print("* deferred: per layer the closed block's entry in jnp, then one verify of every layer's banks")
+    print("* skip: the model pattern on steps where a block closes, else one verify of every layer's banks")
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1) + "\n")
