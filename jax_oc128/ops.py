@@ -39,6 +39,7 @@ import numpy as np
 from jax_oc128 import _native, partition, reference
 from jax_oc128.checks import check_int
 from jax_oc128.rules import BLOCK, MAX_DRAFT
+from jax_oc128.tree import Tree, check_parents
 
 STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -258,28 +259,14 @@ def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0)
     return _dispatch("oc128_compress", reference.compress, args, results, dict(layer=layer))
 
 
-def check_tree(tree, num_tokens: int) -> tuple[int, ...]:
-    """The static draft tree ``tree`` of a verify of ``num_tokens`` tokens, checked: a tuple of N parent
-    indices, ``tree[0] == -1`` (the root follows the committed state) and ``0 <= tree[k] < k``, N the number
-    of tokens and at most 16. Returns it as a tuple of Python ints; raises TypeError/ValueError naming
-    ``tree``."""
-    if not isinstance(tree, tuple) or not all(
-        isinstance(p, (int, np.integer)) and not isinstance(p, bool) for p in tree
-    ):
-        raise TypeError(f"tree: expected a tuple of parent indices (ints), got {tree!r}")
-    tree = tuple(int(p) for p in tree)
-    if len(tree) > MAX_DRAFT:
-        raise ValueError(f"tree: at most {MAX_DRAFT} nodes, got {len(tree)}")
-    if len(tree) != num_tokens:
-        raise ValueError(f"tree: {len(tree)} nodes, but kv_score has num_tokens = {num_tokens}")
-    if tree[0] != -1:
-        raise ValueError(f"tree: node 0 is the root, its parent must be -1, got {tree[0]}")
-    for k, parent in enumerate(tree[1:], 1):
-        if not 0 <= parent < k:
-            raise ValueError(
-                f"tree: node {k}'s parent must be an earlier node (0 <= parent < {k}), got {parent}"
-            )
-    return tree
+def _check_tree(tree, num_tokens: int) -> tuple[int, ...]:
+    """``verify``'s static ``tree`` (parents, or a :class:`~jax_oc128.tree.Tree`) checked by the one rule of a
+    tree's parents (:func:`jax_oc128.tree.check_parents`) and against the verify's N tokens; returns the
+    parents as a tuple of ints."""
+    parents = check_parents(tree.parents if isinstance(tree, Tree) else tree, "tree")
+    if len(parents) != num_tokens:
+        raise ValueError(f"tree: {len(parents)} nodes, but kv_score has num_tokens = {num_tokens}")
+    return parents
 
 
 def _optional_table(name, x, shape):
@@ -325,8 +312,9 @@ def verify(
       pending_banks: optional ``[S]`` int32 (with ``pending`` only), per slot the bank that commit keeps, as
         :func:`commit`'s ``accept_banks`` (after a tree verify: the accepted node's k + 1); None: the chain's
         bank, the accept.
-      tree: optional static tuple of N parent indices, ``tree[0] == -1`` and ``0 <= tree[k] < k``
-        (:func:`check_tree`); None is the chain ``(-1, 0, 1, ..., N - 2)`` with its own, faster, kernel.
+      tree: optional static draft tree of N nodes: its parents (a tuple of ints, ``tree[0] == -1`` and
+        ``0 <= tree[k] < k``, as :func:`jax_oc128.tree.check_parents` checks them) or a
+        :class:`~jax_oc128.tree.Tree`; None is the chain ``(-1, 0, 1, ..., N - 2)``, with its own kernel.
 
     Returns:
       ``(state, entries, entry_blocks)``. The chain: ``entries`` ``[Lk, bs, 1, D]`` float32 is the pre-norm
@@ -346,7 +334,7 @@ def verify(
     if not 1 <= tokens <= min(banks - 1, MAX_DRAFT):
         raise ValueError(f"kv_score: N = {tokens} verify tokens, but the state holds max_draft = {banks - 1}")
     if tree is not None:
-        tree = check_tree(tree, tokens)
+        tree = _check_tree(tree, tokens)
     _check_layers(layer, call_layers, layers)
     _check_rows(num_slots, seq_lens, slots, rows)
     _check_array("ape", ape, (call_layers, BLOCK, dim), jnp.float32)

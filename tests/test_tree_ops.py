@@ -32,6 +32,7 @@ import jax_oc128 as oc
 from jax_oc128 import reference
 from jax_oc128.controller import Controller, ForwardMode
 from jax_oc128.state import CompressState
+from jax_oc128.tree import Tree
 
 LAYERS, CALL_LAYER, DIM, MAX_DRAFT = 3, 1, 64, 16
 CALL_LAYERS = LAYERS - CALL_LAYER
@@ -362,6 +363,18 @@ def test_padding_only_and_empty_batches():
     np.testing.assert_array_equal(oc.commit(out[0], empty, empty, empty, accept_banks=empty), state)
 
 
+def test_tree_may_be_a_tree_or_a_list():
+    """``tree=`` takes a :class:`~jax_oc128.tree.Tree` or any sequence of parents alike."""
+    rng = np.random.default_rng(25)
+    state = poisoned_state(rng, 2, 3, DIM, 4)
+    kv = jnp.asarray(random_tokens(rng, (2, 2, 4), DIM))
+    args = (state, kv, ints(126, 5), ints(2, 0), jnp.asarray(random_ape(rng, 2, DIM)))
+    parents = (-1, 0, 0, 1)
+    want = oc.verify(*args, tree=parents)
+    for tree in (Tree(parents), list(parents)):
+        assert_same_bits(oc.verify(*args, tree=tree), want)
+
+
 def test_controller_carries_the_accepted_bank():
     """Controller: a tree verify, the accepted node named at the next forward (lazily, inside the next tree
     verify) and then eagerly; bank 0 follows the accepted stream (float64)."""
@@ -403,14 +416,14 @@ def test_controller_carries_the_accepted_bank():
 @pytest.mark.parametrize(
     "tree, error, match",
     [
-        ([-1, 0, 1], TypeError, "tree: expected a tuple"),
-        ((-1, 0.0, 1), TypeError, "tree: expected a tuple"),
-        ((-1, True, 1), TypeError, "tree: expected a tuple"),
-        ((0, 0, 1), ValueError, "tree: node 0 is the root"),
-        ((-1, 1, 1), ValueError, "tree: node 1's parent must be an earlier node"),
-        ((-1, 0, -1), ValueError, "tree: node 2's parent"),
+        ("x", TypeError, "tree: must be a sequence of ints"),
+        ((-1, 0.0, 1), TypeError, r"tree: tree\[1\] must be an int"),
+        ((-1, True, 1), TypeError, r"tree: tree\[1\] must be an int"),
+        ((0, 0, 1), ValueError, r"tree: tree\[0\] must be -1"),
+        ((-1, 1, 1), ValueError, r"tree: tree\[1\] must be in \[0, 1\)"),
+        ((-1, 0, -1), ValueError, r"tree: tree\[2\] must be in \[0, 2\)"),
         ((-1, 0), ValueError, "tree: 2 nodes, but kv_score has num_tokens = 3"),
-        (tuple(range(-1, 16)), ValueError, "tree: at most 16 nodes, got 17"),
+        (tuple(range(-1, 16)), ValueError, "tree: must have 1 to 16"),
     ],
 )
 def test_bad_trees_are_named(tree, error, match):
