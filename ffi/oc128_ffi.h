@@ -2,7 +2,7 @@
 // argument structs of oc128_math.h. The platform supplies a Backend with
 //   ffi::Error copy(void* dst, const void* src, size_t bytes);
 //   template <class T> ffi::Error compress(const CompressArgs<T>&, int64_t call_layers, int64_t segments);
-//   template <int N, bool kTree, class T> ffi::Error verify(const VerifyArgs<T>&, int64_t call_layers);
+//   template <int N, bool kTree, bool kBanks, class T> ffi::Error verify(const VerifyArgs<T>&, int64_t call_layers);
 //   ffi::Error commit(const CommitArgs&, int64_t num_layers);
 // and one handler per op: a generic lambda that makes its Backend from its context operands and calls
 // Op::run, bound with bind<Op>, so that the operand types and names are written once, here.
@@ -186,8 +186,10 @@ ffi::Error verify(Backend& backend, ffi::AnyBuffer state_in, ffi::Buffer<ffi::F3
                              rows};
     return with_draft_tokens(tokens, [&](auto n) {
       constexpr int N = decltype(n)::value;
-      return is_tree ? backend.template verify<N, true>(args, call_layers)
-                     : backend.template verify<N, false>(args, call_layers);
+      // a tree reads pending_banks where given; the chain has a variant of each
+      if (is_tree) return backend.template verify<N, true, true>(args, call_layers);
+      return args.pending_banks != nullptr ? backend.template verify<N, false, true>(args, call_layers)
+                                           : backend.template verify<N, false, false>(args, call_layers);
     });
   };
   void* data = state_out->untyped_data();

@@ -271,9 +271,10 @@ OC128_FN void compress_channel(const CompressArgs<T>& a, int64_t lk, int64_t row
 // first commits that verify (accept = seq - pending[slot], the bank pending_banks[slot], or accept
 // where there is no such table) in the call's layers: the lazy commit and the next verify in one launch.
 //
-// Work item (lk, row, d). N (the verify's token count, 1..16) and whether the tokens form a tree are
-// compile-time constants, so that the N tokens' loads are all issued, into registers, before the
-// serial fold, and the chain keeps constant indices.
+// Work item (lk, row, d). N (the verify's token count, 1..16), whether the tokens form a tree and
+// whether a pending_banks table may be given (kBanks; checked at run time) are compile-time constants,
+// so that the N tokens' loads are all issued, into registers, before the serial fold, the chain keeps
+// constant indices, and a chain without pending_banks compiles as if they did not exist.
 
 template <typename T>
 struct VerifyArgs {
@@ -322,7 +323,7 @@ struct Nodes {
 };
 
 // `processed`: Rows::processed of the row (the backend computes it once per row).
-template <int N, bool kTree, typename T>
+template <int N, bool kTree, bool kBanks, typename T>
 OC128_FN void verify_channel(const VerifyArgs<T>& a, int64_t lk, int64_t row, int64_t d, bool processed) {
   static_assert(1 <= N && N <= kMaxDraft, "1 <= N <= 16 verify tokens");
   constexpr int kEntries = kTree ? N : 1;
@@ -351,7 +352,7 @@ OC128_FN void verify_channel(const VerifyArgs<T>& a, int64_t lk, int64_t row, in
   const int64_t bank_stride = a.layout.slots * 3 * dim;
   const int32_t before = a.pending != nullptr ? a.pending[slot] : -1;
   const int32_t accept = seq - before;
-  const int32_t kept = a.pending_banks != nullptr ? a.pending_banks[slot] : accept;
+  const int32_t kept = kBanks && a.pending_banks != nullptr ? a.pending_banks[slot] : accept;
   const int32_t bank = before >= 0 ? committed_bank(before, accept, kept, a.layout.banks) : 0;
   const T* committed = bank0 + bank * bank_stride;
   Online st = p0 != 0 ? load_state(committed, dim, d) : Online{0.0f, 0.0f, 0.0f};
