@@ -216,9 +216,13 @@ def fold_verify(m, s, num, kv_score, p0, ape, tree=None):
         else:
             parent = jnp.where((tree[k] >= 0) & (tree[k] < k), tree[k], -1)  # -1: the committed state
             depth, before = 0, start
-            for j, (_, node_depth, after) in enumerate(nodes):
-                depth = jnp.where(parent == j, node_depth + 1, depth)
-                before = tuple(jnp.where(parent == j, x, y) for x, y in zip(after, before, strict=True))
+            if nodes:  # the parent's depth + 1 and state after it, gathered (index 0 where it is -1)
+                pick = jnp.maximum(parent, 0)
+                depth = jnp.where(parent < 0, 0, jnp.stack([n[1] for n in nodes])[pick] + 1)
+                before = tuple(
+                    jnp.where(parent < 0, f, jnp.stack([n[2][i] for n in nodes])[pick])
+                    for i, f in enumerate(start)
+                )
         pos = (p0 + depth) % BLOCK
         sigma = kv_score[:, :, k, dim:] + ape[:, pos]
         after = fold(*before, pos[None, :, None], kv_score[:, :, k, :dim], sigma)

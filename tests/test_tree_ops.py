@@ -294,7 +294,7 @@ def test_lazy_commit_keeps_the_pending_bank():
     """verify(pending, pending_banks) does what commit(accept_banks) followed by verify does, for a tree
     verify after a tree verify; a bank outside [1, max_draft] (or 0) commits nothing."""
     rng = np.random.default_rng(21)
-    tree = BINARY
+    tree = (-1, 0, 0, 1, 2, 2)  # the previous verify's banks (up to 16) are what matter here
     state = poisoned_state(rng, LAYERS, 8, DIM, MAX_DRAFT)
     slots, seq = ints(0, 3, 5, 7, 2, -1), ints(130, 257, 640, 72, 300, 9)
     pending = np.full(8, -1, np.int32)
@@ -375,9 +375,11 @@ def test_tree_may_be_a_tree_or_a_list():
         assert_same_bits(oc.verify(*args, tree=tree), want)
 
 
-def test_controller_carries_the_accepted_bank():
+@pytest.mark.parametrize("last_commit", ["eager", "decode forward"])
+def test_controller_carries_the_accepted_bank(last_commit):
     """Controller: a tree verify, the accepted node named at the next forward (lazily, inside the next tree
-    verify) and then eagerly; bank 0 follows the accepted stream (float64)."""
+    verify), then the last one committed eagerly or by a decode forward's prepare_forward; open_state and
+    then bank 0 follow the accepted stream (float64)."""
     rng = np.random.default_rng(24)
     tree, depth = BINARY, depths(BINARY)
     seq = np.asarray([BLOCK + 124, 2 * BLOCK + 7], np.int32)
@@ -405,8 +407,15 @@ def test_controller_carries_the_accepted_bank():
             request.stream = along(request.stream, request.seq, nodes_kv[:, i, path(tree, k)])
         banks = ints(*(k + 1 for k in accepted))
         reqs.advance([depth[k] + 1 for k in accepted])
-    accept = ints(*(depth[k] + 1 for k in accepted))
-    cs = ctl.commit(cs, slots, jnp.asarray(reqs.seq - np.asarray(accept)), accept, accept_banks=banks)
+    opened = ctl.open_state(cs, slots, jnp.asarray(reqs.seq), ape, accept_banks=banks)
+    for i, request in enumerate(reqs.requests):
+        rows = np.stack([np.asarray(field)[CALL_LAYER:, i] for field in opened], axis=1)
+        request.check_open(reqs.ape, rows, name=f"open_state row {i}")
+    if last_commit == "eager":
+        accept = ints(*(depth[k] + 1 for k in accepted))
+        cs = ctl.commit(cs, slots, jnp.asarray(reqs.seq - np.asarray(accept)), accept, accept_banks=banks)
+    else:
+        cs = ctl.prepare_forward(cs, ForwardMode.DECODE, slots, jnp.asarray(reqs.seq), accept_banks=banks)
     assert np.all(np.asarray(cs.pending)[reqs.slots] == -1)
     reqs.state = cs.banks
     for i, request in enumerate(reqs.requests):
