@@ -35,6 +35,7 @@ from jax_oc128.nn.csa import CSACompressor, IndexerConfig
 from jax_oc128.nn.functional import FULL, assign_weights, linear, normal_param, ones_param, rms_norm
 from jax_oc128.nn.rope import RopeConfig
 from jax_oc128.rules import BLOCK, drop_index
+from jax_oc128.tree import Tree
 
 SLIDING, HCA, CSA = "sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"
 
@@ -115,6 +116,30 @@ class AttentionCache:
     index_keys: jax.Array
     rows: jax.Array
 
+    def keep_path(self, tree: Tree, first_positions, nodes) -> AttentionCache:
+        """After a tree verify (``__call__(..., tree=tree)``) at ``first_positions`` ``[batch]`` int32 (the
+        root's position), keep the path from the root to ``nodes`` ``[batch]`` int32 (the accepted node;
+        -1 leaves the row untouched): its window rows move to where a chain verify of the path puts them
+        (row ``p % R`` for position p) and every other row the verify wrote is emptied, so the rejected
+        branches leave no trace."""
+        window, (batch, verify) = self.window.shape[1], (nodes.shape[0], tree.size)
+        kept = nodes >= 0
+        path = jnp.asarray(tree.paths)[jnp.maximum(nodes, 0)]  # [batch, depth + 1], -1 past the node
+        base = first_positions[:, None]
+        written = jnp.where(kept[:, None], (base + jnp.arange(verify)) % window, window)
+        depth = jnp.arange(path.shape[1])[None]
+        on_path = kept[:, None] & (path >= 0)
+        source = (base + jnp.maximum(path, 0)) % window
+        target = jnp.where(on_path, (base + depth) % window, window)
+        rows = jnp.arange(batch)[:, None]
+        kv = self.window[rows, source]
+        positions = self.window_positions.at[rows, written].set(-1, mode="drop")
+        return dataclasses.replace(
+            self,
+            window=self.window.at[rows, target].set(kv, mode="drop"),
+            window_positions=positions.at[rows, target].set(base + depth, mode="drop"),
+        )
+
     def clear(self, rows) -> AttentionCache:
         """Empty ``rows`` ([n] int32, -1 ignored) for new sequences."""
         index = drop_index(rows, self.window.shape[0])
@@ -125,6 +150,17 @@ class AttentionCache:
             self.index_keys.at[index].set(0, mode="drop"),
             self.rows.at[index].set(0, mode="drop"),
         )
+
+
+def _check_tree(tree, tokens: int, mode: ForwardMode, layer_type: str) -> None:
+    if not isinstance(tree, Tree):
+        raise TypeError(f"tree: a jax_oc128.tree.Tree or None, got {type(tree).__name__}")
+    if mode is not ForwardMode.TARGET_VERIFY:
+        raise ValueError(f"tree: only for a verify (mode TARGET_VERIFY), got mode {mode}")
+    if tree.size != tokens:
+        raise ValueError(f"tree: {tree.size} nodes for {tokens} tokens")
+    if layer_type != SLIDING:
+        raise NotImplementedError(f"tree: {layer_type} layers do not verify trees yet")
 
 
 def batch_slots(lengths):
@@ -268,7 +304,15 @@ class DeepseekV4Attention(nnx.Module):
         return self.backend.create(self.compress_layer + 1, batch, self.config.head_dim, self.max_draft)
 
     def __call__(
-        self, x, positions, cache: AttentionCache, compressed=None, *, lengths=None, mode=ForwardMode.EXTEND
+        self,
+        x,
+        positions,
+        cache: AttentionCache,
+        compressed=None,
+        *,
+        lengths=None,
+        mode=ForwardMode.EXTEND,
+        tree: Tree | None = None,
     ):
         """Attention over the window, the new tokens (causal) and the visible compressed entries.
 
@@ -283,6 +327,11 @@ class DeepseekV4Attention(nnx.Module):
             chain verify (1 <= T <= max_draft, rows of length T or 0): the compressor writes its banks, and
             the caller then keeps ``accept`` of them with :meth:`commit` or leaves them pending (the row's
             next forward commits them from its positions).
+          tree: a static :class:`~jax_oc128.tree.Tree` of T nodes for a tree verify (``mode`` TARGET_VERIFY,
+            sliding layers for now): token k is node k at ``positions[:, 0] + tree.depths[k]`` and attends to
+            the window and to its ancestors (``tree.mask``); node k's window row goes to ring row
+            ``(positions[:, 0] + k) % R`` until :meth:`AttentionCache.keep_path` keeps the accepted path.
+            None: the tokens are a chain (consecutive positions, causal).
 
         Returns:
           ``(y [batch, T, hidden], cache, compressed)``.
@@ -290,6 +339,8 @@ class DeepseekV4Attention(nnx.Module):
         c = self.config
         batch, tokens, _ = x.shape
         lengths = jnp.full((batch,), tokens, jnp.int32) if lengths is None else lengths
+        if tree is not None:
+            _check_tree(tree, tokens, mode, c.layer_type)
         q_res = rms_norm(linear(x, self.q_a_proj[...]), self.q_a_norm[...], c.rms_norm_eps)
         q = linear(q_res, self.q_b_proj[...]).reshape(batch, tokens, c.num_heads, c.head_dim)
         q = c.rope.apply(rms_norm(q, 1.0, c.rms_norm_eps), positions)  # per head, unweighted
@@ -305,7 +356,11 @@ class DeepseekV4Attention(nnx.Module):
         fresh = jnp.concatenate(
             [cache.window_positions < positions[:, :1], jnp.ones_like(positions, bool)], axis=1
         )
-        visible = fresh[:, None, :] & (k >= 0) & (k <= t) & (k > t - c.sliding_window)
+        order = k <= t
+        if tree is not None:  # the new tokens see their ancestors, not every earlier position
+            ancestors = jnp.broadcast_to(jnp.asarray(tree.mask), (batch, tokens, tokens))
+            order = jnp.concatenate([order[:, :, : cache.window.shape[1]], ancestors], axis=2)
+        visible = fresh[:, None, :] & (k >= 0) & order & (k > t - c.sliding_window)
         if c.layer_type == HCA:
             cache, compressed = self._compress(x, positions, lengths, cache, compressed, mode)
             keys = jnp.concatenate([keys, cache.entries], axis=1)
@@ -339,14 +394,16 @@ class DeepseekV4Attention(nnx.Module):
             ).reshape(batch, tokens, -1),
             self.o_b_proj[...],
         )
-        return y, self._update_window(cache, kv, positions, lengths), compressed
+        return y, self._update_window(cache, kv, positions, lengths, tree), compressed
 
-    def _update_window(self, cache, kv, positions, lengths):
-        """Write the last ``R`` valid new rows into the window ring (row ``p % R``)."""
+    def _update_window(self, cache, kv, positions, lengths, tree):
+        """Write the last ``R`` valid new rows into the window ring (row ``p % R``; a tree's node k at row
+        ``(positions[:, 0] + k) % R``)."""
         window = cache.window.shape[1]
         t = jnp.arange(positions.shape[1])[None]
         write = (t < lengths[:, None]) & (t >= lengths[:, None] - window)
-        index = jnp.where(write, positions % window, window)
+        ring = positions if tree is None else positions[:, :1] + t
+        index = jnp.where(write, ring % window, window)
         rows = jnp.arange(positions.shape[0])[:, None]
         return dataclasses.replace(
             cache,
