@@ -32,9 +32,9 @@ def sliding_layer():
     return DeepseekV4Attention.from_hf(CONFIG, 0, weights, max_draft=MAX_DRAFT)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "tree"))
-def forward(graphdef, params, x, positions, cache, mode=ForwardMode.EXTEND, tree=None):
-    y, cache, _ = nnx.merge(graphdef, params)(x, positions, cache, mode=mode, tree=tree)
+@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "tree", "nodes"))
+def forward(graphdef, params, x, positions, cache, mode=ForwardMode.EXTEND, tree=None, nodes=None):
+    y, cache, _ = nnx.merge(graphdef, params)(x, positions, cache, mode=mode, tree=tree, nodes=nodes)
     return y, cache
 
 
@@ -121,3 +121,36 @@ def test_tree_misuse():
     hca = DeepseekV4Attention(AttentionConfig.from_hf(CONFIG, 1), max_draft=MAX_DRAFT, rngs=nnx.Rngs(0))
     with pytest.raises(NotImplementedError, match=r"^tree: heavily_compressed_attention"):
         hca(x, positions, hca.init_cache(X.shape[0]), mode=VERIFY, tree=TREES[0])
+
+
+@pytest.mark.parametrize("tree", TREES, ids=str)
+def test_a_tree_drafted_level_by_level_is_the_tree_verified_at_once(prefilled, tree):
+    """The draft head's calls (one per level, each node seeing its ancestors' rows written by the calls
+    before) give each node what one call of the whole tree gives it."""
+    graphdef, params, cache = prefilled
+    x, positions = tree_inputs(tree, 6)
+    y_all, _ = forward(graphdef, params, x, positions, cache, mode=VERIFY, tree=tree)
+    drafted = cache
+    for level in tree.levels:
+        y, drafted = forward(
+            graphdef,
+            params,
+            x[:, list(level)],
+            positions[:, list(level)],
+            drafted,
+            mode=ForwardMode.DRAFT_EXTEND,
+            tree=tree,
+            nodes=level,
+        )
+        np.testing.assert_allclose(y, y_all[:, list(level)], **TOL, err_msg=f"level {level}")
+
+
+def test_keep_path_empties_a_path_node_not_written(prefilled):
+    """A draft head writes only the nodes it expands: a kept leaf leaves its position empty."""
+    graphdef, params, cache = prefilled
+    tree = Tree((-1, 0, 1))
+    x, positions = tree_inputs(tree, 7)
+    _, drafted = forward(graphdef, params, x[:, :2], positions[:, :2], cache, mode=VERIFY, tree=Tree((-1, 0)))
+    kept = drafted.keep_path(tree, positions[:, 0], jnp.asarray([2, 1], jnp.int32), written=(0, 1))
+    ring = (PREFIX + np.arange(3)) % kept.window.shape[1]
+    np.testing.assert_array_equal(kept.window_positions[:, ring], [[PREFIX, PREFIX + 1, -1]] * 2)

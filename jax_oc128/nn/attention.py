@@ -27,6 +27,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jax_oc128.controller import ONLINE, Backend, ForwardMode
@@ -116,28 +117,31 @@ class AttentionCache:
     index_keys: jax.Array
     rows: jax.Array
 
-    def keep_path(self, tree: Tree, first_positions, nodes) -> AttentionCache:
-        """After a tree verify (``__call__(..., tree=tree)``) at ``first_positions`` ``[batch]`` int32 (the
-        root's position), keep the path from the root to ``nodes`` ``[batch]`` int32 (the accepted node;
-        -1 leaves the row untouched): its window rows move to where a chain verify of the path puts them
-        (row ``p % R`` for position p) and every other row the verify wrote is emptied, so the rejected
-        branches leave no trace."""
-        window, (batch, verify) = self.window.shape[1], (nodes.shape[0], tree.size)
+    def keep_path(self, tree: Tree, first_positions, nodes, written=None) -> AttentionCache:
+        """After a tree verify or draft (``__call__(..., tree=tree)``) at ``first_positions`` ``[batch]``
+        int32 (the root's position), keep the path from the root to ``nodes`` ``[batch]`` int32 (the
+        accepted node; -1 leaves the row untouched): its window rows move to where a chain of the path puts
+        them (row ``p % R`` for position p) and every other row the tree wrote is emptied, so the rejected
+        branches leave no trace. ``written``: the static nodes the tree wrote (default: all); a path node
+        not among them leaves its position empty."""
+        window, batch = self.window.shape[1], nodes.shape[0]
+        written = np.isin(np.arange(tree.size), range(tree.size) if written is None else written)
         kept = nodes >= 0
         path = jnp.asarray(tree.paths)[jnp.maximum(nodes, 0)]  # [batch, depth + 1], -1 past the node
         base = first_positions[:, None]
-        written = jnp.where(kept[:, None], (base + jnp.arange(verify)) % window, window)
+        ring = jnp.where(kept[:, None], (base + jnp.arange(tree.size)) % window, window)
         depth = jnp.arange(path.shape[1])[None]
         on_path = kept[:, None] & (path >= 0)
         source = (base + jnp.maximum(path, 0)) % window
         target = jnp.where(on_path, (base + depth) % window, window)
+        moved = jnp.where(jnp.asarray(written)[jnp.maximum(path, 0)], base + depth, -1)
         rows = jnp.arange(batch)[:, None]
         kv = self.window[rows, source]
-        positions = self.window_positions.at[rows, written].set(-1, mode="drop")
+        positions = self.window_positions.at[rows, ring].set(-1, mode="drop")
         return dataclasses.replace(
             self,
             window=self.window.at[rows, target].set(kv, mode="drop"),
-            window_positions=positions.at[rows, target].set(base + depth, mode="drop"),
+            window_positions=positions.at[rows, target].set(moved, mode="drop"),
         )
 
     def clear(self, rows) -> AttentionCache:
@@ -152,15 +156,35 @@ class AttentionCache:
         )
 
 
-def _check_tree(tree, tokens: int, mode: ForwardMode, layer_type: str) -> None:
+def _check_tree(tree, nodes, tokens: int, mode: ForwardMode, layer_type: str) -> tuple[int, ...]:
+    """``nodes`` (default: every node) checked against the call; returns them."""
     if not isinstance(tree, Tree):
         raise TypeError(f"tree: a jax_oc128.tree.Tree or None, got {type(tree).__name__}")
-    if mode is not ForwardMode.TARGET_VERIFY:
-        raise ValueError(f"tree: only for a verify (mode TARGET_VERIFY), got mode {mode}")
-    if tree.size != tokens:
-        raise ValueError(f"tree: {tree.size} nodes for {tokens} tokens")
+    if mode not in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND):
+        raise ValueError(f"tree: only for a verify or a draft (TARGET_VERIFY, DRAFT_EXTEND), got mode {mode}")
+    nodes = tuple(range(tree.size)) if nodes is None else tuple(nodes)
+    if len(nodes) != tokens:
+        raise ValueError(f"tree: {len(nodes)} nodes for {tokens} tokens")
+    depths = {int(tree.depths[n]) for n in nodes if 0 <= n < tree.size}
+    if len(set(nodes)) != len(nodes) or (len(depths) != 1 and nodes != tuple(range(tree.size))):
+        raise ValueError(f"nodes: all of the tree's nodes or distinct nodes of one depth, got {nodes}")
     if layer_type != SLIDING:
         raise NotImplementedError(f"tree: {layer_type} layers do not verify trees yet")
+    return nodes
+
+
+def _tree_visibility(tree: Tree, nodes, base, ring_size: int):
+    """What the tokens of ``nodes`` (node i at ``base + depths[i]``, ``base`` ``[batch, 1]`` the root's
+    position) see of this tree: ``(ring [batch, T, R], new [T, T])`` bool, the ring rows of their ancestors
+    written by earlier calls (node m at row ``(base + m) % R``) and their ancestors among the new tokens."""
+    sees = np.asarray(tree.mask)[list(nodes)]  # [T, N]: ancestors or self
+    new = sees[:, list(nodes)]
+    earlier = sees.copy()
+    earlier[:, list(nodes)] = False
+    rows = (base + jnp.arange(tree.size)) % ring_size  # [batch, N]: node m's ring row
+    at = rows[:, None, :, None] == jnp.arange(ring_size)  # [batch, 1, N, R]
+    ring = jnp.any(at & jnp.asarray(earlier)[None, :, :, None], axis=2)
+    return ring, jnp.asarray(new)
 
 
 def batch_slots(lengths):
@@ -313,6 +337,7 @@ class DeepseekV4Attention(nnx.Module):
         lengths=None,
         mode=ForwardMode.EXTEND,
         tree: Tree | None = None,
+        nodes: tuple[int, ...] | None = None,
     ):
         """Attention over the window, the new tokens (causal) and the visible compressed entries.
 
@@ -327,11 +352,15 @@ class DeepseekV4Attention(nnx.Module):
             chain verify (1 <= T <= max_draft, rows of length T or 0): the compressor writes its banks, and
             the caller then keeps ``accept`` of them with :meth:`commit` or leaves them pending (the row's
             next forward commits them from its positions).
-          tree: a static :class:`~jax_oc128.tree.Tree` of T nodes for a tree verify (``mode`` TARGET_VERIFY,
-            sliding layers for now): token k is node k at ``positions[:, 0] + tree.depths[k]`` and attends to
-            the window and to its ancestors (``tree.mask``); node k's window row goes to ring row
-            ``(positions[:, 0] + k) % R`` until :meth:`AttentionCache.keep_path` keeps the accepted path.
-            None: the tokens are a chain (consecutive positions, causal).
+          tree: a static :class:`~jax_oc128.tree.Tree` for a tree verify (``mode`` TARGET_VERIFY) or a
+            level of a tree draft (DRAFT_EXTEND); sliding layers for now. Token i is node ``nodes[i]`` at
+            ``base + tree.depths[nodes[i]]`` (``base`` the root's position) and attends to the window before
+            the root, to its ancestors among the tokens (``tree.mask``) and to the ring rows of its
+            ancestors that earlier calls of this tree wrote; node n's window row goes to ring row
+            ``(base + n) % R`` until :meth:`AttentionCache.keep_path` keeps the accepted path. None: the
+            tokens are a chain (consecutive positions, causal).
+          nodes: static, the tree's nodes the T tokens are: every node (the default, a verify) or distinct
+            nodes of one depth (a draft level).
 
         Returns:
           ``(y [batch, T, hidden], cache, compressed)``.
@@ -340,7 +369,7 @@ class DeepseekV4Attention(nnx.Module):
         batch, tokens, _ = x.shape
         lengths = jnp.full((batch,), tokens, jnp.int32) if lengths is None else lengths
         if tree is not None:
-            _check_tree(tree, tokens, mode, c.layer_type)
+            nodes = _check_tree(tree, nodes, tokens, mode, c.layer_type)
         q_res = rms_norm(linear(x, self.q_a_proj[...]), self.q_a_norm[...], c.rms_norm_eps)
         q = linear(q_res, self.q_b_proj[...]).reshape(batch, tokens, c.num_heads, c.head_dim)
         q = c.rope.apply(rms_norm(q, 1.0, c.rms_norm_eps), positions)  # per head, unweighted
@@ -351,16 +380,18 @@ class DeepseekV4Attention(nnx.Module):
         keys = jnp.concatenate([cache.window, kv], axis=1)
         key_positions = jnp.concatenate([cache.window_positions, positions], axis=1)
         t, k = positions[:, :, None], key_positions[:, None, :]
-        # window rows at or past this call's first position hold rejected drafts of an earlier verify: this
-        # call rewrites those positions, so only the window rows before it count
-        fresh = jnp.concatenate(
-            [cache.window_positions < positions[:, :1], jnp.ones_like(positions, bool)], axis=1
-        )
-        order = k <= t
-        if tree is not None:  # the new tokens see their ancestors, not every earlier position
-            ancestors = jnp.broadcast_to(jnp.asarray(tree.mask), (batch, tokens, tokens))
-            order = jnp.concatenate([order[:, :, : cache.window.shape[1]], ancestors], axis=2)
-        visible = fresh[:, None, :] & (k >= 0) & order & (k > t - c.sliding_window)
+        # window rows at or past the root's position hold rejected drafts of an earlier verify: this call
+        # rewrites those positions, so only the window rows before it count
+        base = positions[:, :1] if tree is None else positions[:, :1] - int(tree.depths[nodes[0]])
+        before = cache.window_positions < base
+        if tree is None:
+            seen = jnp.concatenate([before, jnp.ones_like(positions, bool)], axis=1)[:, None, :]
+        else:  # the new tokens see their ancestors, not every earlier position
+            ring, new = _tree_visibility(tree, nodes, base, cache.window.shape[1])
+            seen = jnp.concatenate(
+                [before[:, None, :] | ring, jnp.broadcast_to(new, (batch, tokens, tokens))], 2
+            )
+        visible = seen & (k >= 0) & (k <= t) & (k > t - c.sliding_window)
         if c.layer_type == HCA:
             cache, compressed = self._compress(x, positions, lengths, cache, compressed, mode)
             keys = jnp.concatenate([keys, cache.entries], axis=1)
@@ -394,15 +425,15 @@ class DeepseekV4Attention(nnx.Module):
             ).reshape(batch, tokens, -1),
             self.o_b_proj[...],
         )
-        return y, self._update_window(cache, kv, positions, lengths, tree), compressed
+        ring = positions if tree is None else base + jnp.asarray(nodes)[None]
+        return y, self._update_window(cache, kv, positions, ring, lengths), compressed
 
-    def _update_window(self, cache, kv, positions, lengths, tree):
-        """Write the last ``R`` valid new rows into the window ring (row ``p % R``; a tree's node k at row
-        ``(positions[:, 0] + k) % R``)."""
+    def _update_window(self, cache, kv, positions, ring, lengths):
+        """Write the last ``R`` valid new rows into the window ring (row ``ring % R``: the position, or a
+        tree node's row)."""
         window = cache.window.shape[1]
         t = jnp.arange(positions.shape[1])[None]
         write = (t < lengths[:, None]) & (t >= lengths[:, None] - window)
-        ring = positions if tree is None else positions[:, :1] + t
         index = jnp.where(write, ring % window, window)
         rows = jnp.arange(positions.shape[0])[:, None]
         return dataclasses.replace(
