@@ -54,7 +54,7 @@ import numpy as np
 import jax_oc128 as oc
 from jax_oc128 import reference
 from jax_oc128.decode import GPU_LOOP_OPTIONS
-from jax_oc128.rules import commits_bank
+from jax_oc128.rules import committed_bank
 
 LAYERS, DIM, BLOCK = 20, 512, 128
 PATTERNS = ("chain", "launch", "model", "model_jnp", "sglang", "batched", "deferred", "skip")
@@ -141,8 +141,8 @@ def _entry(state, kv, seq, slots, ape, committing, layer):
     keeps (``committing``), then the N tokens folded. Rows as in the model's step: valid, one per slot."""
     before = committing[slots]
     accept = seq - before
-    keeps = (before >= 0) & commits_bank(before, accept, state.shape[1])
-    m, s, num = reference.load_state(state[layer, jnp.where(keeps, accept, 0), slots][None])
+    bank = jnp.where(before >= 0, committed_bank(before, accept, state.shape[1]), 0)
+    m, s, num = reference.load_state(state[layer, bank, slots][None])
     return reference.fold_verify(m, s, num, kv, seq % BLOCK, ape)[1]
 
 

@@ -25,12 +25,12 @@ struct CpuBackend {
     return ffi::Error::Success();
   }
 
-  template <int N, typename T>
+  template <int N, bool kTree, typename T>
   ffi::Error verify(const VerifyArgs<T>& args, int64_t call_layers) {
     for (int64_t row = 0; row < args.rows; ++row) {
       const bool processed = args.call_rows().processed(row);
       for (int64_t lk = 0; lk < call_layers; ++lk)
-        for (int64_t d = 0; d < args.layout.dim; ++d) verify_channel<N>(args, lk, row, d, processed);
+        for (int64_t d = 0; d < args.layout.dim; ++d) verify_channel<N, kTree>(args, lk, row, d, processed);
     }
     return ffi::Error::Success();
   }

@@ -32,12 +32,12 @@ __global__ void __launch_bounds__(kThreads) compress_kernel(CompressArgs<T> args
   compress_channel(args, unit / segments / unsigned(args.rows), row, g, d, row_processed(args.call_rows(), row));
 }
 
-template <int N, typename T>
+template <int N, bool kTree, typename T>
 __global__ void __launch_bounds__(kThreads) verify_kernel(VerifyArgs<T> args) {
   const unsigned chunks = unsigned(args.layout.dim) / blockDim.x, unit = blockIdx.x / chunks;
   const int64_t d = (blockIdx.x % chunks) * blockDim.x + threadIdx.x;
   const unsigned row = unit % unsigned(args.rows);
-  verify_channel<N>(args, unit / unsigned(args.rows), row, d, row_processed(args.call_rows(), row));
+  verify_channel<N, kTree>(args, unit / unsigned(args.rows), row, d, row_processed(args.call_rows(), row));
 }
 
 __global__ void __launch_bounds__(kThreads) commit_kernel(CommitArgs args, unsigned chunks) {
@@ -75,12 +75,12 @@ struct CudaBackend {
     return launched("compress");
   }
 
-  template <int N, typename T>
+  template <int N, bool kTree, typename T>
   ffi::Error verify(const VerifyArgs<T>& args, int64_t call_layers) {
     const unsigned threads = channel_threads(args.layout.dim);
     const int64_t blocks = call_layers * args.rows * (args.layout.dim / threads);
     OC128_RETURN_IF_ERROR(check_grid(blocks));
-    verify_kernel<N><<<unsigned(blocks), threads, 0, stream>>>(args);
+    verify_kernel<N, kTree><<<unsigned(blocks), threads, 0, stream>>>(args);
     return launched("verify");
   }
 

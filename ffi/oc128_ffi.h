@@ -2,7 +2,7 @@
 // argument structs of oc128_math.h. The platform supplies a Backend with
 //   ffi::Error copy(void* dst, const void* src, size_t bytes);
 //   template <class T> ffi::Error compress(const CompressArgs<T>&, int64_t call_layers, int64_t segments);
-//   template <int N, class T> ffi::Error verify(const VerifyArgs<T>&, int64_t call_layers);
+//   template <int N, bool kTree, class T> ffi::Error verify(const VerifyArgs<T>&, int64_t call_layers);
 //   ffi::Error commit(const CommitArgs&, int64_t num_layers);
 // and one handler per op: a generic lambda that makes its Backend from its context operands and calls
 // Op::run, bound with bind<Op>, so that the operand types and names are written once, here.
@@ -141,9 +141,9 @@ ffi::Error compress(Backend& backend, ffi::AnyBuffer state_in, ffi::Buffer<ffi::
 template <typename Backend>
 ffi::Error verify(Backend& backend, ffi::AnyBuffer state_in, ffi::Buffer<ffi::F32> kv_score,
                   ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> ape,
-                  ffi::Buffer<ffi::S32> pending, ffi::Result<ffi::AnyBuffer> state_out,
-                  ffi::Result<ffi::Buffer<ffi::F32>> entries, ffi::Result<ffi::Buffer<ffi::S32>> entry_blocks,
-                  int64_t layer) {
+                  ffi::Buffer<ffi::S32> pending, ffi::Buffer<ffi::S32> pending_banks, ffi::Buffer<ffi::S32> tree,
+                  ffi::Result<ffi::AnyBuffer> state_out, ffi::Result<ffi::Buffer<ffi::F32>> entries,
+                  ffi::Result<ffi::Buffer<ffi::S32>> entry_blocks, int64_t layer) {
   StateShape st;
   OC128_RETURN_IF_ERROR(check_state(backend, state_in, state_out, &st));
   const auto kd = kv_score.dimensions();
@@ -159,8 +159,15 @@ ffi::Error verify(Backend& backend, ffi::AnyBuffer state_in, ffi::Buffer<ffi::F3
   OC128_RETURN_IF_ERROR(check_shape("slots", slots.dimensions(), {rows}));
   OC128_RETURN_IF_ERROR(check_shape("ape", ape.dimensions(), {call_layers, kBlock, st.dim}));
   if (pending.element_count() != 0) OC128_RETURN_IF_ERROR(check_shape("pending", pending.dimensions(), {st.slots}));
-  OC128_RETURN_IF_ERROR(check_shape("entries", entries->dimensions(), {call_layers, rows, 1, st.dim}));
-  OC128_RETURN_IF_ERROR(check_shape("entry_blocks", entry_blocks->dimensions(), {rows, 1}));
+  if (pending_banks.element_count() != 0) {
+    if (pending.element_count() == 0) return invalid("pending_banks: given without pending");
+    OC128_RETURN_IF_ERROR(check_shape("pending_banks", pending_banks.dimensions(), {st.slots}));
+  }
+  const bool is_tree = tree.element_count() != 0;  // empty: the chain
+  if (is_tree) OC128_RETURN_IF_ERROR(check_shape("tree", tree.dimensions(), {tokens}));
+  const int64_t per_row = is_tree ? tokens : 1;
+  OC128_RETURN_IF_ERROR(check_shape("entries", entries->dimensions(), {call_layers, rows, per_row, st.dim}));
+  OC128_RETURN_IF_ERROR(check_shape("entry_blocks", entry_blocks->dimensions(), {rows, per_row}));
   if (rows == 0) return ffi::Error::Success();
   auto run = [&](auto* state) {
     using T = std::remove_pointer_t<decltype(state)>;
@@ -170,13 +177,18 @@ ffi::Error verify(Backend& backend, ffi::AnyBuffer state_in, ffi::Buffer<ffi::F3
                              slots.typed_data(),
                              ape.typed_data(),
                              pending.element_count() ? pending.typed_data() : nullptr,
+                             pending_banks.element_count() ? pending_banks.typed_data() : nullptr,
+                             is_tree ? tree.typed_data() : nullptr,
                              entries->typed_data(),
                              entry_blocks->typed_data(),
                              st.layout(),
                              layer,
                              rows};
-    return with_draft_tokens(tokens,
-                             [&](auto n) { return backend.template verify<decltype(n)::value>(args, call_layers); });
+    return with_draft_tokens(tokens, [&](auto n) {
+      constexpr int N = decltype(n)::value;
+      return is_tree ? backend.template verify<N, true>(args, call_layers)
+                     : backend.template verify<N, false>(args, call_layers);
+    });
   };
   void* data = state_out->untyped_data();
   return state_in.element_type() == ffi::F32 ? run(static_cast<float*>(data)) : run(static_cast<Bf16*>(data));
@@ -184,20 +196,23 @@ ffi::Error verify(Backend& backend, ffi::AnyBuffer state_in, ffi::Buffer<ffi::F3
 
 template <typename Backend>
 ffi::Error commit(Backend& backend, ffi::AnyBuffer state_in, ffi::Buffer<ffi::S32> seq_lens,
-                  ffi::Buffer<ffi::S32> accept_lens, ffi::Buffer<ffi::S32> slots, ffi::Result<ffi::AnyBuffer> state_out,
-                  int64_t layer, int64_t num_layers) {
+                  ffi::Buffer<ffi::S32> accept_lens, ffi::Buffer<ffi::S32> accept_banks, ffi::Buffer<ffi::S32> slots,
+                  ffi::Result<ffi::AnyBuffer> state_out, int64_t layer, int64_t num_layers) {
   StateShape st;
   OC128_RETURN_IF_ERROR(check_state(backend, state_in, state_out, &st));
   OC128_RETURN_IF_ERROR(check_layers(layer, num_layers, st.layers));
   const int64_t rows = seq_lens.dimensions().size() == 1 ? seq_lens.dimensions()[0] : -1;
   if (rows < 0) return invalid("seq_lens: expected rank 1 [batch]");
   OC128_RETURN_IF_ERROR(check_shape("accept_lens", accept_lens.dimensions(), {rows}));
+  if (accept_banks.element_count() != 0)
+    OC128_RETURN_IF_ERROR(check_shape("accept_banks", accept_banks.dimensions(), {rows}));
   OC128_RETURN_IF_ERROR(check_shape("slots", slots.dimensions(), {rows}));
   if (rows == 0) return ffi::Error::Success();
   const int64_t value_bytes = state_in.element_type() == ffi::F32 ? 4 : 2;
   const CommitArgs args{static_cast<Word16*>(state_out->untyped_data()),
                         seq_lens.typed_data(),
                         accept_lens.typed_data(),
+                        accept_banks.element_count() ? accept_banks.typed_data() : nullptr,
                         slots.typed_data(),
                         st.banks,
                         st.slots,
@@ -246,6 +261,7 @@ struct Verify {
       std::make_tuple(NamedArg<ffi::AnyBuffer>{"state"}, NamedArg<ffi::Buffer<ffi::F32>>{"kv_score"},
                       NamedArg<ffi::Buffer<ffi::S32>>{"seq_lens"}, NamedArg<ffi::Buffer<ffi::S32>>{"slots"},
                       NamedArg<ffi::Buffer<ffi::F32>>{"ape"}, NamedArg<ffi::Buffer<ffi::S32>>{"pending"},
+                      NamedArg<ffi::Buffer<ffi::S32>>{"pending_banks"}, NamedArg<ffi::Buffer<ffi::S32>>{"tree"},
                       NamedRet<ffi::AnyBuffer>{"state"}, NamedRet<ffi::Buffer<ffi::F32>>{"entries"},
                       NamedRet<ffi::Buffer<ffi::S32>>{"entry_blocks"}, NamedAttr<int64_t>{"layer"});
   template <typename Backend, typename... Operands>
@@ -258,8 +274,9 @@ struct Commit {
   static constexpr const char* kTarget = "oc128_commit";
   static constexpr auto kOperands =
       std::make_tuple(NamedArg<ffi::AnyBuffer>{"state"}, NamedArg<ffi::Buffer<ffi::S32>>{"seq_lens"},
-                      NamedArg<ffi::Buffer<ffi::S32>>{"accept_lens"}, NamedArg<ffi::Buffer<ffi::S32>>{"slots"},
-                      NamedRet<ffi::AnyBuffer>{"state"}, NamedAttr<int64_t>{"layer"}, NamedAttr<int64_t>{"num_layers"});
+                      NamedArg<ffi::Buffer<ffi::S32>>{"accept_lens"}, NamedArg<ffi::Buffer<ffi::S32>>{"accept_banks"},
+                      NamedArg<ffi::Buffer<ffi::S32>>{"slots"}, NamedRet<ffi::AnyBuffer>{"state"},
+                      NamedAttr<int64_t>{"layer"}, NamedAttr<int64_t>{"num_layers"});
   template <typename Backend, typename... Operands>
   static ffi::Error run(Backend& backend, Operands... operands) {
     return commit(backend, std::move(operands)...);

@@ -159,11 +159,13 @@ struct Rows {
 };
 
 // The commit rule (SPEC section 4): after keeping `accept` tokens of the verify at `seq`, bank 0 becomes
-// bank `accept`, except when nothing was kept, `accept` is out of range, or the block closed at the last
-// kept token (bank 0 is then never read: the next token starts a block). Returns the bank to copy into
-// bank 0, 0 for none.
-OC128_FN int32_t committed_bank(int32_t seq, int32_t accept, int64_t banks) {
-  return accept >= 1 && accept < banks && (seq + accept) % kBlock != 0 ? accept : 0;
+// `bank`, the bank of the last kept token (the chain: bank `accept`; a tree: the accepted node k's bank
+// k + 1), except when nothing was kept, `accept` or `bank` is out of range, or the block closed at the
+// last kept token (bank 0 is then never read: the next token starts a block). Returns the bank to copy
+// into bank 0, 0 for none.
+OC128_FN int32_t committed_bank(int32_t seq, int32_t accept, int32_t bank, int64_t banks) {
+  const bool in_range = accept >= 1 && accept < banks && bank >= 1 && bank < banks;
+  return in_range && (seq + accept) % kBlock != 0 ? bank : 0;
 }
 
 // Where bank 0 of `slot` lives, for layer `layer` (absolute) of the state.
@@ -256,15 +258,22 @@ OC128_FN void compress_channel(const CompressArgs<T>& a, int64_t lk, int64_t row
 }
 
 // ---------------------------------------------------------------------------------------------
-// verify: fold the N tokens of a chain verify starting from bank 0; the state after token k goes
-// to bank k unless the block closed at that token; bank 0 is not written.
+// verify: fold the N tokens of a verify starting from bank 0; the state after token (node) k goes to
+// bank k + 1 unless the block closed at that token; bank 0 is not written.
+//
+// The tokens form a chain (token k follows token k - 1) or a tree: token k follows its parent
+// tree[k] (an earlier node; the root, node 0, follows the committed state) and sits at position
+// seq + depth(k). The state after node k is then the fold of the path from the root to node k. A node
+// closing a block emits its entry: the chain has one entry slot per row (N <= 16 < 128 tokens close at
+// most one block), a tree one per node.
 //
 // With a pending table ([slots], the seq length of each slot's previous verify, -1 for none), the row
-// first commits that verify (accept = seq - pending[slot]) in the call's layers: the lazy commit and
-// the next verify in one launch.
+// first commits that verify (accept = seq - pending[slot], the bank pending_banks[slot], or accept
+// where there is no such table) in the call's layers: the lazy commit and the next verify in one launch.
 //
-// Work item (lk, row, d). N (the verify's token count, 1..16) is a compile-time constant so that the
-// N tokens' loads are all issued, into registers, before the serial fold.
+// Work item (lk, row, d). N (the verify's token count, 1..16) and whether the tokens form a tree are
+// compile-time constants, so that the N tokens' loads are all issued, into registers, before the
+// serial fold, and the chain keeps constant indices.
 
 template <typename T>
 struct VerifyArgs {
@@ -272,10 +281,12 @@ struct VerifyArgs {
   const float* kv_score;  // [call_layers, rows, tokens, 2*dim]
   const int32_t* seq_lens;
   const int32_t* slots;
-  const float* ape;        // [call_layers, 128, dim]
-  const int32_t* pending;  // [slots] or nullptr
-  float* entries;          // [call_layers, rows, 1, dim]
-  int32_t* entry_blocks;   // [rows, 1]
+  const float* ape;              // [call_layers, 128, dim]
+  const int32_t* pending;        // [slots] or nullptr
+  const int32_t* pending_banks;  // [slots] or nullptr: the chain's bank (accept)
+  const int32_t* tree;           // [tokens] parent indices, or nullptr: the chain
+  float* entries;                // [call_layers, rows, 1 (chain) or tokens (tree), dim]
+  int32_t* entry_blocks;         // [rows, 1 (chain) or tokens (tree)]
   StateLayout layout;
   int64_t layer0;
   int64_t rows;
@@ -283,18 +294,48 @@ struct VerifyArgs {
   OC128_FN Rows call_rows() const { return Rows{slots, seq_lens, nullptr, 0, layout.slots}; }
 };
 
+// The nodes of a verify of N tokens: node k's parent (-1: the committed state) and depth. The chain's
+// are k - 1 and k, compile-time; a tree's come from `tree`, where a parent that is not an earlier node
+// (outside the domain: the ops check trees at trace time) makes the node a root.
+template <int N, bool kTree>
+struct Nodes {
+  int parents[kTree ? N : 1];
+  int depths[kTree ? N : 1];
+
+  OC128_FN explicit Nodes(const int32_t* tree) {
+    if constexpr (kTree) {
+      for (int k = 0; k < N; ++k) {
+        const int32_t p = tree[k];
+        parents[k] = p >= 0 && p < k ? p : -1;
+        depths[k] = parents[k] < 0 ? 0 : depths[parents[k]] + 1;
+      }
+    }
+  }
+  OC128_FN int parent(int k) const {
+    if constexpr (kTree) return parents[k];
+    return k - 1;
+  }
+  OC128_FN int depth(int k) const {
+    if constexpr (kTree) return depths[k];
+    return k;
+  }
+};
+
 // `processed`: Rows::processed of the row (the backend computes it once per row).
-template <int N, typename T>
+template <int N, bool kTree, typename T>
 OC128_FN void verify_channel(const VerifyArgs<T>& a, int64_t lk, int64_t row, int64_t d, bool processed) {
   static_assert(1 <= N && N <= kMaxDraft, "1 <= N <= 16 verify tokens");
+  constexpr int kEntries = kTree ? N : 1;
   const int64_t dim = a.layout.dim;
   const int32_t slot = a.slots[row], seq = a.seq_lens[row];
-  float* entry = a.entries + (lk * a.rows + row) * dim;
+  float* entry = a.entries + (lk * a.rows + row) * kEntries * dim;
   if (!processed) {
-    entry[d] = 0.0f;
-    if (lk == 0 && d == 0) a.entry_blocks[row] = -1;
+    for (int e = 0; e < kEntries; ++e) entry[e * dim + d] = 0.0f;
+    if (lk == 0 && d == 0)
+      for (int e = 0; e < kEntries; ++e) a.entry_blocks[row * kEntries + e] = -1;
     return;
   }
+  const Nodes<N, kTree> nodes(a.tree);
   const int p0 = seq % kBlock;
   const float* kv = a.kv_score + (lk * a.rows + row) * N * 2 * dim;
   const float* ape = a.ape + lk * kBlock * dim;
@@ -304,37 +345,53 @@ OC128_FN void verify_channel(const VerifyArgs<T>& a, int64_t lk, int64_t row, in
 #endif
   for (int k = 0; k < N; ++k) {
     v[k] = load_input(kv + k * 2 * dim + d);
-    sigma[k] = load_input(kv + k * 2 * dim + dim + d) + load_input(ape + ((p0 + k) % kBlock) * dim + d);
+    sigma[k] = load_input(kv + k * 2 * dim + dim + d) + load_input(ape + ((p0 + nodes.depth(k)) % kBlock) * dim + d);
   }
   T* bank0 = a.state + a.layout.offset(a.layer0 + lk, 0, slot);
   const int64_t bank_stride = a.layout.slots * 3 * dim;
   const int32_t before = a.pending != nullptr ? a.pending[slot] : -1;
-  const int32_t bank = before >= 0 ? committed_bank(before, seq - before, a.layout.banks) : 0;
-  const T* start = bank0 + bank * bank_stride;
-  Online st = p0 != 0 ? load_state(start, dim, d) : Online{0.0f, 0.0f, 0.0f};
+  const int32_t accept = seq - before;
+  const int32_t kept = a.pending_banks != nullptr ? a.pending_banks[slot] : accept;
+  const int32_t bank = before >= 0 ? committed_bank(before, accept, kept, a.layout.banks) : 0;
+  const T* committed = bank0 + bank * bank_stride;
+  Online st = p0 != 0 ? load_state(committed, dim, d) : Online{0.0f, 0.0f, 0.0f};
   if (bank != 0)
-    for (int f = 0; f < 3; ++f) bank0[f * dim + d] = start[f * dim + d];
+    for (int f = 0; f < 3; ++f) bank0[f * dim + d] = committed[f * dim + d];
+  // A tree: where a root starts (the committed state) and where each node's children start (the state
+  // after it). The chain needs neither (the compiler drops them).
+  const Online root = st;
+  Online after[kEntries];
   float closed_entry = 0.0f;
   int32_t closed_block = -1;
 #ifdef __CUDA_ARCH__
 #pragma unroll
 #endif
   for (int k = 0; k < N; ++k) {
-    const int pos = (p0 + k) % kBlock;
+    const int pos = (p0 + nodes.depth(k)) % kBlock;
+    if constexpr (kTree) st = nodes.parent(k) < 0 ? root : after[nodes.parent(k)];
     st = fold(st, pos, v[k], sigma[k]);
-    if (pos == kBlock - 1) {
+    const bool closes = pos == kBlock - 1;
+    if (closes) {
       closed_entry = st.mean();
-      closed_block = (seq + k) / kBlock;
+      closed_block = (seq + nodes.depth(k)) / kBlock;
     } else {
       store_state(bank0 + (k + 1) * bank_stride, dim, d, st);
     }
+    if constexpr (kTree) {
+      after[k] = st;
+      entry[k * dim + d] = closes ? closed_entry : 0.0f;
+      if (lk == 0 && d == 0) a.entry_blocks[row * kEntries + k] = closes ? closed_block : -1;
+    }
   }
-  entry[d] = closed_entry;
-  if (lk == 0 && d == 0) a.entry_blocks[row] = closed_block;
+  if constexpr (!kTree) {
+    entry[d] = closed_entry;
+    if (lk == 0 && d == 0) a.entry_blocks[row] = closed_block;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
-// commit: bank0 = bank[accept] where accept > 0 and (seq + accept) % 128 != 0.
+// commit: bank0 = bank[accept_banks] (the chain: bank[accept]) where accept > 0 and
+// (seq + accept) % 128 != 0.
 //
 // Work item (l, row, w): one 16-byte word of a slot's state (3*dim values; dim % 32 == 0 makes
 // that a whole number of words for fp32 and bf16). The copy is bitwise.
@@ -347,6 +404,7 @@ struct CommitArgs {
   Word16* state;
   const int32_t* seq_lens;
   const int32_t* accept_lens;
+  const int32_t* accept_banks;  // [rows] or nullptr: the chain's bank (accept)
   const int32_t* slots;
   int64_t banks;
   int64_t slots_per_bank;
@@ -361,7 +419,8 @@ struct CommitArgs {
 OC128_FN void commit_word(const CommitArgs& a, int64_t l, int64_t row, int64_t w, bool processed) {
   if (!processed) return;
   const int32_t slot = a.slots[row], seq = a.seq_lens[row];
-  const int32_t bank = committed_bank(seq, a.accept_lens[row], a.banks);
+  const int32_t accept = a.accept_lens[row];
+  const int32_t bank = committed_bank(seq, accept, a.accept_banks != nullptr ? a.accept_banks[row] : accept, a.banks);
   if (bank == 0) return;
   Word16* bank0 = a.state + ((a.layer0 + l) * a.banks * a.slots_per_bank + slot) * a.words_per_slot;
   bank0[w] = bank0[bank * a.slots_per_bank * a.words_per_slot + w];

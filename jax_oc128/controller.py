@@ -19,23 +19,25 @@ The rules of :class:`Controller`, per slot:
 * **A pending verify is committed exactly once**: eagerly by :meth:`Controller.commit`, or lazily by the
   slot's next forward at ``seq_lens`` with ``accept = seq_lens - pending`` (a non-verify
   ``prepare_forward`` in one launch for all layers, or inside each layer's verify kernel of the slot's
-  next verify). It survives any number of other forwards, idle and draft forwards and abandoned verifies
-  in between; ``free``/``alloc`` drop it.
+  next verify). After a tree verify the commit also names the accepted node's bank (``accept_banks``: node
+  k's k + 1, with ``accept`` its depth + 1); without it, the chain's bank ``accept``. It survives any
+  number of other forwards, idle and draft forwards and abandoned verifies in between; ``free``/``alloc``
+  drop it.
 * **A commit that does not fit the pending verify changes nothing**: no verify pending for the slot,
-  ``seq_lens`` not the pending verify's length (eager commit), or ``accept`` outside ``[0, N]`` of that
-  verify (banks past N hold an older verify's prefixes). An eager or non-verify commit that does not fit
-  leaves the verify pending; a verify whose lengths do not fit it overwrites the banks, and then the old
-  verify is dropped uncommitted. Such lengths are a caller's bug: the slot's state no longer follows its
-  tokens, but no stale bank is ever copied.
+  ``seq_lens`` not the pending verify's length (eager commit), or ``accept`` or its bank outside
+  ``[0, N]`` of that verify (banks past N hold an older verify's prefixes). An eager or non-verify commit
+  that does not fit leaves the verify pending; a verify whose lengths do not fit it overwrites the banks,
+  and then the old verify is dropped uncommitted. Such lengths are a caller's bug: the slot's state no
+  longer follows its tokens, but no stale bank is ever copied.
 
 :class:`OfflineController` has the same interface over :class:`~jax_oc128.state.OfflineState` (raw rows,
 rollback by position): the baseline for memory and speed and a second oracle in tests.
 
-Shapes, for a batch of ``bs`` rows: ``slots``, ``seq_lens``, ``new_lens``, ``accept_lens`` are ``[bs]``
-int32 (slot -1 marks a padding row); ``kv_score`` is ``[Lk, bs, T, 2*D]`` float32 (score without ape)
-for layers ``layer .. layer + Lk - 1``; ``ape`` is ``[Lk, 128, D]`` float32. Wrong shapes or dtypes of
-the per-row arguments, and a mode that is not a :class:`ForwardMode`, raise at trace time, naming the
-argument.
+Shapes, for a batch of ``bs`` rows: ``slots``, ``seq_lens``, ``new_lens``, ``accept_lens``,
+``accept_banks`` are ``[bs]`` int32 (slot -1 marks a padding row); ``kv_score`` is ``[Lk, bs, T, 2*D]``
+float32 (score without ape) for layers ``layer .. layer + Lk - 1``; ``ape`` is ``[Lk, 128, D]`` float32.
+Wrong shapes or dtypes of the per-row arguments, and a mode that is not a :class:`ForwardMode`, raise at
+trace time, naming the argument.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import enum
 import jax.numpy as jnp
 
 from jax_oc128 import ops
-from jax_oc128.rules import commits_bank, commits_pending, drop_index, lazy_commits, valid_rows
+from jax_oc128.rules import commits_pending, committed_bank, drop_index, lazy_commits, valid_rows
 from jax_oc128.state import CompressState, OfflineState
 
 
@@ -77,6 +79,11 @@ def _check_rows(**rows):
             raise ValueError(f"{name}: expected shape [{size}] (the rows of {first}), got {list(x.shape)}")
 
 
+def _given(**rows):
+    """The keyword arguments that are not None (optional per-row arguments, for :func:`_check_rows`)."""
+    return {name: x for name, x in rows.items() if x is not None}
+
+
 def _check_forward(mode, slots, seq_lens, verify_bs):
     """Trace-time checks of ``prepare_forward``'s arguments."""
     if not isinstance(mode, ForwardMode):
@@ -99,17 +106,28 @@ class Controller:
     """Transitions of the online backend (:class:`~jax_oc128.state.CompressState`); no state of its own.
     The rules they keep are in this module's docstring."""
 
-    def begin_verify(self, cs: CompressState, slots, seq_lens) -> CompressState:
+    def begin_verify(self, cs: CompressState, slots, seq_lens, accept_banks=None) -> CompressState:
         """Begin a verify of ``slots`` at ``seq_lens`` (SGLang's mark_pending): record in ``to_commit``
-        the pending verify that the forward's write_prefix commits first, where ``seq_lens`` fits it
-        (-1 elsewhere). ``pending`` is untouched: the verify becomes pending when write_prefix closes it."""
-        _check_rows(slots=slots, seq_lens=seq_lens)
-        verify_lens, _, rows = lazy_commits(cs.pending, cs.pending_tokens, slots, seq_lens)
-        commits = jnp.where(rows >= 0, verify_lens, -1)
-        return cs.replace(to_commit=cs.to_commit.at[drop_index(slots, cs.slots)].set(commits, mode="drop"))
+        the pending verify that the forward's write_prefix commits first, where ``seq_lens`` (and the kept
+        bank ``accept_banks``, default the chain's) fits it (-1 elsewhere), and in ``to_commit_banks`` the
+        bank it keeps. ``pending`` is untouched: the verify becomes pending when write_prefix closes it."""
+        _check_rows(slots=slots, seq_lens=seq_lens, **_given(accept_banks=accept_banks))
+        verify_lens, accept_lens, rows = lazy_commits(
+            cs.pending, cs.pending_tokens, slots, seq_lens, accept_banks
+        )
+        index = drop_index(slots, cs.slots)
+        banks = accept_lens if accept_banks is None else accept_banks
+        return cs.replace(
+            to_commit=cs.to_commit.at[index].set(jnp.where(rows >= 0, verify_lens, -1), mode="drop"),
+            to_commit_banks=cs.to_commit_banks.at[index].set(banks, mode="drop"),
+        )
 
-    def prepare_forward(self, cs: CompressState, mode: ForwardMode, slots, seq_lens, verify_bs=None):
+    def prepare_forward(
+        self, cs: CompressState, mode: ForwardMode, slots, seq_lens, verify_bs=None, accept_banks=None
+    ):
         """Before a forward of ``slots`` at their current ``seq_lens``; rows ``>= verify_bs`` are padding.
+        ``accept_banks``: the banks the commits of the rows' pending verifies keep, after a tree verify
+        (default: the chain's).
 
         * ``TARGET_VERIFY``: begins the verify (:meth:`begin_verify`); its write_prefix calls commit what
           is pending, inside each layer's verify kernel (a lazily committed speculative step is one launch
@@ -125,18 +143,30 @@ class Controller:
             return cs
         slots = active_slots(slots, verify_bs)
         if mode is ForwardMode.TARGET_VERIFY:
-            return self.begin_verify(cs, slots, seq_lens)
-        verify_lens, accept_lens, rows = lazy_commits(cs.pending, cs.pending_tokens, slots, seq_lens)
-        return self.commit(cs, rows, verify_lens, accept_lens)
+            return self.begin_verify(cs, slots, seq_lens, accept_banks)
+        verify_lens, accept_lens, rows = lazy_commits(
+            cs.pending, cs.pending_tokens, slots, seq_lens, accept_banks
+        )
+        return self.commit(cs, rows, verify_lens, accept_lens, accept_banks)
 
-    def write_prefix(self, cs: CompressState, kv_score, seq_lens, slots, ape, *, layer: int = 0):
+    def write_prefix(self, cs: CompressState, kv_score, seq_lens, slots, ape, *, layer: int = 0, tree=None):
         """The verify's bank writes for layers ``layer .. layer + Lk - 1`` (all layers in one call when
         ``kv_score`` has them all), each row first committing its slot's pending verify where
-        prepare_forward recorded it (``to_commit``), in the same kernel. The call that covers the state's
-        last layer closes the verify: for its valid rows, ``pending = seq_lens`` and ``pending_tokens = N``
-        (``kv_score.shape[2]``). Returns ``(cs, entries [Lk, bs, 1, D], entry_blocks [bs, 1])``."""
+        prepare_forward recorded it (``to_commit``, keeping ``to_commit_banks``), in the same kernel.
+        ``tree``: the draft tree's static parents (:func:`jax_oc128.verify`), None for the chain. The call
+        that covers the state's last layer closes the verify: for its valid rows, ``pending = seq_lens`` and
+        ``pending_tokens = N`` (``kv_score.shape[2]``). Returns ``(cs, entries, entry_blocks)``, for the
+        chain ``[Lk, bs, 1, D]`` and ``[bs, 1]``, for a tree ``[Lk, bs, N, D]`` and ``[bs, N]``."""
         banks, entries, blocks = ops.verify(
-            cs.banks, kv_score, seq_lens, slots, ape, layer=layer, pending=cs.to_commit
+            cs.banks,
+            kv_score,
+            seq_lens,
+            slots,
+            ape,
+            layer=layer,
+            pending=cs.to_commit,
+            pending_banks=cs.to_commit_banks,
+            tree=tree,
         )
         cs = cs.replace(banks=banks)
         if layer + kv_score.shape[0] == cs.layers:
@@ -148,16 +178,20 @@ class Controller:
             )
         return cs, entries, blocks
 
-    def commit(self, cs: CompressState, slots, seq_lens, accept_lens) -> CompressState:
+    def commit(self, cs: CompressState, slots, seq_lens, accept_lens, accept_banks=None) -> CompressState:
         """Keep ``accept_lens`` tokens of the slots' pending verify at ``seq_lens`` (the eager path), all
-        layers in one launch, and clear it. A row whose commit does not fit the pending verify (nothing
-        pending, ``seq_lens`` not its length, ``accept_lens`` outside ``[0, N]``) changes nothing and its
-        verify stays pending."""
-        _check_rows(slots=slots, seq_lens=seq_lens, accept_lens=accept_lens)
-        fits = commits_pending(cs.pending, cs.pending_tokens, slots, seq_lens, accept_lens)
+        layers in one launch, and clear it; ``accept_banks`` the kept banks after a tree verify (the
+        accepted nodes' k + 1; default: the chain's). A row whose commit does not fit the pending verify
+        (nothing pending, ``seq_lens`` not its length, ``accept_lens`` or its bank outside ``[0, N]``)
+        changes nothing and its verify stays pending."""
+        _check_rows(
+            slots=slots, seq_lens=seq_lens, accept_lens=accept_lens, **_given(accept_banks=accept_banks)
+        )
+        fits = commits_pending(cs.pending, cs.pending_tokens, slots, seq_lens, accept_lens, accept_banks)
         rows = jnp.where(fits, slots, -1)
         # accept 0 where the row is padding: concrete values outside [0, max_draft] raise in ops.commit
-        banks = ops.commit(cs.banks, seq_lens, jnp.where(fits, accept_lens, 0), rows)
+        kept = None if accept_banks is None else jnp.where(fits, accept_banks, 0)
+        banks = ops.commit(cs.banks, seq_lens, jnp.where(fits, accept_lens, 0), rows, accept_banks=kept)
         index = drop_index(rows, cs.slots)
         return cs.replace(
             banks=banks,
@@ -171,15 +205,17 @@ class Controller:
         banks, entries, blocks = ops.compress(cs.banks, kv_score, seq_lens, new_lens, slots, ape, layer=layer)
         return cs.replace(banks=banks), entries, blocks
 
-    def open_state(self, cs: CompressState, slots, seq_lens, ape):
+    def open_state(self, cs: CompressState, slots, seq_lens, ape, accept_banks=None):
         """``(max, sum, mean)`` float32 ``[layers, bs, D]`` of each row's open block at ``seq_lens``, as it
-        is once the slot's next forward at ``seq_lens`` commits what is pending (meaningless where
-        ``seq_lens % 128 == 0``)."""
+        is once the slot's next forward at ``seq_lens`` commits what is pending, keeping ``accept_banks``
+        (default: the chain's) (meaningless where ``seq_lens % 128 == 0``)."""
         del ape  # the online state holds it already
-        _check_rows(slots=slots, seq_lens=seq_lens)
-        verify_lens, accept_lens, rows = lazy_commits(cs.pending, cs.pending_tokens, slots, seq_lens)
-        keeps = (rows >= 0) & commits_bank(verify_lens, accept_lens, cs.max_draft + 1)
-        bank = jnp.where(keeps, accept_lens, 0)
+        _check_rows(slots=slots, seq_lens=seq_lens, **_given(accept_banks=accept_banks))
+        verify_lens, accept_lens, rows = lazy_commits(
+            cs.pending, cs.pending_tokens, slots, seq_lens, accept_banks
+        )
+        kept = committed_bank(verify_lens, accept_lens, cs.max_draft + 1, accept_banks)
+        bank = jnp.where(rows >= 0, kept, 0)
         safe = jnp.where((slots >= 0) & (slots < cs.slots), slots, 0)
         stored = cs.banks[:, bank, safe].astype(jnp.float32)
         return stored[..., 0, :], stored[..., 1, :], stored[..., 2, :]

@@ -16,7 +16,10 @@ its entries are zero and its ``entry_blocks`` are -1, as for a padding row. (A v
 0, or ``accept_lens`` 0, changes nothing but still holds its slot.) When the values are concrete (not
 traced), an invalid row with a slot other than -1, or two rows with the same slot, raise a ``ValueError``
 instead. In ``verify(pending=...)`` a pending commit whose accept ``seq_lens - pending`` is outside
-``[1, max_draft]`` commits nothing, as :func:`commit` with that accept.
+``[1, max_draft]`` commits nothing, as :func:`commit` with that accept. A bank to keep (``commit``'s
+``accept_banks``, ``verify``'s ``pending_banks``) outside ``[1, max_draft]`` commits nothing either (0 keeps
+bank 0 as it is), but does not make the row invalid: it still holds its slot. Whether ``accept_lens`` is the
+depth + 1 of the node whose bank is kept is the caller's to keep (commit does not know the tree).
 
 On a mesh (under ``jax.jit``, the state sharded over its slot axis), each device runs the op on its own slots
 and the state is never gathered: :mod:`jax_oc128.partition` gives the layouts, and how rows split like the
@@ -36,6 +39,7 @@ import numpy as np
 from jax_oc128 import _native, partition, reference
 from jax_oc128.checks import check_int
 from jax_oc128.rules import BLOCK, MAX_DRAFT
+from jax_oc128.tree import Tree, check_parents
 
 STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -49,12 +53,14 @@ OPERANDS = {
         attrs=("layer",),
     ),
     "oc128_verify": _native.Operands(
-        args=("state", "kv_score", "seq_lens", "slots", "ape", "pending"),
+        args=("state", "kv_score", "seq_lens", "slots", "ape", "pending", "pending_banks", "tree"),
         rets=("state", "entries", "entry_blocks"),
         attrs=("layer",),
     ),
     "oc128_commit": _native.Operands(
-        args=("state", "seq_lens", "accept_lens", "slots"), rets=("state",), attrs=("layer", "num_layers")
+        args=("state", "seq_lens", "accept_lens", "accept_banks", "slots"),
+        rets=("state",),
+        attrs=("layer", "num_layers"),
     ),
 }
 _native.check_operands(OPERANDS)
@@ -253,17 +259,48 @@ def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0)
     return _dispatch("oc128_compress", reference.compress, args, results, dict(layer=layer))
 
 
-def verify(state, kv_score, seq_lens, slots, ape, *, layer: int = 0, pending=None):
-    """Fold the N tokens of a chain verify and store the state after token k into bank k.
+def _check_tree(tree, num_tokens: int) -> tuple[int, ...]:
+    """``verify``'s static ``tree`` (parents, or a :class:`~jax_oc128.tree.Tree`) checked by the one rule of a
+    tree's parents (:func:`jax_oc128.tree.check_parents`) and against the verify's N tokens; returns the
+    parents as a tuple of ints."""
+    parents = check_parents(tree.parents if isinstance(tree, Tree) else tree, "tree")
+    if len(parents) != num_tokens:
+        raise ValueError(f"tree: {len(parents)} nodes, but kv_score has num_tokens = {num_tokens}")
+    return parents
 
-    Starting from bank 0 (empty when ``seq_lens % 128 == 0``), the tokens at positions
-    ``seq_lens .. seq_lens + N - 1`` are folded in order; the state after token k goes to bank k except
-    where ``(seq_lens + k) % 128 == 0`` (that token closed the block). Bank 0 is not modified.
+
+def _optional_table(name, x, shape):
+    """An optional int32 operand: ``x`` checked against ``shape``, or an empty array where it is None."""
+    if x is None:
+        return jnp.zeros((0,), jnp.int32)
+    (x,) = _as_arrays(**{name: x})
+    _check_array(name, x, shape, jnp.int32)
+    return x
+
+
+def _constant(values):
+    """An int32 vector of ``values``, made by an op (a tracer under ``jax.jit``, which XLA folds into a
+    constant): custom_partitioning refuses a concrete array among the operands it traces."""
+    return jnp.zeros((len(values),), jnp.int32) + np.asarray(values, np.int32)
+
+
+def verify(
+    state, kv_score, seq_lens, slots, ape, *, layer: int = 0, pending=None, pending_banks=None, tree=None
+):
+    """Fold the N tokens of a verify, a chain or a tree of drafts, and store the state after node k into
+    bank k + 1.
+
+    The chain (``tree=None``): starting from bank 0 (empty when ``seq_lens % 128 == 0``), the tokens at
+    positions ``seq_lens .. seq_lens + N - 1`` are folded in order; the state after token k goes to bank k + 1
+    except where ``(seq_lens + k + 1) % 128 == 0`` (that token closed the block). A tree: node k follows its
+    parent ``tree[k]`` and sits at position ``seq_lens + depth(k)`` (the root, node 0, at depth 0, follows the
+    committed state); bank k + 1 holds the fold of the path from the root to node k, except where node k
+    closed the block (its descendants start a fresh one). Bank 0 is not modified (but by ``pending``).
 
     Args:
       state: ``[L, 1 + B, S, 3, D]`` float32 or bfloat16, updated in place (donate it).
-      kv_score: ``[Lk, bs, N, 2*D]`` float32: the last accepted token and N-1 drafts, all valid,
-        ``1 <= N <= min(B, 16)``.
+      kv_score: ``[Lk, bs, N, 2*D]`` float32: the last accepted token and N-1 drafts (the tree's nodes, in
+        its order), all valid, ``1 <= N <= min(B, 16)``.
       seq_lens: ``[bs]`` int32, tokens in the state before the verify.
       slots: ``[bs]`` int32, one row per slot, -1 for padding rows.
       ape: ``[Lk, 128, D]`` float32.
@@ -272,11 +309,19 @@ def verify(state, kv_score, seq_lens, slots, ape, *, layer: int = 0, pending=Non
         not committed yet (-1 for none). Each row first commits it, with ``accept = seq_lens - pending``,
         exactly as :func:`commit` would, in the call's layers: the lazy commit and the next verify in one
         launch.
+      pending_banks: optional ``[S]`` int32 (with ``pending`` only), per slot the bank that commit keeps, as
+        :func:`commit`'s ``accept_banks`` (after a tree verify: the accepted node's k + 1); None: the chain's
+        bank, the accept.
+      tree: optional static draft tree of N nodes: its parents (a tuple of ints, ``tree[0] == -1`` and
+        ``0 <= tree[k] < k``, as :func:`jax_oc128.tree.check_parents` checks them) or a
+        :class:`~jax_oc128.tree.Tree`; None is the chain ``(-1, 0, 1, ..., N - 2)``, with its own kernel.
 
     Returns:
-      ``(state, entries, entry_blocks)``: ``entries`` ``[Lk, bs, 1, D]`` float32 is the pre-norm entry of
-      a block that closes inside the window (zero if none); ``entry_blocks`` ``[bs, 1]`` int32 its block
-      index, -1 if none. The entry is only meaningful if the closing token is later accepted.
+      ``(state, entries, entry_blocks)``. The chain: ``entries`` ``[Lk, bs, 1, D]`` float32 is the pre-norm
+      entry of a block that closes inside the window (zero if none), ``entry_blocks`` ``[bs, 1]`` int32 its
+      block index, -1 if none. A tree: per node, ``entries`` ``[Lk, bs, N, D]`` float32, the entry of the
+      block node k closes (zero if none), ``entry_blocks`` ``[bs, N]`` int32 its index (-1 if none). An entry
+      is only meaningful if the closing token is later accepted.
     """
     state, kv_score, seq_lens, slots, ape = _as_arrays(
         state=state, kv_score=kv_score, seq_lens=seq_lens, slots=slots, ape=ape
@@ -288,34 +333,50 @@ def verify(state, kv_score, seq_lens, slots, ape, *, layer: int = 0, pending=Non
     _check_array("kv_score", kv_score, (call_layers, rows, tokens, 2 * dim), jnp.float32)
     if not 1 <= tokens <= min(banks - 1, MAX_DRAFT):
         raise ValueError(f"kv_score: N = {tokens} verify tokens, but the state holds max_draft = {banks - 1}")
+    if tree is not None:
+        tree = _check_tree(tree, tokens)
     _check_layers(layer, call_layers, layers)
     _check_rows(num_slots, seq_lens, slots, rows)
     _check_array("ape", ape, (call_layers, BLOCK, dim), jnp.float32)
-    if pending is None:
-        pending = jnp.zeros((0,), jnp.int32)
-    else:
-        (pending,) = _as_arrays(pending=pending)
-        _check_array("pending", pending, (num_slots,), jnp.int32)
+    pending = _optional_table("pending", pending, (num_slots,))
+    if pending_banks is not None and not pending.shape[0]:
+        raise ValueError("pending_banks: given without pending")
+    pending_banks = _optional_table("pending_banks", pending_banks, (num_slots,))
     _check_distinct_slots(slots)
+    per_row = 1 if tree is None else tokens
     results = dict(
         state=jax.ShapeDtypeStruct(state.shape, state.dtype),
-        entries=jax.ShapeDtypeStruct((call_layers, rows, 1, dim), jnp.float32),
-        entry_blocks=jax.ShapeDtypeStruct((rows, 1), jnp.int32),
+        entries=jax.ShapeDtypeStruct((call_layers, rows, per_row, dim), jnp.float32),
+        entry_blocks=jax.ShapeDtypeStruct((rows, per_row), jnp.int32),
     )
-    args = dict(state=state, kv_score=kv_score, seq_lens=seq_lens, slots=slots, ape=ape, pending=pending)
+    args = dict(
+        state=state,
+        kv_score=kv_score,
+        seq_lens=seq_lens,
+        slots=slots,
+        ape=ape,
+        pending=pending,
+        pending_banks=pending_banks,
+        tree=_constant(() if tree is None else tree),
+    )
     return _dispatch("oc128_verify", reference.verify, args, results, dict(layer=layer))
 
 
-def commit(state, seq_lens, accept_lens, slots, *, layer: int = 0, num_layers: int | None = None):
-    """Keep ``accept_lens`` tokens of the last verify: ``bank0 = bank[accept]`` where ``accept > 0`` and
-    ``(seq_lens + accept) % 128 != 0``, for layers ``layer .. layer + num_layers - 1`` (default: all
-    from ``layer`` on) in one call.
+def commit(
+    state, seq_lens, accept_lens, slots, *, layer: int = 0, num_layers: int | None = None, accept_banks=None
+):
+    """Keep ``accept_lens`` tokens of the last verify: ``bank0 = bank[accept_banks]`` (the chain:
+    ``bank[accept_lens]``) where ``accept > 0`` and ``(seq_lens + accept) % 128 != 0``, for layers
+    ``layer .. layer + num_layers - 1`` (default: all from ``layer`` on) in one call.
 
     Args:
       state: ``[L, 1 + B, S, 3, D]`` float32 or bfloat16, updated in place (donate it).
       seq_lens: ``[bs]`` int32, as given to :func:`verify`.
-      accept_lens: ``[bs]`` int32 in ``[0, N]``, the verify tokens kept (0 keeps nothing).
+      accept_lens: ``[bs]`` int32 in ``[0, N]``, the verify tokens kept (0 keeps nothing); after a tree
+        verify, the accepted node's depth + 1.
       slots: ``[bs]`` int32, one row per slot, -1 for padding rows.
+      accept_banks: optional ``[bs]`` int32 in ``[0, N]``, the bank of the last kept token: after a tree
+        verify, the accepted node k's bank k + 1. None: the chain's, ``accept_lens``.
 
     Returns:
       The updated state.
@@ -336,8 +397,14 @@ def commit(state, seq_lens, accept_lens, slots, *, layer: int = 0, num_layers: i
     _check_rows(num_slots, seq_lens, slots, rows)
     _check_array("accept_lens", accept_lens, (rows,), jnp.int32)
     _check_values("accept_lens", accept_lens, 0, banks - 1)
+    chain = accept_banks is None
+    accept_banks = _optional_table("accept_banks", accept_banks, (rows,))
+    if not chain:
+        _check_values("accept_banks", accept_banks, 0, banks - 1)
     _check_distinct_slots(slots)
     results = dict(state=jax.ShapeDtypeStruct(state.shape, state.dtype))
-    args = dict(state=state, seq_lens=seq_lens, accept_lens=accept_lens, slots=slots)
+    args = dict(
+        state=state, seq_lens=seq_lens, accept_lens=accept_lens, accept_banks=accept_banks, slots=slots
+    )
     attrs = dict(layer=layer, num_layers=num_layers)
     return _dispatch("oc128_commit", reference.commit, args, results, attrs)

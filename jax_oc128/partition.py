@@ -5,10 +5,11 @@ each operand's layout from the state's:
 
 * The state ``[L, 1 + B, S, 3, D]`` keeps its slot axis (dimension 2) split over the mesh axes it is split
   over, in shards of ``S / n`` slots (``n`` devices along them; ``S`` must divide, or the state is
-  gathered); ``pending`` ``[S]`` is split the same way. Every other dimension of every operand, and every
-  other mesh axis, is replicated: the devices of one slot shard run the same op on the same slots.
-* The per-row operands (``kv_score``, ``seq_lens``, ``new_lens``, ``slots``, ``accept_lens``) and results
-  (``entries``, ``entry_blocks``) are either
+  gathered); ``pending`` and ``pending_banks`` ``[S]`` are split the same way. Every other dimension of
+  every operand (the verify's ``tree`` too), and every other mesh axis, is replicated: the devices of one
+  slot shard run the same op on the same slots.
+* The per-row operands (``kv_score``, ``seq_lens``, ``new_lens``, ``slots``, ``accept_lens``,
+  ``accept_banks``) and results (``entries``, ``entry_blocks``) are either
 
   - **split like the slots** (their row axis over the same mesh axes, in the same order, and ``n``
     dividing the rows): the rows of device d address the slots of device d, as in a model whose batch row
@@ -37,7 +38,9 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 #: the axis of each operand or result that holds the state's slots
-SLOT_AXIS = {"state": 2, "pending": 0}
+SLOT_AXIS = {"state": 2, "pending": 0, "pending_banks": 0}
+#: the operands that are empty where the caller gives none (verify's pending tables, commit's banks)
+OPTIONAL = ("pending", "pending_banks", "accept_banks")
 #: the axis of each operand or result that holds the call's rows
 ROW_AXIS = {
     "kv_score": 1,
@@ -45,6 +48,7 @@ ROW_AXIS = {
     "new_lens": 0,
     "slots": 0,
     "accept_lens": 0,
+    "accept_banks": 0,
     "entries": 1,
     "entry_blocks": 0,
 }
@@ -99,8 +103,10 @@ def _sequential_under_vmap(call):
 
 def _split_axis(name, shape, num_slots):
     """``("slot" | "row" | None, axis)``: which axis of operand or result ``name`` of ``shape`` is split. An
-    empty ``pending`` (none given) has no slot axis."""
-    if name in SLOT_AXIS and shape[SLOT_AXIS[name]] == num_slots:
+    optional operand left empty (none given) has none."""
+    if name in OPTIONAL and not math.prod(shape):
+        return None, None
+    if name in SLOT_AXIS:
         return "slot", SLOT_AXIS[name]
     if name in ROW_AXIS:
         return "row", ROW_AXIS[name]

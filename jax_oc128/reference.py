@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jax_oc128.rules import BLOCK, commits_bank, drop_index, pending_commits, valid_rows
+from jax_oc128.rules import BLOCK, committed_bank, drop_index, pending_commits, valid_rows
 
 
 def processed_rows(slots, valid):
@@ -153,55 +153,90 @@ def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer=0):
     return state, entries, entry_blocks
 
 
-def verify(state, kv_score, seq_lens, slots, ape, pending=None, *, layer=0):
-    """Reference of :func:`jax_oc128.verify`: the pending commit, then N <= 16 steps, statically unrolled."""
-    num_layers, rows = kv_score.shape[:2]
+def verify(state, kv_score, seq_lens, slots, ape, pending=None, pending_banks=None, tree=None, *, layer=0):
+    """Reference of :func:`jax_oc128.verify`: the pending commit, then N <= 16 steps, statically unrolled.
+    ``tree`` is ``[N]`` int32 (a traced value is fine: the nodes' parents are gathered), or None or empty for
+    the chain."""
+    num_layers = kv_score.shape[0]
     num_slots = state.shape[2]
     valid = processed_rows(slots, valid_rows(slots, seq_lens, num_slots))
     if pending is not None and pending.shape[0]:
         skipped_as_padding = jnp.where(valid, slots, -1)
+        verify_lens, accept_lens, rows_slots = pending_commits(pending, skipped_as_padding, seq_lens)
+        accept_banks = None
+        if pending_banks is not None and pending_banks.shape[0]:
+            accept_banks = pending_banks[jnp.maximum(rows_slots, 0)]
         state = commit(
-            state, *pending_commits(pending, skipped_as_padding, seq_lens), layer=layer, num_layers=num_layers
+            state,
+            verify_lens,
+            accept_lens,
+            rows_slots,
+            layer=layer,
+            num_layers=num_layers,
+            accept_banks=accept_banks,
         )
+    chain = tree is None or not tree.shape[0]
     p0 = jnp.where(valid, seq_lens % BLOCK, 0)
     m, s, num = load_state(state[layer : layer + num_layers, 0][:, jnp.where(valid, slots, 0)])
-    prefixes, entry = fold_verify(m, s, num, kv_score, p0, ape)
-    entry_block = jnp.full((rows,), -1, jnp.int32)
-    for k, (closes, prefix) in enumerate(prefixes):
-        entry_block = jnp.where(closes, (seq_lens + k) // BLOCK, entry_block)
+    nodes, entry = fold_verify(m, s, num, kv_score, p0, ape, None if chain else tree)
+    blocks = []
+    for k, (closes, depth, after) in enumerate(nodes):
+        blocks.append(jnp.where(closes, (seq_lens + depth) // BLOCK, -1))
         index = drop_index(slots, num_slots, valid & ~closes)
         state = set_rows(
-            state, (slice(layer, layer + num_layers), k + 1, index), store_state(*prefix, state.dtype)
+            state, (slice(layer, layer + num_layers), k + 1, index), store_state(*after, state.dtype)
         )
-    entry = jnp.where(valid[None, :, None], entry, 0.0)[:, :, None]
-    entry_block = jnp.where(valid, entry_block, -1)[:, None].astype(jnp.int32)
-    return state, entry, entry_block
+    if chain:
+        entries, entry_blocks = entry[:, :, None], jnp.max(jnp.stack(blocks, axis=1), axis=1, keepdims=True)
+    else:
+        closed = [
+            jnp.where(closes[None, :, None], mean(after[2], after[1]), 0.0) for closes, _, after in nodes
+        ]
+        entries, entry_blocks = jnp.stack(closed, axis=2), jnp.stack(blocks, axis=1)
+    entries = jnp.where(valid[None, :, None, None], entries, 0.0)
+    entry_blocks = jnp.where(valid[:, None], entry_blocks, -1).astype(jnp.int32)
+    return state, entries, entry_blocks
 
 
-def fold_verify(m, s, num, kv_score, p0, ape):
-    """A verify's tokens ``kv_score`` ``[Lk, bs, N, 2*D]`` folded one by one into the open blocks' float32
-    ``(m, s, num)`` ``[Lk, bs, D]``, the first token at position ``p0`` ``[bs]`` of its block. Returns
-    ``(prefixes, entry)``: per token, ``(closes [bs], (m, s, num))``, whether it closed its block and the
-    state after it; ``entry`` ``[Lk, bs, D]``, the mean of the block a token closed (0 where none)."""
+def fold_verify(m, s, num, kv_score, p0, ape, tree=None):
+    """A verify's tokens ``kv_score`` ``[Lk, bs, N, 2*D]`` folded into the open blocks' float32
+    ``(m, s, num)`` ``[Lk, bs, D]``, the root at position ``p0`` ``[bs]`` of its block: in order (the chain,
+    ``tree`` None), or node k from the state after its parent ``tree[k]`` (``[N]`` int32, may be traced; a
+    parent that is not an earlier node makes the node a root, as in ``ffi/oc128_math.h``) at depth + 1.
+    Returns ``(nodes, entry)``: per node, ``(closes [bs], depth, (m, s, num))``, whether it closed its block,
+    its depth (an int, or a traced int32 scalar for a tree) and the state after it; ``entry`` ``[Lk, bs, D]``,
+    the mean of the block the last closing node closed (0 where none: the chain closes at most one)."""
     dim = kv_score.shape[3] // 2
+    start = (m, s, num)
     entry = jnp.zeros_like(m)
-    prefixes = []
+    nodes = []
     for k in range(kv_score.shape[2]):
-        pos = (p0 + k) % BLOCK
+        if tree is None:
+            depth, before = k, nodes[-1][2] if k else start
+        else:
+            parent = jnp.where((tree[k] >= 0) & (tree[k] < k), tree[k], -1)  # -1: the committed state
+            depth, before = 0, start
+            for j, (_, node_depth, after) in enumerate(nodes):
+                depth = jnp.where(parent == j, node_depth + 1, depth)
+                before = tuple(jnp.where(parent == j, x, y) for x, y in zip(after, before, strict=True))
+        pos = (p0 + depth) % BLOCK
         sigma = kv_score[:, :, k, dim:] + ape[:, pos]
-        m, s, num = fold(m, s, num, pos[None, :, None], kv_score[:, :, k, :dim], sigma)
+        after = fold(*before, pos[None, :, None], kv_score[:, :, k, :dim], sigma)
         closes = pos == BLOCK - 1
-        entry = jnp.where(closes[None, :, None], mean(num, s), entry)
-        prefixes.append((closes, (m, s, num)))
-    return prefixes, entry
+        entry = jnp.where(closes[None, :, None], mean(after[2], after[1]), entry)
+        nodes.append((closes, depth, after))
+    return nodes, entry
 
 
-def commit(state, seq_lens, accept_lens, slots, *, layer=0, num_layers=None):
-    """Reference of :func:`jax_oc128.commit`."""
+def commit(state, seq_lens, accept_lens, slots, accept_banks=None, *, layer=0, num_layers=None):
+    """Reference of :func:`jax_oc128.commit`; ``accept_banks`` None or empty: the chain's."""
     num_layers = state.shape[0] - layer if num_layers is None else num_layers
     num_banks, num_slots = state.shape[1], state.shape[2]
+    if accept_banks is not None and not accept_banks.shape[0]:
+        accept_banks = None
     valid = valid_rows(slots, seq_lens, num_slots) & (accept_lens >= 0) & (accept_lens < num_banks)
-    ok = processed_rows(slots, valid) & commits_bank(seq_lens, accept_lens, num_banks)
-    src = state[layer : layer + num_layers, jnp.where(ok, accept_lens, 0), jnp.where(ok, slots, 0)]
+    bank = committed_bank(seq_lens, accept_lens, num_banks, accept_banks)
+    ok = processed_rows(slots, valid) & (bank > 0)
+    src = state[layer : layer + num_layers, jnp.where(ok, bank, 0), jnp.where(ok, slots, 0)]
     index = drop_index(slots, num_slots, ok)
     return set_rows(state, (slice(layer, layer + num_layers), 0, index), src)

@@ -1,8 +1,9 @@
 """The slot and bank rules of the C128 state, in one place: the ops' jnp twins, the states, the
 controller and the attention all import them from here.
 
-Shapes: ``slots``, ``seq_lens``, ``verify_lens``, ``accept_lens`` are ``[bs]`` int32 per row of a call (slot
--1 marks a padding row); ``pending`` and ``pending_tokens`` are ``[num_slots]`` int32 per slot of a state.
+Shapes: ``slots``, ``seq_lens``, ``verify_lens``, ``accept_lens``, ``accept_banks`` are ``[bs]`` int32 per
+row of a call (slot -1 marks a padding row); ``pending`` and ``pending_tokens`` are ``[num_slots]`` int32 per
+slot of a state.
 """
 
 from __future__ import annotations
@@ -31,12 +32,16 @@ def drop_index(slots, num_slots, keep=None):
     return jnp.where(ok, slots, num_slots)
 
 
-def commits_bank(seq_lens, accept_lens, num_banks):
-    """``[bs]`` bool: a commit of ``accept_lens`` tokens of the verify at ``seq_lens`` copies bank
-    ``accept_lens`` into bank 0. It does not when nothing is kept (accept 0), when the accept is past the
-    banks, or when the kept tokens end exactly on a block boundary (the block closed: bank 0 of a fresh
-    block is never read, so it stays as it is)."""
-    return (accept_lens >= 1) & (accept_lens < num_banks) & ((seq_lens + accept_lens) % BLOCK != 0)
+def committed_bank(seq_lens, accept_lens, num_banks, accept_banks=None):
+    """``[bs]`` int32: the bank a commit of ``accept_lens`` tokens of the verify at ``seq_lens`` copies into
+    bank 0, 0 for none (``committed_bank`` of ``ffi/oc128_math.h``). The kept bank is ``accept_banks``
+    (after a tree verify, the accepted node k's bank k + 1), by default ``accept_lens`` (the chain). Nothing
+    is copied when nothing is kept (accept 0), when the accept or the bank is past the banks, or when the
+    kept tokens end exactly on a block boundary (the block closed: bank 0 of a fresh block is never read,
+    so it stays as it is)."""
+    bank = accept_lens if accept_banks is None else accept_banks
+    in_range = (accept_lens >= 1) & (accept_lens < num_banks) & (bank >= 1) & (bank < num_banks)
+    return jnp.where(in_range & ((seq_lens + accept_lens) % BLOCK != 0), bank, 0).astype(jnp.int32)
 
 
 def pending_commits(pending, slots, seq_lens):
@@ -49,21 +54,24 @@ def pending_commits(pending, slots, seq_lens):
     return jnp.where(has, before, 0), jnp.where(has, seq_lens - before, 0), jnp.where(has, slots, -1)
 
 
-def commits_pending(pending, pending_tokens, slots, verify_lens, accept_lens):
-    """``[bs]`` bool: the row's commit keeps ``accept_lens`` tokens of its slot's pending verify. It does
-    when the row addresses a slot of the state whose pending verify was at ``verify_lens`` (``pending``,
-    >= 0) and ``0 <= accept_lens <= N``, the tokens that verify folded (``pending_tokens``): banks past N
-    hold an older verify's prefixes. Any other commit changes nothing."""
+def commits_pending(pending, pending_tokens, slots, verify_lens, accept_lens, accept_banks=None):
+    """``[bs]`` bool: the row's commit keeps ``accept_lens`` tokens of its slot's pending verify (and its
+    bank ``accept_banks``, default ``accept_lens``: the chain). It does when the row addresses a slot of the
+    state whose pending verify was at ``verify_lens`` (``pending``, >= 0) and the accept and the bank are in
+    ``[0, N]``, N the tokens that verify folded into banks ``1..N`` (``pending_tokens``): banks past N hold an
+    older verify's prefixes. Any other commit changes nothing."""
     valid = valid_rows(slots, verify_lens, pending.shape[0])
     safe = jnp.where(valid, slots, 0)
-    fits = (pending[safe] == verify_lens) & (accept_lens >= 0) & (accept_lens <= pending_tokens[safe])
-    return valid & fits
+    bank = accept_lens if accept_banks is None else accept_banks
+    folded = pending_tokens[safe]
+    fits = (pending[safe] == verify_lens) & (accept_lens >= 0) & (accept_lens <= folded)
+    return valid & fits & (bank >= 0) & (bank <= folded)
 
 
-def lazy_commits(pending, pending_tokens, slots, seq_lens):
+def lazy_commits(pending, pending_tokens, slots, seq_lens, accept_banks=None):
     """``(verify_lens, accept_lens, slots)``: the commit a forward of ``slots`` at ``seq_lens`` makes of
-    their pending verifies (:func:`pending_commits`), with rows whose ``accept_lens`` does not fit the
-    verify (:func:`commits_pending`) made padding."""
+    their pending verifies (:func:`pending_commits`), keeping the banks ``accept_banks`` (default: the
+    chain's), with rows whose commit does not fit the verify (:func:`commits_pending`) made padding."""
     verify_lens, accept_lens, rows = pending_commits(pending, slots, seq_lens)
-    fits = commits_pending(pending, pending_tokens, rows, verify_lens, accept_lens)
+    fits = commits_pending(pending, pending_tokens, rows, verify_lens, accept_lens, accept_banks)
     return verify_lens, accept_lens, jnp.where(fits, rows, -1)

@@ -37,6 +37,8 @@ class CompressState:
         each layer's write_prefix commits before folding, -1 for none (nothing pending, or the forward's
         lengths do not fit it); set by ``prepare_forward``, cleared when the slot's pending verify is
         committed or replaced.
+      to_commit_banks: ``[slots]`` int32: the bank that commit keeps (the chain: its accept; after a tree
+        verify, the accepted node k's bank k + 1); meaningful where ``to_commit >= 0``.
 
     The controller's rules (:class:`~jax_oc128.controller.Controller`) keep ``pending`` for a slot until
     it is committed (eagerly, or lazily by the slot's next forward), replaced by a verify whose banks
@@ -47,6 +49,7 @@ class CompressState:
     pending: jax.Array
     pending_tokens: jax.Array
     to_commit: jax.Array
+    to_commit_banks: jax.Array
 
     @classmethod
     def create(
@@ -55,7 +58,9 @@ class CompressState:
         """A zeroed state with nothing pending; every leaf is its own buffer, so the pytree can be donated."""
         banks = ops.init_state(layers, slots, head_dim, max_draft, dtype)
         table = functools.partial(jnp.full, (slots,), dtype=jnp.int32)
-        return cls(banks, pending=table(-1), pending_tokens=table(0), to_commit=table(-1))
+        return cls(
+            banks, pending=table(-1), pending_tokens=table(0), to_commit=table(-1), to_commit_banks=table(0)
+        )
 
     layers = property(lambda self: self.banks.shape[0])
     max_draft = property(lambda self: self.banks.shape[1] - 1)

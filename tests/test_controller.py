@@ -557,6 +557,6 @@ def test_step_is_in_place_under_jit():
 
 
 def test_state_bytes():
-    assert bytes_per_slot(CompressState, 20, 512, 4) == 20 * 5 * 3 * 512 * 4 + 3 * 4
+    assert bytes_per_slot(CompressState, 20, 512, 4) == 20 * 5 * 3 * 512 * 4 + 4 * 4
     assert bytes_per_slot(OfflineState, 20, 512, 4) == 20 * 132 * 2 * 512 * 4
-    assert bytes_per_slot(CompressState, 20, 512, 4, jnp.bfloat16) == 20 * 5 * 3 * 512 * 2 + 3 * 4
+    assert bytes_per_slot(CompressState, 20, 512, 4, jnp.bfloat16) == 20 * 5 * 3 * 512 * 2 + 4 * 4

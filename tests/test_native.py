@@ -14,6 +14,7 @@ import jax_oc128 as oc
 from jax_oc128 import _native, ops
 
 LAYERS, SLOTS, DIM, MAX_DRAFT, ROWS = 2, 3, 32, 2, 2
+TREE = (-1, 0)
 
 
 def _rows(*values):
@@ -40,11 +41,15 @@ def _calls():
         slots=slots,
         ape=ape,
         pending=jnp.full((SLOTS,), -1, jnp.int32),
+        pending_banks=jnp.full((SLOTS,), 1, jnp.int32),
+        tree=np.asarray(TREE, np.int32),  # the op gets a tuple and passes it as a constant array
     )
-    commit = dict(state=state, seq_lens=seq_lens, accept_lens=_rows(1, 0), slots=slots)
+    commit = dict(
+        state=state, seq_lens=seq_lens, accept_lens=_rows(1, 0), accept_banks=_rows(2, 0), slots=slots
+    )
     return {
         "oc128_compress": (lambda **a: oc.compress(**a, layer=0), compress, {"layer": 0}),
-        "oc128_verify": (lambda **a: oc.verify(**a, layer=0), verify, {"layer": 0}),
+        "oc128_verify": (lambda tree, **a: oc.verify(**a, tree=tuple(tree), layer=0), verify, {"layer": 0}),
         "oc128_commit": (lambda **a: oc.commit(**a, layer=1), commit, {"layer": 1, "num_layers": 1}),
     }
 
@@ -85,7 +90,10 @@ def test_each_op_passes_its_operands_in_the_binding_order(monkeypatch, target):
         assert recorded["name"] == target
         assert len(recorded["operands"]) == len(names.args), platform
         for name, operand in zip(names.args, recorded["operands"], strict=True):
-            assert operand is arrays[name], (platform, name)
+            if name == "tree":
+                np.testing.assert_array_equal(operand, arrays[name])
+            else:
+                assert operand is arrays[name], (platform, name)
         assert recorded["aliases"] == {names.args.index("state"): names.rets.index("state")}, platform
         assert len(recorded["shapes"]) == len(names.rets), platform
         assert recorded["shapes"][names.rets.index("state")].shape == arrays["state"].shape, platform

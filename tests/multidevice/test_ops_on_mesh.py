@@ -28,20 +28,35 @@ MESHES = {
     "1x4": ((1, 4), "data"),
 }
 STATIC = {"compress": ("layer",), "verify": ("layer",), "commit": ("layer", "num_layers")}
+#: the calls the tests make: each op, and a verify of a draft tree (static, a constant of the call)
+CALLS = ["compress", "verify", "verify_tree", "commit"]
+TREE = (-1, 0, 0, 1)
+
+
+def op_of(call):
+    return call.removesuffix("_tree")
+
+
+def statics(call):
+    """The static arguments of ``call``."""
+    layers = dict(layer=CALL_LAYER) | (dict(num_layers=LAYERS - CALL_LAYER) if call == "commit" else {})
+    return layers | (dict(tree=TREE) if call == "verify_tree" else {})
 
 
 def mesh_of(shape):
     return Mesh(np.array(jax.devices()[:4]).reshape(shape), ("data", "model"))
 
 
-def random_call(rng, op, slots):
-    """Keyword arguments of a call of ``op`` whose rows address ``slots`` ``[ROWS]`` (numpy)."""
+def random_call(rng, call, slots):
+    """Keyword arguments of ``call`` (one of ``CALLS``) whose rows address ``slots`` ``[ROWS]`` (numpy)."""
+    op = op_of(call)
     seq = rng.integers(0, 3 * 128, ROWS).astype(np.int32)
     seq[rng.random(ROWS) < 0.2] = 127  # closes a block inside the call
     state = np.asarray(poisoned_state(rng, LAYERS, SLOTS, DIM, MAX_DRAFT))  # numpy: each call gets a copy
     args = dict(state=state, seq_lens=seq, slots=slots)
     if op == "commit":
-        return args | dict(accept_lens=rng.integers(0, MAX_DRAFT + 1, ROWS).astype(np.int32))
+        accept_lens, accept_banks = rng.integers(0, MAX_DRAFT + 1, (2, ROWS)).astype(np.int32)
+        return args | dict(accept_lens=accept_lens, accept_banks=accept_banks)
     width = {"compress": 130, "verify": MAX_DRAFT}[op]
     args |= dict(
         kv_score=random_tokens(rng, (LAYERS - CALL_LAYER, ROWS, width), DIM),
@@ -53,15 +68,14 @@ def random_call(rng, op, slots):
         new_lens = np.r_[width, width, rng.integers(0, width + 1, ROWS - 2)]
         return args | dict(new_lens=new_lens.astype(np.int32))
     pending = np.where(rng.random(SLOTS) < 0.5, rng.integers(0, 3 * 128, SLOTS), -1).astype(np.int32)
-    return args | dict(pending=pending)
+    return args | dict(pending=pending, pending_banks=rng.integers(0, MAX_DRAFT + 1, SLOTS).astype(np.int32))
 
 
 @functools.cache
 def jitted(op, shardings=None):
-    """``op`` of jax_oc128 jitted with the state donated, on one device (``shardings`` None) or with the
-    arguments placed by ``shardings`` (a tuple of (name, sharding))."""
-    statics = dict(layer=CALL_LAYER) | (dict(num_layers=LAYERS - CALL_LAYER) if op == "commit" else {})
-    call = jax.jit(functools.partial(getattr(oc, op), **statics), donate_argnames="state")
+    """``op`` (one of ``CALLS``) jitted with the state donated, on one device (``shardings`` None) or with
+    the arguments placed by ``shardings`` (a tuple of (name, sharding))."""
+    call = jax.jit(functools.partial(getattr(oc, op_of(op)), **statics(op)), donate_argnames="state")
     if shardings is None:
         return call
     shardings = dict(shardings)
@@ -75,6 +89,8 @@ def layout(mesh, slot_axes, split_rows, names):
     specs = dict(
         state=P(None, None, slot_axes),
         pending=P(slot_axes),
+        pending_banks=P(slot_axes),
+        accept_banks=P(rows),
         kv_score=P(None, rows),
         seq_lens=P(rows),
         new_lens=P(rows),
@@ -97,7 +113,7 @@ def assert_sharded(x, spec):
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
-@pytest.mark.parametrize("op", ["compress", "verify", "commit"])
+@pytest.mark.parametrize("op", CALLS)
 def test_replicated_rows_give_one_devices_results(op, mesh_name):
     """Rows in any order, each device owning some: padding (-1), a slot repeated (the first valid row takes
     it), slots outside the state, negative lengths: bit for bit one device's state and outputs."""
@@ -122,7 +138,7 @@ def test_replicated_rows_give_one_devices_results(op, mesh_name):
 
 
 @pytest.mark.parametrize("mesh_name", ["4x1", "2x2", "2x2-both"])
-@pytest.mark.parametrize("op", ["compress", "verify", "commit"])
+@pytest.mark.parametrize("op", CALLS)
 def test_rows_split_like_the_slots(op, mesh_name):
     """Rows split over the slots' devices, each row addressing a slot of its own device (shuffled within the
     device, some padding): one device's results; a row addressing another device's slot is skipped (one
@@ -157,9 +173,8 @@ def compiled_text(op, mesh, slot_axes, split_rows):
     rng = np.random.default_rng(0)
     args = random_call(rng, op, np.arange(ROWS, dtype=np.int32))
     shardings = dict(layout(mesh, slot_axes, split_rows, tuple(args)))
-    statics = dict(layer=CALL_LAYER) | (dict(num_layers=LAYERS - CALL_LAYER) if op == "commit" else {})
     step = jax.jit(
-        lambda *a: getattr(oc, op)(**dict(zip(args, a, strict=True)), **statics),
+        lambda *a: getattr(oc, op_of(op))(**dict(zip(args, a, strict=True)), **statics(op)),
         in_shardings=tuple(shardings[name] for name in args),
         donate_argnums=0,
     )
@@ -167,14 +182,14 @@ def compiled_text(op, mesh, slot_axes, split_rows):
 
 
 @pytest.mark.parametrize("split_rows", [False, True], ids=["replicated-rows", "split-rows"])
-@pytest.mark.parametrize("op", ["compress", "verify", "commit"])
+@pytest.mark.parametrize("op", CALLS)
 def test_no_gather_or_copy_of_the_state(op, split_rows):
     """The compiled call (4x1 mesh, state donated) runs the native op on each device's [.., 2, ..] slot shard
     in place: no copy of it and no collective at all, except (replicated rows) one all-reduce per per-row
     output, none of the state's shape."""
     hlo = compiled_text(op, mesh_of((4, 1)), "data", split_rows)
     local_state = f"f32[{LAYERS},{1 + MAX_DRAFT},{SLOTS // 4},3,{DIM}]"
-    calls = [line for line in hlo.splitlines() if f'custom_call_target="oc128_{op}"' in line]
+    calls = [line for line in hlo.splitlines() if f'custom_call_target="oc128_{op_of(op)}"' in line]
     assert len(calls) == 1 and local_state in calls[0], calls
     assert "output_to_operand_aliasing" in calls[0]
     assert not [line for line in hlo.splitlines() if local_state in line and " copy(" in line]
