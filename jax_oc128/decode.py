@@ -37,9 +37,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_oc128.checks import check_int, is_int
-from jax_oc128.controller import ForwardMode
+from jax_oc128.controller import ONLINE, ForwardMode
 from jax_oc128.nn import AttentionCache, ModelCache, SpeculativeModel, batch_slots, sharding
-from jax_oc128.nn.attention import SLIDING
+from jax_oc128.nn.attention import CSA, HCA
 from jax_oc128.tree import Tree, accept_greedy, accept_sampled, check_parents, draft_tree
 
 #: stop token ids per generate call (padded with -1 to this size, so their number never recompiles)
@@ -606,7 +606,7 @@ class Engine:
         (greedy, or sampled at ``temperature``); a request whose first token ends it is no longer active."""
         _check_state(state, self._state_layout)
         config = self.model.config
-        num_tokens, _ = _check_speculation(num_tokens, tree, config)
+        num_tokens, _ = _check_speculation(num_tokens, tree, self.model)
         longest_prompt = _check_max_new_tokens(max_new_tokens, num_tokens, config)
         stops = _stop_array(_check_stop_tokens(stop_tokens, config))
         temperature = _check_temperature(temperature)
@@ -649,7 +649,7 @@ class Engine:
         to the host."""
         _check_state(state, self._state_layout)
         config = self.model.config
-        num_tokens, tree = _check_speculation(num_tokens, tree, config)
+        num_tokens, tree = _check_speculation(num_tokens, tree, self.model)
         temperature = _check_temperature(temperature)
         stops = _stop_array(_check_stop_tokens(stop_tokens, config))
         steps = self.steps_per_dispatch if steps is None else check_int("steps", steps, 1, MAX_INT32)
@@ -685,7 +685,7 @@ class Engine:
             ``0 <= tree[k] < k``; ``num_tokens`` None or N): the MTP head drafts each node's children as
             its top-k tokens (greedy) or k draws without replacement (sampled), the target verifies all N
             nodes in one forward and the row keeps the deepest accepted path (multi-draft speculative
-            sampling at ``temperature`` > 0). Sliding-window models only, for now.
+            sampling at ``temperature`` > 0). Sliding and HCA layers on the online C128 state (not CSA yet).
           temperature: a number >= 0 (0: greedy).
           stop_tokens: at most 8 token ids in [0, vocab_size).
           seed: the sampling's PRNG seed, an int in [0, 2**32).
@@ -693,7 +693,7 @@ class Engine:
 
         Returns a :class:`Result`, ``tokens[i]`` the output of ``prompts[i]``."""
         config = self.model.config
-        num_tokens, tree = _check_speculation(num_tokens, tree, config)
+        num_tokens, tree = _check_speculation(num_tokens, tree, self.model)
         longest_prompt = _check_max_new_tokens(max_new_tokens, num_tokens, config)
         temperature = _check_temperature(temperature)
         stop_tokens = _check_stop_tokens(stop_tokens, config)
@@ -786,9 +786,11 @@ def _check_num_tokens(num_tokens, config) -> int | None:
     return check_int("num_tokens", num_tokens, 2, config.max_draft, " = max_draft")
 
 
-def _check_speculation(num_tokens, tree, config) -> tuple[int | None, Tree | None]:
-    """``(num_tokens, tree)`` checked: N (or None, plain steps) and the draft tree (None: the chain of N),
-    a :class:`~jax_oc128.tree.Tree` or its parents, of N nodes (``num_tokens`` None: its size)."""
+def _check_speculation(num_tokens, tree, model) -> tuple[int | None, Tree | None]:
+    """``(num_tokens, tree)`` checked for ``model``: N (or None, plain steps) and the draft tree (None: the
+    chain of N), a :class:`~jax_oc128.tree.Tree` or its parents, of N nodes (``num_tokens`` None: its
+    size)."""
+    config = model.config
     if tree is None:
         return _check_num_tokens(num_tokens, config), None
     tree = tree if isinstance(tree, Tree) else Tree(check_parents(tree, "tree"))
@@ -799,9 +801,10 @@ def _check_speculation(num_tokens, tree, config) -> tuple[int | None, Tree | Non
     if num_tokens is not None and num_tokens != tree.size:
         raise ValueError(f"num_tokens: None or the tree's {tree.size} nodes, got {num_tokens!r}")
     num_tokens = _check_num_tokens(tree.size, config)
-    others = sorted(set(config.layer_types) - {SLIDING})
-    if others:
-        raise NotImplementedError(f"tree: only sliding-window models verify trees yet; this one has {others}")
+    if CSA in config.layer_types:
+        raise NotImplementedError(f"tree: {CSA} layers do not verify trees yet")
+    if HCA in config.layer_types and model.target.backend is not ONLINE:
+        raise NotImplementedError("tree: a tree verifies on the online C128 state only (backend ONLINE)")
     return num_tokens, tree
 
 

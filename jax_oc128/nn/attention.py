@@ -109,6 +109,9 @@ class AttentionCache:
         (zero-sized for other layers).
       rows: ``[batch, ring, row_width]`` float32: the CSA compressor's raw rows by position
         (:mod:`~jax_oc128.nn.csa`; zero-sized for other layers).
+      tree_entries: ``[batch, max_draft, D]`` float32: an HCA layer's entries of the last tree verify by
+        node (normed, rotated), until :meth:`keep_path` stores the accepted path's (zero-sized for other
+        layers).
     """
 
     window: jax.Array
@@ -116,6 +119,7 @@ class AttentionCache:
     entries: jax.Array
     index_keys: jax.Array
     rows: jax.Array
+    tree_entries: jax.Array
 
     def keep_path(self, tree: Tree, first_positions, nodes, written=None) -> AttentionCache:
         """After a tree verify or draft (``__call__(..., tree=tree)``) at ``first_positions`` ``[batch]``
@@ -138,10 +142,19 @@ class AttentionCache:
         rows = jnp.arange(batch)[:, None]
         kv = self.window[rows, source]
         positions = self.window_positions.at[rows, ring].set(-1, mode="drop")
+        entries = self.entries
+        if self.tree_entries.shape[1]:  # the entry of the block the path closes, at most one (N < 128)
+            closing = BLOCK - 1 - base[:, 0] % BLOCK  # the depth whose position closes a block
+            closes = kept & (closing <= jnp.asarray(tree.depths)[jnp.maximum(nodes, 0)])
+            node = jnp.take_along_axis(path, jnp.minimum(closing, path.shape[1] - 1)[:, None], axis=1)[:, 0]
+            block = jnp.where(closes, (base[:, 0] + closing) // BLOCK, entries.shape[1])
+            entry = self.tree_entries[jnp.arange(batch), jnp.maximum(node, 0)]
+            entries = entries.at[jnp.arange(batch), block].set(entry, mode="drop")
         return dataclasses.replace(
             self,
             window=self.window.at[rows, target].set(kv, mode="drop"),
             window_positions=positions.at[rows, target].set(moved, mode="drop"),
+            entries=entries,
         )
 
     def clear(self, rows) -> AttentionCache:
@@ -153,6 +166,7 @@ class AttentionCache:
             self.entries.at[index].set(0, mode="drop"),
             self.index_keys.at[index].set(0, mode="drop"),
             self.rows.at[index].set(0, mode="drop"),
+            self.tree_entries.at[index].set(0, mode="drop"),
         )
 
 
@@ -168,8 +182,10 @@ def _check_tree(tree, nodes, tokens: int, mode: ForwardMode, layer_type: str) ->
     depths = {int(tree.depths[n]) for n in nodes if 0 <= n < tree.size}
     if len(set(nodes)) != len(nodes) or (len(depths) != 1 and nodes != tuple(range(tree.size))):
         raise ValueError(f"nodes: all of the tree's nodes or distinct nodes of one depth, got {nodes}")
-    if layer_type != SLIDING:
-        raise NotImplementedError(f"tree: {layer_type} layers do not verify trees yet")
+    if layer_type == CSA:
+        raise NotImplementedError(f"tree: {CSA} layers do not verify trees yet")
+    if layer_type == HCA and nodes != tuple(range(tree.size)):
+        raise ValueError(f"nodes: an {HCA} layer verifies every node of the tree at once, got {nodes}")
     return nodes
 
 
@@ -311,6 +327,9 @@ class DeepseekV4Attention(nnx.Module):
             window=jnp.zeros((batch, rows, c.head_dim), jnp.float32),
             window_positions=jnp.full((batch, rows), -1, jnp.int32),
             entries=jnp.zeros((batch, max_entries, c.head_dim), jnp.float32),
+            tree_entries=jnp.zeros(
+                (batch, self.max_draft if c.layer_type == HCA else 0, c.head_dim), jnp.float32
+            ),
             index_keys=jnp.zeros((batch, max_entries if is_csa else 0, index_dim), jnp.float32),
             rows=jnp.zeros(
                 (batch, csa.ring_rows(self.max_draft), self.compressor.row_width)
@@ -393,10 +412,18 @@ class DeepseekV4Attention(nnx.Module):
             )
         visible = seen & (k >= 0) & (k <= t) & (k > t - c.sliding_window)
         if c.layer_type == HCA:
-            cache, compressed = self._compress(x, positions, lengths, cache, compressed, mode)
-            keys = jnp.concatenate([keys, cache.entries], axis=1)
+            cache, compressed, closed = self._compress(x, positions, lengths, cache, compressed, mode, tree)
             entry = jnp.arange(cache.entries.shape[1])[None, None, :]
-            visible = jnp.concatenate([visible, entry < (t + 1) // BLOCK], axis=2)
+            keys = jnp.concatenate([keys, cache.entries], axis=1)
+            if tree is None:
+                visible = jnp.concatenate([visible, entry < (t + 1) // BLOCK], axis=2)
+            else:  # the blocks complete before the root, then the entries its ancestors closed
+                committed = jnp.broadcast_to(
+                    entry < base[:, :, None] // BLOCK, (batch, tokens, entry.shape[2])
+                )
+                ancestors = jnp.asarray(tree.mask)[None] & (closed[:, None, :] >= 0)
+                keys = jnp.concatenate([keys, cache.tree_entries[:, :tokens]], axis=1)
+                visible = jnp.concatenate([visible, committed, ancestors], axis=2)
         scale = c.head_dim**-0.5
         logits = jnp.einsum("bthd,bkd->bhtk", q, keys, precision=FULL) * scale
         logits = jnp.where(visible[:, None], logits, -jnp.inf)
@@ -442,9 +469,11 @@ class DeepseekV4Attention(nnx.Module):
             window_positions=cache.window_positions.at[rows, index].set(positions, mode="drop"),
         )
 
-    def _compress(self, x, positions, lengths, cache, compressed, mode):
+    def _compress(self, x, positions, lengths, cache, compressed, mode, tree=None):
         """Run this layer's compressor (compress, or a verify's bank writes) on its layer of the prepared
-        state and store the entries it closed."""
+        state and store the entries it closed (a tree verify's by node in ``tree_entries``). Returns
+        ``(cache, compressed, entry_blocks)``, ``entry_blocks`` ``[batch, 1]`` (a tree: ``[batch, N]``)
+        the block each token closed, -1 for none."""
         c = self.config
         batch = x.shape[0]
         if compressed is None:
@@ -457,7 +486,7 @@ class DeepseekV4Attention(nnx.Module):
         controller, layer = self.backend.controller, self.compress_layer
         if mode is ForwardMode.TARGET_VERIFY:
             compressed, entries, blocks = controller.write_prefix(
-                compressed, kv_score, seq_lens, slots, ape, layer=layer
+                compressed, kv_score, seq_lens, slots, ape, layer=layer, tree=tree
             )
         else:
             compressed, entries, blocks = controller.compress(
@@ -465,9 +494,12 @@ class DeepseekV4Attention(nnx.Module):
             )
         normed = rms_norm(entries[0], self.compressor_kv_norm[...], c.rms_norm_eps)
         normed = c.rope.apply(normed, jnp.maximum(blocks, 0) * BLOCK)
+        if tree is not None:
+            tree_entries = cache.tree_entries.at[:, : tree.size].set(normed)
+            return dataclasses.replace(cache, tree_entries=tree_entries), compressed, blocks
         index = jnp.where(blocks >= 0, blocks, cache.entries.shape[1])
         stored = cache.entries.at[jnp.arange(batch)[:, None], index].set(normed, mode="drop")
-        return dataclasses.replace(cache, entries=stored), compressed
+        return dataclasses.replace(cache, entries=stored), compressed, blocks
 
     def _compress_sparse(self, x, q_res, positions, lengths, cache):
         """A CSA layer's compressor and indexer (:mod:`~jax_oc128.nn.csa`): fold the new tokens into the

@@ -563,9 +563,18 @@ class DeepseekV4Model(nnx.Module):
     def keep_path(self, cache: ModelCache, tree, first_positions, nodes) -> ModelCache:
         """After a verify of ``tree`` at ``first_positions`` ``[batch]`` (the root's positions), keep each
         row's path to ``nodes`` ``[batch]`` (-1: the row is left as it is) in every layer's cache
-        (:meth:`~jax_oc128.nn.AttentionCache.keep_path`)."""
+        (:meth:`~jax_oc128.nn.AttentionCache.keep_path`) and commit it in the C128 state: the node's bank,
+        ``depths[node] + 1`` tokens (one launch for all layers)."""
         layers = tuple(layer.keep_path(tree, first_positions, nodes) for layer in cache.layers)
-        return dataclasses.replace(cache, layers=layers)
+        cache = dataclasses.replace(cache, layers=layers)
+        if cache.compressed is None:
+            return cache
+        slots = jnp.where(nodes >= 0, jnp.arange(nodes.shape[0], dtype=jnp.int32), -1)
+        accept = jnp.asarray(tree.depths)[jnp.maximum(nodes, 0)] + 1
+        compressed = self.backend.controller.commit(
+            cache.compressed, slots, first_positions, accept, accept_banks=nodes + 1
+        )
+        return dataclasses.replace(cache, compressed=compressed)
 
     def commit(self, cache: ModelCache, seq_lens, accept_lens) -> ModelCache:
         """Keep ``accept_lens`` ``[batch]`` tokens of the verify forward at ``seq_lens`` ``[batch]`` (the
