@@ -13,27 +13,27 @@ from flax import nnx
 from harness import copy_tree
 from test_decode import CONFIG, prompts
 
-from jax_oc128.controller import ONLINE
+from jax_oc128.controller import OFFLINE, ONLINE
 from jax_oc128.decode import Engine
 from jax_oc128.nn import SpeculativeModel
-from jax_oc128.nn.attention import SLIDING
+from jax_oc128.nn.attention import CSA, SLIDING
 from jax_oc128.tree import Tree
 
-# sliding-window layers only (the C128 state's tree verify is not wired yet); a small vocabulary, so that a
-# random draft head's top-k children often hold the target's token and the paths are accepted deep
-SLIDING_CONFIG = dataclasses.replace(CONFIG, layer_types=(SLIDING, SLIDING), vocab_size=6, max_draft=8)
+# sliding and HCA layers (test_decode's), a small vocabulary, so that a random draft head's top-k children
+# often hold the target's token and the paths are accepted deep
+TREE_CONFIG = dataclasses.replace(CONFIG, vocab_size=6, max_draft=8)
 TREES = [Tree.default(8), Tree((-1, 0, 0, 0, 1, 1, 2, 4)), Tree.chain(4)]
 
 
-def make_model(seed=0, config=SLIDING_CONFIG):
-    return SpeculativeModel(config, backend=ONLINE, rngs=nnx.Rngs(seed))
+def make_model(seed=0, config=TREE_CONFIG, backend=ONLINE):
+    return SpeculativeModel(config, backend=backend, rngs=nnx.Rngs(seed))
 
 
 @pytest.mark.parametrize("tree", TREES, ids=str)
 def test_greedy_tree_speculation_equals_plain_greedy(tree):
     """3 slots for 5 requests (slots reused): token for token the plain greedy output, in fewer steps."""
     engine = Engine(make_model(), slots=3, steps_per_dispatch=8)
-    requests = prompts(vocab=SLIDING_CONFIG.vocab_size)
+    requests = prompts(vocab=TREE_CONFIG.vocab_size)
     plain = engine.generate(requests, 60)
     spec = engine.generate(requests, 60, tree=tree)
     assert spec.tokens == plain.tokens
@@ -42,7 +42,7 @@ def test_greedy_tree_speculation_equals_plain_greedy(tree):
 
 def test_a_wider_tree_accepts_more_than_the_chain_of_its_width():
     engine = Engine(make_model(), slots=3, steps_per_dispatch=8)
-    requests = prompts(vocab=SLIDING_CONFIG.vocab_size)
+    requests = prompts(vocab=TREE_CONFIG.vocab_size)
     chain = engine.generate(requests, 60, num_tokens=8)
     tree = engine.generate(requests, 60, tree=TREES[1])
     assert tree.tokens == chain.tokens
@@ -54,7 +54,7 @@ def test_sampled_tree_speculation_follows_the_target(tree):
     """Temperature 1: the first token of a tree step is distributed as the target's softmax (chi-square over
     4096 samples, p > 1e-3), though the draft head (random) proposes from another distribution."""
     vocab = 12
-    config = dataclasses.replace(SLIDING_CONFIG, vocab_size=vocab)
+    config = dataclasses.replace(TREE_CONFIG, vocab_size=vocab)
     model = make_model(seed=3, config=config)
     engine = Engine(model, slots=512)
     prompt = prompts(vocab=vocab, lengths=(140,))[0]
@@ -75,7 +75,7 @@ def test_sampled_tree_speculation_follows_the_target(tree):
 
 def test_tree_misuse():
     engine = Engine(make_model(), slots=1)
-    prompt = prompts(vocab=SLIDING_CONFIG.vocab_size, lengths=(20,))
+    prompt = prompts(vocab=TREE_CONFIG.vocab_size, lengths=(20,))
     with pytest.raises(ValueError, match=r"^tree: tree\[0\] must be -1"):
         engine.generate(prompt, 5, tree=(0, 0))
     with pytest.raises(TypeError, match=r"^tree: must be a sequence of ints"):
@@ -86,6 +86,11 @@ def test_tree_misuse():
         engine.generate(prompt, 5, tree=Tree.default(9))
     with pytest.raises(ValueError, match=r"^num_tokens: None or the tree's 8 nodes"):
         engine.generate(prompt, 5, num_tokens=4, tree=Tree.default(8))
-    with_c128 = Engine(SpeculativeModel(CONFIG, backend=ONLINE, rngs=nnx.Rngs(0)), slots=1)
-    with pytest.raises(NotImplementedError, match=r"^tree: only sliding-window models"):
-        with_c128.generate(prompt, 5, tree=(-1, 0, 0))
+    offline = Engine(make_model(backend=OFFLINE), slots=1)
+    with pytest.raises(NotImplementedError, match=r"^tree: a tree verifies on the online C128 state only"):
+        offline.generate(prompt, 5, tree=(-1, 0, 0))
+    with_csa = dataclasses.replace(
+        TREE_CONFIG, layer_types=(SLIDING, CSA), index_n_heads=2, index_head_dim=16, index_topk=4
+    )
+    with pytest.raises(NotImplementedError, match=r"^tree: compressed_sparse_attention layers"):
+        Engine(make_model(config=with_csa), slots=1).generate(prompt, 5, tree=(-1, 0, 0))
