@@ -485,8 +485,9 @@ class DeepseekV4Attention(nnx.Module):
         seq_lens, slots = positions[:, 0], batch_slots(lengths)
         controller, layer = self.backend.controller, self.compress_layer
         if mode is ForwardMode.TARGET_VERIFY:
+            on_tree = {} if tree is None else dict(tree=tree)  # (the online controller's only)
             compressed, entries, blocks = controller.write_prefix(
-                compressed, kv_score, seq_lens, slots, ape, layer=layer, tree=tree
+                compressed, kv_score, seq_lens, slots, ape, layer=layer, **on_tree
             )
         else:
             compressed, entries, blocks = controller.compress(
