@@ -527,7 +527,7 @@ class Engine:
             run = placement.per_slot_shard(run, *prefill_specs)
             return run(params, state, tokens, lengths, budgets, stop_tokens)
 
-        def decode(params, state, stop_tokens, waiting, steps, num_tokens, temperature, tree):
+        def decode(params, state, stop_tokens, waiting, steps, num_tokens, temperature, tree=None):
             def run(params, *args):
                 model = nnx.merge(graphdef, params)
                 return _decode(
