@@ -24,6 +24,10 @@ Configs:
   (each drawn in float32, stored in bfloat16; the constructor under ``jit`` would hold every float32 draw at
   once, 39 GB), ``max_len`` 4096, ``max_draft`` 4; random prompts.
 
+Modes (``--modes``): ``plain``; ``N``, speculative steps verifying a chain of N tokens (the bonus token and
+N - 1 drafts); ``treeN``, tree speculation at the same verify width: the default draft tree of N nodes
+(:meth:`jax_oc128.tree.Tree.default`), drafted level by level by the MTP head and verified in one forward.
+
 Per (config, backend, mode, slots), with one engine of ``slots`` slots and K steps per dispatch:
 
 * *device*: every slot prefilled with a ``--prompt-len`` (200) token prompt (so the C128 state crosses a
@@ -56,9 +60,10 @@ MLP and vocabulary over the M of the model axis (tensor parallel). Without it: o
 Usage (from a directory other than the repository root, or with jax_oc128 installed)::
 
     python bench/bench_decode.py [--configs shipped v4flash-attn v4flash-slice] [--backends online offline]
-        [--modes plain 2 4] [--slots 1 8 64] [--steps-per-dispatch K] [--tokens 256]
+        [--modes plain 2 4 tree8] [--slots 1 8 64] [--steps-per-dispatch K] [--tokens 256]
         [--out bench/results/bench_decode.json]
     python bench/bench_decode.py --configs shipped --sweep-k 1 4 16 64 --modes plain 4 --slots 8
+    python bench/bench_decode.py --configs shipped --backends online --modes 8 tree8 --slots 1 8
     python bench/bench_decode.py --configs v4flash-attn --backends online --mesh data=2,model=1 --slots 8 16
 """
 
@@ -81,6 +86,7 @@ from jax_oc128.decode import STEPS_PER_DISPATCH, Engine
 from jax_oc128.nn import ModelConfig, SpeculativeModel, sharding
 from jax_oc128.nn.attention import CSA, HCA, SLIDING
 from jax_oc128.nn.moe import HASH_MOE, MOE
+from jax_oc128.tree import Tree
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "bench_decode.json"
 CONFIGS = ("shipped", "v4flash-attn", "v4flash-slice")
@@ -151,10 +157,10 @@ def make_prompts(model_config: ModelConfig, count: int, length: int, seed: int =
     return [rng.integers(0, model_config.vocab_size, length).tolist() for _ in range(count)]
 
 
-def device_time(engine: Engine, prompts, num_tokens, steps: int, device_steps: int) -> dict:
+def device_time(engine: Engine, prompts, mode: dict, steps: int, device_steps: int) -> dict:
     """Device-only time per step of ``engine.decode`` (see the module doc), the prefill's time and the
     first calls' (compile) times."""
-    n, max_len = num_tokens or 1, engine.model.config.max_len
+    n, max_len = mode_width(mode), engine.model.config.max_len
     dispatches = max(2, math.ceil(device_steps / steps))
     budget = max_len - len(prompts[0]) - n  # the most a prompt of this length may be given
     # no row may end: its first token (from the prefill) and 2 warm-up + D dispatches of K steps stay below
@@ -166,18 +172,18 @@ def device_time(engine: Engine, prompts, num_tokens, steps: int, device_steps: i
     state, prefill = engine.init_state(0), []
     for _ in range(2):  # the first compiles; the second is the prefill's time
         start = time.perf_counter()
-        state, _ = engine.prefill(state, assignments, budget, num_tokens=num_tokens)
+        state, _ = engine.prefill(state, assignments, budget, **mode)
         jax.block_until_ready(state)
         prefill.append(time.perf_counter() - start)
     warm_up = []
     for _ in range(2):  # the first compiles, the first run on these buffers records the CUDA graph
         start = time.perf_counter()
-        state, output = engine.decode(state, num_tokens=num_tokens, steps=steps)
+        state, output = engine.decode(state, steps=steps, **mode)
         jax.block_until_ready((state, output))
         warm_up.append(time.perf_counter() - start)
     start = time.perf_counter()
     for _ in range(dispatches):
-        state, output = engine.decode(state, num_tokens=num_tokens, steps=steps)
+        state, output = engine.decode(state, steps=steps, **mode)
     jax.block_until_ready((state, output))
     elapsed = time.perf_counter() - start
     if int(output.steps) != steps or not np.all(np.asarray(output.active)):
@@ -191,10 +197,10 @@ def device_time(engine: Engine, prompts, num_tokens, steps: int, device_steps: i
     )
 
 
-def e2e(engine: Engine, prompts, num_tokens, tokens: int) -> dict:
+def e2e(engine: Engine, prompts, mode: dict, tokens: int) -> dict:
     """``Engine.generate``'s tokens/s and time per step, after a short warm-up call."""
-    engine.generate(prompts, 4, num_tokens=num_tokens)
-    result = engine.generate(prompts, tokens, num_tokens=num_tokens)
+    engine.generate(prompts, 4, **mode)
+    result = engine.generate(prompts, tokens, **mode)
     generated = sum(map(len, result.tokens))
     return dict(
         e2e_us=result.seconds / max(1, result.steps) * 1e6,
@@ -207,8 +213,27 @@ def e2e(engine: Engine, prompts, num_tokens, tokens: int) -> dict:
     )
 
 
-def mode_name(num_tokens) -> str:
-    return "plain" if num_tokens is None else f"N={num_tokens}"
+def parse_mode(text: str) -> dict:
+    """A ``--modes`` entry as ``Engine.generate``'s keyword arguments: ``plain`` ({}), ``N`` (a chain of N:
+    ``num_tokens``) or ``treeN`` (the default draft tree of N nodes, :meth:`jax_oc128.tree.Tree.default`)."""
+    if text == "plain":
+        return {}
+    if text.startswith("tree") and text[4:].isdigit():
+        return dict(tree=Tree.default(int(text[4:])))
+    if text.isdigit() and int(text) >= 2:
+        return dict(num_tokens=int(text))
+    raise ValueError(text)
+
+
+def mode_width(mode: dict) -> int:
+    """Tokens a step of ``mode`` verifies (1: plain)."""
+    return mode["tree"].size if "tree" in mode else mode.get("num_tokens", 1)
+
+
+def mode_name(mode: dict) -> str:
+    if "tree" in mode:
+        return f"tree N={mode['tree'].size}"
+    return f"N={mode['num_tokens']}" if mode else "plain"
 
 
 def measure(args) -> list[dict]:
@@ -224,12 +249,12 @@ def measure(args) -> list[dict]:
             for slots in args.slots:
                 engine = Engine(model, slots, steps_per_dispatch=args.steps_per_dispatch, mesh=args.mesh)
                 prompts = make_prompts(model.config, slots, args.prompt_len)
-                for num_tokens in args.modes:
-                    row = dict(config=config, backend=backend, mode=mode_name(num_tokens), slots=slots)
+                for mode in args.modes:
+                    row = dict(config=config, backend=backend, mode=mode_name(mode), slots=slots)
                     row.update(
-                        device_time(engine, prompts, num_tokens, engine.steps_per_dispatch, args.device_steps)
+                        device_time(engine, prompts, mode, engine.steps_per_dispatch, args.device_steps)
                     )
-                    row.update(e2e(engine, prompts, num_tokens, args.tokens))
+                    row.update(e2e(engine, prompts, mode, args.tokens))
                     floor_s = row["prefill_ms"] / 1e3 + row["steps"] * row["device_us"] / 1e6
                     row.update(
                         ratio=row["e2e_us"] / row["device_us"], ratio_same_work=row["seconds"] / floor_s
@@ -277,16 +302,16 @@ def sweep(args) -> list[dict]:
     print(f"K sweep: {config}, {backend} state, {args.tokens} new tokens per request")
     print("| mode | slots | K | tokens/s | e2e us/step | dispatches | mean accepted | compile s |")
     print("|---|---|---|---|---|---|---|---|")
-    for num_tokens in args.modes:
+    for mode in args.modes:
         for slots in args.slots:
             prompts = make_prompts(model.config, slots, args.prompt_len)
             for k in args.sweep_k:
                 engine = Engine(model, slots, steps_per_dispatch=k, mesh=args.mesh)
                 start = time.perf_counter()
-                engine.generate(prompts, 4, num_tokens=num_tokens)  # compiles
+                engine.generate(prompts, 4, **mode)  # compiles
                 compile_s = time.perf_counter() - start
-                row = dict(config=config, backend=backend, mode=mode_name(num_tokens), slots=slots, k=k)
-                row.update(e2e(engine, prompts, num_tokens, args.tokens), compile_s=compile_s)
+                row = dict(config=config, backend=backend, mode=mode_name(mode), slots=slots, k=k)
+                row.update(e2e(engine, prompts, mode, args.tokens), compile_s=compile_s)
                 rows.append(row)
                 print(
                     f"| {row['mode']} | {slots} | {k} | {row['tokens_per_s']:.0f} | {row['e2e_us']:.1f} | "
@@ -318,7 +343,10 @@ def main():
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     parser.add_argument("--backends", nargs="+", choices=sorted(BACKENDS), default=["online", "offline"])
     parser.add_argument(
-        "--modes", nargs="+", default=["plain", "2", "4"], help="plain and/or N of speculative steps"
+        "--modes",
+        nargs="+",
+        default=["plain", "2", "4"],
+        help="plain, N (a chain of N) and/or treeN (the default draft tree of N nodes)",
     )
     parser.add_argument("--slots", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument(
@@ -336,11 +364,9 @@ def main():
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args()
     try:
-        args.modes = [None if m == "plain" else int(m) for m in args.modes]
+        args.modes = [parse_mode(m) for m in args.modes]
     except ValueError:
-        parser.error(f"--modes: 'plain' or integers N >= 2, got {args.modes}")
-    if any(m is not None and m < 2 for m in args.modes):
-        parser.error("--modes: N must be >= 2")
+        parser.error(f"--modes: 'plain', integers N >= 2 or treeN, got {args.modes}")
     mesh_shape = None if args.mesh is None else parse_mesh(args.mesh, parser)
     args.mesh = None if mesh_shape is None else sharding.make_mesh(mesh_shape["data"], mesh_shape["model"])
     if mesh_shape is not None and any(slots % mesh_shape["data"] for slots in args.slots):

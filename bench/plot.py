@@ -1,6 +1,7 @@
 """Plot a bench_ops.py result file: us per speculative step vs batch, one line per pattern, against the
 launch and bandwidth floors; or bench_decode.py result files (their rows together): device-only and end-to-end
-us per step vs slots, one panel per config and mode, one pair of lines per C128 backend.
+us per step vs slots, one panel per config and mode, one pair of lines per C128 backend (with tree modes:
+tokens/s and mean accepted length per mode, chain against tree).
 
 Usage (needs matplotlib):
   python bench/plot.py bench/results/bench_ops.json bench/results/bench_h200.png
@@ -52,6 +53,32 @@ def plot_decode(results, target):
     fig.savefig(target, dpi=110)
 
 
+def plot_tree(results, target):
+    """bench_decode.py's rows with tree modes: tokens/s and mean accepted length per mode, bars per slots."""
+    rows = results["rows"]
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    slots = sorted({r["slots"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(modes)
+    for ax, key, label in (
+        (axes[0], "tokens_per_s", "tokens/s"),
+        (axes[1], "mean_accepted", "mean accepted"),
+    ):
+        for i, mode in enumerate(modes):
+            values = [next((r[key] for r in rows if (r["mode"], r["slots"]) == (mode, s)), 0) for s in slots]
+            ax.bar([j + i * width for j in range(len(slots))], values, width, label=mode)
+        ax.set_xticks(
+            [j + width * (len(modes) - 1) / 2 for j in range(len(slots))], [f"{s} slots" for s in slots]
+        )
+        ax.set(ylabel=label)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    configs = ", ".join(dict.fromkeys(r["config"] for r in rows))
+    fig.suptitle(f"Chain vs tree speculation at the same verify width, {configs} on {results['device']}")
+    fig.tight_layout()
+    fig.savefig(target, dpi=110)
+
+
 def main(*paths):
     *sources, target = paths
     loaded = []
@@ -61,6 +88,8 @@ def main(*paths):
     results = loaded[0]
     if results.get("bench") == "decode":
         results = dict(results, rows=[row for r in loaded for row in r["rows"]])
+        if any(row["mode"].startswith("tree") for row in results["rows"]):
+            return plot_tree(results, target)
         return plot_decode(results, target)
     layers = results["layers"]
     dtypes = sorted({row["dtype"] for row in results["rows"]})

@@ -11,6 +11,7 @@ import pathlib
 import sys
 
 from jax_oc128.decode import STEPS_PER_DISPATCH
+from jax_oc128.rules import MAX_DRAFT
 
 
 def info() -> str:
@@ -79,21 +80,23 @@ def demo(args, model, meta, prompts) -> str:
     from jax_oc128.controller import OFFLINE, ONLINE
     from jax_oc128.decode import Engine
     from jax_oc128.state import bytes_per_slot
+    from jax_oc128.tree import Tree
 
     prompts = [list(prompt) for prompt in prompts]
     slots = min(args.batch, len(prompts))
     engine = Engine(model, slots=slots, steps_per_dispatch=min(args.steps_per_dispatch, args.tokens))
-    modes = [("plain", None)] + [(f"speculative N={n}", n) for n in args.draft]
+    modes = [("plain", {})] + [(f"speculative N={n}", dict(num_tokens=n)) for n in args.draft]
+    modes += [(f"tree N={n}", dict(tree=Tree.default(n))) for n in args.tree]
     results = {}
     with _progress_display() as progress:
-        for name, n in modes:
+        for name, speculation in modes:
             run = functools.partial(
                 engine.generate,
                 prompts,
                 args.tokens,
-                num_tokens=n,
                 temperature=args.temperature,
                 seed=args.seed,
+                **speculation,
             )
             # each mode runs twice and the second run is timed: the first compiles the prefill (one per
             # padded prompt width) and the decode loop, and on a GPU records their CUDA graphs for the
@@ -186,9 +189,11 @@ def _file(text: str) -> pathlib.Path:
 
 def _model_problem(args, config, prompts) -> str | None:
     """The first demo flag that the loaded model's ``config`` refuses, as an argparse message, or None."""
-    longest, n = max(map(len, prompts)), max(args.draft)
-    if n > config.max_draft:
-        return f"argument --draft: N must be at most the model's max_draft ({config.max_draft}), got {n}"
+    longest, n = max(map(len, prompts)), max(args.draft + args.tree)
+    for flag, sizes in (("--draft", args.draft), ("--tree", args.tree)):
+        if sizes and max(sizes) > config.max_draft:
+            most = config.max_draft
+            return f"argument {flag}: N must be at most the model's max_draft ({most}), got {max(sizes)}"
     if longest + args.tokens + n > config.max_len:
         return (
             f"argument --tokens: the longest prompt ({longest} bytes) + {args.tokens} tokens + N ({n}) "
@@ -215,6 +220,14 @@ def main(argv=None) -> int:
     run.add_argument(
         "--draft", type=_int_in(2), nargs="+", default=[2, 4], help="N of the speculative runs (each >= 2)"
     )
+    run.add_argument(
+        "--tree",
+        type=_int_in(2, MAX_DRAFT),
+        nargs="*",
+        default=None,
+        help="N of the tree speculative runs, each the default draft tree of N nodes (default: 8 with the "
+        "online state; none with the offline one, which verifies chains only)",
+    )
     run.add_argument("--temperature", type=_temperature, default=0.0, help="0: greedy")
     run.add_argument(
         "--backend", choices=["online", "offline"], default="online", help="C128 compressor state"
@@ -236,6 +249,12 @@ def main(argv=None) -> int:
         return 0
     if len(set(args.draft)) < len(args.draft):
         run.error(f"argument --draft: each N at most once, got {args.draft}")
+    if args.tree is None:
+        args.tree = [8] if args.backend == "online" else []
+    if args.tree and args.backend == "offline":
+        run.error("argument --tree: tree speculation runs on the online C128 state only (--backend online)")
+    if len(set(args.tree)) < len(args.tree):
+        run.error(f"argument --tree: each N at most once, got {args.tree}")
     from jax_oc128 import checkpoint
     from jax_oc128.controller import BACKENDS
 

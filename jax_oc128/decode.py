@@ -37,8 +37,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_oc128.checks import check_int, is_int
-from jax_oc128.controller import ForwardMode
+from jax_oc128.controller import ONLINE, ForwardMode
 from jax_oc128.nn import AttentionCache, ModelCache, SpeculativeModel, batch_slots, sharding
+from jax_oc128.nn.attention import CSA, HCA
+from jax_oc128.tree import Tree, accept_greedy, accept_sampled, check_parents, draft_tree
 
 #: stop token ids per generate call (padded with -1 to this size, so their number never recompiles)
 MAX_STOP_TOKENS = 8
@@ -256,8 +258,64 @@ def _speculative_step(model, state, key, num_tokens, temperature):
     return state, out, counts
 
 
-def _decode(model, state, stop_tokens, waiting, *, steps, num_tokens, temperature, axis=None):
-    """Up to ``steps`` plain (``num_tokens`` None) or speculative steps in a ``lax.while_loop``; rows end on
+def _tree_step(model, state, key, tree: Tree, temperature):
+    """Draft ``tree`` with the MTP head level by level, verify its N nodes at once, keep the accepted path.
+    Returns (state, tokens [slots, N], counts [slots]): each active slot's first ``counts`` tokens (the
+    path's drafts, then the bonus token) are its new output."""
+    n, active = tree.size, state.active
+    one = active.astype(jnp.int32)
+    draft_key, accept_key = jax.random.split(key)
+    hidden = jnp.zeros((*state.hidden.shape[:1], n, state.hidden.shape[1]), state.hidden.dtype)
+    drafted = tuple(node for level in tree.expanded for node in level)
+
+    def draft_level(carry, tokens, level):
+        """The MTP head on the level's nodes with children, each reading its parent's hidden state."""
+        mtp_cache, hidden = carry
+        nodes = tree.expanded[level]
+        positions = jnp.broadcast_to((state.position + level)[:, None], (state.position.shape[0], len(nodes)))
+        logits, h, mtp_cache = model.mtp(
+            tokens[:, nodes],
+            hidden[:, nodes],
+            positions,
+            mtp_cache,
+            lengths=one * len(nodes),
+            tree=tree,
+            nodes=nodes,
+        )
+        for i, node in enumerate(nodes):
+            hidden = hidden.at[:, list(tree.children[node])].set(h[:, i : i + 1])
+        return logits, (mtp_cache, hidden)
+
+    hidden = hidden.at[:, 0].set(state.hidden)
+    tokens, draft_logits, (mtp_cache, _) = draft_tree(
+        tree, state.token, draft_level, (state.mtp_cache, hidden), draft_key, temperature
+    )
+    positions = state.position[:, None] + jnp.asarray(tree.depths)
+    logits, hiddens, cache = model.target(
+        tokens, positions, state.cache, lengths=one * n, mode=ForwardMode.TARGET_VERIFY, tree=tree
+    )
+    if temperature == 0:
+        accepted = accept_greedy(tree, logits, tokens)
+    else:
+        accepted = accept_sampled(tree, logits, draft_logits, tokens, accept_key, temperature)
+    nodes = jnp.where(active, accepted.node, -1)
+    counts = jnp.where(active, accepted.length, 0)
+    out = jnp.zeros((tokens.shape[0], n), jnp.int32).at[:, : accepted.emitted.shape[1]].set(accepted.emitted)
+    rows = jnp.arange(tokens.shape[0])
+    state = dataclasses.replace(
+        state,
+        cache=model.target.keep_path(cache, tree, state.position, nodes),
+        mtp_cache=mtp_cache.keep_path(tree, state.position, nodes, written=drafted),
+        token=jnp.where(active, accepted.bonus, state.token),
+        position=state.position + counts,
+        hidden=jnp.where(active[:, None], hiddens[rows, accepted.node], state.hidden),
+    )
+    return state, out, counts
+
+
+def _decode(model, state, stop_tokens, waiting, *, steps, num_tokens, temperature, tree=None, axis=None):
+    """Up to ``steps`` plain (``num_tokens`` None), speculative (chain of ``num_tokens``) or tree (``tree``, a
+    :class:`~jax_oc128.tree.Tree` of ``num_tokens`` nodes) steps in a ``lax.while_loop``; rows end on
     the device by :func:`_stop_rule`. The loop leaves early when no row is active, or when a row ended and
     ``waiting`` (a bool scalar: requests wait for a slot); on a mesh (``axis`` the mesh axis of the slots,
     the arrays a device's slots) every device runs the same steps. Returns ``(state, DecodeOutput)``."""
@@ -283,6 +341,8 @@ def _decode(model, state, stop_tokens, waiting, *, steps, num_tokens, temperatur
         state = dataclasses.replace(state, key=key)
         if num_tokens is None:
             state, tokens, counts = _plain_step(model, state, sub, temperature)
+        elif tree is not None:
+            state, tokens, counts = _tree_step(model, state, sub, tree, temperature)
         else:
             state, tokens, counts = _speculative_step(model, state, sub, num_tokens, temperature)
         kept, done = _stop_rule(tokens, counts, remaining, stop_tokens)
@@ -467,11 +527,17 @@ class Engine:
             run = placement.per_slot_shard(run, *prefill_specs)
             return run(params, state, tokens, lengths, budgets, stop_tokens)
 
-        def decode(params, state, stop_tokens, waiting, steps, num_tokens, temperature):
+        def decode(params, state, stop_tokens, waiting, steps, num_tokens, temperature, tree=None):
             def run(params, *args):
                 model = nnx.merge(graphdef, params)
                 return _decode(
-                    model, *args, steps=steps, num_tokens=num_tokens, temperature=temperature, axis=axis
+                    model,
+                    *args,
+                    steps=steps,
+                    num_tokens=num_tokens,
+                    temperature=temperature,
+                    tree=tree,
+                    axis=axis,
                 )
 
             return placement.per_slot_shard(run, *decode_specs)(params, state, stop_tokens, waiting)
@@ -496,7 +562,7 @@ class Engine:
         )
         self._decode = jax.jit(
             decode,
-            static_argnames=("steps", "num_tokens", "temperature"),
+            static_argnames=("steps", "num_tokens", "temperature", "tree"),
             donate_argnames="state",
             compiler_options=loop_options,
             **placement.jit_options(*decode_specs),
@@ -515,6 +581,7 @@ class Engine:
         max_new_tokens: int,
         *,
         num_tokens=None,
+        tree=None,
         stop_tokens=(),
         temperature=0.0,
     ):
@@ -529,8 +596,9 @@ class Engine:
             (list, tuple, bytes) or a 1-D integer array of token ids in [0, vocab_size), 1 to
             ``max_len - max_new_tokens - N`` long.
           max_new_tokens: an int in [1, max_len - N - 1].
-          num_tokens: N of the :meth:`decode` calls that will run these requests (None: plain steps, N = 1);
-            only the lengths are checked against it (a speculative step writes up to N positions).
+          num_tokens, tree: those of the :meth:`decode` calls that will run these requests (None: plain
+            steps, N = 1); only the lengths are checked against them (a speculative step writes up to N
+            positions).
           stop_tokens: at most 8 token ids in [0, vocab_size).
           temperature: a number >= 0 (0: greedy).
 
@@ -538,7 +606,7 @@ class Engine:
         (greedy, or sampled at ``temperature``); a request whose first token ends it is no longer active."""
         _check_state(state, self._state_layout)
         config = self.model.config
-        num_tokens = _check_num_tokens(num_tokens, config)
+        num_tokens, _ = _check_speculation(num_tokens, tree, self.model)
         longest_prompt = _check_max_new_tokens(max_new_tokens, num_tokens, config)
         stops = _stop_array(_check_stop_tokens(stop_tokens, config))
         temperature = _check_temperature(temperature)
@@ -566,26 +634,29 @@ class Engine:
         state: DecodeState,
         *,
         num_tokens=None,
+        tree=None,
         temperature=0.0,
         stop_tokens=(),
         steps=None,
         waiting=False,
     ) -> tuple[DecodeState, DecodeOutput]:
         """One dispatch: up to ``steps`` (default K) plain (``num_tokens`` None) or speculative (N =
-        ``num_tokens``, an int in [2, max_draft]) steps of every active slot, on the device, greedy or
+        ``num_tokens``, an int in [2, max_draft]; with ``tree`` the nodes of that draft tree, as
+        :meth:`generate` takes it) steps of every active slot, on the device, greedy or
         sampled at ``temperature`` (a number >= 0); rows end at a stop token (``stop_tokens``: at most 8 ids
         in [0, vocab_size)) or when their budget is spent, and with ``waiting`` (a bool) the loop also
         leaves once a row ends. ``state`` (this engine's, not yet donated) is donated; nothing is read back
         to the host."""
         _check_state(state, self._state_layout)
         config = self.model.config
-        num_tokens = _check_num_tokens(num_tokens, config)
+        num_tokens, tree = _check_speculation(num_tokens, tree, self.model)
         temperature = _check_temperature(temperature)
         stops = _stop_array(_check_stop_tokens(stop_tokens, config))
         steps = self.steps_per_dispatch if steps is None else check_int("steps", steps, 1, MAX_INT32)
         if not isinstance(waiting, bool | np.bool_):
             raise TypeError(f"waiting: must be a bool, got {waiting!r}")
-        return self._decode(self.params, state, stops, np.bool_(waiting), steps, num_tokens, temperature)
+        waiting = np.bool_(waiting)
+        return self._decode(self.params, state, stops, waiting, steps, num_tokens, temperature, tree)
 
     def generate(
         self,
@@ -593,6 +664,7 @@ class Engine:
         max_new_tokens,
         *,
         num_tokens=None,
+        tree=None,
         temperature=0.0,
         stop_tokens=(),
         seed=0,
@@ -608,6 +680,12 @@ class Engine:
             empty sequence returns an empty :class:`Result` at once (nothing dispatched).
           max_new_tokens: an int in [1, max_len - N - 1].
           num_tokens: None, or an int in [2, max_draft] (None only, for a model without an MTP head).
+          tree: None (a chain of N: each step drafts N - 1 tokens one after the other), or a draft tree of
+            N nodes (a :class:`~jax_oc128.tree.Tree` or its parents, a tuple of ints: ``tree[0] == -1``,
+            ``0 <= tree[k] < k``; ``num_tokens`` None or N): the MTP head drafts each node's children as
+            its top-k tokens (greedy) or k draws without replacement (sampled), the target verifies all N
+            nodes in one forward and the row keeps the deepest accepted path (multi-draft speculative
+            sampling at ``temperature`` > 0). Sliding and HCA layers on the online C128 state (not CSA yet).
           temperature: a number >= 0 (0: greedy).
           stop_tokens: at most 8 token ids in [0, vocab_size).
           seed: the sampling's PRNG seed, an int in [0, 2**32).
@@ -615,7 +693,7 @@ class Engine:
 
         Returns a :class:`Result`, ``tokens[i]`` the output of ``prompts[i]``."""
         config = self.model.config
-        num_tokens = _check_num_tokens(num_tokens, config)
+        num_tokens, tree = _check_speculation(num_tokens, tree, self.model)
         longest_prompt = _check_max_new_tokens(max_new_tokens, num_tokens, config)
         temperature = _check_temperature(temperature)
         stop_tokens = _check_stop_tokens(stop_tokens, config)
@@ -663,6 +741,7 @@ class Engine:
                     {slot: prompts[r] for slot, r in admitted.items()},
                     max_new_tokens,
                     num_tokens=num_tokens,
+                    tree=tree,
                     stop_tokens=stop_tokens,
                     temperature=temperature,
                 )
@@ -671,6 +750,7 @@ class Engine:
             state, output = self.decode(
                 state,
                 num_tokens=num_tokens,
+                tree=tree,
                 temperature=temperature,
                 stop_tokens=stop_tokens,
                 waiting=bool(waiting),
@@ -704,6 +784,28 @@ def _check_num_tokens(num_tokens, config) -> int | None:
             f"plainly only: pass num_tokens=None, got {num_tokens!r}"
         )
     return check_int("num_tokens", num_tokens, 2, config.max_draft, " = max_draft")
+
+
+def _check_speculation(num_tokens, tree, model) -> tuple[int | None, Tree | None]:
+    """``(num_tokens, tree)`` checked for ``model``: N (or None, plain steps) and the draft tree (None: the
+    chain of N), a :class:`~jax_oc128.tree.Tree` or its parents, of N nodes (``num_tokens`` None: its
+    size)."""
+    config = model.config
+    if tree is None:
+        return _check_num_tokens(num_tokens, config), None
+    tree = tree if isinstance(tree, Tree) else Tree(check_parents(tree, "tree"))
+    if tree.size < 2:
+        raise ValueError(f"tree: must have drafts (at least 2 nodes), got {tree}")
+    if tree.size > config.max_draft:
+        raise ValueError(f"tree: at most max_draft = {config.max_draft} nodes, got {tree.size}")
+    if num_tokens is not None and num_tokens != tree.size:
+        raise ValueError(f"num_tokens: None or the tree's {tree.size} nodes, got {num_tokens!r}")
+    num_tokens = _check_num_tokens(tree.size, config)
+    if CSA in config.layer_types:
+        raise NotImplementedError(f"tree: {CSA} layers do not verify trees yet")
+    if HCA in config.layer_types and model.target.backend is not ONLINE:
+        raise NotImplementedError("tree: a tree verifies on the online C128 state only (backend ONLINE)")
+    return num_tokens, tree
 
 
 def _check_max_new_tokens(max_new_tokens, num_tokens, config) -> int:

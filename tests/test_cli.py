@@ -35,9 +35,10 @@ def test_demo_runs_on_the_shipped_model(capsys):
     args = ["demo", "--tokens", "24", "--draft", "2", "--batch", "2", "--prompt", "Return the "]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
-    line = next(row for row in out.splitlines() if row.startswith("speculative N=2"))
-    assert line.endswith("yes")
-    assert float(line.split()[-2]) > 1.2, line  # mean accepted length: the draft head was trained
+    for mode in ("speculative N=2", "tree N=8"):  # the tree: the default mode of the online state
+        line = next(row for row in out.splitlines() if row.startswith(mode))
+        assert line.endswith("yes")
+        assert float(line.split()[-2]) > 1.2, line  # mean accepted length: the draft head was trained
     assert "online" in out and "offline" in out
     assert "1 prompts x 24 new tokens, 1 slots" in out  # one slot per prompt at most
 
@@ -95,6 +96,10 @@ BAD_FLAGS = [
     ("--model", ["--model", "{dir}/absent.npz"]),
     ("--model", ["--model", "{dir}/notes.txt"]),
     ("--model", ["--model", "{dir}/mismatched.npz"]),
+    ("--tree", ["--tree", "1"]),
+    ("--tree", ["--tree", "4", "4"]),
+    ("--tree", ["--tree", "9"]),  # past the model's max_draft (8)
+    ("--tree", ["--backend", "offline", "--tree", "8"]),  # the offline state verifies chains only
 ]
 
 

@@ -387,6 +387,7 @@ def test_numpy_scalars_and_bytes_reach_the_device_as_checked(engine, monkeypatch
     assert tokens.dtype == lengths.dtype == budgets.dtype == stops.dtype == np.int32
     assert temperature == 0.0 and isinstance(temperature, float)
     engine.decode(state, num_tokens=np.int64(2), steps=np.int64(2), waiting=np.bool_(True), stop_tokens=b"\0")
-    _, _, stops, waiting, steps, num_tokens, _ = calls["decode"]
+    _, _, stops, waiting, steps, num_tokens, _, tree = calls["decode"]
     np.testing.assert_array_equal(stops, [0, *[-1] * (MAX_STOP_TOKENS - 1)])
     assert waiting and (steps, num_tokens) == (2, 2) and type(steps) is type(num_tokens) is int
+    assert tree is None

@@ -27,6 +27,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jax_oc128.controller import ONLINE, Backend, ForwardMode
@@ -35,6 +36,7 @@ from jax_oc128.nn.csa import CSACompressor, IndexerConfig
 from jax_oc128.nn.functional import FULL, assign_weights, linear, normal_param, ones_param, rms_norm
 from jax_oc128.nn.rope import RopeConfig
 from jax_oc128.rules import BLOCK, drop_index
+from jax_oc128.tree import Tree
 
 SLIDING, HCA, CSA = "sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"
 
@@ -107,6 +109,9 @@ class AttentionCache:
         (zero-sized for other layers).
       rows: ``[batch, ring, row_width]`` float32: the CSA compressor's raw rows by position
         (:mod:`~jax_oc128.nn.csa`; zero-sized for other layers).
+      tree_entries: ``[batch, max_draft, D]`` float32: an HCA layer's entries of the last tree verify by
+        node (normed, rotated), until :meth:`keep_path` stores the accepted path's (zero-sized for other
+        layers).
     """
 
     window: jax.Array
@@ -114,6 +119,43 @@ class AttentionCache:
     entries: jax.Array
     index_keys: jax.Array
     rows: jax.Array
+    tree_entries: jax.Array
+
+    def keep_path(self, tree: Tree, first_positions, nodes, written=None) -> AttentionCache:
+        """After a tree verify or draft (``__call__(..., tree=tree)``) at ``first_positions`` ``[batch]``
+        int32 (the root's position), keep the path from the root to ``nodes`` ``[batch]`` int32 (the
+        accepted node; -1 leaves the row untouched): its window rows move to where a chain of the path puts
+        them (row ``p % R`` for position p) and every other row the tree wrote is emptied, so the rejected
+        branches leave no trace. ``written``: the static nodes the tree wrote (default: all); a path node
+        not among them leaves its position empty."""
+        window, batch = self.window.shape[1], nodes.shape[0]
+        written = np.isin(np.arange(tree.size), range(tree.size) if written is None else written)
+        kept = nodes >= 0
+        path = jnp.asarray(tree.paths)[jnp.maximum(nodes, 0)]  # [batch, depth + 1], -1 past the node
+        base = first_positions[:, None]
+        ring = jnp.where(kept[:, None], (base + jnp.arange(tree.size)) % window, window)
+        depth = jnp.arange(path.shape[1])[None]
+        on_path = kept[:, None] & (path >= 0)
+        source = (base + jnp.maximum(path, 0)) % window
+        target = jnp.where(on_path, (base + depth) % window, window)
+        moved = jnp.where(jnp.asarray(written)[jnp.maximum(path, 0)], base + depth, -1)
+        rows = jnp.arange(batch)[:, None]
+        kv = self.window[rows, source]
+        positions = self.window_positions.at[rows, ring].set(-1, mode="drop")
+        entries = self.entries
+        if self.tree_entries.shape[1]:  # the entry of the block the path closes, at most one (N < 128)
+            closing = BLOCK - 1 - base[:, 0] % BLOCK  # the depth whose position closes a block
+            closes = kept & (closing <= jnp.asarray(tree.depths)[jnp.maximum(nodes, 0)])
+            node = jnp.take_along_axis(path, jnp.minimum(closing, path.shape[1] - 1)[:, None], axis=1)[:, 0]
+            block = jnp.where(closes, (base[:, 0] + closing) // BLOCK, entries.shape[1])
+            entry = self.tree_entries[jnp.arange(batch), jnp.maximum(node, 0)]
+            entries = entries.at[jnp.arange(batch), block].set(entry, mode="drop")
+        return dataclasses.replace(
+            self,
+            window=self.window.at[rows, target].set(kv, mode="drop"),
+            window_positions=positions.at[rows, target].set(moved, mode="drop"),
+            entries=entries,
+        )
 
     def clear(self, rows) -> AttentionCache:
         """Empty ``rows`` ([n] int32, -1 ignored) for new sequences."""
@@ -124,7 +166,41 @@ class AttentionCache:
             self.entries.at[index].set(0, mode="drop"),
             self.index_keys.at[index].set(0, mode="drop"),
             self.rows.at[index].set(0, mode="drop"),
+            self.tree_entries.at[index].set(0, mode="drop"),
         )
+
+
+def _check_tree(tree, nodes, tokens: int, mode: ForwardMode, layer_type: str) -> tuple[int, ...]:
+    """``nodes`` (default: every node) checked against the call; returns them."""
+    if not isinstance(tree, Tree):
+        raise TypeError(f"tree: a jax_oc128.tree.Tree or None, got {type(tree).__name__}")
+    if mode not in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND):
+        raise ValueError(f"tree: only for a verify or a draft (TARGET_VERIFY, DRAFT_EXTEND), got mode {mode}")
+    nodes = tuple(range(tree.size)) if nodes is None else tuple(nodes)
+    if len(nodes) != tokens:
+        raise ValueError(f"tree: {len(nodes)} nodes for {tokens} tokens")
+    depths = {int(tree.depths[n]) for n in nodes if 0 <= n < tree.size}
+    if len(set(nodes)) != len(nodes) or (len(depths) != 1 and nodes != tuple(range(tree.size))):
+        raise ValueError(f"nodes: all of the tree's nodes or distinct nodes of one depth, got {nodes}")
+    if layer_type == CSA:
+        raise NotImplementedError(f"tree: {CSA} layers do not verify trees yet")
+    if layer_type == HCA and nodes != tuple(range(tree.size)):
+        raise ValueError(f"nodes: an {HCA} layer verifies every node of the tree at once, got {nodes}")
+    return nodes
+
+
+def _tree_visibility(tree: Tree, nodes, base, ring_size: int):
+    """What the tokens of ``nodes`` (node i at ``base + depths[i]``, ``base`` ``[batch, 1]`` the root's
+    position) see of this tree: ``(ring [batch, T, R], new [T, T])`` bool, the ring rows of their ancestors
+    written by earlier calls (node m at row ``(base + m) % R``) and their ancestors among the new tokens."""
+    sees = np.asarray(tree.mask)[list(nodes)]  # [T, N]: ancestors or self
+    new = sees[:, list(nodes)]
+    earlier = sees.copy()
+    earlier[:, list(nodes)] = False
+    rows = (base + jnp.arange(tree.size)) % ring_size  # [batch, N]: node m's ring row
+    at = rows[:, None, :, None] == jnp.arange(ring_size)  # [batch, 1, N, R]
+    ring = jnp.any(at & jnp.asarray(earlier)[None, :, :, None], axis=2)
+    return ring, jnp.asarray(new)
 
 
 def batch_slots(lengths):
@@ -251,6 +327,9 @@ class DeepseekV4Attention(nnx.Module):
             window=jnp.zeros((batch, rows, c.head_dim), jnp.float32),
             window_positions=jnp.full((batch, rows), -1, jnp.int32),
             entries=jnp.zeros((batch, max_entries, c.head_dim), jnp.float32),
+            tree_entries=jnp.zeros(
+                (batch, self.max_draft if c.layer_type == HCA else 0, c.head_dim), jnp.float32
+            ),
             index_keys=jnp.zeros((batch, max_entries if is_csa else 0, index_dim), jnp.float32),
             rows=jnp.zeros(
                 (batch, csa.ring_rows(self.max_draft), self.compressor.row_width)
@@ -268,7 +347,16 @@ class DeepseekV4Attention(nnx.Module):
         return self.backend.create(self.compress_layer + 1, batch, self.config.head_dim, self.max_draft)
 
     def __call__(
-        self, x, positions, cache: AttentionCache, compressed=None, *, lengths=None, mode=ForwardMode.EXTEND
+        self,
+        x,
+        positions,
+        cache: AttentionCache,
+        compressed=None,
+        *,
+        lengths=None,
+        mode=ForwardMode.EXTEND,
+        tree: Tree | None = None,
+        nodes: tuple[int, ...] | None = None,
     ):
         """Attention over the window, the new tokens (causal) and the visible compressed entries.
 
@@ -283,6 +371,15 @@ class DeepseekV4Attention(nnx.Module):
             chain verify (1 <= T <= max_draft, rows of length T or 0): the compressor writes its banks, and
             the caller then keeps ``accept`` of them with :meth:`commit` or leaves them pending (the row's
             next forward commits them from its positions).
+          tree: a static :class:`~jax_oc128.tree.Tree` for a tree verify (``mode`` TARGET_VERIFY) or a
+            level of a tree draft (DRAFT_EXTEND); sliding layers for now. Token i is node ``nodes[i]`` at
+            ``base + tree.depths[nodes[i]]`` (``base`` the root's position) and attends to the window before
+            the root, to its ancestors among the tokens (``tree.mask``) and to the ring rows of its
+            ancestors that earlier calls of this tree wrote; node n's window row goes to ring row
+            ``(base + n) % R`` until :meth:`AttentionCache.keep_path` keeps the accepted path. None: the
+            tokens are a chain (consecutive positions, causal).
+          nodes: static, the tree's nodes the T tokens are: every node (the default, a verify) or distinct
+            nodes of one depth (a draft level).
 
         Returns:
           ``(y [batch, T, hidden], cache, compressed)``.
@@ -290,6 +387,8 @@ class DeepseekV4Attention(nnx.Module):
         c = self.config
         batch, tokens, _ = x.shape
         lengths = jnp.full((batch,), tokens, jnp.int32) if lengths is None else lengths
+        if tree is not None:
+            nodes = _check_tree(tree, nodes, tokens, mode, c.layer_type)
         q_res = rms_norm(linear(x, self.q_a_proj[...]), self.q_a_norm[...], c.rms_norm_eps)
         q = linear(q_res, self.q_b_proj[...]).reshape(batch, tokens, c.num_heads, c.head_dim)
         q = c.rope.apply(rms_norm(q, 1.0, c.rms_norm_eps), positions)  # per head, unweighted
@@ -300,17 +399,31 @@ class DeepseekV4Attention(nnx.Module):
         keys = jnp.concatenate([cache.window, kv], axis=1)
         key_positions = jnp.concatenate([cache.window_positions, positions], axis=1)
         t, k = positions[:, :, None], key_positions[:, None, :]
-        # window rows at or past this call's first position hold rejected drafts of an earlier verify: this
-        # call rewrites those positions, so only the window rows before it count
-        fresh = jnp.concatenate(
-            [cache.window_positions < positions[:, :1], jnp.ones_like(positions, bool)], axis=1
-        )
-        visible = fresh[:, None, :] & (k >= 0) & (k <= t) & (k > t - c.sliding_window)
+        # window rows at or past the root's position hold rejected drafts of an earlier verify: this call
+        # rewrites those positions, so only the window rows before it count
+        base = positions[:, :1] if tree is None else positions[:, :1] - int(tree.depths[nodes[0]])
+        before = cache.window_positions < base
+        if tree is None:
+            seen = jnp.concatenate([before, jnp.ones_like(positions, bool)], axis=1)[:, None, :]
+        else:  # the new tokens see their ancestors, not every earlier position
+            ring, new = _tree_visibility(tree, nodes, base, cache.window.shape[1])
+            seen = jnp.concatenate(
+                [before[:, None, :] | ring, jnp.broadcast_to(new, (batch, tokens, tokens))], 2
+            )
+        visible = seen & (k >= 0) & (k <= t) & (k > t - c.sliding_window)
         if c.layer_type == HCA:
-            cache, compressed = self._compress(x, positions, lengths, cache, compressed, mode)
-            keys = jnp.concatenate([keys, cache.entries], axis=1)
+            cache, compressed, closed = self._compress(x, positions, lengths, cache, compressed, mode, tree)
             entry = jnp.arange(cache.entries.shape[1])[None, None, :]
-            visible = jnp.concatenate([visible, entry < (t + 1) // BLOCK], axis=2)
+            keys = jnp.concatenate([keys, cache.entries], axis=1)
+            if tree is None:
+                visible = jnp.concatenate([visible, entry < (t + 1) // BLOCK], axis=2)
+            else:  # the blocks complete before the root, then the entries its ancestors closed
+                committed = jnp.broadcast_to(
+                    entry < base[:, :, None] // BLOCK, (batch, tokens, entry.shape[2])
+                )
+                ancestors = jnp.asarray(tree.mask)[None] & (closed[:, None, :] >= 0)
+                keys = jnp.concatenate([keys, cache.tree_entries[:, :tokens]], axis=1)
+                visible = jnp.concatenate([visible, committed, ancestors], axis=2)
         scale = c.head_dim**-0.5
         logits = jnp.einsum("bthd,bkd->bhtk", q, keys, precision=FULL) * scale
         logits = jnp.where(visible[:, None], logits, -jnp.inf)
@@ -339,14 +452,16 @@ class DeepseekV4Attention(nnx.Module):
             ).reshape(batch, tokens, -1),
             self.o_b_proj[...],
         )
-        return y, self._update_window(cache, kv, positions, lengths), compressed
+        ring = positions if tree is None else base + jnp.asarray(nodes)[None]
+        return y, self._update_window(cache, kv, positions, ring, lengths), compressed
 
-    def _update_window(self, cache, kv, positions, lengths):
-        """Write the last ``R`` valid new rows into the window ring (row ``p % R``)."""
+    def _update_window(self, cache, kv, positions, ring, lengths):
+        """Write the last ``R`` valid new rows into the window ring (row ``ring % R``: the position, or a
+        tree node's row)."""
         window = cache.window.shape[1]
         t = jnp.arange(positions.shape[1])[None]
         write = (t < lengths[:, None]) & (t >= lengths[:, None] - window)
-        index = jnp.where(write, positions % window, window)
+        index = jnp.where(write, ring % window, window)
         rows = jnp.arange(positions.shape[0])[:, None]
         return dataclasses.replace(
             cache,
@@ -354,9 +469,11 @@ class DeepseekV4Attention(nnx.Module):
             window_positions=cache.window_positions.at[rows, index].set(positions, mode="drop"),
         )
 
-    def _compress(self, x, positions, lengths, cache, compressed, mode):
+    def _compress(self, x, positions, lengths, cache, compressed, mode, tree=None):
         """Run this layer's compressor (compress, or a verify's bank writes) on its layer of the prepared
-        state and store the entries it closed."""
+        state and store the entries it closed (a tree verify's by node in ``tree_entries``). Returns
+        ``(cache, compressed, entry_blocks)``, ``entry_blocks`` ``[batch, 1]`` (a tree: ``[batch, N]``)
+        the block each token closed, -1 for none."""
         c = self.config
         batch = x.shape[0]
         if compressed is None:
@@ -368,8 +485,9 @@ class DeepseekV4Attention(nnx.Module):
         seq_lens, slots = positions[:, 0], batch_slots(lengths)
         controller, layer = self.backend.controller, self.compress_layer
         if mode is ForwardMode.TARGET_VERIFY:
+            on_tree = {} if tree is None else dict(tree=tree)  # (the online controller's only)
             compressed, entries, blocks = controller.write_prefix(
-                compressed, kv_score, seq_lens, slots, ape, layer=layer
+                compressed, kv_score, seq_lens, slots, ape, layer=layer, **on_tree
             )
         else:
             compressed, entries, blocks = controller.compress(
@@ -377,9 +495,12 @@ class DeepseekV4Attention(nnx.Module):
             )
         normed = rms_norm(entries[0], self.compressor_kv_norm[...], c.rms_norm_eps)
         normed = c.rope.apply(normed, jnp.maximum(blocks, 0) * BLOCK)
+        if tree is not None:
+            tree_entries = cache.tree_entries.at[:, : tree.size].set(normed)
+            return dataclasses.replace(cache, tree_entries=tree_entries), compressed, blocks
         index = jnp.where(blocks >= 0, blocks, cache.entries.shape[1])
         stored = cache.entries.at[jnp.arange(batch)[:, None], index].set(normed, mode="drop")
-        return dataclasses.replace(cache, entries=stored), compressed
+        return dataclasses.replace(cache, entries=stored), compressed, blocks
 
     def _compress_sparse(self, x, q_res, positions, lengths, cache):
         """A CSA layer's compressor and indexer (:mod:`~jax_oc128.nn.csa`): fold the new tokens into the

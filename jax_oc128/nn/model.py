@@ -399,9 +399,10 @@ class Block(nnx.Module):
             self.attn_hc = HyperConnection(*hc, rngs=rngs)
             self.ffn_hc = HyperConnection(*hc, rngs=rngs)
 
-    def __call__(self, h, tokens, positions, cache, compressed, lengths, mode):
+    def __call__(self, h, tokens, positions, cache, compressed, lengths, mode, tree=None, nodes=None):
         """``h`` the residual ``[batch, T, hidden]`` (or the streams ``[batch, T, hc_mult, hidden]``) of
-        ``tokens`` ``[batch, T]`` -> ``(h, cache, compressed)``."""
+        ``tokens`` ``[batch, T]`` -> ``(h, cache, compressed)``; ``tree``, ``nodes``: a tree verify or draft
+        (:class:`~jax_oc128.nn.DeepseekV4Attention`)."""
 
         def attention(x):
             nonlocal cache, compressed
@@ -412,6 +413,8 @@ class Block(nnx.Module):
                 compressed,
                 lengths=lengths,
                 mode=mode,
+                tree=tree,
+                nodes=nodes,
             )
             return y
 
@@ -534,12 +537,16 @@ class DeepseekV4Model(nnx.Module):
         """``[..., hidden]`` -> ``[..., vocab]`` (final norm and LM head)."""
         return output_logits(hidden, self.norm[...], self.lm_head[...], self.config.rms_norm_eps)
 
-    def __call__(self, tokens, positions, cache: ModelCache, *, lengths=None, mode=ForwardMode.EXTEND):
+    def __call__(
+        self, tokens, positions, cache: ModelCache, *, lengths=None, mode=ForwardMode.EXTEND, tree=None
+    ):
         """A forward of ``mode`` (static :class:`~jax_oc128.controller.ForwardMode`: EXTEND or DECODE fold
         the tokens into the caches; TARGET_VERIFY writes a verify's banks, kept by :meth:`commit` or
-        committed lazily by the rows' next forward). Returns ``(logits [batch, T, vocab], hidden
-        [batch, T, draft_hidden_size], cache)``; ``hidden`` is what the draft head takes, the last block's
-        output (with hyper-connections its residual streams, flattened, before their final collapse)."""
+        committed lazily by the rows' next forward; with ``tree``, a static :class:`~jax_oc128.tree.Tree`,
+        the tokens are its nodes at ``positions`` = the root's + depth, then :meth:`keep_path`). Returns
+        ``(logits [batch, T, vocab], hidden [batch, T, draft_hidden_size], cache)``; ``hidden`` is what the
+        draft head takes, the last block's output (with hyper-connections its residual streams, flattened,
+        before their final collapse)."""
         lengths = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32) if lengths is None else lengths
         compressed = prepare_forward(self.backend, cache.compressed, mode, positions, lengths)
         h = self.embed[...][tokens].astype(jnp.float32)
@@ -547,11 +554,27 @@ class DeepseekV4Model(nnx.Module):
             h = jnp.broadcast_to(h[..., None, :], (*h.shape[:-1], self.config.hc_mult, h.shape[-1]))
         layers = []
         for block, layer in zip(self.blocks, cache.layers, strict=True):
-            h, layer, compressed = block(h, tokens, positions, layer, compressed, lengths, mode)
+            h, layer, compressed = block(h, tokens, positions, layer, compressed, lengths, mode, tree)
             layers.append(layer)
         if self.config.hyper_connections:
             return self.logits(self.hc_head(h)), flatten_streams(h), ModelCache(tuple(layers), compressed)
         return self.logits(h), h, ModelCache(tuple(layers), compressed)
+
+    def keep_path(self, cache: ModelCache, tree, first_positions, nodes) -> ModelCache:
+        """After a verify of ``tree`` at ``first_positions`` ``[batch]`` (the root's positions), keep each
+        row's path to ``nodes`` ``[batch]`` (-1: the row is left as it is) in every layer's cache
+        (:meth:`~jax_oc128.nn.AttentionCache.keep_path`) and commit it in the C128 state: the node's bank,
+        ``depths[node] + 1`` tokens (one launch for all layers)."""
+        layers = tuple(layer.keep_path(tree, first_positions, nodes) for layer in cache.layers)
+        cache = dataclasses.replace(cache, layers=layers)
+        if cache.compressed is None:
+            return cache
+        slots = jnp.where(nodes >= 0, jnp.arange(nodes.shape[0], dtype=jnp.int32), -1)
+        accept = jnp.asarray(tree.depths)[jnp.maximum(nodes, 0)] + 1
+        compressed = self.backend.controller.commit(
+            cache.compressed, slots, first_positions, accept, accept_banks=nodes + 1
+        )
+        return dataclasses.replace(cache, compressed=compressed)
 
     def commit(self, cache: ModelCache, seq_lens, accept_lens) -> ModelCache:
         """Keep ``accept_lens`` ``[batch]`` tokens of the verify forward at ``seq_lens`` ``[batch]`` (the
@@ -590,15 +613,20 @@ class MTPHead(nnx.Module):
     def init_cache(self, batch: int) -> AttentionCache:
         return self.block.attn.init_cache(batch)
 
-    def __call__(self, tokens, hidden, positions, cache: AttentionCache, *, lengths=None):
+    def __call__(
+        self, tokens, hidden, positions, cache: AttentionCache, *, lengths=None, tree=None, nodes=None
+    ):
         """``tokens`` at ``positions`` with the hidden states ``[batch, T, hidden]`` of the positions before
-        them. Returns ``(logits, hidden, cache)``: the logits of the next tokens and the head's own hidden
-        states."""
+        them (``tree``, ``nodes``: a level of a tree draft, as :class:`~jax_oc128.nn.DeepseekV4Attention`
+        takes them). Returns ``(logits, hidden, cache)``: the logits of the next tokens and the head's own
+        hidden states."""
         e = rms_norm(self.embed[...][tokens].astype(jnp.float32), self.embed_norm[...], self.eps)
         h = linear(
             jnp.concatenate([e, rms_norm(hidden, self.hidden_norm[...], self.eps)], axis=-1), self.proj[...]
         )
-        h, cache, _ = self.block(h, tokens, positions, cache, None, lengths, ForwardMode.DRAFT_EXTEND)
+        h, cache, _ = self.block(
+            h, tokens, positions, cache, None, lengths, ForwardMode.DRAFT_EXTEND, tree, nodes
+        )
         return output_logits(h, self.norm[...], self.lm_head[...], self.eps), h, cache
 
 
@@ -640,16 +668,21 @@ class DeepseekV4MTP(nnx.Module):
         paths |= {f"hc_head_{name}": ("hc_head", name) for name in ("fn", "base", "scale")}
         return paths | {name: ("block", *path) for name, path in self.block.hf_weight_paths().items()}
 
-    def __call__(self, tokens, hidden, positions, cache: AttentionCache, *, lengths=None):
+    def __call__(
+        self, tokens, hidden, positions, cache: AttentionCache, *, lengths=None, tree=None, nodes=None
+    ):
         """``tokens`` at ``positions`` with the target's (or this head's) hidden states ``[batch, T,
-        hc_mult * hidden]`` of the positions before them. Returns ``(logits, hidden, cache)``: the logits of
-        the next tokens and this head's own output streams, flattened."""
+        hc_mult * hidden]`` of the positions before them (``tree``, ``nodes``: a level of a tree draft, as
+        :class:`~jax_oc128.nn.DeepseekV4Attention` takes them). Returns ``(logits, hidden, cache)``: the
+        logits of the next tokens and this head's own output streams, flattened."""
         c = self.config
         e = rms_norm(self.embed[...][tokens].astype(jnp.float32), self.embed_norm[...], c.rms_norm_eps)
         streams = hidden.reshape(*hidden.shape[:-1], c.hc_mult, c.hidden_size)
         h = linear(rms_norm(streams, self.hidden_norm[...], c.rms_norm_eps), self.hidden_proj[...])
         h = h + linear(e, self.embed_proj[...])[..., None, :]
-        h, cache, _ = self.block(h, tokens, positions, cache, None, lengths, ForwardMode.DRAFT_EXTEND)
+        h, cache, _ = self.block(
+            h, tokens, positions, cache, None, lengths, ForwardMode.DRAFT_EXTEND, tree, nodes
+        )
         logits = output_logits(self.hc_head(h), self.norm[...], self.lm_head[...], c.rms_norm_eps)
         return logits, flatten_streams(h), cache
 

@@ -1,6 +1,6 @@
 """The engine on meshes of 4 CPU devices (data x model: 4x1, 2x2, 1x4), the small model of test_decode: the
-same greedy tokens as one device, plain and speculative, with slots reused; the decode state keeps its layout
-from call to call and the compiled steps move no cache or state between devices."""
+same greedy tokens as one device, plain, speculative and tree speculative, with slots reused; the decode state
+keeps its layout from call to call and the compiled steps move no cache or state between devices."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from test_v4_parity import fixture
 from jax_oc128.controller import ONLINE
 from jax_oc128.decode import Engine, _stop_array
 from jax_oc128.nn import SpeculativeModel, sharding
+from jax_oc128.tree import Tree
 
 # 5 prompts for 4 slots: a slot is reused; blocks of 128 close in prefill and in decoding
 SLOTS, NEW_TOKENS, N = 4, 40, 4
@@ -106,6 +107,12 @@ def steps_collectives(on_mesh):
     for k, n in ((1, 1), (steps, N)):
         outputs |= {hlo_shape(np.int32, [k, SLOTS, n]), hlo_shape(np.int32, [k, SLOTS])}
     return [(kind_of(c, outputs), c) for c in collectives(prefill) + collectives(decode)]
+
+
+def test_tree_speculation_on_a_mesh_gives_the_plain_greedy_tokens():
+    """The 2x2 mesh (slots and heads split): a draft tree's greedy tokens are one device's plain ones."""
+    tokens = engine((2, 2)).generate(prompts(), NEW_TOKENS, tree=Tree.default(8)).tokens
+    assert tokens == one_device(None)
 
 
 def test_data_parallel_steps_communicate_only_the_loops_counts():

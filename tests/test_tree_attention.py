@@ -1,0 +1,206 @@
+"""A tree verify through DeepSeek-V4 attention (sliding and HCA layers): every node's output is the output of
+a chain verify along its path, a draft level by level gives what one call gives, and after ``keep_path`` (and,
+for the C128 state, the commit of the accepted node's bank) the next token sees what it sees after the chain,
+with no trace of the rejected branches."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from test_nn import CONFIG, FIXTURE, VERIFY, X
+
+from jax_oc128.controller import ONLINE, ForwardMode
+from jax_oc128.nn import AttentionConfig, DeepseekV4Attention, prepare_forward
+from jax_oc128.tree import Tree
+
+MAX_DRAFT = 8
+BATCH = X.shape[0]
+# trees of MAX_DRAFT nodes: EAGLE-style default, a bushy one, one not in depth order
+TREES = [Tree.default(MAX_DRAFT), Tree((-1, 0, 0, 0, 1, 1, 2, 4)), Tree((-1, 0, 1, 0, 3, 2, 0, 6))]
+# (layer, tokens before the verify): the sliding layer (window 16, full), the HCA layer with no block
+# closing in the tree, and with a block closing at depth 1 (position 127: several nodes close it)
+LAYERS = [(0, 100), (1, 100), (1, 126)]
+LAYER_IDS = ["sliding", "hca", "hca-closing"]
+# outputs of a node and of the chain along its path differ only in how XLA orders the same float32 terms
+# (the tree's keys hold masked extra keys, exact zeros, and the closed entry at another index)
+TOL = dict(rtol=2e-6, atol=2e-6)
+
+
+def make_layer(index):
+    weights = {
+        k.split("/", 1)[1]: v for k, v in FIXTURE.items() if k.startswith(f"layer{index}/") and "." in k
+    }
+    weights |= {"sinks": FIXTURE[f"layer{index}/sinks"]}
+    return DeepseekV4Attention.from_hf(CONFIG, index, weights, backend=ONLINE, max_draft=MAX_DRAFT)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "tree", "nodes"))
+def forward(graphdef, params, x, positions, caches, mode=ForwardMode.EXTEND, tree=None, nodes=None):
+    """One forward of the layer, the controller's transition first (as a model runs it)."""
+    attn = nnx.merge(graphdef, params)
+    cache, compressed = caches
+    lengths = jnp.full((x.shape[0],), x.shape[1], jnp.int32)
+    compressed = prepare_forward(attn.backend, compressed, mode, positions, lengths)
+    y, cache, compressed = attn(
+        x, positions, cache, compressed, lengths=lengths, mode=mode, tree=tree, nodes=nodes
+    )
+    return y, (cache, compressed)
+
+
+@pytest.fixture(scope="module", params=LAYERS, ids=LAYER_IDS)
+def prefilled(request):
+    """``(graphdef, params, caches, prefix)``: the layer after ``prefix`` tokens of X."""
+    index, prefix = request.param
+    attn = make_layer(index)
+    graphdef, params = nnx.split(attn)
+    positions = jnp.broadcast_to(jnp.arange(prefix, dtype=jnp.int32), (BATCH, prefix))
+    caches = (attn.init_cache(BATCH), attn.init_compressed(BATCH))
+    _, caches = forward(graphdef, params, X[:, :prefix], positions, caches)
+    return graphdef, params, caches, prefix
+
+
+def tree_inputs(tree, prefix, seed):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(BATCH, tree.size, X.shape[2])).astype(np.float32))
+    return x, prefix + jnp.broadcast_to(jnp.asarray(tree.depths), (BATCH, tree.size))
+
+
+def chain(graphdef, params, caches, x, prefix):
+    """A chain verify of ``x`` ``[batch, T, hidden]`` at ``prefix``."""
+    positions = prefix + jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
+    return forward(graphdef, params, x, positions, caches, mode=VERIFY)
+
+
+def commit(graphdef, params, caches, prefix, accept, banks=None):
+    """The eager commit of every row's verify at ``prefix``: ``accept`` tokens (and ``banks``)."""
+    cache, compressed = caches
+    if compressed is None:
+        return caches
+    slots = jnp.arange(BATCH, dtype=jnp.int32)
+    seq = jnp.full((BATCH,), prefix, jnp.int32)
+    controller = nnx.merge(graphdef, params).backend.controller
+    return cache, controller.commit(compressed, slots, seq, jnp.asarray(accept, jnp.int32), banks)
+
+
+def path_of(tree, node):
+    return list(tree.paths[node][: tree.depths[node] + 1])
+
+
+@pytest.mark.parametrize("tree", TREES, ids=str)
+def test_every_node_is_the_chain_along_its_path(prefilled, tree):
+    graphdef, params, caches, prefix = prefilled
+    x, positions = tree_inputs(tree, prefix, 1)
+    y, _ = forward(graphdef, params, x, positions, caches, mode=VERIFY, tree=tree)
+    for node in range(tree.size):
+        y_chain, _ = chain(graphdef, params, caches, x[:, path_of(tree, node)], prefix)
+        np.testing.assert_allclose(y[:, node], y_chain[:, -1], **TOL, err_msg=f"node {node}")
+
+
+@pytest.mark.parametrize("tree", TREES, ids=str)
+def test_keep_path_leaves_the_chains_caches(prefilled, tree):
+    graphdef, params, caches, prefix = prefilled
+    x, positions = tree_inputs(tree, prefix, 2)
+    deepest = int(np.argmax(tree.depths))
+    x_next = jnp.asarray(np.random.default_rng(3).normal(size=(BATCH, 1, X.shape[2])), jnp.float32)
+    for nodes in ([deepest, 0], [tree.size - 1, int(tree.parents[tree.size - 1])], [1, 2]):
+        _, (cache, compressed) = forward(graphdef, params, x, positions, caches, mode=VERIFY, tree=tree)
+        nodes = jnp.asarray(nodes, jnp.int32)
+        cache = cache.keep_path(tree, positions[:, 0], nodes)
+        kept = jnp.asarray(tree.depths)[nodes] + 1
+        after = commit(graphdef, params, (cache, compressed), prefix, kept, nodes + 1)
+        for row, node in enumerate(np.asarray(nodes)):
+            chained = chain(graphdef, params, caches, x[:, path_of(tree, node)], prefix)[1]
+            chained = commit(graphdef, params, chained, prefix, [len(path_of(tree, node))] * BATCH)
+            length = len(path_of(tree, node))
+            # where the chain's verify wrote, the same rows and positions; the verify's other ring rows empty
+            ring = (prefix + np.arange(tree.size)) % cache.window.shape[1]
+            np.testing.assert_array_equal(
+                after[0].window_positions[row, ring[:length]], prefix + np.arange(length)
+            )
+            np.testing.assert_array_equal(
+                after[0].window[row, ring[:length]], chained[0].window[row, ring[:length]]
+            )
+            assert np.all(np.asarray(after[0].window_positions[row, ring[length:]]) == -1)
+            untouched = np.setdiff1d(np.arange(cache.window.shape[1]), ring)
+            np.testing.assert_array_equal(after[0].window[row, untouched], caches[0].window[row, untouched])
+            np.testing.assert_allclose(after[0].entries[row], chained[0].entries[row], **TOL)
+            if after[1] is not None:  # the committed C128 state: the chain's, bit for bit
+                np.testing.assert_array_equal(after[1].banks[:, 0, row], chained[1].banks[:, 0, row])
+            # the next token sees what it sees after the chain
+            at = jnp.full((BATCH, 1), prefix + length, jnp.int32)
+            y_tree, _ = forward(graphdef, params, x_next, at, after, mode=ForwardMode.DECODE)
+            y_chain, _ = forward(graphdef, params, x_next, at, chained, mode=ForwardMode.DECODE)
+            np.testing.assert_allclose(y_tree[row], y_chain[row], **TOL)
+
+
+def test_keep_path_of_no_node_leaves_the_row(prefilled):
+    graphdef, params, caches, prefix = prefilled
+    tree = TREES[0]
+    x, positions = tree_inputs(tree, prefix, 4)
+    _, (after, _) = forward(graphdef, params, x, positions, caches, mode=VERIFY, tree=tree)
+    kept = after.keep_path(tree, positions[:, 0], jnp.asarray([-1, 3], jnp.int32))
+    for name in ("window", "window_positions", "entries"):
+        np.testing.assert_array_equal(getattr(kept, name)[0], getattr(after, name)[0], err_msg=name)
+
+
+@pytest.mark.parametrize("tree", TREES, ids=str)
+def test_a_tree_drafted_level_by_level_is_the_tree_verified_at_once(tree):
+    """The draft head's calls (one per level, each node seeing its ancestors' rows written by the calls
+    before) give each node what one call of the whole tree gives it (sliding layers: the draft heads')."""
+    attn = make_layer(0)
+    graphdef, params = nnx.split(attn)
+    positions = jnp.broadcast_to(jnp.arange(100, dtype=jnp.int32), (BATCH, 100))
+    _, caches = forward(graphdef, params, X[:, :100], positions, (attn.init_cache(BATCH), None))
+    x, positions = tree_inputs(tree, 100, 6)
+    y_all, _ = forward(graphdef, params, x, positions, caches, mode=VERIFY, tree=tree)
+    drafted = caches
+    for level in tree.levels:
+        index = list(level)
+        y, drafted = forward(
+            graphdef,
+            params,
+            x[:, index],
+            positions[:, index],
+            drafted,
+            mode=ForwardMode.DRAFT_EXTEND,
+            tree=tree,
+            nodes=level,
+        )
+        np.testing.assert_allclose(y, y_all[:, index], **TOL, err_msg=f"level {level}")
+
+
+def test_keep_path_empties_a_path_node_not_written():
+    """A draft head writes only the nodes it expands: a kept leaf leaves its position empty."""
+    attn = make_layer(0)
+    graphdef, params = nnx.split(attn)
+    tree = Tree((-1, 0, 1))
+    x, positions = tree_inputs(tree, 100, 7)
+    caches = (attn.init_cache(BATCH), None)
+    _, (drafted, _) = forward(
+        graphdef, params, x[:, :2], positions[:, :2], caches, mode=VERIFY, tree=Tree((-1, 0))
+    )
+    kept = drafted.keep_path(tree, positions[:, 0], jnp.asarray([2, 1], jnp.int32), written=(0, 1))
+    ring = (100 + np.arange(3)) % kept.window.shape[1]
+    np.testing.assert_array_equal(kept.window_positions[:, ring], [[100, 101, -1]] * 2)
+
+
+def test_tree_misuse():
+    attn = make_layer(0)
+    x, positions = tree_inputs(TREES[0], 100, 5)
+    cache = attn.init_cache(BATCH)
+    with pytest.raises(ValueError, match=r"^tree: only for a verify"):
+        attn(x, positions, cache, tree=TREES[0])
+    with pytest.raises(ValueError, match=r"^tree: 4 nodes for 8 tokens"):
+        attn(x, positions, cache, mode=VERIFY, tree=Tree.chain(4))
+    with pytest.raises(TypeError, match=r"^tree: a jax_oc128.tree.Tree"):
+        attn(x, positions, cache, mode=VERIFY, tree=(-1, 0))
+    hca = DeepseekV4Attention(AttentionConfig.from_hf(CONFIG, 1), max_draft=MAX_DRAFT, rngs=nnx.Rngs(0))
+    with pytest.raises(
+        ValueError, match=r"^nodes: an heavily_compressed_attention layer verifies every node"
+    ):
+        hca(x[:, :2], positions[:, :2], hca.init_cache(BATCH), mode=VERIFY, tree=TREES[0], nodes=(1, 2))

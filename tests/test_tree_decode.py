@@ -1,0 +1,96 @@
+"""Tree speculation through the engine: greedy tree speculation equals plain greedy token for token, sampled
+tree speculation follows the target, and the misuse of ``tree=`` is refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from harness import copy_tree
+from test_decode import CONFIG, prompts
+
+from jax_oc128.controller import OFFLINE, ONLINE
+from jax_oc128.decode import Engine
+from jax_oc128.nn import SpeculativeModel
+from jax_oc128.nn.attention import CSA, SLIDING
+from jax_oc128.tree import Tree
+
+# sliding and HCA layers (test_decode's), a small vocabulary, so that a random draft head's top-k children
+# often hold the target's token and the paths are accepted deep
+TREE_CONFIG = dataclasses.replace(CONFIG, vocab_size=6, max_draft=8)
+TREES = [Tree.default(8), Tree((-1, 0, 0, 0, 1, 1, 2, 4)), Tree.chain(4)]
+
+
+def make_model(seed=0, config=TREE_CONFIG, backend=ONLINE):
+    return SpeculativeModel(config, backend=backend, rngs=nnx.Rngs(seed))
+
+
+@pytest.mark.parametrize("tree", TREES, ids=str)
+def test_greedy_tree_speculation_equals_plain_greedy(tree):
+    """3 slots for 5 requests (slots reused): token for token the plain greedy output, in fewer steps."""
+    engine = Engine(make_model(), slots=3, steps_per_dispatch=8)
+    requests = prompts(vocab=TREE_CONFIG.vocab_size)
+    plain = engine.generate(requests, 60)
+    spec = engine.generate(requests, 60, tree=tree)
+    assert spec.tokens == plain.tokens
+    assert spec.steps < plain.steps  # some drafts were accepted
+
+
+def test_a_wider_tree_accepts_more_than_the_chain_of_its_width():
+    engine = Engine(make_model(), slots=3, steps_per_dispatch=8)
+    requests = prompts(vocab=TREE_CONFIG.vocab_size)
+    chain = engine.generate(requests, 60, num_tokens=8)
+    tree = engine.generate(requests, 60, tree=TREES[1])
+    assert tree.tokens == chain.tokens
+    assert tree.mean_accepted > chain.mean_accepted, (tree.mean_accepted, chain.mean_accepted)
+
+
+@pytest.mark.parametrize("tree", TREES[:2], ids=str)
+def test_sampled_tree_speculation_follows_the_target(tree):
+    """Temperature 1: the first token of a tree step is distributed as the target's softmax (chi-square over
+    4096 samples, p > 1e-3), though the draft head (random) proposes from another distribution."""
+    vocab = 12
+    config = dataclasses.replace(TREE_CONFIG, vocab_size=vocab)
+    model = make_model(seed=3, config=config)
+    engine = Engine(model, slots=512)
+    prompt = prompts(vocab=vocab, lengths=(140,))[0]
+    counts = np.zeros(vocab)
+    prefilled, _ = engine.prefill(engine.init_state(), dict.fromkeys(range(512), prompt), 10, tree=tree)
+    first = int(prefilled.token[0])
+    for seed in range(8):
+        state = dataclasses.replace(copy_tree(prefilled), key=jax.random.key(seed + 1))
+        _, output = engine.decode(state, tree=tree, temperature=1.0, steps=1)
+        counts += np.bincount(np.asarray(output.tokens[0, :, 0]), minlength=vocab)
+    sequence = jnp.asarray([[*prompt, first]], jnp.int32)
+    logits, _, _ = model.target(sequence, jnp.arange(sequence.shape[1])[None], model.target.init_cache(1))
+    expected = np.asarray(jax.nn.softmax(logits[0, -1])) * counts.sum()
+    chi2 = float(np.sum((counts - expected) ** 2 / expected))
+    # survival function of chi-square with 11 degrees of freedom at 31.3 is 1e-3
+    assert chi2 < 31.3, (chi2, counts, expected)
+
+
+def test_tree_misuse():
+    engine = Engine(make_model(), slots=1)
+    prompt = prompts(vocab=TREE_CONFIG.vocab_size, lengths=(20,))
+    with pytest.raises(ValueError, match=r"^tree: tree\[0\] must be -1"):
+        engine.generate(prompt, 5, tree=(0, 0))
+    with pytest.raises(TypeError, match=r"^tree: must be a sequence of ints"):
+        engine.generate(prompt, 5, tree="(-1, 0)")
+    with pytest.raises(ValueError, match=r"^tree: must have drafts"):
+        engine.generate(prompt, 5, tree=(-1,))
+    with pytest.raises(ValueError, match=r"^tree: at most max_draft = 8 nodes"):
+        engine.generate(prompt, 5, tree=Tree.default(9))
+    with pytest.raises(ValueError, match=r"^num_tokens: None or the tree's 8 nodes"):
+        engine.generate(prompt, 5, num_tokens=4, tree=Tree.default(8))
+    offline = Engine(make_model(backend=OFFLINE), slots=1)
+    with pytest.raises(NotImplementedError, match=r"^tree: a tree verifies on the online C128 state only"):
+        offline.generate(prompt, 5, tree=(-1, 0, 0))
+    with_csa = dataclasses.replace(
+        TREE_CONFIG, layer_types=(SLIDING, CSA), index_n_heads=2, index_head_dim=16, index_topk=4
+    )
+    with pytest.raises(NotImplementedError, match=r"^tree: compressed_sparse_attention layers"):
+        Engine(make_model(config=with_csa), slots=1).generate(prompt, 5, tree=(-1, 0, 0))
