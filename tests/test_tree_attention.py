@@ -31,6 +31,17 @@ LAYER_IDS = ["sliding", "hca", "hca-closing"]
 TOL = dict(rtol=2e-6, atol=2e-6)
 
 
+def assert_same_rows(actual, desired):
+    """Window rows and C128 state kept from a tree against the chain's: bit for bit on a CPU; on a GPU a
+    token's projections (its window row, its kv_score) come from a matmul of another shape (N tokens against
+    the path's), which XLA's GEMMs may round differently (1 ulp on the H200), so there within TOL. The fold
+    of a path against the chain's on the same inputs is bit-exact everywhere (tests/test_tree_ops.py)."""
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(actual, desired)
+    else:
+        np.testing.assert_allclose(actual, desired, **TOL)
+
+
 def make_layer(index):
     weights = {
         k.split("/", 1)[1]: v for k, v in FIXTURE.items() if k.startswith(f"layer{index}/") and "." in k
@@ -122,15 +133,13 @@ def test_keep_path_leaves_the_chains_caches(prefilled, tree):
             np.testing.assert_array_equal(
                 after[0].window_positions[row, ring[:length]], prefix + np.arange(length)
             )
-            np.testing.assert_array_equal(
-                after[0].window[row, ring[:length]], chained[0].window[row, ring[:length]]
-            )
+            assert_same_rows(after[0].window[row, ring[:length]], chained[0].window[row, ring[:length]])
             assert np.all(np.asarray(after[0].window_positions[row, ring[length:]]) == -1)
             untouched = np.setdiff1d(np.arange(cache.window.shape[1]), ring)
             np.testing.assert_array_equal(after[0].window[row, untouched], caches[0].window[row, untouched])
             np.testing.assert_allclose(after[0].entries[row], chained[0].entries[row], **TOL)
-            if after[1] is not None:  # the committed C128 state: the chain's, bit for bit
-                np.testing.assert_array_equal(after[1].banks[:, 0, row], chained[1].banks[:, 0, row])
+            if after[1] is not None:  # the committed C128 state: the chain's
+                assert_same_rows(after[1].banks[:, 0, row], chained[1].banks[:, 0, row])
             # the next token sees what it sees after the chain
             at = jnp.full((BATCH, 1), prefix + length, jnp.int32)
             y_tree, _ = forward(graphdef, params, x_next, at, after, mode=ForwardMode.DECODE)
