@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from jax_oc128.checks import check_int, is_int
 from jax_oc128.controller import ONLINE, ForwardMode
 from jax_oc128.nn import AttentionCache, ModelCache, SpeculativeModel, batch_slots, sharding
-from jax_oc128.nn.attention import CSA, HCA
+from jax_oc128.nn.attention import HCA
 from jax_oc128.tree import Tree, accept_greedy, accept_sampled, check_parents, draft_tree
 
 #: stop token ids per generate call (padded with -1 to this size, so their number never recompiles)
@@ -685,7 +685,8 @@ class Engine:
             ``0 <= tree[k] < k``; ``num_tokens`` None or N): the MTP head drafts each node's children as
             its top-k tokens (greedy) or k draws without replacement (sampled), the target verifies all N
             nodes in one forward and the row keeps the deepest accepted path (multi-draft speculative
-            sampling at ``temperature`` > 0). Sliding and HCA layers on the online C128 state (not CSA yet).
+            sampling at ``temperature`` > 0). Every layer type, on the online C128 state (the offline one
+            verifies chains only).
           temperature: a number >= 0 (0: greedy).
           stop_tokens: at most 8 token ids in [0, vocab_size).
           seed: the sampling's PRNG seed, an int in [0, 2**32).
@@ -801,8 +802,6 @@ def _check_speculation(num_tokens, tree, model) -> tuple[int | None, Tree | None
     if num_tokens is not None and num_tokens != tree.size:
         raise ValueError(f"num_tokens: None or the tree's {tree.size} nodes, got {num_tokens!r}")
     num_tokens = _check_num_tokens(tree.size, config)
-    if CSA in config.layer_types:
-        raise NotImplementedError(f"tree: {CSA} layers do not verify trees yet")
     if HCA in config.layer_types and model.target.backend is not ONLINE:
         raise NotImplementedError("tree: a tree verifies on the online C128 state only (backend ONLINE)")
     return num_tokens, tree

@@ -1,7 +1,7 @@
-"""A tree verify through DeepSeek-V4 attention (sliding and HCA layers): every node's output is the output of
-a chain verify along its path, a draft level by level gives what one call gives, and after ``keep_path`` (and,
-for the C128 state, the commit of the accepted node's bank) the next token sees what it sees after the chain,
-with no trace of the rejected branches."""
+"""A tree verify through DeepSeek-V4 attention (sliding, HCA and CSA layers): every node's output is the
+output of a chain verify along its path, a draft level by level gives what one call gives, and after
+``keep_path`` (and, for the C128 state, the commit of the accepted node's bank) the next token sees what it
+sees after the chain, with no trace of the rejected branches."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from test_nn import CONFIG, FIXTURE, VERIFY, X
 
 from jax_oc128.controller import ONLINE, ForwardMode
 from jax_oc128.nn import AttentionConfig, DeepseekV4Attention, prepare_forward
+from jax_oc128.nn.attention import CSA
 from jax_oc128.tree import Tree
 
 MAX_DRAFT = 8
@@ -23,9 +24,10 @@ BATCH = X.shape[0]
 # trees of MAX_DRAFT nodes: EAGLE-style default, a bushy one, one not in depth order
 TREES = [Tree.default(MAX_DRAFT), Tree((-1, 0, 0, 0, 1, 1, 2, 4)), Tree((-1, 0, 1, 0, 3, 2, 0, 6))]
 # (layer, tokens before the verify): the sliding layer (window 16, full), the HCA layer with no block
-# closing in the tree, and with a block closing at depth 1 (position 127: several nodes close it)
-LAYERS = [(0, 100), (1, 100), (1, 126)]
-LAYER_IDS = ["sliding", "hca", "hca-closing"]
+# closing in the tree, and with a block closing at depth 1 (position 127: several nodes close it), a CSA layer
+# (random weights; its windows of 4 close at depths 3 and 7, then at 1 and 5; top-8 of 25 windows)
+LAYERS = [(0, 100), (1, 100), (1, 126), (CSA, 100), (CSA, 102)]
+LAYER_IDS = ["sliding", "hca", "hca-closing", "csa", "csa-shifted"]
 # outputs of a node and of the chain along its path differ only in how XLA orders the same float32 terms
 # (the tree's keys hold masked extra keys, exact zeros, and the closed entry at another index)
 TOL = dict(rtol=2e-6, atol=2e-6)
@@ -43,6 +45,10 @@ def assert_same_rows(actual, desired):
 
 
 def make_layer(index):
+    """Layer ``index`` of the transformers fixture, or (``CSA``) a CSA layer of its shapes, random weights."""
+    if index == CSA:
+        config = dict(CONFIG, layer_types=[CSA], index_n_heads=2, index_head_dim=16, index_topk=8)
+        return DeepseekV4Attention(AttentionConfig.from_hf(config, 0), max_draft=MAX_DRAFT, rngs=nnx.Rngs(5))
     weights = {
         k.split("/", 1)[1]: v for k, v in FIXTURE.items() if k.startswith(f"layer{index}/") and "." in k
     }
@@ -138,6 +144,10 @@ def test_keep_path_leaves_the_chains_caches(prefilled, tree):
             untouched = np.setdiff1d(np.arange(cache.window.shape[1]), ring)
             np.testing.assert_array_equal(after[0].window[row, untouched], caches[0].window[row, untouched])
             np.testing.assert_allclose(after[0].entries[row], chained[0].entries[row], **TOL)
+            np.testing.assert_allclose(after[0].index_keys[row], chained[0].index_keys[row], **TOL)
+            if after[0].rows.shape[1]:  # a CSA layer's raw rows of the path, by position
+                raw = (prefix + np.arange(length)) % after[0].rows.shape[1]
+                assert_same_rows(after[0].rows[row, raw], chained[0].rows[row, raw])
             if after[1] is not None:  # the committed C128 state: the chain's
                 assert_same_rows(after[1].banks[:, 0, row], chained[1].banks[:, 0, row])
             # the next token sees what it sees after the chain

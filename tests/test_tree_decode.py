@@ -1,5 +1,6 @@
-"""Tree speculation through the engine: greedy tree speculation equals plain greedy token for token, sampled
-tree speculation follows the target, and the misuse of ``tree=`` is refused by name."""
+"""Tree speculation through the engine: greedy tree speculation equals plain greedy token for token (sliding,
+HCA and CSA layers), sampled tree speculation follows the target, and the misuse of ``tree=`` is refused by
+name."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from test_decode import CONFIG, prompts
 from jax_oc128.controller import OFFLINE, ONLINE
 from jax_oc128.decode import Engine
 from jax_oc128.nn import SpeculativeModel
-from jax_oc128.nn.attention import CSA, SLIDING
+from jax_oc128.nn.attention import CSA, HCA, SLIDING
 from jax_oc128.tree import Tree
 
 # sliding and HCA layers (test_decode's), a small vocabulary, so that a random draft head's top-k children
@@ -38,6 +39,19 @@ def test_greedy_tree_speculation_equals_plain_greedy(tree):
     spec = engine.generate(requests, 60, tree=tree)
     assert spec.tokens == plain.tokens
     assert spec.steps < plain.steps  # some drafts were accepted
+
+
+def test_greedy_tree_speculation_with_csa_layers_equals_plain_greedy():
+    """CSA layers too (windows of 4 closing inside the tree, the indexer's top-4 of them)."""
+    config = dataclasses.replace(
+        TREE_CONFIG, layer_types=(SLIDING, CSA, HCA, CSA), index_n_heads=2, index_head_dim=16, index_topk=4
+    )
+    engine = Engine(make_model(config=config), slots=3, steps_per_dispatch=8)
+    requests = prompts(vocab=TREE_CONFIG.vocab_size)
+    plain = engine.generate(requests, 60)
+    spec = engine.generate(requests, 60, tree=TREES[1])
+    assert spec.tokens == plain.tokens
+    assert spec.steps < plain.steps
 
 
 def test_a_wider_tree_accepts_more_than_the_chain_of_its_width():
@@ -89,8 +103,3 @@ def test_tree_misuse():
     offline = Engine(make_model(backend=OFFLINE), slots=1)
     with pytest.raises(NotImplementedError, match=r"^tree: a tree verifies on the online C128 state only"):
         offline.generate(prompt, 5, tree=(-1, 0, 0))
-    with_csa = dataclasses.replace(
-        TREE_CONFIG, layer_types=(SLIDING, CSA), index_n_heads=2, index_head_dim=16, index_topk=4
-    )
-    with pytest.raises(NotImplementedError, match=r"^tree: compressed_sparse_attention layers"):
-        Engine(make_model(config=with_csa), slots=1).generate(prompt, 5, tree=(-1, 0, 0))

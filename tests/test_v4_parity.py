@@ -130,9 +130,9 @@ def test_verify_with_rejected_drafts_matches_transformers(name, backend, eager):
 
 def test_speculative_greedy_equals_plain_greedy():
     """The engine on the small-window model (CSA, HCA, MoE, hyper-connections) with a random MTP head:
-    speculative greedy (N = 4, lazy commits) gives the plain greedy tokens, whose first 40 on the
-    fixture's prompts are transformers' greedy tokens. (The random head's drafts are all rejected here;
-    partly accepted verifies are the test above.)"""
+    speculative greedy (N = 4, lazy commits; and a draft tree of 4 nodes) gives the plain greedy tokens,
+    whose first 40 on the fixture's prompts are transformers' greedy tokens. (The random head's drafts are
+    all rejected here; partly accepted verifies are the test above.)"""
     config, weights, data = fixture("small_window")
     model = SpeculativeModel.from_hf(config, weights, rngs=nnx.Rngs(0), max_len=512, max_draft=4)
     engine = Engine(model, slots=2)
@@ -140,6 +140,7 @@ def test_speculative_greedy_equals_plain_greedy():
     plain = engine.generate(prompts, 60)
     assert [row[:40] for row in plain.tokens] == data["decode_tokens"].tolist()
     assert engine.generate(prompts, 60, num_tokens=4).tokens == plain.tokens
+    assert engine.generate(prompts, 60, tree=(-1, 0, 0, 1)).tokens == plain.tokens
 
 
 @pytest.mark.parametrize(

@@ -109,9 +109,11 @@ class AttentionCache:
         (zero-sized for other layers).
       rows: ``[batch, ring, row_width]`` float32: the CSA compressor's raw rows by position
         (:mod:`~jax_oc128.nn.csa`; zero-sized for other layers).
-      tree_entries: ``[batch, max_draft, D]`` float32: an HCA layer's entries of the last tree verify by
-        node (normed, rotated), until :meth:`keep_path` stores the accepted path's (zero-sized for other
-        layers).
+      tree_entries: ``[batch, max_draft, D]`` float32: an HCA or CSA layer's entries of the last tree verify
+        by node (the entry of the block or window the node closes; normed, rotated), until :meth:`keep_path`
+        stores the accepted path's (zero-sized for sliding layers).
+      tree_index_keys: ``[batch, max_draft, index_head_dim]`` float32: the same for a CSA layer's indexer keys
+        (zero-sized for other layers).
     """
 
     window: jax.Array
@@ -120,6 +122,7 @@ class AttentionCache:
     index_keys: jax.Array
     rows: jax.Array
     tree_entries: jax.Array
+    tree_index_keys: jax.Array
 
     def keep_path(self, tree: Tree, first_positions, nodes, written=None) -> AttentionCache:
         """After a tree verify or draft (``__call__(..., tree=tree)``) at ``first_positions`` ``[batch]``
@@ -142,20 +145,29 @@ class AttentionCache:
         rows = jnp.arange(batch)[:, None]
         kv = self.window[rows, source]
         positions = self.window_positions.at[rows, ring].set(-1, mode="drop")
-        entries = self.entries
-        if self.tree_entries.shape[1]:  # the entry of the block the path closes, at most one (N < 128)
-            closing = BLOCK - 1 - base[:, 0] % BLOCK  # the depth whose position closes a block
-            closes = kept & (closing <= jnp.asarray(tree.depths)[jnp.maximum(nodes, 0)])
-            node = jnp.take_along_axis(path, jnp.minimum(closing, path.shape[1] - 1)[:, None], axis=1)[:, 0]
-            block = jnp.where(closes, (base[:, 0] + closing) // BLOCK, entries.shape[1])
-            entry = self.tree_entries[jnp.arange(batch), jnp.maximum(node, 0)]
-            entries = entries.at[jnp.arange(batch), block].set(entry, mode="drop")
-        return dataclasses.replace(
+        kept_cache = dataclasses.replace(
             self,
             window=self.window.at[rows, target].set(kv, mode="drop"),
             window_positions=positions.at[rows, target].set(moved, mode="drop"),
-            entries=entries,
         )
+        if not self.tree_entries.shape[1]:  # a sliding layer
+            return kept_cache
+        # the entries of the blocks (HCA) or windows (CSA) the path closes, by their index; a CSA layer's
+        # raw rows, by position
+        rate = csa.RATE if self.rows.shape[1] else BLOCK
+        at = base + depth  # the path's positions
+        index = jnp.where(on_path & ((at + 1) % rate == 0), at // rate, self.entries.shape[1])
+        node = jnp.maximum(path, 0)
+        entries = self.entries.at[rows, index].set(self.tree_entries[rows, node], mode="drop")
+        kept_cache = dataclasses.replace(kept_cache, entries=entries)
+        if self.rows.shape[1]:
+            keys = self.index_keys.at[rows, index].set(self.tree_index_keys[rows, node], mode="drop")
+            ring_rows = self.rows.shape[1]
+            raw = self.rows[rows, (base + node) % ring_rows]
+            target = jnp.where(on_path, at % ring_rows, ring_rows)
+            raw = self.rows.at[rows, target].set(raw, mode="drop")
+            kept_cache = dataclasses.replace(kept_cache, index_keys=keys, rows=raw)
+        return kept_cache
 
     def clear(self, rows) -> AttentionCache:
         """Empty ``rows`` ([n] int32, -1 ignored) for new sequences."""
@@ -167,6 +179,7 @@ class AttentionCache:
             self.index_keys.at[index].set(0, mode="drop"),
             self.rows.at[index].set(0, mode="drop"),
             self.tree_entries.at[index].set(0, mode="drop"),
+            self.tree_index_keys.at[index].set(0, mode="drop"),
         )
 
 
@@ -182,10 +195,8 @@ def _check_tree(tree, nodes, tokens: int, mode: ForwardMode, layer_type: str) ->
     depths = {int(tree.depths[n]) for n in nodes if 0 <= n < tree.size}
     if len(set(nodes)) != len(nodes) or (len(depths) != 1 and nodes != tuple(range(tree.size))):
         raise ValueError(f"nodes: all of the tree's nodes or distinct nodes of one depth, got {nodes}")
-    if layer_type == CSA:
-        raise NotImplementedError(f"tree: {CSA} layers do not verify trees yet")
-    if layer_type == HCA and nodes != tuple(range(tree.size)):
-        raise ValueError(f"nodes: an {HCA} layer verifies every node of the tree at once, got {nodes}")
+    if layer_type != SLIDING and nodes != tuple(range(tree.size)):
+        raise ValueError(f"nodes: an {layer_type} layer verifies every node of the tree at once, got {nodes}")
     return nodes
 
 
@@ -328,8 +339,9 @@ class DeepseekV4Attention(nnx.Module):
             window_positions=jnp.full((batch, rows), -1, jnp.int32),
             entries=jnp.zeros((batch, max_entries, c.head_dim), jnp.float32),
             tree_entries=jnp.zeros(
-                (batch, self.max_draft if c.layer_type == HCA else 0, c.head_dim), jnp.float32
+                (batch, self.max_draft if c.layer_type != SLIDING else 0, c.head_dim), jnp.float32
             ),
+            tree_index_keys=jnp.zeros((batch, self.max_draft if is_csa else 0, index_dim), jnp.float32),
             index_keys=jnp.zeros((batch, max_entries if is_csa else 0, index_dim), jnp.float32),
             rows=jnp.zeros(
                 (batch, csa.ring_rows(self.max_draft), self.compressor.row_width)
@@ -428,7 +440,7 @@ class DeepseekV4Attention(nnx.Module):
         logits = jnp.einsum("bthd,bkd->bhtk", q, keys, precision=FULL) * scale
         logits = jnp.where(visible[:, None], logits, -jnp.inf)
         if c.layer_type == CSA:  # the indexer's picks, per query
-            cache, selected, picked = self._compress_sparse(x, q_res, positions, lengths, cache)
+            cache, selected, picked = self._compress_sparse(x, q_res, positions, lengths, cache, tree, base)
             picked_logits = jnp.einsum("bthd,btkd->bhtk", q, selected, precision=FULL) * scale
             logits = jnp.concatenate([logits, jnp.where(picked[:, None], picked_logits, -jnp.inf)], axis=-1)
         sink = self.sinks[...][None, :, None]
@@ -502,15 +514,46 @@ class DeepseekV4Attention(nnx.Module):
         stored = cache.entries.at[jnp.arange(batch)[:, None], index].set(normed, mode="drop")
         return dataclasses.replace(cache, entries=stored), compressed, blocks
 
-    def _compress_sparse(self, x, q_res, positions, lengths, cache):
+    def _compress_sparse(self, x, q_res, positions, lengths, cache, tree=None, base=None):
         """A CSA layer's compressor and indexer (:mod:`~jax_oc128.nn.csa`): fold the new tokens into the
         cache, then pick each query's entries. Returns ``(cache, selected [batch, T, k, D], picked
-        [batch, T, k] bool)``."""
-        rows, entries, keys = self.compressor.compress(
-            x, positions, lengths, cache.rows, cache.entries, cache.index_keys
+        [batch, T, k] bool)``. A tree verify (``base`` ``[batch, 1]`` the root's position) keeps its
+        windows by node (``tree_entries``, ``tree_index_keys``): a node picks among the windows complete
+        before the root and those its ancestors closed."""
+        compressor = self.compressor
+        if tree is None:
+            rows, entries, keys = compressor.compress(
+                x, positions, lengths, cache.rows, cache.entries, cache.index_keys
+            )
+            selected, picked = compressor.select(x, q_res, positions, entries, keys)
+            return dataclasses.replace(cache, rows=rows, entries=entries, index_keys=keys), selected, picked
+        rows, node_entries, node_keys, windows = compressor.compress_tree(
+            x, tree, base[:, 0], lengths, cache.rows
         )
-        selected, picked = self.compressor.select(x, q_res, positions, entries, keys)
-        return dataclasses.replace(cache, rows=rows, entries=entries, index_keys=keys), selected, picked
+        batch, tokens, _ = x.shape
+        committed = jnp.arange(cache.entries.shape[1])[None, None, :] < base[:, :, None] // csa.RATE
+        visible = jnp.concatenate(
+            [
+                jnp.broadcast_to(committed, (batch, tokens, committed.shape[2])),
+                jnp.asarray(tree.mask)[None] & (windows[:, None, :] >= 0),
+            ],
+            axis=2,
+        )
+        selected, picked = compressor.select(
+            x,
+            q_res,
+            positions,
+            jnp.concatenate([cache.entries, node_entries], axis=1),
+            jnp.concatenate([cache.index_keys, node_keys], axis=1),
+            visible,
+        )
+        cache = dataclasses.replace(
+            cache,
+            rows=rows,
+            tree_entries=cache.tree_entries.at[:, :tokens].set(node_entries),
+            tree_index_keys=cache.tree_index_keys.at[:, :tokens].set(node_keys),
+        )
+        return cache, selected, picked
 
     def commit(self, compressed, seq_lens, accept_lens):
         """Keep ``accept_lens`` ``[batch]`` tokens of the verify at ``seq_lens`` (the eager commit), in every

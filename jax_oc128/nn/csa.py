@@ -112,7 +112,7 @@ class CSACompressor(nnx.Module):
           ``(rows, entries, keys)`` updated.
         """
         batch, tokens, _ = x.shape
-        ring, width = rows.shape[1], self.row_width
+        ring = rows.shape[1]
         new = self._rows(x)
         seq_lens = positions[:, 0]
         windows = seq_lens[:, None] // RATE + jnp.arange((tokens + RATE - 1) // RATE + 1)  # [batch, W]
@@ -122,27 +122,8 @@ class CSACompressor(nnx.Module):
         is_new = slot_pos >= seq_lens[:, None, None]
         from_new = jnp.take_along_axis(
             new, jnp.clip(slot_pos - seq_lens[:, None, None], 0, tokens - 1).reshape(batch, -1, 1), axis=1
-        )
-        from_ring = jnp.take_along_axis(rows, (slot_pos % ring).reshape(batch, -1, 1), axis=1)
-        slot_rows = jnp.where(
-            is_new[..., None],
-            from_new.reshape(*slot_pos.shape, width),
-            from_ring.reshape(*slot_pos.shape, width),
-        )
-        half = width // 4
-        is_b = jnp.arange(LOOKBACK) >= RATE  # [8]
-        kv = jnp.where(is_b[:, None], slot_rows[..., half : 2 * half], slot_rows[..., :half])
-        gate = jnp.where(is_b[:, None], slot_rows[..., 3 * half :], slot_rows[..., 2 * half : 3 * half])
-        ape = self._by_half(self.ape[...], self.indexer_ape[...])  # [4, 2 * half]
-        ape = jnp.where(is_b[:, None], jnp.tile(ape[:, half:], (2, 1)), jnp.tile(ape[:, :half], (2, 1)))
-        gate = jnp.where((slot_pos >= 0)[..., None], gate + ape, -jnp.inf)
-        _, _, pooled = pool(gate, kv, axis=2)  # [batch, W, half]
-
-        start = windows * RATE
-        main = self.rope.apply(rms_norm(pooled[..., : self.head_dim], self.kv_norm[...], self.eps), start)
-        index = self.rope.apply(
-            rms_norm(pooled[..., self.head_dim :], self.indexer_kv_norm[...], self.eps), start
-        )
+        ).reshape(*slot_pos.shape, -1)
+        main, index = self._pool(rows, from_new, is_new, slot_pos)
         at = (jnp.arange(batch)[:, None], jnp.where(closed, windows, entries.shape[1]))
         entries = entries.at[at].set(main, mode="drop")
         keys = keys.at[at].set(index, mode="drop")
@@ -154,9 +135,58 @@ class CSACompressor(nnx.Module):
         )
         return rows, entries, keys
 
-    def select(self, x, q_res, positions, entries, keys):
+    def compress_tree(self, x, tree, base, lengths, rows):
+        """A tree verify's windows (``tree`` a :class:`~jax_oc128.tree.Tree` of the T tokens, node k at
+        ``base + depths[k]``, ``base`` ``[batch]`` the root's position): each node that closes a window pools
+        it from the nodes of its own path and the ring's earlier rows. Nothing is written by window index
+        (branches close the same window differently); node k's raw row goes to ring row ``(base + k) % ring``
+        until the attention's ``keep_path``.
+
+        Returns ``(rows, entries [batch, T, head_dim], keys [batch, T, index_head_dim], windows [batch, T])``:
+        per node the entry and indexer key of the window it closes, and that window's index (-1 if none)."""
+        batch, tokens, _ = x.shape
+        ring = rows.shape[1]
+        new = self._rows(x)
+        positions = base[:, None] + jnp.asarray(tree.depths)  # [batch, T]
+        windows = positions // RATE
+        slot_pos = windows[..., None] * RATE + jnp.arange(-RATE, RATE)  # [batch, T, 8]
+        depth = slot_pos - base[:, None, None]  # a slot's depth on the node's path; < 0: before the root
+        paths = jnp.asarray(tree.paths)  # [T, depth + 1]
+        node = paths[jnp.arange(tokens)[None, :, None], jnp.clip(depth, 0, paths.shape[1] - 1)]
+        from_new = new[jnp.arange(batch)[:, None, None], jnp.maximum(node, 0)]  # [batch, T, 8, width]
+        main, index = self._pool(rows, from_new, depth >= 0, slot_pos)
+        closes = (positions + 1) % RATE == 0
+        t = jnp.arange(tokens)[None]
+        at = jnp.where(t < lengths[:, None], (base[:, None] + t) % ring, ring)
+        rows = rows.at[jnp.arange(batch)[:, None], at].set(new, mode="drop")
+        return rows, main, index, jnp.where(closes, windows, -1)
+
+    def _pool(self, rows, from_new, is_new, slot_pos):
+        """The normed, rotated entries and indexer keys of windows whose 8 slots are at ``slot_pos`` ``[batch,
+        W, 8]`` (window ``slot_pos[..., RATE] // RATE``): the rows ``from_new`` ``[batch, W, 8, row_width]``
+        where ``is_new``, else the ring's (``rows``)."""
+        batch, ring, width = *rows.shape[:2], self.row_width
+        from_ring = jnp.take_along_axis(rows, (slot_pos % ring).reshape(batch, -1, 1), axis=1)
+        slot_rows = jnp.where(is_new[..., None], from_new, from_ring.reshape(*slot_pos.shape, width))
+        half = width // 4
+        is_b = jnp.arange(LOOKBACK) >= RATE  # [8]
+        kv = jnp.where(is_b[:, None], slot_rows[..., half : 2 * half], slot_rows[..., :half])
+        gate = jnp.where(is_b[:, None], slot_rows[..., 3 * half :], slot_rows[..., 2 * half : 3 * half])
+        ape = self._by_half(self.ape[...], self.indexer_ape[...])  # [4, 2 * half]
+        ape = jnp.where(is_b[:, None], jnp.tile(ape[:, half:], (2, 1)), jnp.tile(ape[:, :half], (2, 1)))
+        gate = jnp.where((slot_pos >= 0)[..., None], gate + ape, -jnp.inf)
+        _, _, pooled = pool(gate, kv, axis=2)  # [batch, W, half]
+        start = slot_pos[..., RATE]  # the window's first position
+        main = self.rope.apply(rms_norm(pooled[..., : self.head_dim], self.kv_norm[...], self.eps), start)
+        index = self.rope.apply(
+            rms_norm(pooled[..., self.head_dim :], self.indexer_kv_norm[...], self.eps), start
+        )
+        return main, index
+
+    def select(self, x, q_res, positions, entries, keys, visible=None):
         """The indexer's picks: ``(selected [batch, T, k, head_dim], valid [batch, T, k] bool)``, the top
-        ``k = min(index_topk, E)`` entries each query may see (``valid`` False for picks past the visible
+        ``k = min(index_topk, E)`` entries each query may see (``visible`` ``[batch, T, E]`` bool, default
+        the windows closed at or before the query's position; ``valid`` False for picks past the visible
         ones, where fewer than k are visible)."""
         c = self.indexer
         batch, tokens, _ = x.shape
@@ -165,7 +195,8 @@ class CSACompressor(nnx.Module):
         relu = jax.nn.relu(jnp.einsum("bthi,bei->bthe", q, keys, precision=FULL)) * c.head_dim**-0.5
         head_weights = linear(x, self.indexer_weights_proj[...]) * c.num_heads**-0.5
         scores = jnp.einsum("bth,bthe->bte", head_weights, relu, precision=FULL)
-        visible = jnp.arange(keys.shape[1]) < ((positions + 1) // RATE)[..., None]
+        if visible is None:
+            visible = jnp.arange(keys.shape[1]) < ((positions + 1) // RATE)[..., None]
         top, picks = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), min(c.topk, keys.shape[1]))
         selected = entries[jnp.arange(batch)[:, None, None], picks]
         return selected, top > -jnp.inf
