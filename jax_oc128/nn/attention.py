@@ -214,6 +214,22 @@ def _tree_visibility(tree: Tree, nodes, base, ring_size: int):
     return ring, jnp.asarray(new)
 
 
+def _tree_entries_visibility(tree: Tree, base, committed: int, rate: int, closed):
+    """What the nodes of a tree verify see of an HCA or CSA layer's entries (blocks or windows of ``rate``
+    tokens): ``[batch, N, committed + N]`` bool, of the ``committed`` entries by index those complete before
+    the root (``base`` ``[batch, 1]`` its position), then of the nodes' own entries (``closed`` ``[batch, N]``
+    the index each node closed, -1 for none) those its ancestors or itself closed."""
+    before_root = jnp.arange(committed)[None, None, :] < base[:, :, None] // rate  # [batch, 1, committed]
+    batch, nodes = closed.shape
+    return jnp.concatenate(
+        [
+            jnp.broadcast_to(before_root, (batch, nodes, committed)),
+            jnp.asarray(tree.mask)[None] & (closed[:, None, :] >= 0),
+        ],
+        axis=2,
+    )
+
+
 def batch_slots(lengths):
     """``[batch]`` int32: the compressor slot of each batch row, its index; -1 (padding) for rows of
     length 0, which leave every state untouched."""
@@ -384,10 +400,11 @@ class DeepseekV4Attention(nnx.Module):
             the caller then keeps ``accept`` of them with :meth:`commit` or leaves them pending (the row's
             next forward commits them from its positions).
           tree: a static :class:`~jax_oc128.tree.Tree` for a tree verify (``mode`` TARGET_VERIFY) or a
-            level of a tree draft (DRAFT_EXTEND); sliding layers for now. Token i is node ``nodes[i]`` at
-            ``base + tree.depths[nodes[i]]`` (``base`` the root's position) and attends to the window before
-            the root, to its ancestors among the tokens (``tree.mask``) and to the ring rows of its
-            ancestors that earlier calls of this tree wrote; node n's window row goes to ring row
+            level of a tree draft (DRAFT_EXTEND, sliding layers). Token i is node ``nodes[i]`` at ``base +
+            tree.depths[nodes[i]]`` (``base`` the root's position) and attends to the window before the
+            root, to its ancestors among the tokens (``tree.mask``), to the ring rows of its ancestors that
+            earlier calls of this tree wrote, and (HCA, CSA) to the entries complete before the root and
+            those its ancestors or itself closed; node n's window row goes to ring row
             ``(base + n) % R`` until :meth:`AttentionCache.keep_path` keeps the accepted path. None: the
             tokens are a chain (consecutive positions, causal).
           nodes: static, the tree's nodes the T tokens are: every node (the default, a verify) or distinct
@@ -425,17 +442,14 @@ class DeepseekV4Attention(nnx.Module):
         visible = seen & (k >= 0) & (k <= t) & (k > t - c.sliding_window)
         if c.layer_type == HCA:
             cache, compressed, closed = self._compress(x, positions, lengths, cache, compressed, mode, tree)
-            entry = jnp.arange(cache.entries.shape[1])[None, None, :]
             keys = jnp.concatenate([keys, cache.entries], axis=1)
             if tree is None:
+                entry = jnp.arange(cache.entries.shape[1])[None, None, :]
                 visible = jnp.concatenate([visible, entry < (t + 1) // BLOCK], axis=2)
-            else:  # the blocks complete before the root, then the entries its ancestors closed
-                committed = jnp.broadcast_to(
-                    entry < base[:, :, None] // BLOCK, (batch, tokens, entry.shape[2])
-                )
-                ancestors = jnp.asarray(tree.mask)[None] & (closed[:, None, :] >= 0)
+            else:
                 keys = jnp.concatenate([keys, cache.tree_entries[:, :tokens]], axis=1)
-                visible = jnp.concatenate([visible, committed, ancestors], axis=2)
+                seen_entries = _tree_entries_visibility(tree, base, cache.entries.shape[1], BLOCK, closed)
+                visible = jnp.concatenate([visible, seen_entries], axis=2)
         scale = c.head_dim**-0.5
         logits = jnp.einsum("bthd,bkd->bhtk", q, keys, precision=FULL) * scale
         logits = jnp.where(visible[:, None], logits, -jnp.inf)
@@ -530,15 +544,8 @@ class DeepseekV4Attention(nnx.Module):
         rows, node_entries, node_keys, windows = compressor.compress_tree(
             x, tree, base[:, 0], lengths, cache.rows
         )
-        batch, tokens, _ = x.shape
-        committed = jnp.arange(cache.entries.shape[1])[None, None, :] < base[:, :, None] // csa.RATE
-        visible = jnp.concatenate(
-            [
-                jnp.broadcast_to(committed, (batch, tokens, committed.shape[2])),
-                jnp.asarray(tree.mask)[None] & (windows[:, None, :] >= 0),
-            ],
-            axis=2,
-        )
+        tokens = x.shape[1]
+        visible = _tree_entries_visibility(tree, base, cache.entries.shape[1], csa.RATE, windows)
         selected, picked = compressor.select(
             x,
             q_res,
