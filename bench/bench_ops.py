@@ -146,18 +146,27 @@ def _entry(state, kv, seq, slots, ape, committing, layer):
     return reference.fold_verify(m, s, num, kv, seq % BLOCK, ape)[1]
 
 
-def _deferred_step(c, k):
-    committing = c["pending"]
+def _verified(c, k, state, **updates):
+    """The carry after a step's verifies at ``c["seq"]`` left ``state``: the positions advanced by the
+    accepts and this step's seq_lens pending (prepare_forward(TARGET_VERIFY): what was pending is committed
+    by this step's verifies, fused; the next step's seq_lens - pending is this step's accept)."""
     pending = c["pending"].at[k["slots"]].set(c["seq"], mode="drop")
+    return dict(c, state=state, seq=c["seq"] + k["accept"], pending=pending, **updates)
+
+
+def _verify_all_layers(c, k, kv):
+    """One verify of every layer's banks (``kv`` the layers' kv_score), the pending commit fused."""
+    kv = jnp.concatenate(kv)
+    return oc.verify(c["state"], kv, c["seq"], k["slots"], k["ape_all"], pending=c["pending"])[0]
+
+
+def _deferred_step(c, k):
     kv, entry = list(c["kv"]), c["entry"]
     for layer in range(LAYERS):
         # the next layer's input depends on this layer's attention, which reads the entry
         kv[layer] = kv[layer].at[0, :, 0, 0].add((entry[0, :, 0] == -3e38).astype(kv[layer].dtype))
-        entry = _entry(c["state"], kv[layer], c["seq"], k["slots"], k["ape"][layer], committing, layer)
-    state, _, _ = oc.verify(
-        c["state"], jnp.concatenate(kv), c["seq"], k["slots"], k["ape_all"], pending=committing
-    )
-    return dict(state=state, kv=kv, entry=entry, seq=c["seq"] + k["accept"], pending=pending)
+        entry = _entry(c["state"], kv[layer], c["seq"], k["slots"], k["ape"][layer], c["pending"], layer)
+    return _verified(c, k, _verify_all_layers(c, k, kv), kv=kv, entry=entry)
 
 
 def _skip_step(c, k):
@@ -165,25 +174,16 @@ def _skip_step(c, k):
 
     def deferred(c, k):
         c = _chain_step(c, k)
-        committing = c["pending"]
-        state, _, _ = oc.verify(
-            c["state"], jnp.concatenate(c["kv"]), c["seq"], k["slots"], k["ape_all"], pending=committing
-        )
-        pending = committing.at[k["slots"]].set(c["seq"], mode="drop")
-        return dict(c, state=state, seq=c["seq"] + k["accept"], pending=pending)
+        return _verified(c, k, _verify_all_layers(c, k, c["kv"]))
 
     return jax.lax.cond(closes, _model_step, deferred, c, k)
 
 
 def _model_step(c, k, ops=oc):
-    # prepare_forward(TARGET_VERIFY): what was pending is committed by this step's verifies (fused), and
-    # this step's seq_lens become pending; the next step's seq_lens - pending is this step's accept.
-    committing = c["pending"]
-    pending = c["pending"].at[k["slots"]].set(c["seq"], mode="drop")
     state, kv, blocks = _layers(
-        c["state"], c["kv"], c["blocks"], c["seq"], k["slots"], k["ape"], committing, ops
+        c["state"], c["kv"], c["blocks"], c["seq"], k["slots"], k["ape"], c["pending"], ops
     )
-    return dict(state=state, kv=kv, blocks=blocks, seq=c["seq"] + k["accept"], pending=pending)
+    return _verified(c, k, state, kv=kv, blocks=blocks)
 
 
 def _sglang_step(c, k):
