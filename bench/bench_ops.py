@@ -11,6 +11,9 @@ other: a verify cannot batch them. Patterns, per step:
   commit_pending): 40 launches. (SGLang also launches mark_pending twice per step; not counted here.)
 * ``launch``: the floor, per layer one do-nothing launch (a verify of a single padding row, slot -1):
   20 launches.
+* ``kernel``: the floor of a kernel XLA compiles and launches itself (a Pallas kernel reading one element per
+  row), per layer, instead of a custom call. XLA records a custom call into its command buffer by tracing
+  the handler into a nested graph; ``launch`` minus ``kernel`` is what that costs over a plain kernel node.
 * ``chain``: the dependency chain alone (see ``_depend``), no C128 op: what stands for the model's own
   kernels between two C128 layers. A pattern's cost minus the chain's is what its C128 ops add to a step.
 * ``batched``: one verify and one commit for all 20 layers. A reference only, not a pattern a model can
@@ -50,6 +53,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 import jax_oc128 as oc
 from jax_oc128 import reference
@@ -57,7 +61,7 @@ from jax_oc128.decode import GPU_LOOP_OPTIONS
 from jax_oc128.rules import committed_bank
 
 LAYERS, DIM, BLOCK = 20, 512, 128
-PATTERNS = ("chain", "launch", "model", "model_jnp", "sglang", "batched", "deferred", "skip")
+PATTERNS = ("chain", "launch", "kernel", "model", "model_jnp", "sglang", "batched", "deferred", "skip")
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "bench_ops.json"
 
 
@@ -124,6 +128,30 @@ def _layers(state, kv, blocks, seq, slots, ape, pending=None, ops=oc):
         kv[layer] = _depend(kv[layer], blocks)
         state, _, blocks = ops.verify(state, kv[layer], seq, slots, ape[layer], layer=layer, pending=pending)
     return state, kv, blocks
+
+
+def _noop_kernel(kv):
+    """``blocks`` ``[rows, 1]`` (-1, as kv is finite) read from ``kv[0, :, 0, 0]`` by one Pallas kernel."""
+
+    def body(kv_ref, blocks_ref):
+        blocks_ref[...] = jnp.where(jnp.isnan(kv_ref[0, :, 0, :]), -2, -1).astype(jnp.int32)
+
+    rows = kv.shape[1]
+    return pl.pallas_call(
+        body,
+        out_shape=jax.ShapeDtypeStruct((rows, 1), jnp.int32),
+        in_specs=[pl.BlockSpec((1, rows, 1, 1), lambda: (0, 0, 0, 0))],
+        out_specs=pl.BlockSpec((rows, 1), lambda: (0, 0)),
+        interpret=jax.default_backend() == "cpu",
+    )(kv)
+
+
+def _kernel_step(c, k):
+    kv, blocks = list(c["kv"]), c["blocks"]
+    for layer in range(LAYERS):
+        kv[layer] = _depend(kv[layer], blocks)
+        blocks = _noop_kernel(kv[layer])
+    return dict(c, kv=kv, blocks=blocks)
 
 
 def _chain_step(c, k):
@@ -207,6 +235,7 @@ def _batched_step(c, k):
 STEPS = {
     "chain": _chain_step,
     "launch": _launch_step,
+    "kernel": _kernel_step,
     "model": _model_step,
     "model_jnp": functools.partial(_model_step, ops=oc.reference),
     "sglang": _sglang_step,
@@ -286,6 +315,7 @@ def main():
         patterns=dict(
             chain=f"the dependency chain of {LAYERS} layers alone, no C128 op",
             launch=f"{LAYERS} do-nothing launches (verify of one padding row), same dependency chain",
+            kernel=f"{LAYERS} do-nothing kernels XLA launches itself (Pallas), same dependency chain",
             model=f"{LAYERS} verify launches, the previous step's commit fused (pending)",
             model_jnp="the model's pattern with the jnp twin of verify (XLA fuses it with its neighbours)",
             sglang=f"{LAYERS} verify + {LAYERS} commit launches",
