@@ -35,7 +35,10 @@ Every per-layer pattern carries the same dependency chain (see ``_depend``). Eac
 ``--repeat`` steps (positions advancing) inside one jit-compiled executable with the state donated. The time
 per step is the slope between that executable and one of a single step, (t_repeat - t_1) / (repeat - 1),
 each the median of ``--iters`` calls: host dispatch and the final sync, paid once per call, cancel. (The
-unrolled executables compile in time superlinear in their length, hence a slope over a modest repeat.) The
+unrolled executables compile in time superlinear in their length, hence a slope over a modest repeat.) Every
+pattern's executables are compiled once and timed in ``--rounds`` rounds, the patterns interleaved, so that a
+drift of the device's clocks reaches every pattern alike; the table gives the median slope over the rounds,
+the JSON every round's (single runs of these executables read up to 50% apart between sessions). The
 bandwidth floor is the bytes the model's step must move divided by the device's copy bandwidth (read +
 write of a 2 GiB array, measured here).
 
@@ -66,8 +69,8 @@ DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "bench_ops.j
 
 
 def timed(fn, carry, consts, iters, warmup_s=0.2):
-    """Median seconds per call of ``carry = fn(carry, consts)`` (carry donated), after ``warmup_s`` seconds of
-    untimed calls (the first compiles; the rest bring the device's clocks up)."""
+    """``(median seconds per call, carry)`` of ``carry = fn(carry, consts)`` (carry donated), after
+    ``warmup_s`` seconds of untimed calls (the first compiles; the rest bring the device's clocks up)."""
     start = time.perf_counter()
     while time.perf_counter() - start < warmup_s:
         carry = fn(carry, consts)
@@ -78,14 +81,14 @@ def timed(fn, carry, consts, iters, warmup_s=0.2):
         carry = fn(carry, consts)
         jax.block_until_ready(carry)
         times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return float(np.median(times)), carry
 
 
 def copy_bandwidth(iters):
     """Bytes/s of a device copy (read + write) of a 2 GiB array."""
     fn = jax.jit(lambda x, _: x * 1.0001)
     x = jnp.ones((512 * 1024 * 1024,), jnp.float32)
-    return 2 * x.nbytes / timed(fn, x, None, iters)
+    return 2 * x.nbytes / timed(fn, x, None, iters)[0]
 
 
 def step_bytes(rows, n, dtype_bytes):
@@ -290,7 +293,8 @@ def main():
     parser.add_argument("--draft", type=int, nargs="+", default=[4])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeat", type=int, default=10, help="steps unrolled in one executable (>= 2)")
-    parser.add_argument("--iters", type=int, default=20, help="timed calls (median)")
+    parser.add_argument("--iters", type=int, default=50, help="timed calls per round (median)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds, the patterns interleaved (median)")
     parser.add_argument("--patterns", nargs="+", choices=PATTERNS, default=list(PATTERNS))
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args()
@@ -312,6 +316,7 @@ def main():
         head_dim=DIM,
         repeat=args.repeat,
         iters=args.iters,
+        rounds=args.rounds,
         patterns=dict(
             chain=f"the dependency chain of {LAYERS} layers alone, no C128 op",
             launch=f"{LAYERS} do-nothing launches (verify of one padding row), same dependency chain",
@@ -328,14 +333,24 @@ def main():
     for dtype in args.dtypes:
         for n in args.draft:
             for rows in args.batches:
-                us, raw = {}, {}
+                runs = {}  # (pattern, repeat): [executable, carry, consts]
                 for pattern in args.patterns:
-                    seconds = {}
                     for repeat in (1, args.repeat):
-                        carry, consts = setup(pattern, rows, n, jnp.dtype(dtype))
-                        seconds[repeat] = timed(build(pattern, repeat), carry, consts, args.iters)
-                    us[pattern] = (seconds[args.repeat] - seconds[1]) / (args.repeat - 1) * 1e6
-                    raw[pattern] = {str(k): v * 1e6 for k, v in seconds.items()}
+                        runs[pattern, repeat] = [
+                            build(pattern, repeat),
+                            *setup(pattern, rows, n, jnp.dtype(dtype)),
+                        ]
+                slopes = {pattern: [] for pattern in args.patterns}
+                raw = {pattern: {"1": [], str(args.repeat): []} for pattern in args.patterns}
+                for _ in range(args.rounds):
+                    for pattern in args.patterns:
+                        seconds = {}
+                        for repeat in (1, args.repeat):
+                            fn, carry, consts = runs[pattern, repeat]
+                            seconds[repeat], runs[pattern, repeat][1] = timed(fn, carry, consts, args.iters)
+                            raw[pattern][str(repeat)].append(seconds[repeat] * 1e6)
+                        slopes[pattern].append((seconds[args.repeat] - seconds[1]) / (args.repeat - 1) * 1e6)
+                us = {pattern: float(np.median(slopes[pattern])) for pattern in args.patterns}
                 total = step_bytes(rows, n, jnp.dtype(dtype).itemsize)
                 row = dict(dtype=dtype, draft=n, batch=rows, **{f"{k}_us": v for k, v in us.items()})
                 launch = us.get("launch", float("nan"))
@@ -345,6 +360,7 @@ def main():
                     floor_us=total / bandwidth * 1e6,
                     **{f"{p}_x_launch": us[p] / launch for p in us},
                     call_us=raw,
+                    round_us=slopes,
                 )
                 if "chain" in us:  # what each pattern's C128 ops add to the chain
                     row.update({f"{p}_c128_us": us[p] - us["chain"] for p in us if p != "chain"})
@@ -354,6 +370,8 @@ def main():
                 chain = us.get("chain", float("nan"))
                 cells = " | ".join(f"{us[p]:9.1f} ({us[p] - chain:6.1f})" for p in args.patterns)
                 print(f"{dtype:8s} {n:2d} {rows:5d} | {cells} | {row['floor_us']:8.2f}")
+                spread = ", ".join(f"{p} {min(v):.1f}-{max(v):.1f}" for p, v in slopes.items())
+                print(f"{'':17s}   rounds: {spread}")
     print("* batched: one verify + one commit for all layers, a reference, not a pattern a model can run")
     print("* deferred: per layer the closed block's entry in jnp, then one verify of every layer's banks")
     print("* skip: the model pattern on steps where a block closes, else one verify of every layer's banks")
