@@ -149,20 +149,17 @@ def _noop_kernel(kv):
     )(kv)
 
 
-def _kernel_step(c, k):
+def _chain_blocks(kv):
+    """``blocks`` ``[rows, 1]`` (-1, as kv is finite) read from ``kv[0, :, 0, 0]`` by an XLA fusion."""
+    return jnp.where(jnp.isnan(kv[0, :, :1, 0]), -2, -1).astype(jnp.int32)
+
+
+def _chain_step(c, k, blocks_of=_chain_blocks):
+    """The dependency chain alone: the next layer's input depends on this one's through ``blocks_of``."""
     kv, blocks = list(c["kv"]), c["blocks"]
     for layer in range(LAYERS):
         kv[layer] = _depend(kv[layer], blocks)
-        blocks = _noop_kernel(kv[layer])
-    return dict(c, kv=kv, blocks=blocks)
-
-
-def _chain_step(c, k):
-    kv, blocks = list(c["kv"]), c["blocks"]
-    for layer in range(LAYERS):
-        kv[layer] = _depend(kv[layer], blocks)
-        # the next layer's input depends on this one's: blocks made from kv (-1, as kv is finite)
-        blocks = jnp.where(jnp.isnan(kv[layer][0, :, :1, 0]), -2, -1).astype(jnp.int32)
+        blocks = blocks_of(kv[layer])
     return dict(c, kv=kv, blocks=blocks)
 
 
@@ -238,7 +235,7 @@ def _batched_step(c, k):
 STEPS = {
     "chain": _chain_step,
     "launch": _launch_step,
-    "kernel": _kernel_step,
+    "kernel": functools.partial(_chain_step, blocks_of=_noop_kernel),
     "model": _model_step,
     "model_jnp": functools.partial(_model_step, ops=oc.reference),
     "sglang": _sglang_step,
