@@ -5,24 +5,25 @@ Configs:
 
 * ``shipped``: the model shipped in the package (``checkpoint.load``; 4 layers, 2 of them C128, byte-level).
   Prompts are slices of the demo's text, so that the drafts are accepted as in use.
-* ``v4flash-attn``: the attention of DeepSeek-V4-Flash at its shapes (hidden 4096, 64 heads x 512, q and o
-  LoRA rank 1024, 8 o-groups, rope_dim 64, window 128) in 6 layers alternating sliding and C128, a dense
-  SwiGLU MLP of 2048, float32, random weights (``nnx.Rngs(0)``, the same for both backends), ``max_len``
+* ``v4flash-attn``: the attention of DeepSeek-V4-Flash (``ModelConfig.deepseek_v4_flash``) at its shapes
+  (hidden 4096, 64 heads x 512, q and o LoRA rank 1024, 8 o-groups, rope_dim 64 with the compress RoPE's YaRN,
+  window 128) in 6 layers alternating sliding and C128, a dense SwiGLU MLP of 2048 and one residual stream
+  (the small MTP head), float32, random weights (``nnx.Rngs(0)``, the same for both backends), ``max_len``
   4096 (the 64-slot caches stay small), ``max_draft`` 4. The vocabulary is 4096, not V4's 129280: the point
   is the attention and the C128 state, and a full-size LM head (2 GiB of float32, read at every step and
   every draft) would dominate the small-batch steps. Prompts are random token ids; the random MTP head's
   drafts are almost never accepted (mean accepted length about 1), which does not matter for the time per
   step.
-* ``v4flash-slice``: the full DeepSeek-V4 layer at DeepSeek-V4-Flash's dimensions (its config.json), its first
-  6 layers (sliding, sliding, CSA, HCA, CSA, HCA; hash-routed MoE in the first 3, top-k in the others): hidden
-  4096, 64 heads x 512, q and o LoRA rank 1024, 8 o-groups, rope_dim 64 (compress RoPE YaRN x16 from 65536),
-  window 128, the CSA indexer's 64 heads x 128 and top-512, MoE experts of 2048 with 6 routed per token and a
-  shared one, routed scaling 1.5, SwiGLU limit 10, hyper-connections of 4 streams with 20 Sinkhorn iterations,
-  the vocabulary of 129280, and DeepSeek-V4's MTP layer as the draft head; but 16 routed experts instead of
-  256 (the MoE computes every expert for every token) so that it fits one GPU: 4.9 billion parameters, 9.8 GB
-  in bfloat16 (the matrices; norms, hyper-connections and biases float32). Random weights made one at a time
-  (each drawn in float32, stored in bfloat16; the constructor under ``jit`` would hold every float32 draw at
-  once, 39 GB), ``max_len`` 4096, ``max_draft`` 4; random prompts.
+* ``v4flash-slice``: DeepSeek-V4-Flash as released (``ModelConfig.deepseek_v4_flash``: its config.json), its
+  first 6 layers (sliding, sliding, CSA, HCA, CSA, HCA; hash-routed MoE in the first 3, top-k in the others):
+  hidden 4096, 64 heads x 512, q and o LoRA rank 1024, 8 o-groups, rope_dim 64 (compress RoPE YaRN x16 from
+  65536), window 128, the CSA indexer's 64 heads x 128 and top-512, MoE experts of 2048 with 6 routed per
+  token and a shared one, routed scaling 1.5, SwiGLU limit 10, hyper-connections of 4 streams with 20
+  Sinkhorn iterations, the vocabulary of 129280, and DeepSeek-V4's MTP layer as the draft head; but 16 routed
+  experts instead of 256 (the MoE computes every expert for every token) so that it fits one GPU: 4.9 billion
+  parameters, 9.8 GB in bfloat16 (the matrices; norms, hyper-connections and biases float32). Random weights
+  made one at a time (each drawn in float32, stored in bfloat16; the constructor under ``jit`` would hold
+  every float32 draw at once, 39 GB), ``max_len`` 4096, ``max_draft`` 4; random prompts.
 
 Modes (``--modes``): ``plain``; ``N``, speculative steps verifying a chain of N tokens (the bonus token and
 N - 1 drafts); ``treeN``, tree speculation at the same verify width: the default draft tree of N nodes
@@ -84,46 +85,22 @@ from jax_oc128 import checkpoint
 from jax_oc128.controller import BACKENDS
 from jax_oc128.decode import STEPS_PER_DISPATCH, Engine
 from jax_oc128.nn import ModelConfig, SpeculativeModel, sharding
-from jax_oc128.nn.attention import CSA, HCA, SLIDING
-from jax_oc128.nn.moe import HASH_MOE, MOE
+from jax_oc128.nn.attention import HCA, SLIDING
 from jax_oc128.tree import Tree
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "bench_decode.json"
 CONFIGS = ("shipped", "v4flash-attn", "v4flash-slice")
 #: DeepSeek-V4-Flash's attention shapes in 6 layers (see the module doc)
-V4FLASH_ATTN = ModelConfig(
+V4FLASH_ATTN = dataclasses.replace(
+    ModelConfig.deepseek_v4_flash(max_len=4096, max_draft=4),
     vocab_size=4096,
-    hidden_size=4096,
     layer_types=(SLIDING, HCA) * 3,
-    num_heads=64,
-    head_dim=512,
-    rope_dim=64,
-    q_lora_rank=1024,
-    o_groups=8,
-    o_lora_rank=1024,
-    sliding_window=128,
-    mlp_hidden=2048,
-    max_len=4096,
-    max_draft=4,
+    mlp_layer_types=None,
+    hc_mult=None,
 )
 #: DeepSeek-V4-Flash's first 6 layers with 16 experts, in bfloat16 (see the module doc)
-V4FLASH_SLICE = dataclasses.replace(
-    V4FLASH_ATTN,
-    vocab_size=129280,
-    layer_types=(SLIDING, SLIDING, CSA, HCA, CSA, HCA),
-    mlp_layer_types=(HASH_MOE,) * 3 + (MOE,) * 3,
-    num_experts=16,
-    num_experts_per_tok=6,
-    routed_scaling_factor=1.5,
-    swiglu_limit=10.0,
-    hc_mult=4,
-    hc_sinkhorn_iters=20,
-    index_n_heads=64,
-    index_head_dim=128,
-    index_topk=512,
-    compress_rope_factor=16.0,
-    compress_rope_original_max_position_embeddings=65536,
-    dtype="bfloat16",
+V4FLASH_SLICE = ModelConfig.deepseek_v4_flash(
+    num_layers=6, num_experts=16, max_len=4096, max_draft=4, dtype="bfloat16"
 )
 #: the demo's prompts (byte-level text for the shipped model)
 TEXT = (

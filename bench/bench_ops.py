@@ -61,9 +61,11 @@ from jax.experimental import pallas as pl
 import jax_oc128 as oc
 from jax_oc128 import reference
 from jax_oc128.decode import GPU_LOOP_OPTIONS
-from jax_oc128.rules import committed_bank
+from jax_oc128.nn import ModelConfig
+from jax_oc128.rules import BLOCK, committed_bank
 
-LAYERS, DIM, BLOCK = 20, 512, 128
+V4FLASH = ModelConfig.deepseek_v4_flash()
+LAYERS, DIM = V4FLASH.compressed_layers, V4FLASH.head_dim  # 20 C128 layers, head_dim 512
 PATTERNS = ("chain", "launch", "kernel", "model", "model_jnp", "sglang", "batched", "deferred", "skip")
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "bench_ops.json"
 

@@ -1,4 +1,5 @@
-"""Compressed-state bytes per request, online vs offline, at DeepSeek-V4-Flash shapes (markdown table).
+"""Compressed-state bytes per request, online vs offline, at DeepSeek-V4-Flash shapes (markdown table): by
+default its C128 layers and head_dim (``ModelConfig.deepseek_v4_flash``: 20 and 512).
 
 Usage: python bench/state_bytes.py [--layers 20] [--head-dim 512]
 """
@@ -9,13 +10,16 @@ import argparse
 
 import jax.numpy as jnp
 
+from jax_oc128.nn import ModelConfig
 from jax_oc128.state import CompressState, OfflineState, bytes_per_slot
+
+V4FLASH = ModelConfig.deepseek_v4_flash()
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=20)
-    parser.add_argument("--head-dim", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=V4FLASH.compressed_layers)
+    parser.add_argument("--head-dim", type=int, default=V4FLASH.head_dim)
     args = parser.parse_args()
     print(
         "| draft tokens (banks) | online fp32 | offline fp32 | ratio | online bf16 | offline bf16 | ratio |"

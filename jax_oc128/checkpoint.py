@@ -141,7 +141,8 @@ def _metadata(archive: zipfile.ZipFile, headers: dict, path) -> dict:
 
 def _config(meta: dict, tensors: int, path) -> ModelConfig:
     """The :class:`~jax_oc128.nn.ModelConfig` of ``meta["config"]``: exactly its fields (those of the full
-    DeepSeek-V4 layout, :data:`~jax_oc128.nn.model.V4_FIELDS`, may be absent: the look-alike's defaults),
+    DeepSeek-V4 layout, :data:`~jax_oc128.nn.model.V4_FIELDS`, may be absent: the shipped model's values,
+    :meth:`~jax_oc128.nn.ModelConfig.tiny`),
     each checked by the config itself; no more layers than the file has ``tensors`` (each layer has
     parameters: a small file claiming a huge number of layers is refused before the model's shapes are
     traced)."""
@@ -165,7 +166,7 @@ def _config(meta: dict, tensors: int, path) -> ModelConfig:
             f"{path}: config: layer_types: {len(raw['layer_types'])} layers but only {tensors} tensors"
         )
     try:
-        return ModelConfig(**{**raw, **tuples})
+        return ModelConfig.tiny(**{**raw, **tuples})
     except (TypeError, ValueError) as error:
         raise ValueError(f"{path}: config: {error}") from None
 

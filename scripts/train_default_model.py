@@ -72,7 +72,7 @@ def main():
 
     text = np.frombuffer(corpus(), np.uint8).astype(np.int32)
     print(f"corpus: {len(text) / 1e6:.2f} MB of stdlib docstrings; backend {jax.default_backend()}")
-    config = ModelConfig()
+    config = ModelConfig.tiny()
     model = SpeculativeModel(config, backend=OFFLINE, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     warmup = min(100, args.steps // 10)

@@ -42,7 +42,7 @@ def with_config(meta, **fields):
 @pytest.mark.parametrize("fields", [{}, {"dtype": "bfloat16", "mtp": False}], ids=["float32", "bfloat16"])
 def test_saved_model_loads_back_exactly(tmp_path, fields):
     """Also a model of bfloat16 weights (stored as their bits) without a draft head."""
-    config = ModelConfig(
+    config = ModelConfig.tiny(
         vocab_size=40, hidden_size=32, layer_types=(HCA, SLIDING), head_dim=32, rope_dim=8, **fields
     )
     model = SpeculativeModel(config, rngs=nnx.Rngs(3))

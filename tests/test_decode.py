@@ -18,7 +18,7 @@ from jax_oc128.controller import OFFLINE, ONLINE
 from jax_oc128.decode import Engine
 from jax_oc128.nn import ModelConfig, SpeculativeModel
 
-CONFIG = ModelConfig(
+CONFIG = ModelConfig.tiny(
     vocab_size=64,
     hidden_size=64,
     head_dim=32,

@@ -14,7 +14,7 @@ from flax import nnx
 from jax_oc128.controller import ONLINE, ForwardMode
 from jax_oc128.nn import HCA, SLIDING, DeepseekV4Model, ModelConfig
 
-CONFIG = ModelConfig(
+CONFIG = ModelConfig.tiny(
     vocab_size=32,
     hidden_size=32,
     layer_types=(HCA, SLIDING, HCA, HCA),

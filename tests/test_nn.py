@@ -15,11 +15,12 @@ from harness import copy_tree
 from oracle import rel_err
 
 from jax_oc128.controller import OFFLINE, ONLINE, ForwardMode
-from jax_oc128.nn import AttentionConfig, DeepseekV4Attention, prepare_forward
+from jax_oc128.nn import DeepseekV4Attention, ModelConfig, prepare_forward
 
 FIXTURE = np.load(pathlib.Path(__file__).parent / "fixtures" / "hf_deepseek_v4.npz")
 META = json.loads(bytes(FIXTURE["meta"]).decode())
 CONFIG = META["config"]
+MODEL = ModelConfig.from_hf(CONFIG)  # its layers' configs: MODEL.attention(layer_type)
 X = jnp.asarray(FIXTURE["x"])
 BATCH, PROMPT = X.shape[:2]
 HF_TOL = 1e-4  # the issue's bar: fp32 relative error against transformers
@@ -31,7 +32,8 @@ def layer(index, backend=ONLINE):
         k.split("/", 1)[1]: v for k, v in FIXTURE.items() if k.startswith(f"layer{index}/") and "." in k
     }
     weights |= {"sinks": FIXTURE[f"layer{index}/sinks"]}
-    return DeepseekV4Attention.from_hf(CONFIG, index, weights, backend=backend, max_draft=4)
+    config = MODEL.attention(MODEL.layer_types[index])
+    return DeepseekV4Attention.from_hf(config, index, weights, backend=backend, max_draft=4)
 
 
 def positions(start, stop):
@@ -138,20 +140,10 @@ def test_cache_is_donated_under_jit():
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(new_cache))
 
 
-def test_unknown_layer_type_and_compress_rate_are_named():
-    with pytest.raises(ValueError, match=r"layer_types\[0\]: unknown layer type 'full_attention'"):
-        AttentionConfig.from_hf(dict(CONFIG, layer_types=["full_attention", "sliding_attention"]), 0)
-    rates = {"compressed_sparse_attention": 8, "heavily_compressed_attention": 128}
-    with pytest.raises(
-        NotImplementedError, match="compress_rates\\['compressed_sparse_attention'\\] must be 4"
-    ):
-        AttentionConfig.from_hf(dict(CONFIG, compress_rates=rates), 1)
-
-
 def test_missing_weight_is_named():
     weights = {k.split("/", 1)[1]: v for k, v in FIXTURE.items() if k.startswith("layer1/") and "." in k}
     with pytest.raises(KeyError, match="sinks"):
-        DeepseekV4Attention.from_hf(CONFIG, 1, weights)
+        DeepseekV4Attention.from_hf(MODEL.attention(MODEL.layer_types[1]), 1, weights)
 
 
 def test_ragged_rows():

@@ -5,6 +5,7 @@ sees after the chain, with no trace of the rejected branches."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -12,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_nn import CONFIG, FIXTURE, VERIFY, X
+from test_nn import FIXTURE, MODEL, VERIFY, X
 
 from jax_oc128.controller import ONLINE, ForwardMode
-from jax_oc128.nn import AttentionConfig, DeepseekV4Attention, prepare_forward
-from jax_oc128.nn.attention import CSA
+from jax_oc128.nn import DeepseekV4Attention, prepare_forward
+from jax_oc128.nn.attention import CSA, HCA
 from jax_oc128.tree import Tree
 
 MAX_DRAFT = 8
@@ -47,13 +48,14 @@ def assert_same_rows(actual, desired):
 def make_layer(index):
     """Layer ``index`` of the transformers fixture, or (``CSA``) a CSA layer of its shapes, random weights."""
     if index == CSA:
-        config = dict(CONFIG, layer_types=[CSA], index_n_heads=2, index_head_dim=16, index_topk=8)
-        return DeepseekV4Attention(AttentionConfig.from_hf(config, 0), max_draft=MAX_DRAFT, rngs=nnx.Rngs(5))
+        config = dataclasses.replace(MODEL, index_n_heads=2, index_head_dim=16, index_topk=8).attention(CSA)
+        return DeepseekV4Attention(config, max_draft=MAX_DRAFT, rngs=nnx.Rngs(5))
     weights = {
         k.split("/", 1)[1]: v for k, v in FIXTURE.items() if k.startswith(f"layer{index}/") and "." in k
     }
     weights |= {"sinks": FIXTURE[f"layer{index}/sinks"]}
-    return DeepseekV4Attention.from_hf(CONFIG, index, weights, backend=ONLINE, max_draft=MAX_DRAFT)
+    config = MODEL.attention(MODEL.layer_types[index])
+    return DeepseekV4Attention.from_hf(config, index, weights, backend=ONLINE, max_draft=MAX_DRAFT)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "mode", "tree", "nodes"))
@@ -218,7 +220,7 @@ def test_tree_misuse():
         attn(x, positions, cache, mode=VERIFY, tree=Tree.chain(4))
     with pytest.raises(TypeError, match=r"^tree: a jax_oc128.tree.Tree"):
         attn(x, positions, cache, mode=VERIFY, tree=(-1, 0))
-    hca = DeepseekV4Attention(AttentionConfig.from_hf(CONFIG, 1), max_draft=MAX_DRAFT, rngs=nnx.Rngs(0))
+    hca = DeepseekV4Attention(MODEL.attention(HCA), max_draft=MAX_DRAFT, rngs=nnx.Rngs(0))
     with pytest.raises(
         ValueError, match=r"^nodes: an heavily_compressed_attention layer verifies every node"
     ):

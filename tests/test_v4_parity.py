@@ -197,8 +197,13 @@ def test_bad_weights_are_named(change, error, match):
             ValueError,
             r"layer_types\[3\]: must be",
         ),
+        (
+            {"compress_rates": {CSA: 8, HCA: 128}},
+            NotImplementedError,
+            r"config: compress_rates must be \{'compressed_sparse_attention': 4, ",
+        ),
     ],
-    ids=["missing", "unsupported", "mlp-type", "layer-type"],
+    ids=["missing", "unsupported", "mlp-type", "layer-type", "compress-rate"],
 )
 def test_bad_configs_are_named(change, error, match):
     config = {k: v for k, v in {**fixture("small_window")[0], **change}.items() if v is not None}

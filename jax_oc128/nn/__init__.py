@@ -1,7 +1,8 @@
 """Flax NNX modules: DeepSeek-V4 attention (:mod:`~jax_oc128.nn.attention`) with the CSA compressor and
 indexer (:mod:`~jax_oc128.nn.csa`), RoPE (:mod:`~jax_oc128.nn.rope`), hyper-connections
 (:mod:`~jax_oc128.nn.hyper_connections`), the mixture of experts (:mod:`~jax_oc128.nn.moe`), the decoder
-with its draft heads (:mod:`~jax_oc128.nn.model`)."""
+and its config (:mod:`~jax_oc128.nn.model`), the draft heads and the speculative model
+(:mod:`~jax_oc128.nn.draft`)."""
 
 from jax_oc128.nn.attention import (
     CSA,
@@ -15,21 +16,15 @@ from jax_oc128.nn.attention import (
     prepare_forward,
 )
 from jax_oc128.nn.csa import CSACompressor
+from jax_oc128.nn.draft import DRAFT_HEADS, DeepseekV4MTP, DraftHead, MTPHead, SpeculativeModel
 from jax_oc128.nn.hyper_connections import HyperConnection, HyperHead
-from jax_oc128.nn.model import (
-    Block,
-    DeepseekV4Model,
-    DeepseekV4MTP,
-    ModelCache,
-    ModelConfig,
-    MTPHead,
-    SpeculativeModel,
-)
+from jax_oc128.nn.model import Block, DeepseekV4Model, ModelCache, ModelConfig
 from jax_oc128.nn.moe import MoE
 from jax_oc128.nn.rope import RopeConfig
 
 __all__ = [
     "CSA",
+    "DRAFT_HEADS",
     "HCA",
     "HF_WEIGHT_NAMES",
     "SLIDING",
@@ -40,6 +35,7 @@ __all__ = [
     "DeepseekV4Attention",
     "DeepseekV4MTP",
     "DeepseekV4Model",
+    "DraftHead",
     "HyperConnection",
     "HyperHead",
     "MTPHead",

@@ -43,7 +43,9 @@ SLIDING, HCA, CSA = "sliding_attention", "heavily_compressed_attention", "compre
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-    """Static configuration of one attention layer (the fields of transformers' ``DeepseekV4Config``)."""
+    """Static configuration of one attention layer: a model's is :meth:`ModelConfig.attention
+    <jax_oc128.nn.ModelConfig.attention>` (of transformers' ``DeepseekV4Config`` by
+    :meth:`ModelConfig.from_hf <jax_oc128.nn.ModelConfig.from_hf>`)."""
 
     layer_type: str
     hidden_size: int
@@ -58,34 +60,6 @@ class AttentionConfig:
     max_position_embeddings: int
     indexer: IndexerConfig | None = None  # CSA layers
     dtype: str = "float32"  # the projections' weights'
-
-    @classmethod
-    def from_hf(cls, config: dict, layer_idx: int) -> AttentionConfig:
-        """From ``DeepseekV4Config.to_dict()``."""
-        layer_type = config["layer_types"][layer_idx]
-        if layer_type not in (SLIDING, CSA, HCA):
-            raise ValueError(f"layer_types[{layer_idx}]: unknown layer type {layer_type!r}")
-        for kind, rate in ((HCA, BLOCK), (CSA, csa.RATE)):
-            if config.get("compress_rates", {}).get(kind, rate) != rate:
-                raise NotImplementedError(f"compress_rates[{kind!r}] must be {rate}")
-        rope_kind = "main" if layer_type == SLIDING else "compress"
-        indexer = None
-        if layer_type == CSA:
-            indexer = IndexerConfig(config["index_n_heads"], config["index_head_dim"], config["index_topk"])
-        return cls(
-            layer_type=layer_type,
-            hidden_size=config["hidden_size"],
-            num_heads=config["num_attention_heads"],
-            head_dim=config["head_dim"],
-            q_lora_rank=config["q_lora_rank"],
-            o_groups=config["o_groups"],
-            o_lora_rank=config["o_lora_rank"],
-            sliding_window=config["sliding_window"],
-            rms_norm_eps=config["rms_norm_eps"],
-            rope=RopeConfig.from_hf(config["rope_parameters"][rope_kind], config["head_dim"]),
-            max_position_embeddings=config["max_position_embeddings"],
-            indexer=indexer,
-        )
 
     @property
     def compress_rate(self) -> int:
@@ -324,19 +298,17 @@ class DeepseekV4Attention(nnx.Module):
         return paths
 
     @classmethod
-    def from_hf(cls, config: dict, layer_idx: int, weights: dict, **kwargs) -> DeepseekV4Attention:
+    def from_hf(cls, config: AttentionConfig, layer_idx: int, weights: dict, **kwargs) -> DeepseekV4Attention:
         """A layer with transformers weights.
 
         Args:
-          config: ``DeepseekV4Config.to_dict()``.
-          layer_idx: the layer.
+          config: the layer's config, ``ModelConfig.from_hf(hf_config).attention(layer_type)``.
+          layer_idx: the layer's index in the model (the weights' names).
           weights: that layer's state-dict entries (numpy arrays), named as in transformers, with or without
             the ``model.layers.{i}.self_attn.`` prefix.
           kwargs: ``backend``, ``max_draft``, ``compress_layer``, ``rngs`` of the constructor.
         """
-        module = cls(
-            AttentionConfig.from_hf(config, layer_idx), rngs=kwargs.pop("rngs", nnx.Rngs(0)), **kwargs
-        )
+        module = cls(config, rngs=kwargs.pop("rngs", nnx.Rngs(0)), **kwargs)
         given = {name.split("self_attn.")[-1]: value for name, value in weights.items()}
         assign_weights(module, module.hf_weight_paths(), given, f"model.layers.{layer_idx}.self_attn.")
         return module

@@ -1,22 +1,19 @@
-"""The DeepSeek-V4 decoder and an MTP draft head (Flax NNX), with one compressed state per model.
+"""The DeepSeek-V4 decoder (Flax NNX) and its config, with one compressed state per model.
 
 :class:`DeepseekV4Model` is transformers' ``DeepseekV4ForCausalLM`` (5.24.0) when its :class:`ModelConfig`
 says so (:meth:`ModelConfig.from_hf`, :meth:`DeepseekV4Model.from_hf`): embedding, blocks of attention
 (sliding, CSA or HCA layers) and a mixture of experts (hash-routed or top-k routed), each sublayer inside
 hyper-connections over ``hc_mult`` residual streams (:mod:`~jax_oc128.nn.hyper_connections`), the
-streams' final collapse, norm and LM head. With the config's defaults (no ``hc_mult``, no
-``mlp_layer_types``) it is the small look-alike the package ships: one residual stream, RMSNorm ->
-attention -> residual and RMSNorm -> SwiGLU -> residual. Its cache (:class:`ModelCache`) holds a
+streams' final collapse, norm and LM head. Without ``hc_mult`` and ``mlp_layer_types`` (the shipped
+model, :meth:`ModelConfig.tiny`) it is a small look-alike: one residual stream, RMSNorm -> attention ->
+residual and RMSNorm -> SwiGLU -> residual. Its cache (:class:`ModelCache`) holds a
 window/entry cache per layer and one layer-stacked compressor state for all its C128 layers: the
 controller's transition runs once per forward, each C128 layer writes its own layer of the state, and an
 eager commit is one launch for all layers.
 
-:class:`MTPHead`: the draft head in the DeepSeek manner (the next token's embedding and the last hidden
-state, each normed, projected together, one sliding-window block, then the target's final norm and LM head,
-which it shares; applied recursively, its own output hidden state feeding the next draft).
-:class:`DeepseekV4MTP`: DeepSeek-V4's own MTP layer (its checkpoints' ``mtp.0.*``), the draft head of a
-model with hyper-connections. :class:`SpeculativeModel` is the target and its draft head (or none:
-``ModelConfig.mtp`` False, plain decoding only).
+The released DeepSeek-V4 models' configs are :meth:`ModelConfig.deepseek_v4_flash` and
+:meth:`ModelConfig.deepseek_v4_pro`. The draft heads and :class:`~jax_oc128.nn.SpeculativeModel` (the
+target with its draft head) are in :mod:`~jax_oc128.nn.draft`.
 
 Shapes: ``tokens`` ``[batch, T]`` int32, ``positions`` ``[batch, T]`` int32 (consecutive per row),
 ``lengths`` ``[batch]`` int32 (valid tokens per row, default all; rows of length 0 are untouched).
@@ -33,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_oc128.checks import check_int
 from jax_oc128.controller import ONLINE, Backend, ForwardMode
 from jax_oc128.nn import moe
 from jax_oc128.nn.attention import (
@@ -59,8 +57,10 @@ from jax_oc128.nn.moe import HASH_MOE, MOE, MoE, MoEConfig, check_expert_ids
 from jax_oc128.nn.rope import RopeConfig
 from jax_oc128.rules import MAX_DRAFT
 
+#: the draft heads' names (:data:`jax_oc128.nn.draft.DRAFT_HEADS`)
+MTP_HEAD, DEEPSEEK_V4_MTP = "mtp_head", "deepseek_v4_mtp"
 #: the fields added with the full DeepSeek-V4 layout (its layout, the draft head's presence, the weights'
-#: dtype), whose defaults give the look-alike (a checkpoint written before they existed has those defaults)
+#: dtype): a checkpoint written before they existed has :meth:`ModelConfig.tiny`'s values of them
 V4_FIELDS = (
     "mlp_layer_types",
     "num_experts",
@@ -84,39 +84,43 @@ V4_FIELDS = (
 class ModelConfig:
     """The decoder's static configuration (transformers' ``DeepseekV4Config`` fields, by
     :meth:`from_hf`). ``mlp_hidden`` is the dense MLP's width, or ``moe_intermediate_size`` (each
-    expert's and the shared expert's) with ``mlp_layer_types``."""
+    expert's and the shared expert's) with ``mlp_layer_types``.
 
-    vocab_size: int = 256
-    hidden_size: int = 128
-    layer_types: tuple[str, ...] = (SLIDING, HCA, SLIDING, HCA)
-    num_heads: int = 4
-    head_dim: int = 64
-    rope_dim: int = 16
-    q_lora_rank: int = 64
-    o_groups: int = 2
-    o_lora_rank: int = 64
-    sliding_window: int = 32
-    mlp_hidden: int = 256
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    compress_rope_theta: float = 160000.0
-    max_len: int = 4096
-    max_draft: int = 8  # most tokens per verify (banks of the online C128 state)
-    mlp_layer_types: tuple[str, ...] | None = None  # moe / hash_moe per layer; None: a dense SwiGLU MLP
-    num_experts: int = 4  # n_routed_experts
-    num_experts_per_tok: int = 2
-    routed_scaling_factor: float = 1.5
-    swiglu_limit: float = 10.0  # MoE layers only
-    hc_mult: int | None = None  # residual streams of the hyper-connections; None: one plain residual
-    hc_sinkhorn_iters: int = 20
-    hc_eps: float = 1e-6
-    index_n_heads: int = 16  # CSA layers' lightning indexer
-    index_head_dim: int = 32
-    index_topk: int = 16
-    compress_rope_factor: float | None = None  # YaRN on the compress RoPE (CSA and HCA layers)
-    compress_rope_original_max_position_embeddings: int | None = None
-    mtp: bool = True  # a draft head (False: plain decoding only)
-    dtype: str = "float32"  # the matrices' storage dtype, a name in functional.DTYPES
+    Every field is given (no defaults): a config is the shipped model's (:meth:`tiny`), a released
+    DeepSeek-V4's (:meth:`deepseek_v4_flash`, :meth:`deepseek_v4_pro`) or a checkpoint's (:meth:`from_hf`),
+    each with the fields a caller replaces."""
+
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]
+    num_heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    mlp_hidden: int
+    rms_norm_eps: float
+    rope_theta: float
+    compress_rope_theta: float
+    max_len: int
+    max_draft: int  # most tokens per verify (banks of the online C128 state)
+    mlp_layer_types: tuple[str, ...] | None  # moe / hash_moe per layer; None: a dense SwiGLU MLP
+    num_experts: int  # n_routed_experts
+    num_experts_per_tok: int
+    routed_scaling_factor: float
+    swiglu_limit: float  # MoE layers only
+    hc_mult: int | None  # residual streams of the hyper-connections; None: one plain residual
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    index_n_heads: int  # CSA layers' lightning indexer
+    index_head_dim: int
+    index_topk: int
+    compress_rope_factor: float | None  # YaRN on the compress RoPE (CSA and HCA layers)
+    compress_rope_original_max_position_embeddings: int | None
+    mtp: bool  # a draft head (False: plain decoding only)
+    dtype: str  # the matrices' storage dtype, a name in functional.DTYPES
 
     def __post_init__(self):
         """Every field checked (a config read from a file is checked before any parameter is built): ints
@@ -205,6 +209,59 @@ class ModelConfig:
         """The width of the target's hidden state that the draft head takes: the residual streams, flattened
         (``hc_mult * hidden_size`` with hyper-connections, else ``hidden_size``)."""
         return (self.hc_mult or 1) * self.hidden_size
+
+    @property
+    def draft_head(self) -> str | None:
+        """The draft head's name in :data:`~jax_oc128.nn.draft.DRAFT_HEADS`: DeepSeek-V4's MTP layer for a
+        model with hyper-connections, the small MTP head for one residual stream; None with ``mtp`` False."""
+        if not self.mtp:
+            return None
+        return DEEPSEEK_V4_MTP if self.hyper_connections else MTP_HEAD
+
+    @classmethod
+    def tiny(cls, **fields) -> ModelConfig:
+        """The small DeepSeek-V4 look-alike the package ships (``jax_oc128/assets/default_model.npz``,
+        trained by ``scripts/train_default_model.py``): byte-level (vocabulary 256), hidden 128, 4 layers
+        alternating sliding (window 32) and C128, 4 heads x 64 (RoPE on 16), q and o LoRA rank 64 in 2
+        o-groups, a dense SwiGLU MLP of 256, one residual stream, an MTP draft head, float32. ``fields``
+        replace any of its fields (a smaller or differently laid out variant)."""
+        return cls(**(TINY | fields))
+
+    @classmethod
+    def deepseek_v4_flash(cls, *, num_layers: int | None = None, **fields) -> ModelConfig:
+        """DeepSeek-V4-Flash (284B parameters, 13B active per token) as its released ``config.json`` has
+        it (:data:`DEEPSEEK_V4_FLASH`): 43 layers (2 sliding, then CSA and HCA alternating, the last CSA),
+        hidden 4096, 64 heads, q LoRA rank 1024, 8 o-groups, 256 routed experts of 2048 (routed scaling
+        1.5), the CSA indexer's top 512.
+
+        A slice of it (for one device): ``num_layers`` its first layers (None: all 43), each keeping its
+        released attention and MLP type (the released pattern's prefix); ``fields`` replace any other
+        field, e.g. ``num_experts`` (fewer routed experts; every MoE layer still routes
+        ``num_experts_per_tok``, 6, of them), ``max_len`` (released: ``max_position_embeddings``, a million
+        tokens), ``max_draft``, ``mtp``, ``dtype``."""
+        return cls._released(DEEPSEEK_V4_FLASH, num_layers, fields)
+
+    @classmethod
+    def deepseek_v4_pro(cls, *, num_layers: int | None = None, **fields) -> ModelConfig:
+        """DeepSeek-V4-Pro (1.6T parameters, 49B active per token) as its released ``config.json`` has it
+        (:data:`DEEPSEEK_V4_PRO`): 61 layers (2 HCA, then CSA and HCA alternating, the last CSA), hidden
+        7168, 128 heads, q LoRA rank 1536, 16 o-groups, 384 routed experts of 3072 (routed scaling 2.5),
+        the CSA indexer's top 1024. ``num_layers``, ``fields``: a slice, as :meth:`deepseek_v4_flash`."""
+        return cls._released(DEEPSEEK_V4_PRO, num_layers, fields)
+
+    @classmethod
+    def _released(cls, values: dict, num_layers: int | None, fields: dict) -> ModelConfig:
+        """The config of a released model's ``values`` (every field): its first ``num_layers`` layers,
+        ``fields`` replacing the other fields' values."""
+        layers = len(values["layer_types"])
+        num_layers = layers if num_layers is None else check_int("num_layers", num_layers, 1, layers)
+        for name in ("layer_types", "mlp_layer_types"):
+            if name in fields:
+                raise TypeError(
+                    f"{name}: set by num_layers (the released layers' prefix), not a field to give"
+                )
+        sliced = {name: values[name][:num_layers] for name in ("layer_types", "mlp_layer_types")}
+        return cls(**(values | sliced | fields))
 
     def attention(self, layer_type: str) -> AttentionConfig:
         """The :class:`~jax_oc128.nn.AttentionConfig` of a layer of ``layer_type``."""
@@ -340,6 +397,95 @@ HF_FIXED = {
     "mlp_bias": False,
     "compress_rates": {CSA: 4, HCA: 128},
 }
+
+#: :meth:`ModelConfig.tiny`: the shipped model's fields
+TINY = dict(
+    vocab_size=256,
+    hidden_size=128,
+    layer_types=(SLIDING, HCA, SLIDING, HCA),
+    num_heads=4,
+    head_dim=64,
+    rope_dim=16,
+    q_lora_rank=64,
+    o_groups=2,
+    o_lora_rank=64,
+    sliding_window=32,
+    mlp_hidden=256,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    compress_rope_theta=160000.0,
+    max_len=4096,
+    max_draft=8,
+    mlp_layer_types=None,
+    num_experts=4,
+    num_experts_per_tok=2,
+    routed_scaling_factor=1.5,
+    swiglu_limit=10.0,
+    hc_mult=None,
+    hc_sinkhorn_iters=20,
+    hc_eps=1e-6,
+    index_n_heads=16,
+    index_head_dim=32,
+    index_topk=16,
+    compress_rope_factor=None,
+    compress_rope_original_max_position_embeddings=None,
+    mtp=True,
+    dtype="float32",
+)
+#: what DeepSeek-V4-Flash's and -Pro's released ``config.json`` share, as ModelConfig fields (``max_len``
+#: their ``max_position_embeddings``; ``max_draft``, ``mtp`` and ``dtype`` as :meth:`ModelConfig.from_hf`
+#: sets them by default: one MTP layer, ``num_nextn_predict_layers`` 1)
+DEEPSEEK_V4 = dict(
+    vocab_size=129280,
+    head_dim=512,
+    rope_dim=64,
+    o_lora_rank=1024,
+    sliding_window=128,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    compress_rope_theta=160000.0,
+    max_len=1048576,
+    max_draft=8,
+    num_experts_per_tok=6,
+    swiglu_limit=10.0,
+    hc_mult=4,
+    hc_sinkhorn_iters=20,
+    hc_eps=1e-6,
+    index_n_heads=64,
+    index_head_dim=128,
+    compress_rope_factor=16.0,
+    compress_rope_original_max_position_embeddings=65536,
+    mtp=True,
+    dtype="float32",
+)
+#: DeepSeek-V4-Flash's released ``config.json`` as ModelConfig fields (:meth:`ModelConfig.deepseek_v4_flash`):
+#: ``compress_ratios`` 0, 0, then 4 and 128 alternating, ending 4; ``num_hash_layers`` 3
+DEEPSEEK_V4_FLASH = DEEPSEEK_V4 | dict(
+    hidden_size=4096,
+    layer_types=(SLIDING,) * 2 + (CSA, HCA) * 20 + (CSA,),
+    mlp_layer_types=(HASH_MOE,) * 3 + (MOE,) * 40,
+    num_heads=64,
+    q_lora_rank=1024,
+    o_groups=8,
+    num_experts=256,
+    mlp_hidden=2048,
+    routed_scaling_factor=1.5,
+    index_topk=512,
+)
+#: DeepSeek-V4-Pro's released ``config.json`` as ModelConfig fields (:meth:`ModelConfig.deepseek_v4_pro`):
+#: ``compress_ratios`` 128, 128, then 4 and 128 alternating, ending 4; ``num_hash_layers`` 3
+DEEPSEEK_V4_PRO = DEEPSEEK_V4 | dict(
+    hidden_size=7168,
+    layer_types=(HCA,) * 2 + (CSA, HCA) * 29 + (CSA,),
+    mlp_layer_types=(HASH_MOE,) * 3 + (MOE,) * 58,
+    num_heads=128,
+    q_lora_rank=1536,
+    o_groups=16,
+    num_experts=384,
+    mlp_hidden=3072,
+    routed_scaling_factor=2.5,
+    index_topk=1024,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -584,146 +730,3 @@ class DeepseekV4Model(nnx.Module):
         slots = jnp.arange(seq_lens.shape[0], dtype=jnp.int32)
         compressed = self.backend.controller.commit(cache.compressed, slots, seq_lens, accept_lens)
         return dataclasses.replace(cache, compressed=compressed)
-
-
-class MTPHead(nnx.Module):
-    """The draft head: predicts token ``p + 1`` from token ``p`` and the hidden state at ``p - 1``.
-
-    Args:
-      config: the target's config.
-      embed, norm, lm_head: the target's embedding ``[vocab, hidden]``, final norm ``[hidden]`` and LM head
-        ``[vocab, hidden]`` parameters, shared (the same :class:`flax.nnx.Param` objects).
-    """
-
-    def __init__(self, config: ModelConfig, embed: nnx.Param, norm: nnx.Param, lm_head: nnx.Param, *, rngs):
-        self.eps = config.rms_norm_eps
-        self.embed, self.norm, self.lm_head = embed, norm, lm_head
-        self.embed_norm = ones_param(config.hidden_size)
-        self.hidden_norm = ones_param(config.hidden_size)
-        self.proj = normal_param(rngs, config.hidden_size, 2 * config.hidden_size, dtype=config.dtype)
-        # one sliding layer with a dense MLP and one residual stream, whatever the target's layout
-        self.block = Block(
-            dataclasses.replace(config, layer_types=(SLIDING,), mlp_layer_types=None, hc_mult=None),
-            0,
-            ONLINE,
-            0,
-            rngs=rngs,
-        )
-
-    def init_cache(self, batch: int) -> AttentionCache:
-        return self.block.attn.init_cache(batch)
-
-    def __call__(
-        self, tokens, hidden, positions, cache: AttentionCache, *, lengths=None, tree=None, nodes=None
-    ):
-        """``tokens`` at ``positions`` with the hidden states ``[batch, T, hidden]`` of the positions before
-        them (``tree``, ``nodes``: a level of a tree draft, as :class:`~jax_oc128.nn.DeepseekV4Attention`
-        takes them). Returns ``(logits, hidden, cache)``: the logits of the next tokens and the head's own
-        hidden states."""
-        e = rms_norm(self.embed[...][tokens].astype(jnp.float32), self.embed_norm[...], self.eps)
-        h = linear(
-            jnp.concatenate([e, rms_norm(hidden, self.hidden_norm[...], self.eps)], axis=-1), self.proj[...]
-        )
-        h, cache, _ = self.block(
-            h, tokens, positions, cache, None, lengths, ForwardMode.DRAFT_EXTEND, tree, nodes
-        )
-        return output_logits(h, self.norm[...], self.lm_head[...], self.eps), h, cache
-
-
-class DeepseekV4MTP(nnx.Module):
-    """DeepSeek-V4's MTP layer (DeepSeek's ``MTPBlock``, its checkpoints' ``mtp.0.*`` tensors) as the draft
-    head: predicts token ``p + 1`` from token ``p`` and the target's residual streams at ``p - 1``. The
-    token's embedding (normed by ``enorm``) and each stream (normed by ``hnorm``) are projected (``e_proj``,
-    ``h_proj``) and added, the embedding's projection to every stream; one decoder block with
-    hyper-connections follows (sliding-window attention and a top-k routed MoE: DeepSeek-V4's MTP layer
-    type), then the layer's own stream collapse (``hc_head``) and norm, and the target's LM head. Applied
-    recursively, its output streams feeding the next draft.
-
-    Args:
-      config: the target's config (with hyper-connections).
-      embed, lm_head: the target's embedding and LM head ``[vocab, hidden]``, shared (the same
-        :class:`flax.nnx.Param` objects).
-    """
-
-    def __init__(self, config: ModelConfig, embed: nnx.Param, lm_head: nnx.Param, *, rngs: nnx.Rngs):
-        self.config = config
-        size = config.hidden_size
-        self.embed, self.lm_head = embed, lm_head
-        self.embed_norm = ones_param(size)
-        self.hidden_norm = ones_param(size)
-        self.embed_proj = normal_param(rngs, size, size, dtype=config.dtype)
-        self.hidden_proj = normal_param(rngs, size, size, dtype=config.dtype)
-        layer = dataclasses.replace(config, layer_types=(SLIDING,), mlp_layer_types=(MOE,))
-        self.block = Block(layer, 0, ONLINE, 0, rngs=rngs)
-        self.hc_head = HyperHead(config.hc_mult, size, config.hc_eps, config.rms_norm_eps, rngs=rngs)
-        self.norm = ones_param(size)
-
-    def init_cache(self, batch: int) -> AttentionCache:
-        return self.block.attn.init_cache(batch)
-
-    def weight_paths(self) -> dict[str, tuple]:
-        """Tensor name (within the layer's prefix, ``mtp.0.``: DeepSeek's names for the layer's own tensors,
-        transformers' for its block's) -> attribute path of this head."""
-        paths = {name: (attr,) for name, attr in MTP_WEIGHT_NAMES.items()}
-        paths |= {f"hc_head_{name}": ("hc_head", name) for name in ("fn", "base", "scale")}
-        return paths | {name: ("block", *path) for name, path in self.block.hf_weight_paths().items()}
-
-    def __call__(
-        self, tokens, hidden, positions, cache: AttentionCache, *, lengths=None, tree=None, nodes=None
-    ):
-        """``tokens`` at ``positions`` with the target's (or this head's) hidden states ``[batch, T,
-        hc_mult * hidden]`` of the positions before them (``tree``, ``nodes``: a level of a tree draft, as
-        :class:`~jax_oc128.nn.DeepseekV4Attention` takes them). Returns ``(logits, hidden, cache)``: the
-        logits of the next tokens and this head's own output streams, flattened."""
-        c = self.config
-        e = rms_norm(self.embed[...][tokens].astype(jnp.float32), self.embed_norm[...], c.rms_norm_eps)
-        streams = hidden.reshape(*hidden.shape[:-1], c.hc_mult, c.hidden_size)
-        h = linear(rms_norm(streams, self.hidden_norm[...], c.rms_norm_eps), self.hidden_proj[...])
-        h = h + linear(e, self.embed_proj[...])[..., None, :]
-        h, cache, _ = self.block(
-            h, tokens, positions, cache, None, lengths, ForwardMode.DRAFT_EXTEND, tree, nodes
-        )
-        logits = output_logits(self.hc_head(h), self.norm[...], self.lm_head[...], c.rms_norm_eps)
-        return logits, flatten_streams(h), cache
-
-
-#: DeepSeek's name of an MTP layer's own tensor (within ``mtp.{i}.``) -> attribute of :class:`DeepseekV4MTP`
-MTP_WEIGHT_NAMES = {
-    "enorm.weight": "embed_norm",
-    "hnorm.weight": "hidden_norm",
-    "e_proj.weight": "embed_proj",
-    "h_proj.weight": "hidden_proj",
-    "norm.weight": "norm",
-}
-
-
-class SpeculativeModel(nnx.Module):
-    """The target and its draft head, as one module (one checkpoint): ``mtp`` is a :class:`MTPHead` for a
-    model without hyper-connections, DeepSeek-V4's :class:`DeepseekV4MTP` for one with them, or None
-    (``config.mtp`` False: plain decoding only)."""
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        *,
-        backend: Backend = ONLINE,
-        rngs: nnx.Rngs,
-        target: DeepseekV4Model | None = None,
-    ):
-        self.config = config
-        self.target = DeepseekV4Model(config, backend=backend, rngs=rngs) if target is None else target
-        t = self.target
-        if not config.mtp:
-            self.mtp = None
-        elif config.hyper_connections:
-            self.mtp = DeepseekV4MTP(config, t.embed, t.lm_head, rngs=rngs)
-        else:
-            self.mtp = MTPHead(config, t.embed, t.norm, t.lm_head, rngs=rngs)
-
-    @classmethod
-    def from_hf(cls, config: dict, weights: dict, *, rngs: nnx.Rngs, **kwargs) -> SpeculativeModel:
-        """The target of :meth:`DeepseekV4Model.from_hf` (``kwargs``: its keyword arguments) with a new,
-        untrained draft head (a :class:`DeepseekV4MTP`) drawn from ``rngs``: transformers has no MTP layers
-        (:func:`jax_oc128.load_pretrained` loads a checkpoint's)."""
-        target = DeepseekV4Model.from_hf(config, weights, **kwargs)
-        return cls(target.config, backend=target.backend, rngs=rngs, target=target)
