@@ -1,5 +1,5 @@
 """The model owns one compressed state for all its C128 layers: what each forward launches, counted in the
-compiled HLO."""
+compiled HLO. The speculative model's draft head is the registered head its config names."""
 
 from __future__ import annotations
 
@@ -12,7 +12,17 @@ import pytest
 from flax import nnx
 
 from jax_oc128.controller import ONLINE, ForwardMode
-from jax_oc128.nn import HCA, SLIDING, DeepseekV4Model, ModelConfig
+from jax_oc128.nn import (
+    DRAFT_HEADS,
+    HCA,
+    SLIDING,
+    DeepseekV4Model,
+    DeepseekV4MTP,
+    ModelConfig,
+    MTPHead,
+    SpeculativeModel,
+)
+from jax_oc128.nn.moe import MOE
 
 CONFIG = ModelConfig.tiny(
     vocab_size=32,
@@ -79,3 +89,19 @@ def test_backend_must_be_an_object():
     with pytest.raises(TypeError, match="backend"):
         DeepseekV4Model(CONFIG, backend="online", rngs=nnx.Rngs(0))
     assert DeepseekV4Model(CONFIG, backend=ONLINE, rngs=nnx.Rngs(0)).backend is ONLINE
+
+
+@pytest.mark.parametrize(
+    "config, head",
+    [(CONFIG, MTPHead), (ModelConfig.tiny(hc_mult=2, mlp_layer_types=(MOE,) * 4), DeepseekV4MTP)],
+    ids=["one-stream", "hyper-connections"],
+)
+def test_draft_head_is_the_registered_head_the_config_names(config, head):
+    model = nnx.eval_shape(lambda: SpeculativeModel(config, rngs=nnx.Rngs(0)))
+    assert type(model.mtp) is DRAFT_HEADS[config.draft_head] is head
+    assert model.mtp.embed is model.target.embed and model.mtp.lm_head is model.target.lm_head
+    no_head = ModelConfig.tiny(mtp=False)
+    assert (
+        no_head.draft_head is None
+        and nnx.eval_shape(lambda: SpeculativeModel(no_head, rngs=nnx.Rngs(0))).mtp is None
+    )
