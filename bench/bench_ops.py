@@ -42,7 +42,8 @@ the JSON every round's (single runs of these executables read up to 50% apart be
 bandwidth floor is the bytes the model's step must move divided by the device's copy bandwidth (read +
 write of a 2 GiB array, measured here).
 
-Usage: python bench/bench_ops.py [--batches 1 8 64 256] [--draft 4] [--out bench/results/bench_ops.json]
+Usage: python bench/bench_ops.py [--batches 1 8 64 256] [--draft 4]
+    [--out bench/results/YYYY-MM-DD/bench_ops.json]
 """
 
 from __future__ import annotations
