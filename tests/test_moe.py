@@ -17,7 +17,7 @@ from jax import export
 from jax_oc128.nn import ModelConfig, grouped_matmul, moe
 
 EXPERTS, HIDDEN, INTERMEDIATE, K, LIMIT = 8, 64, 32, 3, 10.0
-GROUPED = ("grouped_jnp", "grouped_pallas")
+GROUPED = ("grouped_jnp", "grouped_pallas", "grouped_ragged_dot")
 
 
 def experts(rng, dtype, num_experts=EXPERTS):
@@ -25,6 +25,14 @@ def experts(rng, dtype, num_experts=EXPERTS):
     gate_up = rng.standard_normal((num_experts, 2 * INTERMEDIATE, HIDDEN)) * HIDDEN**-0.5 * 3
     down = rng.standard_normal((num_experts, HIDDEN, INTERMEDIATE)) * INTERMEDIATE**-0.5
     return jnp.asarray(gate_up, dtype), jnp.asarray(down, dtype)
+
+
+def layer_config(**fields):
+    """The :class:`~jax_oc128.nn.moe.MoEConfig` of this module's shapes, ``fields`` added."""
+    sizes = dict(
+        hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_experts=EXPERTS, num_experts_per_tok=K
+    )
+    return moe.MoEConfig(**sizes, routed_scaling_factor=1.5, swiglu_limit=LIMIT, vocab_size=16, **fields)
 
 
 def routed_f64(x, expert_ids, weights, gate_up, down, limit):
@@ -151,37 +159,17 @@ def test_grouped_lowers_to_triton_for_cuda(dtype):
 
 
 def test_unknown_dispatch_is_named():
-    config = dict(
-        hash_routed=False,
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
-        num_experts=EXPERTS,
-        num_experts_per_tok=K,
-        routed_scaling_factor=1.5,
-        swiglu_limit=LIMIT,
-        vocab_size=16,
-    )
     with pytest.raises(ValueError, match="dispatch: must be one of"):
-        moe.MoEConfig(**config, dispatch="sparse")
+        layer_config(hash_routed=False, dispatch="sparse")
     with pytest.raises(ValueError, match="moe_dispatch: must be one of"):
         ModelConfig(moe_dispatch="sparse")
 
 
 @pytest.mark.parametrize("hash_routed", [False, True], ids=["top_k", "hash"])
 def test_model_layer_dispatches_agree(hash_routed):
-    """One MoE module (routing, shared expert, routed scaling) gives the same output with the default (grouped)
-    dispatch as with the dense one."""
-    config = moe.MoEConfig(
-        hash_routed=hash_routed,
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
-        num_experts=EXPERTS,
-        num_experts_per_tok=K,
-        routed_scaling_factor=1.5,
-        swiglu_limit=LIMIT,
-        vocab_size=16,
-        dispatch="dense",
-    )
+    """One MoE module (routing, shared expert, routed scaling): the default (grouped) dispatch gives the dense
+    one's output."""
+    config = layer_config(hash_routed=hash_routed, dispatch="dense")
     layer = moe.MoE(config, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((2, 9, HIDDEN)), jnp.float32)

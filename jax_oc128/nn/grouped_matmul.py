@@ -8,11 +8,12 @@ an expert with ``r`` rows is read ``ceil(r / block_rows)`` times and an expert n
 tile. The layout holds at most ``pairs + min(experts, pairs) * block_rows`` rows: memory O(tokens x k), never
 O(tokens x experts), and no capacity (every token may pick the same expert).
 
-Two implementations of one computation: :func:`gmm_jnp` (a loop over tiles, every platform) and
-:func:`gmm_pallas` (a Pallas kernel, Triton on GPUs, interpret mode elsewhere), a grid over (tiles, output
-column blocks) in which each program reads only its tile's expert's weights, through a weight reader
-(:func:`read_weight_tile`) that a quantized format replaces by one that dequantizes the tile in registers.
-:func:`gmm` picks the kernel on CUDA and the jnp loop elsewhere, per lowering platform.
+Implementations of one computation: :func:`gmm_jnp` (a loop over tiles, every platform), :func:`gmm_pallas`
+(a Pallas kernel, Triton on GPUs, interpret mode elsewhere), a grid over (tiles, output column blocks) in
+which each program reads only its tile's expert's weights, through a weight reader (:func:`read_weight_tile`)
+that a quantized format replaces by one that dequantizes the tile in registers; and :func:`gmm_ragged_dot`
+(XLA's ragged dot, for comparison and for TPUs). :func:`gmm` picks the kernel on CUDA and the jnp loop
+elsewhere, per lowering platform.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def group_pairs(expert_ids, num_experts: int) -> Groups:
     ids = expert_ids.reshape(-1).astype(jnp.int32)
     pairs = ids.shape[0]
     block_rows = block_rows_for(pairs, num_experts)
-    tiles = pairs // block_rows + min(num_experts, pairs)  # >= the sum over experts of ceil(rows / block_rows)
+    tiles = pairs // block_rows + min(num_experts, pairs)  # >= sum over experts of ceil(rows / block_rows)
     sizes = jnp.bincount(ids, length=num_experts)  # rows per expert
     expert_tiles = -(-sizes // block_rows)
     tile_end = jnp.cumsum(expert_tiles)  # one past each expert's last tile
@@ -96,6 +97,20 @@ def gmm_jnp(x, weights, groups: Groups):
         )
 
     return jax.lax.map(tile, (tiles, groups.tile_expert)).reshape(-1, n)
+
+
+def gmm_ragged_dot(x, weights, groups: Groups):
+    """:func:`gmm_jnp` by XLA's ``jax.lax.ragged_dot_general`` (each expert's group: its tiles' rows, padding
+    included), however XLA lowers it (a grouped matmul on TPUs; on GPUs a dense matmul over group-masked
+    operands, every expert's FLOPs). The rows of unused tiles (past every group) are zero."""
+    used = jnp.where(groups.tile_expert >= 0, groups.tile_expert, weights.shape[0])
+    group_sizes = jnp.bincount(used, length=weights.shape[0]) * groups.block_rows
+    numbers = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+    )
+    return jax.lax.ragged_dot_general(
+        x, weights, group_sizes.astype(jnp.int32), numbers, precision=FULL, preferred_element_type=jnp.float32
+    )
 
 
 def read_weight_tile(weights_ref, expert, rows, cols):

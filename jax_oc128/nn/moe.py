@@ -12,8 +12,8 @@ chosen by :attr:`MoEConfig.dispatch` (:data:`DISPATCHES`), computes the weighted
 ``dense`` runs every expert on every token and weights the unpicked ones 0 (the exact oracle, memory O(tokens
 x experts)); ``grouped`` sorts the (token, expert) pairs by expert and runs each picked expert once on its
 rows (:mod:`~jax_oc128.nn.grouped_matmul`: the Pallas kernel on CUDA, a jnp loop elsewhere), then scatters
-the outputs back weighted. ``grouped_jnp`` and ``grouped_pallas`` force one grouped matmul on every platform
-(the Pallas kernel in interpret mode off GPUs).
+the outputs back weighted. ``grouped_jnp``, ``grouped_pallas`` and ``grouped_ragged_dot`` force one grouped
+matmul on every platform (the Pallas kernel in interpret mode off GPUs; XLA's ragged dot).
 """
 
 from __future__ import annotations
@@ -140,6 +140,7 @@ DISPATCHES = {
     "grouped": grouped,
     "grouped_jnp": functools.partial(grouped, matmul=grouped_matmul.gmm_jnp),
     "grouped_pallas": functools.partial(grouped, matmul=grouped_matmul.gmm_pallas_anywhere),
+    "grouped_ragged_dot": functools.partial(grouped, matmul=grouped_matmul.gmm_ragged_dot),
 }
 
 
