@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -181,3 +186,17 @@ def test_model_layer_dispatches_agree(hash_routed):
     layer.config = dataclasses.replace(config, dispatch="grouped")
     grouped = np.asarray(layer(x, tokens))
     np.testing.assert_allclose(grouped, dense, rtol=0, atol=TOL["float32"] * np.abs(dense).max())
+
+
+def test_bench_moe_runs_tiny(tmp_path):
+    """bench/bench_moe.py end to end at toy shapes on this platform: a JSON row per token count."""
+    out = tmp_path / "bench_moe.json"
+    bench = pathlib.Path(__file__).resolve().parent.parent / "bench" / "bench_moe.py"
+    tiny = "--experts 8 --hidden 32 --intermediate 16 --top-k 2 --iters 1 --rounds 1 --bandwidth-iters 1"
+    command = [sys.executable, str(bench), *tiny.split(), "--tokens", "1", "5", "--copy-mib", "1"]
+    command += ["--dispatches", "dense", "grouped", "--dense-max-tokens", "1", "--out", str(out)]
+    subprocess.run(command, check=True, capture_output=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["tokens"] for row in rows] == [1, 5]
+    assert rows[0]["dense_ms"] > 0 and rows[1]["grouped_ms"] > 0 and "dense_ms" not in rows[1]
+    assert all(row["floor_ms"] > 0 and 1 <= row["distinct_experts"] <= 8 for row in rows)
