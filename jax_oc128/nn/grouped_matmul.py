@@ -40,7 +40,7 @@ class Groups(NamedTuple):
 
     Attributes:
       rows: int32 ``[pairs]``, each pair's row (pairs in routing order: pair ``p`` is token ``p // k``'s
-        ``p % k``-th pick).
+        ``p % k``-th pick); ``num_rows`` for a pair of no expert here.
       tile_expert: int32 ``[tiles]``, each tile's expert; -1 for the tiles past the last used one.
       block_rows: rows per tile (a static int).
     """
@@ -62,18 +62,23 @@ def block_rows_for(pairs: int, experts: int) -> int:
 
 
 def group_pairs(expert_ids, num_experts: int) -> Groups:
-    """The layout of the pairs of ``expert_ids`` (int32 ``[..., k]``, each in ``[0, num_experts)``)."""
+    """The layout of the pairs of ``expert_ids`` (int32 ``[..., k]``). An id outside ``[0, num_experts)``
+    is a pair of no expert here (one of another device's, :func:`~jax_oc128.nn.moe.expert_parallel`): it gets
+    no row (its ``rows`` entry is ``num_rows``, out of range) and no tile."""
     ids = expert_ids.reshape(-1).astype(jnp.int32)
     pairs = ids.shape[0]
     block_rows = block_rows_for(pairs, num_experts)
     tiles = pairs // block_rows + min(num_experts, pairs)  # >= sum over experts of ceil(rows / block_rows)
-    sizes = jnp.bincount(ids, length=num_experts)  # rows per expert
-    expert_tiles = -(-sizes // block_rows)
+    here = (ids >= 0) & (ids < num_experts)
+    keys = jnp.where(here, ids, num_experts)  # the pairs of no expert here sort last
+    sizes = jnp.bincount(keys, length=num_experts + 1)  # rows per expert (and the pairs of none last)
+    expert_tiles = -(-sizes[:num_experts] // block_rows)
     tile_end = jnp.cumsum(expert_tiles)  # one past each expert's last tile
-    order = jnp.argsort(ids, stable=True)  # the pairs sorted by expert
-    sorted_ids = ids[order]
-    rank = jnp.arange(pairs) - (jnp.cumsum(sizes) - sizes)[sorted_ids]  # a pair's place among its expert's
-    sorted_rows = (tile_end - expert_tiles)[sorted_ids] * block_rows + rank
+    order = jnp.argsort(keys, stable=True)  # the pairs sorted by expert
+    sorted_keys = keys[order]
+    rank = jnp.arange(pairs) - (jnp.cumsum(sizes) - sizes)[sorted_keys]  # a pair's place among its expert's
+    first_row = jnp.append(tile_end - expert_tiles, tiles) * block_rows  # the last: num_rows, no row
+    sorted_rows = jnp.where(sorted_keys < num_experts, first_row[sorted_keys] + rank, tiles * block_rows)
     rows = jnp.zeros((pairs,), jnp.int32).at[order].set(sorted_rows.astype(jnp.int32))
     tile = jnp.arange(tiles)
     tile_expert = jnp.searchsorted(tile_end, tile, side="right").astype(jnp.int32)

@@ -25,9 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jax_oc128.nn import grouped_matmul
 from jax_oc128.nn.functional import FULL, linear, normal_param, swiglu, swiglu_gate
+from jax_oc128.nn.sharding import MODEL
 
 MOE, HASH_MOE = "moe", "hash_moe"
 
@@ -122,25 +124,57 @@ def grouped(x, expert_ids, weights, gate_up, down, limit, *, matmul=grouped_matm
     """:func:`dense`'s result from the picked experts only: the (token, expert) pairs laid out by expert
     (:func:`~jax_oc128.nn.grouped_matmul.group_pairs`), each tile's expert's gate/up and down projections
     applied to its rows by ``matmul`` (a grouped matmul of :mod:`~jax_oc128.nn.grouped_matmul`), each pair's
-    output gathered back and the token's k outputs summed weighted. Arguments and result as :func:`dense`."""
+    output gathered back and the token's k outputs summed weighted (a pair whose id is not in ``[0,
+    experts)`` adds 0: another device's, :func:`expert_parallel`). Arguments and result as :func:`dense`."""
     *lead, hidden = x.shape
     k, i = expert_ids.shape[-1], down.shape[2]
     groups = grouped_matmul.group_pairs(expert_ids, gate_up.shape[0])
     pair_x = jnp.repeat(x.reshape(-1, hidden).astype(gate_up.dtype), k, axis=0)  # [pairs, hidden]
-    rows = jnp.zeros((groups.num_rows, hidden), gate_up.dtype).at[groups.rows].set(pair_x)
+    rows = jnp.zeros((groups.num_rows, hidden), gate_up.dtype).at[groups.rows].set(pair_x, mode="drop")
     projected = matmul(rows, gate_up, groups)  # [rows, 2 * intermediate]
     gated = swiglu_gate(projected[:, :i], projected[:, i:], limit).astype(down.dtype)
-    pair_out = matmul(gated, down, groups)[groups.rows].reshape(*lead, k, hidden)
+    out = matmul(gated, down, groups).at[groups.rows].get(mode="fill", fill_value=0)  # 0: no expert here
+    pair_out = out.reshape(*lead, k, hidden)
     return jnp.einsum("...k,...kd->...d", weights, pair_out, precision=FULL)
+
+
+def expert_parallel(x, expert_ids, weights, gate_up, down, limit, *, local=grouped):
+    """``local``'s result with the experts split over the mesh axis ``"model"``: each device runs ``local``
+    on its own experts (the pairs of other devices' experts add 0 there) and the outputs are summed over the
+    axis (a psum), so no device reads another's experts. Without a ``"model"`` axis of more than one device
+    in the mesh of the trace (the engine's mesh), or one that does not divide the experts, ``local`` itself.
+    Arguments and result as :func:`dense`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    devices = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)).get(MODEL, 1)
+    if devices == 1 or gate_up.shape[0] % devices:
+        return local(x, expert_ids, weights, gate_up, down, limit)
+
+    def on_device(x, expert_ids, weights, gate_up, down):
+        first = jax.lax.axis_index(MODEL) * gate_up.shape[0]  # the device's first expert
+        return jax.lax.psum(local(x, expert_ids - first, weights, gate_up, down, limit), MODEL)
+
+    split = P(MODEL)
+    return jax.shard_map(
+        on_device,
+        in_specs=(P(), P(), P(), split, split),
+        out_specs=P(),
+        axis_names={MODEL},
+        check_vma=False,
+    )(x, expert_ids, weights, gate_up, down)
+
+
+def _grouped_by(matmul):
+    """The grouped dispatch of ``matmul`` (a grouped matmul), split over the mesh's experts."""
+    return functools.partial(expert_parallel, local=functools.partial(grouped, matmul=matmul))
 
 
 #: the dispatch functions by name (:attr:`MoEConfig.dispatch`)
 DISPATCHES = {
     "dense": dense,
-    "grouped": grouped,
-    "grouped_jnp": functools.partial(grouped, matmul=grouped_matmul.gmm_jnp),
-    "grouped_pallas": functools.partial(grouped, matmul=grouped_matmul.gmm_pallas_anywhere),
-    "grouped_ragged_dot": functools.partial(grouped, matmul=grouped_matmul.gmm_ragged_dot),
+    "grouped": _grouped_by(grouped_matmul.gmm),
+    "grouped_jnp": _grouped_by(grouped_matmul.gmm_jnp),
+    "grouped_pallas": _grouped_by(grouped_matmul.gmm_pallas_anywhere),
+    "grouped_ragged_dot": _grouped_by(grouped_matmul.gmm_ragged_dot),
 }
 
 
