@@ -121,6 +121,7 @@ def main():
             try:
                 call = jax.jit(lambda state, x, ids, g=graphdef: nnx.merge(g, state)(x, ids))
                 compiled = call.lower(state, x, token_ids).compile()
+                jax.block_until_ready(compiled(state, x, token_ids))  # its buffers fit
             except Exception as error:  # an out-of-memory or lowering failure is recorded, the run goes on
                 notes[dispatch] = f"failed: {type(error).__name__}: {str(error)[:300]}"
                 continue

@@ -29,10 +29,8 @@ from jax.experimental.pallas import triton as pltriton
 from jax_oc128.nn.functional import FULL, linear
 
 MIN_BLOCK_ROWS, MAX_BLOCK_ROWS = 16, 128  # 16: the smallest tensor-core matmul Triton emits
-BLOCKS_N, BLOCKS_K = (
-    (128, 64, 32, 16),
-    (64, 32, 16),
-)  # the kernel's column and reduction blocks, preferred first
+BLOCKS_N = (128, 64, 32, 16)  # the kernel's blocks of output columns, preferred first
+BLOCKS_K = (64, 32, 16)  # its blocks of the reduction
 
 
 class Groups(NamedTuple):
