@@ -95,6 +95,20 @@ def test_grouped_equals_dense_and_float64(case, dtype):
         assert np.abs(out - np.asarray(dense)).max() < TOL[dtype] * scale, dispatch
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["random", "skewed"])
+def test_default_dispatch_runs_the_triton_kernel_on_gpu(case):
+    """On a GPU the default dispatch is the Triton kernel, and it equals the float64 computation."""
+    rng = np.random.default_rng(11)
+    x, ids, weights = routing(rng, case)
+    gate_up, down = experts(rng, "bfloat16")
+    oracle = routed_f64(x, ids, weights, gate_up, down, LIMIT)
+    fn = jax.jit(moe.DISPATCHES["grouped"], static_argnums=5)
+    assert "__gpu$xla.gpu.triton" in fn.lower(x, ids, weights, gate_up, down, LIMIT).as_text()
+    out = np.asarray(fn(x, ids, weights, gate_up, down, LIMIT))
+    assert np.abs(out - oracle).max() < TOL["bfloat16"] * np.abs(oracle).max()
+
+
 def test_limit_clamps():
     """With large inputs the SwiGLU limit binds (the clamp is exercised, not only the matmuls)."""
     rng = np.random.default_rng(1)
