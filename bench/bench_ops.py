@@ -85,10 +85,10 @@ def timed(fn, carry, consts, iters, warmup_s=0.2):
     return float(np.median(times)), carry
 
 
-def copy_bandwidth(iters):
-    """Bytes/s of a device copy (read + write) of a 2 GiB array."""
+def copy_bandwidth(iters, mib=2048):
+    """Bytes/s of a device copy (read + write) of a ``mib`` MiB (default 2 GiB) array."""
     fn = jax.jit(lambda x, _: x * 1.0001)
-    x = jnp.ones((512 * 1024 * 1024,), jnp.float32)
+    x = jnp.ones((mib * 256 * 1024,), jnp.float32)
     return 2 * x.nbytes / timed(fn, x, None, iters)[0]
 
 

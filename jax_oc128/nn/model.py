@@ -55,7 +55,7 @@ from jax_oc128.nn.functional import (
     swiglu,
 )
 from jax_oc128.nn.hyper_connections import HyperConnection, HyperHead
-from jax_oc128.nn.moe import HASH_MOE, MOE, MoE, MoEConfig, check_expert_ids
+from jax_oc128.nn.moe import HASH_MOE, MOE, MoE, MoEConfig, check_dispatch, check_expert_ids
 from jax_oc128.nn.rope import RopeConfig
 from jax_oc128.rules import MAX_DRAFT
 
@@ -67,6 +67,7 @@ V4_FIELDS = (
     "num_experts_per_tok",
     "routed_scaling_factor",
     "swiglu_limit",
+    "moe_dispatch",
     "hc_mult",
     "hc_sinkhorn_iters",
     "hc_eps",
@@ -107,6 +108,7 @@ class ModelConfig:
     num_experts_per_tok: int = 2
     routed_scaling_factor: float = 1.5
     swiglu_limit: float = 10.0  # MoE layers only
+    moe_dispatch: str = "grouped"  # the MoE layers' routed experts' computation (moe.DISPATCHES)
     hc_mult: int | None = None  # residual streams of the hyper-connections; None: one plain residual
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
@@ -141,6 +143,7 @@ class ModelConfig:
             raise TypeError(f"mtp: must be a bool, got {self.mtp!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        check_dispatch(self.moe_dispatch, "moe_dispatch")
         if not isinstance(self.layer_types, tuple) or not self.layer_types:
             raise TypeError(f"layer_types: must be a non-empty tuple, got {self.layer_types!r}")
         for i, layer_type in enumerate(self.layer_types):
@@ -250,6 +253,7 @@ class ModelConfig:
             swiglu_limit=self.swiglu_limit,
             vocab_size=self.vocab_size,
             dtype=self.dtype,
+            dispatch=self.moe_dispatch,
         )
 
     @classmethod
