@@ -62,7 +62,7 @@ Usage (from a directory other than the repository root, or with jax_oc128 instal
 
     python bench/bench_decode.py [--configs shipped v4flash-attn v4flash-slice] [--backends online offline]
         [--modes plain 2 4 tree8] [--slots 1 8 64] [--steps-per-dispatch K] [--tokens 256]
-        [--out bench/results/bench_decode.json]
+        [--out bench/results/YYYY-MM-DD/bench_decode.json]
     python bench/bench_decode.py --configs shipped --sweep-k 1 4 16 64 --modes plain 4 --slots 8
     python bench/bench_decode.py --configs shipped --backends online --modes 8 tree8 --slots 1 8
     python bench/bench_decode.py --configs v4flash-attn --backends online --mesh data=2,model=1 --slots 8 16

@@ -42,7 +42,8 @@ the JSON every round's (single runs of these executables read up to 50% apart be
 bandwidth floor is the bytes the model's step must move divided by the device's copy bandwidth (read +
 write of a 2 GiB array, measured here).
 
-Usage: python bench/bench_ops.py [--batches 1 8 64 256] [--draft 4] [--out bench/results/bench_ops.json]
+Usage: python bench/bench_ops.py [--batches 1 8 64 256] [--draft 4]
+    [--out bench/results/YYYY-MM-DD/bench_ops.json]
 """
 
 from __future__ import annotations
@@ -86,10 +87,10 @@ def timed(fn, carry, consts, iters, warmup_s=0.2):
     return float(np.median(times)), carry
 
 
-def copy_bandwidth(iters):
-    """Bytes/s of a device copy (read + write) of a 2 GiB array."""
+def copy_bandwidth(iters, mib=2048):
+    """Bytes/s of a device copy (read + write) of a ``mib`` MiB (default 2 GiB) array."""
     fn = jax.jit(lambda x, _: x * 1.0001)
-    x = jnp.ones((512 * 1024 * 1024,), jnp.float32)
+    x = jnp.ones((mib * 256 * 1024,), jnp.float32)
     return 2 * x.nbytes / timed(fn, x, None, iters)[0]
 
 

@@ -4,8 +4,7 @@
 # the command-buffer-free GPU tests, compute-sanitizer's memcheck, racecheck, initcheck and synccheck of the CUDA
 # handlers and a kernel profile. Logs go to $OUT (the
 # device tool) or ./gpu_out.
-# The whole suite takes about 300 s on the H200 (many small compiles); STAGES picks what runs after it
-# (default: all), e.g. STAGES="demo" to run the demo only.
+# STAGES picks what runs (default: all), e.g. STAGES="lane demo": the GPU lane (pytest -m gpu) and the demo.
 set -uo pipefail
 out=${OUT:-gpu_out}
 mkdir -p "$out"
@@ -14,9 +13,19 @@ JAX_OC128_CUDA=ON JAX_OC128_CUDA_ARCHS=90 python3 -m pip install --no-build-isol
   >/tmp/build.log 2>&1 || { tail -40 /tmp/build.log; exit 1; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; (cd /tmp && python3 -m jax_oc128 info); } \
   | tee "$out/env.txt"
-(cd tests && timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider ${TEST_ARGS:-.} 2>&1) \
-  | tee "$out/pytest_gpu.log" | tail -15
 stage() { [ -z "${STAGES:-}" ] || [[ " $STAGES " == *" $1 "* ]]; }
+# pytest on WORKERS processes sharing the GPU (tests/conftest.py turns preallocation off); every test's outcome
+# is logged as it ends, so the failing ones are named even when the timeout stops the run
+suite() {  # suite NAME TIMEOUT PYTEST_ARGS...
+  local name=$1 limit=$2; shift 2
+  (cd tests && timeout "$limit" python3 -m pytest -n "${WORKERS:-16}" -v -rfE -p no:cacheprovider --durations=15 "$@" \
+    2>&1) >"$out/$name.log"
+  echo "== $name: exit $?, $(grep -cE ' PASSED ' "$out/$name.log") passed"
+  grep -E '^(FAILED|ERROR) |\] (FAILED|ERROR) ' "$out/$name.log" | sed -E 's/^.*(FAILED|ERROR) /\1 /' | sort -u
+  grep -E '^=+ .*(passed|failed).* in ' "$out/$name.log" | tail -1
+}
+stage lane && suite pytest_gpu_lane "${LANE_TIMEOUT:-150}" -m gpu
+stage suite && suite pytest_gpu "${TEST_TIMEOUT:-400}" ${TEST_ARGS:-.}
 stage demo && (cd /tmp && timeout 90 python3 -m jax_oc128 demo 2>/dev/null) | tee "$out/demo_h200.txt"
 stage bench && timeout "${BENCH_TIMEOUT:-500}" python3 bench/bench_ops.py ${BENCH_ARGS:-} --out "$out/bench.json" 2>&1 | tee "$out/bench.log"
 stage decode && timeout "${DECODE_TIMEOUT:-500}" python3 bench/bench_decode.py ${DECODE_ARGS:-} --out "$out/bench_decode.json" 2>&1 \

@@ -4,8 +4,9 @@ us per step vs slots, one panel per config and mode, one pair of lines per C128 
 tokens/s and mean accepted length per mode, chain against tree).
 
 Usage (needs matplotlib):
-  python bench/plot.py bench/results/bench_ops.json bench/results/bench_h200.png
-  python bench/plot.py bench/results/bench_decode_a.json [more.json ...] bench/results/bench_decode_h200.png
+  python bench/plot.py bench/results/YYYY-MM-DD/bench_ops.json bench/results/YYYY-MM-DD/bench_h200.png
+  python bench/plot.py bench/results/YYYY-MM-DD/bench_decode_a.json [more.json ...] \
+    bench/results/YYYY-MM-DD/bench_decode_h200.png
 """
 
 from __future__ import annotations

@@ -1,19 +1,44 @@
 import os
+import shutil
+import tempfile
 
-import jax
-import pytest
+# Before jax starts a backend:
+# - one persistent compilation cache per test run, shared by the xdist workers and by the processes that tests
+#   start (the CLI, the examples, tests/multidevice) through the inherited environment: many tests compile the
+#   same programs (the shipped model's engine above all). Per run, never across runs, so a rebuilt native
+#   module never meets executables compiled against the previous one. A cache the caller set is used as is.
+# - on a GPU: no GEMM autotuning (it runs candidate kernels for every GEMM shape of every compilation, and the
+#   tests check values, not speed), and no preallocation (the xdist workers share one GPU).
+OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_oc128_tests_cache_")
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_autotune_level=0"
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-# tests/multidevice needs 4 CPU devices from the start of its process: tests/test_multidevice.py runs it so
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+# tests/multidevice needs 4 devices from the start of its process: tests/test_multidevice.py runs it so
 collect_ignore = ["multidevice"]
 
 
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests need a CUDA device; JAX_OC128_REQUIRE_GPU=1 makes a missing GPU a failure."""
+    """`cuda` tests need a CUDA device (skipped without one; JAX_OC128_REQUIRE_GPU=1 makes a missing GPU a
+    failure) and belong to the `gpu` lane, which also holds the tests that cover the controller, a model and
+    the engine on whatever the default device is."""
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(pytest.mark.gpu)
     if jax.default_backend() == "gpu":
         return
     if os.environ.get("JAX_OC128_REQUIRE_GPU") == "1":
         raise pytest.UsageError("JAX_OC128_REQUIRE_GPU=1 but jax has no GPU backend")
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_unconfigure(config):
+    if OWN_CACHE and not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

@@ -188,6 +188,7 @@ def test_donated_state_is_updated_in_place():
     assert_updated_in_place(step, state, kv, *rows, ape)
 
 
+@pytest.mark.gpu
 def test_cuda_lowering_uses_the_native_target():
     """The CUDA dispatch, checked without a GPU: lowering for CUDA emits the native custom call."""
     if "oc128_compress" not in oc.ops.native_targets("cuda"):

@@ -333,6 +333,7 @@ def test_long_random_schedule_matches_offline_and_float64():
     seed=st.integers(0, 2**32 - 1),
     kinds=st.lists(st.sampled_from([k for k in KINDS if k not in ("new", "free")]), min_size=1, max_size=40),
 )
+@pytest.mark.gpu
 def test_any_sequence_of_transitions_keeps_every_commit(seed, kinds):
     """Hypothesis picks the transitions after four prefilled requests (every kind but new requests and
     frees): whatever the order, every commit lands once, and misfits change nothing."""
@@ -394,6 +395,7 @@ def assert_same(cs, before):
         np.testing.assert_array_equal(getattr(cs, name), getattr(before, name), err_msg=name)
 
 
+@pytest.mark.gpu
 def test_pending_commit_survives_unrelated_forwards_and_idle():
     """SGLang's lost lazy commit: verify A, then a prefill of B and an idle step, then A's next forward."""
     cs, stream, ape = prefilled(seed=1)
@@ -538,6 +540,7 @@ def test_alloc_clears_the_slot_and_its_pending_verify():
     assert cs.replace(pending=cs.pending.at[2].set(7)).free(jnp.asarray([2], jnp.int32)).pending[2] == -1
 
 
+@pytest.mark.gpu
 def test_step_is_in_place_under_jit():
     """A verify step with the CompressState donated: the donated leaves are consumed and the state array
     is updated in its own buffer (no state-sized copy in the compiled step)."""

@@ -21,7 +21,7 @@ from oracle import BLOCK, random_ape, random_tokens
 
 import jax_oc128 as oc
 
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.cuda
 LAYERS, SLOTS, DIM, MAX_DRAFT = 4, 10, 512, 8
 
 

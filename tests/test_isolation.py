@@ -123,7 +123,7 @@ def run(impl, op, args, seed, state, device):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=pytest.mark.cuda)])
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(sequence=st.lists(calls(), min_size=1, max_size=4), seed=st.integers(0, 2**31))
 def test_calls_touch_only_what_their_processed_rows_address(platform, dtype, sequence, seed):

@@ -64,6 +64,7 @@ def test_model_holds_one_compressed_state_for_its_c128_layers():
     assert len(cache.layers) == 4 and all(not hasattr(layer, "compressed") for layer in cache.layers)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", list(TOKENS), ids=[m.value for m in TOKENS])
 def test_one_native_call_per_c128_layer_and_at_most_one_commit(mode):
     """Extend and decode: one compress per C128 layer and one commit for all layers (the pending verify,

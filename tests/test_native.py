@@ -13,6 +13,8 @@ import pytest
 import jax_oc128 as oc
 from jax_oc128 import _native, ops
 
+pytestmark = pytest.mark.gpu  # in the GPU lane: the native modules' bindings
+
 LAYERS, SLOTS, DIM, MAX_DRAFT, ROWS = 2, 3, 32, 2, 2
 TREE = (-1, 0)
 

@@ -466,7 +466,7 @@ def test_bad_banks_are_named(op, change, error, match):
         getattr(oc, op)(**(valid_args(op) | change))
 
 
-@pytest.mark.gpu
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_cuda_tree_matches_cpu(dtype):
     """A tree verify with lazy commits of accepted banks, then a commit of accepted nodes, on both devices

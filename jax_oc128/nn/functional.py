@@ -44,12 +44,16 @@ def ones_param(size: int) -> nnx.Param:
 
 
 def swiglu(x, gate, up, down, limit=None):
-    """The SwiGLU MLP ``down(silu(gate(x)) * up(x))`` with ``[out, in]`` weights; with a ``limit`` the gate
-    is clamped from above and the up projection to ``[-limit, limit]`` (transformers' ``swiglu_limit``)."""
-    g, u = linear(x, gate), linear(x, up)
+    """The SwiGLU MLP ``down(silu(gate(x)) * up(x))`` with ``[out, in]`` weights (:func:`swiglu_gate`)."""
+    return linear(swiglu_gate(linear(x, gate), linear(x, up), limit), down)
+
+
+def swiglu_gate(g, u, limit=None):
+    """``silu(g) * u`` of the gate and up projections; with a ``limit`` the gate is clamped from above and
+    the up projection to ``[-limit, limit]`` first (transformers' ``swiglu_limit``)."""
     if limit is not None:
         g, u = jnp.minimum(g, limit), jnp.clip(u, -limit, limit)
-    return linear(jax.nn.silu(g) * u, down)
+    return jax.nn.silu(g) * u
 
 
 def variable_at(module: nnx.Module, path: tuple) -> nnx.Variable:

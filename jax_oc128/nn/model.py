@@ -53,7 +53,7 @@ from jax_oc128.nn.functional import (
     swiglu,
 )
 from jax_oc128.nn.hyper_connections import HyperConnection, HyperHead
-from jax_oc128.nn.moe import HASH_MOE, MOE, MoE, MoEConfig, check_expert_ids
+from jax_oc128.nn.moe import HASH_MOE, MOE, MoE, MoEConfig, check_dispatch, check_expert_ids
 from jax_oc128.nn.rope import RopeConfig
 from jax_oc128.rules import MAX_DRAFT
 
@@ -67,6 +67,7 @@ V4_FIELDS = (
     "num_experts_per_tok",
     "routed_scaling_factor",
     "swiglu_limit",
+    "moe_dispatch",
     "hc_mult",
     "hc_sinkhorn_iters",
     "hc_eps",
@@ -111,6 +112,7 @@ class ModelConfig:
     num_experts_per_tok: int
     routed_scaling_factor: float
     swiglu_limit: float  # MoE layers only
+    moe_dispatch: str  # the MoE layers' routed experts' computation (moe.DISPATCHES)
     hc_mult: int | None  # residual streams of the hyper-connections; None: one plain residual
     hc_sinkhorn_iters: int
     hc_eps: float
@@ -145,6 +147,7 @@ class ModelConfig:
             raise TypeError(f"mtp: must be a bool, got {self.mtp!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        check_dispatch(self.moe_dispatch, "moe_dispatch")
         if not isinstance(self.layer_types, tuple) or not self.layer_types:
             raise TypeError(f"layer_types: must be a non-empty tuple, got {self.layer_types!r}")
         for i, layer_type in enumerate(self.layer_types):
@@ -307,6 +310,7 @@ class ModelConfig:
             swiglu_limit=self.swiglu_limit,
             vocab_size=self.vocab_size,
             dtype=self.dtype,
+            dispatch=self.moe_dispatch,
         )
 
     @classmethod
@@ -318,11 +322,12 @@ class ModelConfig:
         max_draft: int = 8,
         mtp: bool = True,
         dtype: str = "float32",
+        moe_dispatch: str = "grouped",
     ) -> ModelConfig:
         """From ``DeepseekV4Config.to_dict()`` (a Hugging Face ``config.json``); ``max_len`` (default
-        ``max_position_embeddings``) bounds the sequences the caches hold; ``max_draft``, ``mtp`` and
-        ``dtype`` are the fields of the same names. Raises ValueError naming a missing field,
-        NotImplementedError for what transformers allows and this model does not have."""
+        ``max_position_embeddings``) bounds the sequences the caches hold; ``max_draft``, ``mtp``,
+        ``dtype`` and ``moe_dispatch`` are the fields of the same names. Raises ValueError naming a missing
+        field, NotImplementedError for what transformers allows and this model does not have."""
         missing = sorted(HF_FIELDS - config.keys())
         if missing:
             raise ValueError(f"config: missing fields {missing}")
@@ -348,6 +353,7 @@ class ModelConfig:
             max_draft=max_draft,
             mtp=mtp,
             dtype=dtype,
+            moe_dispatch=moe_dispatch,
         )
         if model_config.attention(HCA).rope != compress_rope:
             raise NotImplementedError(f"config: rope_parameters['compress']: unsupported {compress!r}")
@@ -421,6 +427,7 @@ TINY = dict(
     num_experts_per_tok=2,
     routed_scaling_factor=1.5,
     swiglu_limit=10.0,
+    moe_dispatch="grouped",
     hc_mult=None,
     hc_sinkhorn_iters=20,
     hc_eps=1e-6,
@@ -448,6 +455,7 @@ DEEPSEEK_V4 = dict(
     max_draft=8,
     num_experts_per_tok=6,
     swiglu_limit=10.0,
+    moe_dispatch="grouped",
     hc_mult=4,
     hc_sinkhorn_iters=20,
     hc_eps=1e-6,

@@ -7,20 +7,29 @@ experts' SwiGLU outputs (gate and up clamped by ``swiglu_limit``); the shared ex
 is added. Activations and routing are float32; the router's and experts' weights are float32 or bfloat16
 (:mod:`~jax_oc128.nn.functional`).
 
-Every expert runs on every token and the unpicked ones get weight 0 (exact, and simple for these tiny
-configs; a grouped dispatch is the later optimisation for real sizes).
+:meth:`MoE.route` gives each token's picked experts and their weights (``[..., k]``); a dispatch function,
+chosen by :attr:`MoEConfig.dispatch` (:data:`DISPATCHES`), computes the weighted routed experts from them:
+``dense`` runs every expert on every token and weights the unpicked ones 0 (the exact oracle, memory O(tokens
+x experts)); ``grouped`` sorts the (token, expert) pairs by expert and runs each picked expert once on its
+rows (:mod:`~jax_oc128.nn.grouped_matmul`: the Pallas kernel on CUDA, a jnp loop elsewhere), then scatters
+the outputs back weighted. ``grouped_jnp``, ``grouped_pallas`` and ``grouped_ragged_dot`` force one grouped
+matmul on every platform (the Pallas kernel in interpret mode off GPUs; XLA's ragged dot).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from jax_oc128.nn.functional import FULL, linear, normal_param, swiglu
+from jax_oc128.nn import grouped_matmul
+from jax_oc128.nn.functional import FULL, linear, normal_param, swiglu, swiglu_gate
+from jax_oc128.nn.sharding import MODEL
 
 MOE, HASH_MOE = "moe", "hash_moe"
 
@@ -38,6 +47,10 @@ class MoEConfig:
     swiglu_limit: float
     vocab_size: int
     dtype: str = "float32"  # the router's and experts' weights'
+    dispatch: str = "grouped"  # the routed experts' computation, a name in DISPATCHES
+
+    def __post_init__(self):
+        check_dispatch(self.dispatch, "dispatch")
 
 
 class MoE(nnx.Module):
@@ -65,7 +78,9 @@ class MoE(nnx.Module):
         self.shared_down = normal_param(rngs, c.hidden_size, c.intermediate_size, dtype=c.dtype)
 
     def route(self, x, tokens):
-        """``[batch, T, num_experts]``: each token's weight per expert (0 for the experts not picked)."""
+        """``x`` ``[..., hidden]`` float32 and its ``tokens`` ``[...]`` int32 -> ``(expert_ids, weights)``,
+        int32 and float32 ``[..., k]``: each token's picked experts and their weights (the picked scores
+        normalised to sum to 1, times ``routed_scaling_factor``)."""
         c = self.config
         scores = jnp.sqrt(jax.nn.softplus(linear(x, self.router_weight[...])))
         if c.hash_routed:
@@ -74,17 +89,99 @@ class MoE(nnx.Module):
             _, picks = jax.lax.top_k(scores + self.e_score_correction_bias[...], c.num_experts_per_tok)
         weights = jnp.take_along_axis(scores, picks, axis=-1)
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20) * c.routed_scaling_factor
-        return jnp.einsum("btk,btke->bte", weights, jax.nn.one_hot(picks, c.num_experts), precision=FULL)
+        return picks.astype(jnp.int32), weights
 
     def __call__(self, x, tokens):
         """``x`` ``[batch, T, hidden]`` float32 (the normed collapsed stream) and its ``tokens``
         ``[batch, T]`` int32 (for hash routing) -> ``[batch, T, hidden]``."""
-        c, gate_up, i = self.config, self.experts_gate_up[...], self.config.intermediate_size
-        every_expert = jax.vmap(swiglu, in_axes=(None, 0, 0, 0, None), out_axes=2)
-        experts = every_expert(x, gate_up[:, :i], gate_up[:, i:], self.experts_down[...], c.swiglu_limit)
-        routed = jnp.einsum("bte,bted->btd", self.route(x, tokens), experts, precision=FULL)
+        c = self.config
+        expert_ids, weights = self.route(x, tokens)
+        experts = (self.experts_gate_up[...], self.experts_down[...])
+        routed = DISPATCHES[c.dispatch](x, expert_ids, weights, *experts, c.swiglu_limit)
         shared = swiglu(x, self.shared_gate[...], self.shared_up[...], self.shared_down[...], c.swiglu_limit)
         return routed + shared
+
+
+def dense(x, expert_ids, weights, gate_up, down, limit):
+    """The routed experts' weighted sum by running every expert on every token (unpicked ones weighted 0).
+
+    Args:
+      x: float32 ``[..., hidden]``; expert_ids: int32 ``[..., k]``; weights: float32 ``[..., k]``.
+      gate_up: ``[experts, 2 * intermediate, hidden]``; down: ``[experts, hidden, intermediate]`` (float32
+        or bfloat16, ``[out, in]`` per expert); limit: the SwiGLU limit.
+    Returns: float32 ``[..., hidden]``.
+    """
+    i = down.shape[2]
+    every_expert = jax.vmap(swiglu, in_axes=(None, 0, 0, 0, None), out_axes=-2)
+    experts = every_expert(x, gate_up[:, :i], gate_up[:, i:], down, limit)  # [..., experts, hidden]
+    mask = jnp.einsum(
+        "...k,...ke->...e", weights, jax.nn.one_hot(expert_ids, gate_up.shape[0]), precision=FULL
+    )
+    return jnp.einsum("...e,...ed->...d", mask, experts, precision=FULL)
+
+
+def grouped(x, expert_ids, weights, gate_up, down, limit, *, matmul=grouped_matmul.gmm):
+    """:func:`dense`'s result from the picked experts only: the (token, expert) pairs laid out by expert
+    (:func:`~jax_oc128.nn.grouped_matmul.group_pairs`), each tile's expert's gate/up and down projections
+    applied to its rows by ``matmul`` (a grouped matmul of :mod:`~jax_oc128.nn.grouped_matmul`), each pair's
+    output gathered back and the token's k outputs summed weighted (a pair whose id is not in ``[0,
+    experts)`` adds 0: another device's, :func:`expert_parallel`). Arguments and result as :func:`dense`."""
+    *lead, hidden = x.shape
+    k, i = expert_ids.shape[-1], down.shape[2]
+    groups = grouped_matmul.group_pairs(expert_ids, gate_up.shape[0])
+    pair_x = jnp.repeat(x.reshape(-1, hidden).astype(gate_up.dtype), k, axis=0)  # [pairs, hidden]
+    rows = jnp.zeros((groups.num_rows, hidden), gate_up.dtype).at[groups.rows].set(pair_x, mode="drop")
+    projected = matmul(rows, gate_up, groups)  # [rows, 2 * intermediate]
+    gated = swiglu_gate(projected[:, :i], projected[:, i:], limit).astype(down.dtype)
+    out = matmul(gated, down, groups).at[groups.rows].get(mode="fill", fill_value=0)  # 0: no expert here
+    pair_out = out.reshape(*lead, k, hidden)
+    return jnp.einsum("...k,...kd->...d", weights, pair_out, precision=FULL)
+
+
+def expert_parallel(x, expert_ids, weights, gate_up, down, limit, *, local=grouped):
+    """``local``'s result with the experts split over the mesh axis ``"model"``: each device runs ``local``
+    on its own experts (the pairs of other devices' experts add 0 there) and the outputs are summed over the
+    axis (a psum), so no device reads another's experts. Without a ``"model"`` axis of more than one device
+    in the mesh of the trace (the engine's mesh), or one that does not divide the experts, ``local`` itself.
+    Arguments and result as :func:`dense`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    devices = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)).get(MODEL, 1)
+    if devices == 1 or gate_up.shape[0] % devices:
+        return local(x, expert_ids, weights, gate_up, down, limit)
+
+    def on_device(x, expert_ids, weights, gate_up, down):
+        first = jax.lax.axis_index(MODEL) * gate_up.shape[0]  # the device's first expert
+        return jax.lax.psum(local(x, expert_ids - first, weights, gate_up, down, limit), MODEL)
+
+    split = P(MODEL)
+    return jax.shard_map(
+        on_device,
+        in_specs=(P(), P(), P(), split, split),
+        out_specs=P(),
+        axis_names={MODEL},
+        check_vma=False,
+    )(x, expert_ids, weights, gate_up, down)
+
+
+def _grouped_by(matmul):
+    """The grouped dispatch of ``matmul`` (a grouped matmul), split over the mesh's experts."""
+    return functools.partial(expert_parallel, local=functools.partial(grouped, matmul=matmul))
+
+
+#: the dispatch functions by name (:attr:`MoEConfig.dispatch`)
+DISPATCHES = {
+    "dense": dense,
+    "grouped": _grouped_by(grouped_matmul.gmm),
+    "grouped_jnp": _grouped_by(grouped_matmul.gmm_jnp),
+    "grouped_pallas": _grouped_by(grouped_matmul.gmm_pallas_anywhere),
+    "grouped_ragged_dot": _grouped_by(grouped_matmul.gmm_ragged_dot),
+}
+
+
+def check_dispatch(dispatch, name: str) -> None:
+    """``dispatch`` is a name in :data:`DISPATCHES`; a ValueError naming the argument (``name``) otherwise."""
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"{name}: must be one of {sorted(DISPATCHES)}, got {dispatch!r}")
 
 
 def check_expert_ids(table, num_experts: int, name: str) -> None:

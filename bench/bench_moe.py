@@ -1,0 +1,154 @@
+"""One MoE layer at DeepSeek-V4-Flash's shapes, per dispatch, against its floor.
+
+The layer is :class:`jax_oc128.nn.moe.MoE` (router, top-k routing, routed experts, shared expert, SwiGLU
+limit) at DeepSeek-V4-Flash's shapes (hidden 4096, 256 routed experts of 2048, top-6, one shared expert,
+bfloat16; spelled here as :data:`V4_FLASH_MOE`, the released config.json's values) on random weights and
+activations, for each ``--tokens`` and each dispatch (``--dispatches``, names of
+:data:`jax_oc128.nn.moe.DISPATCHES`): ``dense`` (every expert on every token), ``grouped_jnp`` (the grouped
+layout, a jnp loop over tiles), ``grouped_pallas`` (the Pallas kernel), ``grouped_ragged_dot`` (XLA's ragged
+dot on the same layout). ``grouped`` (the default dispatch) is ``grouped_pallas`` on CUDA, ``grouped_jnp``
+elsewhere. ``dense`` and ``grouped_ragged_dot`` (which XLA lowers on GPUs as a dense masked matmul) hold
+O(tokens x experts) intermediates: they are skipped above ``--dense-max-tokens``.
+
+Floor: the larger of the bytes the layer must read (the distinct experts the tokens picked, the shared
+expert, the router) over the device's copy bandwidth (measured in the same run, bench_ops.copy_bandwidth)
+and the FLOPs of the picked experts and the shared expert at ``--tflops`` (790: the H200's dense bf16 peak).
+
+Timing as in bench_ops.py: each (tokens, dispatch) executable compiled once, then ``--rounds`` rounds with
+the dispatches interleaved, each round the median of ``--iters`` calls; the table gives the median over
+rounds, the JSON every round's.
+
+Usage (H200): python bench/bench_moe.py --out bench/results/bench_moe.json
+CPU smoke test: python bench/bench_moe.py --tokens 1 8 --experts 8 --hidden 64 --intermediate 32 --top-k 2 \\
+    --iters 2 --rounds 1 --copy-mib 8 --out /tmp/bench_moe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_ops import copy_bandwidth, timed
+
+from jax_oc128.nn.moe import DISPATCHES, MoE, MoEConfig
+
+DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "bench_moe.json"
+DEFAULT_DISPATCHES = ("dense", "grouped_jnp", "grouped_pallas", "grouped_ragged_dot")
+#: DeepSeek-V4-Flash's MoE layer (config.json: hidden_size, n_routed_experts, moe_intermediate_size,
+#: num_experts_per_tok, routed_scaling_factor, swiglu_limit; one shared expert), a top-k routed layer
+V4_FLASH_MOE = MoEConfig(
+    hash_routed=False,
+    hidden_size=4096,
+    intermediate_size=2048,
+    num_experts=256,
+    num_experts_per_tok=6,
+    routed_scaling_factor=1.5,
+    swiglu_limit=10.0,
+    vocab_size=129280,
+    dtype="bfloat16",
+)
+
+
+def floor_seconds(config: MoEConfig, distinct: int, tokens: int, bandwidth: float, flops_per_s: float):
+    """``(floor, bytes, flops)`` of one layer call: ``distinct`` experts picked by ``tokens`` tokens."""
+    expert = 3 * config.intermediate_size * config.hidden_size  # gate, up and down, elements
+    itemsize = jnp.dtype(config.dtype).itemsize
+    read = ((distinct + 1) * expert + config.num_experts * config.hidden_size) * itemsize
+    flops = 2 * tokens * (config.num_experts_per_tok + 1) * expert
+    return max(read / bandwidth, flops / flops_per_s), read, flops
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 2048, 8192])
+    parser.add_argument(
+        "--dispatches", nargs="+", choices=sorted(DISPATCHES), default=list(DEFAULT_DISPATCHES)
+    )
+    parser.add_argument("--experts", type=int, default=V4_FLASH_MOE.num_experts)
+    parser.add_argument("--hidden", type=int, default=V4_FLASH_MOE.hidden_size)
+    parser.add_argument("--intermediate", type=int, default=V4_FLASH_MOE.intermediate_size)
+    parser.add_argument("--top-k", type=int, default=V4_FLASH_MOE.num_experts_per_tok)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=V4_FLASH_MOE.dtype)
+    parser.add_argument("--dense-max-tokens", type=int, default=2048, help="dense and ragged_dot: at most")
+    parser.add_argument("--tflops", type=float, default=790.0, help="the FLOPs floor's rate (TFLOP/s)")
+    parser.add_argument("--iters", type=int, default=10, help="timed calls per round (median)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, the dispatches interleaved (median)")
+    parser.add_argument("--bandwidth-iters", type=int, default=20)
+    parser.add_argument("--copy-mib", type=int, default=2048, help="the copy bandwidth's array (MiB)")
+    parser.add_argument("--out", default=str(DEFAULT_OUT))
+    args = parser.parse_args()
+    config = dataclasses.replace(
+        V4_FLASH_MOE,
+        num_experts=args.experts,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_experts_per_tok=args.top_k,
+        dtype=args.dtype,
+    )
+
+    device = jax.devices()[0].device_kind
+    bandwidth = copy_bandwidth(args.bandwidth_iters, args.copy_mib)
+    layer = MoE(config, rngs=nnx.Rngs(0))
+    state = nnx.state(layer)
+    print(f"device: {device}, copy bandwidth {bandwidth / 1e9:.0f} GB/s, {config}")
+    print("ms per MoE layer call (x the floor)")
+    print("tokens experts | " + " | ".join(f"{d:>20s}" for d in args.dispatches) + " |    floor")
+    results = dict(device=device, copy_bandwidth=bandwidth, config=dataclasses.asdict(config), rows=[])
+    results.update(iters=args.iters, rounds=args.rounds, tflops=args.tflops)
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for tokens in args.tokens:
+        key = jax.random.key(tokens)
+        x = jax.random.normal(key, (1, tokens, config.hidden_size), jnp.float32)
+        token_ids = jax.random.randint(key, (1, tokens), 0, config.vocab_size)
+        distinct = len(np.unique(np.asarray(layer.route(x, token_ids)[0])))
+        runs, notes = {}, {}
+        for dispatch in args.dispatches:
+            if dispatch in ("dense", "grouped_ragged_dot") and tokens > args.dense_max_tokens:
+                notes[dispatch] = f"skipped: O(tokens x experts) above {args.dense_max_tokens} tokens"
+                continue
+            layer.config = dataclasses.replace(config, dispatch=dispatch)
+            graphdef = nnx.graphdef(layer)
+            try:
+                call = jax.jit(lambda state, x, ids, g=graphdef: nnx.merge(g, state)(x, ids))
+                compiled = call.lower(state, x, token_ids).compile()
+                jax.block_until_ready(compiled(state, x, token_ids))  # its buffers fit
+            except Exception as error:  # an out-of-memory or lowering failure is recorded, the run goes on
+                notes[dispatch] = f"failed: {type(error).__name__}: {str(error)[:300]}"
+                continue
+            runs[dispatch] = lambda _, consts, compiled=compiled: compiled(*consts)
+        seconds = {dispatch: [] for dispatch in runs}
+        for _ in range(args.rounds):
+            for dispatch, fn in runs.items():
+                seconds[dispatch].append(timed(fn, None, (state, x, token_ids), args.iters)[0])
+        ms = {dispatch: float(np.median(s)) * 1e3 for dispatch, s in seconds.items()}
+        floor, read, flops = floor_seconds(config, distinct, tokens, bandwidth, args.tflops * 1e12)
+        floor_ms = floor * 1e3
+        row = dict(tokens=tokens, distinct_experts=distinct, floor_ms=floor_ms, bytes=read, flops=flops)
+        row.update(
+            {f"{d}_ms": v for d, v in ms.items()}, **{f"{d}_x_floor": v / floor_ms for d, v in ms.items()}
+        )
+        row.update(round_ms={d: [t * 1e3 for t in s] for d, s in seconds.items()}, notes=notes)
+        results["rows"].append(row)
+        out.write_text(json.dumps(results, indent=1) + "\n")  # after every row: a later failure keeps these
+        cells = " | ".join(
+            f"{ms[d]:9.3f} ({ms[d] / floor_ms:6.2f}x)" if d in ms else f"{notes[d].split(':')[0]:>20s}"
+            for d in args.dispatches
+        )
+        print(f"{tokens:6d} {distinct:7d} | {cells} | {floor_ms:8.3f}", flush=True)
+        for dispatch, note in notes.items():
+            print(f"{'':15s}{dispatch}: {note}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""The grouped matmul of a mixture of experts: rows sorted by expert, each expert's weights on its rows.
+
+Layout (:func:`group_pairs`): the (token, expert) pairs are sorted by expert and each expert's rows padded to
+whole tiles of ``block_rows`` rows, so that every tile holds the rows of one expert (``tile_expert``). A
+grouped matmul (``[rows, K]`` by one ``[N, K]`` weight per tile) then reads one expert's weights per tile:
+an expert with ``r`` rows is read ``ceil(r / block_rows)`` times and an expert no token picked never.
+``block_rows`` follows the mean rows per expert (16 to 128), so at decode sizes each picked expert is one
+tile. The layout holds at most ``pairs + min(experts, pairs) * block_rows`` rows: memory O(tokens x k), never
+O(tokens x experts), and no capacity (every token may pick the same expert).
+
+Implementations of one computation: :func:`gmm_jnp` (a loop over tiles, every platform), :func:`gmm_pallas`
+(a Pallas kernel, Triton on GPUs, interpret mode elsewhere), a grid over (tiles, output column blocks) in
+which each program reads only its tile's expert's weights, through a weight reader (:func:`read_weight_tile`)
+that a quantized format replaces by one that dequantizes the tile in registers; and :func:`gmm_ragged_dot`
+(XLA's ragged dot, for comparison and for TPUs). :func:`gmm` picks the kernel on CUDA and the jnp loop
+elsewhere, per lowering platform.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jax_oc128.nn.functional import FULL, linear
+
+MIN_BLOCK_ROWS, MAX_BLOCK_ROWS = 16, 128  # 16: the smallest tensor-core matmul Triton emits
+BLOCKS_N = (128, 64, 32, 16)  # the kernel's blocks of output columns, preferred first
+BLOCKS_K = (64, 32, 16)  # its blocks of the reduction
+
+
+class Groups(NamedTuple):
+    """Where the (token, expert) pairs lie in the padded layout of a grouped matmul.
+
+    Attributes:
+      rows: int32 ``[pairs]``, each pair's row (pairs in routing order: pair ``p`` is token ``p // k``'s
+        ``p % k``-th pick); ``num_rows`` for a pair of no expert here.
+      tile_expert: int32 ``[tiles]``, each tile's expert; -1 for the tiles past the last used one.
+      block_rows: rows per tile (a static int).
+    """
+
+    rows: jax.Array
+    tile_expert: jax.Array
+    block_rows: int
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the padded layout (tiles x block_rows, static)."""
+        return self.tile_expert.shape[0] * self.block_rows
+
+
+def block_rows_for(pairs: int, experts: int) -> int:
+    """Rows per tile: the mean rows per expert rounded up to a power of two, within [16, 128]."""
+    mean = -(-pairs // experts)
+    return min(MAX_BLOCK_ROWS, max(MIN_BLOCK_ROWS, 1 << (mean - 1).bit_length()))
+
+
+def group_pairs(expert_ids, num_experts: int) -> Groups:
+    """The layout of the pairs of ``expert_ids`` (int32 ``[..., k]``). An id outside ``[0, num_experts)``
+    is a pair of no expert here (one of another device's, :func:`~jax_oc128.nn.moe.expert_parallel`): it gets
+    no row (its ``rows`` entry is ``num_rows``, out of range) and no tile."""
+    ids = expert_ids.reshape(-1).astype(jnp.int32)
+    pairs = ids.shape[0]
+    block_rows = block_rows_for(pairs, num_experts)
+    tiles = pairs // block_rows + min(num_experts, pairs)  # >= sum over experts of ceil(rows / block_rows)
+    here = (ids >= 0) & (ids < num_experts)
+    keys = jnp.where(here, ids, num_experts)  # the pairs of no expert here sort last
+    sizes = jnp.bincount(keys, length=num_experts + 1)  # rows per expert (and the pairs of none last)
+    expert_tiles = -(-sizes[:num_experts] // block_rows)
+    tile_end = jnp.cumsum(expert_tiles)  # one past each expert's last tile
+    order = jnp.argsort(keys, stable=True)  # the pairs sorted by expert
+    sorted_keys = keys[order]
+    rank = jnp.arange(pairs) - (jnp.cumsum(sizes) - sizes)[sorted_keys]  # a pair's place among its expert's
+    first_row = jnp.append(tile_end - expert_tiles, tiles) * block_rows  # the last: num_rows, no row
+    sorted_rows = jnp.where(sorted_keys < num_experts, first_row[sorted_keys] + rank, tiles * block_rows)
+    rows = jnp.zeros((pairs,), jnp.int32).at[order].set(sorted_rows.astype(jnp.int32))
+    tile = jnp.arange(tiles)
+    tile_expert = jnp.searchsorted(tile_end, tile, side="right").astype(jnp.int32)
+    return Groups(rows, jnp.where(tile < tile_end[-1], tile_expert, -1), block_rows)
+
+
+def gmm_jnp(x, weights, groups: Groups):
+    """``x`` ``[rows, K]`` (the padded layout, in the weights' dtype) by each tile's expert of ``weights``
+    ``[experts, N, K]`` (``[out, in]`` per expert) -> float32 ``[rows, N]``: a loop over the tiles, each one
+    matmul of its rows by its expert's weights (accumulated in float32; full float32 for float32 weights).
+    The rows of unused tiles are zero."""
+    n = weights.shape[1]
+    tiles = x.reshape(-1, groups.block_rows, x.shape[1])
+
+    def tile(args):
+        rows, expert = args
+        return jax.lax.cond(
+            expert >= 0,
+            lambda: linear(rows, weights[jnp.maximum(expert, 0)]),
+            lambda: jnp.zeros((groups.block_rows, n), jnp.float32),
+        )
+
+    return jax.lax.map(tile, (tiles, groups.tile_expert)).reshape(-1, n)
+
+
+def gmm_ragged_dot(x, weights, groups: Groups):
+    """:func:`gmm_jnp` by XLA's ``jax.lax.ragged_dot_general`` (each expert's group: its tiles' rows, padding
+    included), however XLA lowers it (a grouped matmul on TPUs; on GPUs a dense matmul over group-masked
+    operands, every expert's FLOPs). The rows of unused tiles (past every group) are zero."""
+    used = jnp.where(groups.tile_expert >= 0, groups.tile_expert, weights.shape[0])
+    group_sizes = jnp.bincount(used, length=weights.shape[0]) * groups.block_rows
+    numbers = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+    )
+    return jax.lax.ragged_dot_general(
+        x, weights, group_sizes.astype(jnp.int32), numbers, precision=FULL, preferred_element_type=jnp.float32
+    )
+
+
+def read_weight_tile(weights_ref, expert, rows, cols):
+    """The weight reader of unquantized (float32 / bfloat16) weights: the ``[block_n, block_k]`` tile
+    ``weights[expert, rows, cols]`` of an ``[experts, N, K]`` ref. A quantized format (codes and scales) has a
+    reader of the same signature over its refs that returns the tile dequantized."""
+    return weights_ref[expert, rows, cols]
+
+
+def _block(size: int, candidates: tuple[int, ...], name: str) -> int:
+    """The first of ``candidates`` that divides ``size``; a ValueError naming the dimension otherwise."""
+    for block in candidates:
+        if size % block == 0:
+            return block
+    raise ValueError(f"{name}: the Pallas grouped matmul needs a multiple of {candidates[-1]}, got {size}")
+
+
+def pallas_fits(x, weights) -> bool:
+    """Whether :func:`gmm_pallas` takes these shapes (N and K multiples of 16)."""
+    return weights.shape[1] % BLOCKS_N[-1] == 0 and x.shape[1] % BLOCKS_K[-1] == 0
+
+
+def gmm_pallas(x, weights, groups: Groups, *, interpret: bool = False, read=read_weight_tile):
+    """:func:`gmm_jnp` as a Pallas kernel (Triton on GPUs; ``interpret=True`` runs it anywhere).
+
+    A grid over (tiles, N / block_n): program ``(t, j)`` computes the ``[block_rows, block_n]`` block of tile
+    ``t`` against columns ``j * block_n`` of tile ``t``'s expert, looping over K in ``block_k`` steps; the
+    programs of unused tiles return at once (their rows are left unwritten: no pair maps to them). ``read``
+    (default :func:`read_weight_tile`) loads one ``[block_n, block_k]`` weight tile from ``weights`` (a ref,
+    or a tuple of refs for a quantized format). N and K must be multiples of 16."""
+    weight_refs = weights if isinstance(weights, tuple) else (weights,)
+    n, k = weight_refs[0].shape[1], x.shape[1]
+    block_n = _block(n, BLOCKS_N, "N (the weights' output dimension)")
+    block_k = _block(k, BLOCKS_K, "K (the rows' width)")
+    block_rows, num_k = groups.block_rows, k // block_k
+
+    def kernel(tile_expert_ref, x_ref, *refs):
+        *in_refs, out_ref = refs
+        tile, col = pl.program_id(0), pl.program_id(1)
+        expert = tile_expert_ref[tile]
+
+        @pl.when(expert >= 0)
+        def _():
+            def step(kb, acc):
+                cols = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
+                xs = x_ref[pl.ds(tile * block_rows, block_rows), cols]
+                ws = read(*in_refs, expert, pl.ds(col * block_n, block_n), cols).astype(xs.dtype)
+                dims = (((1,), (1,)), ((), ()))
+                return acc + jax.lax.dot_general(
+                    xs, ws, dims, precision=FULL, preferred_element_type=jnp.float32
+                )
+
+            zero = jnp.zeros((block_rows, block_n), jnp.float32)
+            out_ref[...] = jax.lax.fori_loop(0, num_k, step, zero)
+
+    whole = pl.BlockSpec()  # the whole array, indexed in the kernel
+    return pl.pallas_call(
+        kernel,
+        grid=(groups.tile_expert.shape[0], n // block_n),
+        in_specs=[whole, whole] + [whole] * len(weight_refs),
+        out_specs=pl.BlockSpec((block_rows, block_n), lambda tile, col: (tile, col)),
+        out_shape=jax.ShapeDtypeStruct((groups.num_rows, n), jnp.float32),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
+        interpret=interpret,
+    )(groups.tile_expert, x, *weight_refs)
+
+
+def _per_platform(x, weights, groups: Groups, cuda, default):
+    """``cuda(x, weights, groups)`` when lowered for CUDA, ``default(...)`` on every other platform."""
+    return jax.lax.platform_dependent(
+        cuda=lambda: cuda(x, weights, groups), default=lambda: default(x, weights, groups)
+    )
+
+
+def gmm(x, weights, groups: Groups):
+    """The grouped matmul of the lowering platform: :func:`gmm_pallas` on CUDA (for the shapes it takes,
+    :func:`pallas_fits`), :func:`gmm_jnp` elsewhere."""
+    if not pallas_fits(x, weights):
+        return gmm_jnp(x, weights, groups)
+    return _per_platform(x, weights, groups, gmm_pallas, gmm_jnp)
+
+
+def gmm_pallas_anywhere(x, weights, groups: Groups):
+    """:func:`gmm_pallas` on every platform: compiled by Triton on CUDA, in interpret mode elsewhere."""
+    interpreted = functools.partial(gmm_pallas, interpret=True)
+    return _per_platform(x, weights, groups, gmm_pallas, interpreted)

@@ -1,0 +1,216 @@
+"""The MoE's dispatch functions (jax_oc128.nn.moe) and its grouped matmul (jax_oc128.nn.grouped_matmul):
+the grouped dispatches (jnp and the Pallas kernel, in interpret mode on CPU) against the dense one and an
+independent float64 computation, on random, skewed, single-token, ragged and padded routings."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax import export
+
+from jax_oc128.nn import ModelConfig, grouped_matmul, moe
+
+EXPERTS, HIDDEN, INTERMEDIATE, K, LIMIT = 8, 64, 32, 3, 10.0
+GROUPED = ("grouped_jnp", "grouped_pallas", "grouped_ragged_dot")
+
+
+def experts(rng, dtype, num_experts=EXPERTS):
+    """Random ``(gate_up, down)`` of ``num_experts`` experts in ``dtype`` (a name), fan-in scaled."""
+    gate_up = rng.standard_normal((num_experts, 2 * INTERMEDIATE, HIDDEN)) * HIDDEN**-0.5 * 3
+    down = rng.standard_normal((num_experts, HIDDEN, INTERMEDIATE)) * INTERMEDIATE**-0.5
+    return jnp.asarray(gate_up, dtype), jnp.asarray(down, dtype)
+
+
+def layer_config(**fields):
+    """The :class:`~jax_oc128.nn.moe.MoEConfig` of this module's shapes, ``fields`` added."""
+    sizes = dict(
+        hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_experts=EXPERTS, num_experts_per_tok=K
+    )
+    return moe.MoEConfig(**sizes, routed_scaling_factor=1.5, swiglu_limit=LIMIT, vocab_size=16, **fields)
+
+
+def routed_f64(x, expert_ids, weights, gate_up, down, limit):
+    """The routed experts' weighted sum in float64 numpy, pair by pair: the model's roundings to the
+    weights' dtype (its input and the gated activations) applied, nothing else."""
+    dtype = np.dtype(gate_up.dtype)
+    rounded = lambda a: np.asarray(a).astype(dtype).astype(np.float64)  # noqa: E731
+    x, gate_up, down = rounded(x), np.asarray(gate_up, np.float64), np.asarray(down, np.float64)
+    expert_ids, weights = np.asarray(expert_ids), np.asarray(weights, np.float64)
+    out = np.zeros(x.shape, np.float64)
+    for index in np.ndindex(expert_ids.shape):
+        expert, token = expert_ids[index], index[:-1]
+        projected = gate_up[expert] @ x[token]
+        g, u = np.minimum(projected[:INTERMEDIATE], limit), np.clip(projected[INTERMEDIATE:], -limit, limit)
+        out[token] += weights[index] * (down[expert] @ rounded(g / (1 + np.exp(-g)) * u))
+    return out
+
+
+def routing(rng, case):
+    """``(x, expert_ids, weights)`` of a routing case: x float32 ``[..., hidden]``, ids ``[..., k]``."""
+    shape = {"random": (2, 5), "skewed": (300,), "one_token": (1,), "ragged": (3, 7), "padded": (4, 6)}[case]
+    x = rng.standard_normal((*shape, HIDDEN)).astype(np.float32)
+    ids = np.stack([rng.permutation(EXPERTS)[:K] for _ in range(int(np.prod(shape)))]).reshape(*shape, K)
+    if case == "skewed":  # every token to the same experts: one expert's rows span several tiles
+        ids[:] = [5, 0, 2]
+    if case == "padded":  # padding rows: zero inputs, all to the same experts (as one padding token's hash)
+        x[:, 4:] = 0
+        ids[:, 4:] = np.arange(K)
+    weights = rng.random((*shape, K)).astype(np.float32) + 0.1
+    return jnp.asarray(x), jnp.asarray(ids, jnp.int32), jnp.asarray(weights)
+
+
+def run(dispatch, *args):
+    return jax.jit(moe.DISPATCHES[dispatch], static_argnums=5)(*args, LIMIT)
+
+
+# to float32 rounding (float32 weights) and to bfloat16 rounding (bfloat16 weights), relative to max |out|
+TOL = {"float32": 2e-6, "bfloat16": 2**-8}
+
+
+@pytest.mark.parametrize("case", ["random", "skewed", "one_token", "ragged", "padded"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_equals_dense_and_float64(case, dtype):
+    rng = np.random.default_rng(abs(hash((case, dtype))) % 2**32)
+    x, ids, weights = routing(rng, case)
+    gate_up, down = experts(rng, dtype)
+    oracle = routed_f64(x, ids, weights, gate_up, down, LIMIT)
+    scale = np.abs(oracle).max()
+    dense = run("dense", x, ids, weights, gate_up, down)
+    assert dense.shape == x.shape and dense.dtype == jnp.float32
+    assert np.abs(np.asarray(dense) - oracle).max() < TOL[dtype] * scale
+    for dispatch in GROUPED:
+        out = np.asarray(run(dispatch, x, ids, weights, gate_up, down))
+        assert np.abs(out - oracle).max() < TOL[dtype] * scale, dispatch
+        assert np.abs(out - np.asarray(dense)).max() < TOL[dtype] * scale, dispatch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["random", "skewed"])
+def test_default_dispatch_runs_the_triton_kernel_on_gpu(case):
+    """On a GPU the default dispatch is the Triton kernel, and it equals the float64 computation."""
+    rng = np.random.default_rng(11)
+    x, ids, weights = routing(rng, case)
+    gate_up, down = experts(rng, "bfloat16")
+    oracle = routed_f64(x, ids, weights, gate_up, down, LIMIT)
+    fn = jax.jit(moe.DISPATCHES["grouped"], static_argnums=5)
+    assert "__gpu$xla.gpu.triton" in fn.lower(x, ids, weights, gate_up, down, LIMIT).as_text()
+    out = np.asarray(fn(x, ids, weights, gate_up, down, LIMIT))
+    assert np.abs(out - oracle).max() < TOL["bfloat16"] * np.abs(oracle).max()
+
+
+def test_limit_clamps():
+    """With large inputs the SwiGLU limit binds (the clamp is exercised, not only the matmuls)."""
+    rng = np.random.default_rng(1)
+    x, ids, weights = routing(rng, "random")
+    gate_up, down = experts(rng, "float32")
+    x = x * 20
+    unlimited = routed_f64(x, ids, weights, gate_up, down, np.inf)
+    oracle = routed_f64(x, ids, weights, gate_up, down, LIMIT)
+    assert np.abs(unlimited - oracle).max() > 0.1 * np.abs(oracle).max()
+    for dispatch in GROUPED:
+        out = np.asarray(run(dispatch, x, ids, weights, gate_up, down))
+        assert np.abs(out - oracle).max() < TOL["float32"] * np.abs(oracle).max(), dispatch
+
+
+@pytest.mark.parametrize("pairs", [1, 6, 48, 900])
+def test_layout(pairs):
+    """Each pair has a row of its own in a tile of its expert, within the memory bound; unused tiles are
+    marked -1 and come after the used ones."""
+    rng = np.random.default_rng(pairs)
+    ids = rng.integers(0, EXPERTS, pairs) if pairs < 900 else np.full(pairs, 3)
+    groups = grouped_matmul.group_pairs(jnp.asarray(ids, jnp.int32), EXPERTS)
+    rows, tile_expert = np.asarray(groups.rows), np.asarray(groups.tile_expert)
+    assert len(set(rows)) == pairs
+    np.testing.assert_array_equal(tile_expert[rows // groups.block_rows], ids)
+    assert groups.num_rows <= pairs + min(EXPERTS, pairs) * groups.block_rows
+    used = tile_expert >= 0
+    assert used.sum() == sum(-(-np.sum(ids == e) // groups.block_rows) for e in range(EXPERTS))
+    assert not used[used.argmin() :].any() or used.all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pallas_kernel_equals_jnp_loop(dtype):
+    """The kernel (interpret mode) and the jnp loop on one layout with several column and K blocks."""
+    rng = np.random.default_rng(7)
+    ids = jnp.asarray(rng.integers(0, EXPERTS, 40), jnp.int32)
+    groups = grouped_matmul.group_pairs(ids, EXPERTS)
+    x = jnp.asarray(rng.standard_normal((groups.num_rows, 192)), dtype)
+    weights = jnp.asarray(rng.standard_normal((EXPERTS, 320, 192)) / 14, dtype)
+    want = np.asarray(grouped_matmul.gmm_jnp(x, weights, groups))
+    got = np.asarray(grouped_matmul.gmm_pallas(x, weights, groups, interpret=True))
+    used = np.repeat(np.asarray(groups.tile_expert) >= 0, groups.block_rows)
+    np.testing.assert_allclose(got[used], want[used], rtol=0, atol=2e-5)
+
+
+def test_pallas_kernel_refuses_shapes_it_cannot_tile():
+    groups = grouped_matmul.group_pairs(jnp.zeros((4,), jnp.int32), EXPERTS)
+    with pytest.raises(ValueError, match="N \\(the weights' output dimension\\)"):
+        grouped_matmul.gmm_pallas(jnp.zeros((groups.num_rows, 64)), jnp.zeros((EXPERTS, 24, 64)), groups)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_lowers_to_triton_for_cuda(dtype):
+    """The default dispatch, lowered for CUDA here (no GPU needed), runs its two matmuls as Triton kernels."""
+    shapes = [
+        (5, HIDDEN),
+        (5, K),
+        (5, K),
+        (EXPERTS, 2 * INTERMEDIATE, HIDDEN),
+        (EXPERTS, HIDDEN, INTERMEDIATE),
+    ]
+    dtypes = [jnp.float32, jnp.int32, jnp.float32, dtype, dtype]
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes, strict=True)]
+    triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    fn = jax.jit(functools.partial(moe.grouped, limit=LIMIT))
+    exported = export.export(fn, platforms=["cuda"], disabled_checks=[triton])(*args)
+    assert exported.mlir_module().count("@__gpu$xla.gpu.triton") == 2
+
+
+def test_unknown_dispatch_is_named():
+    with pytest.raises(ValueError, match="dispatch: must be one of"):
+        layer_config(hash_routed=False, dispatch="sparse")
+    with pytest.raises(ValueError, match="moe_dispatch: must be one of"):
+        ModelConfig.tiny(moe_dispatch="sparse")
+
+
+@pytest.mark.parametrize("hash_routed", [False, True], ids=["top_k", "hash"])
+def test_model_layer_dispatches_agree(hash_routed):
+    """One MoE module (routing, shared expert, routed scaling): the default (grouped) dispatch gives the dense
+    one's output."""
+    config = layer_config(hash_routed=hash_routed, dispatch="dense")
+    layer = moe.MoE(config, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((2, 9, HIDDEN)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, 16, (2, 9)), jnp.int32)
+    ids, weights = layer.route(x, tokens)
+    assert ids.shape == weights.shape == (2, 9, K) and ids.dtype == jnp.int32
+    np.testing.assert_allclose(weights.sum(-1), 1.5, rtol=1e-6)
+    dense = np.asarray(layer(x, tokens))
+    layer.config = dataclasses.replace(config, dispatch="grouped")
+    grouped = np.asarray(layer(x, tokens))
+    np.testing.assert_allclose(grouped, dense, rtol=0, atol=TOL["float32"] * np.abs(dense).max())
+
+
+def test_bench_moe_runs_tiny(tmp_path):
+    """bench/bench_moe.py end to end at toy shapes on this platform: a JSON row per token count."""
+    out = tmp_path / "bench_moe.json"
+    bench = pathlib.Path(__file__).resolve().parent.parent / "bench" / "bench_moe.py"
+    tiny = "--experts 8 --hidden 32 --intermediate 16 --top-k 2 --iters 1 --rounds 1 --bandwidth-iters 1"
+    command = [sys.executable, str(bench), *tiny.split(), "--tokens", "1", "5", "--copy-mib", "1"]
+    command += ["--dispatches", "dense", "grouped", "--dense-max-tokens", "1", "--out", str(out)]
+    subprocess.run(command, check=True, capture_output=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["tokens"] for row in rows] == [1, 5]
+    assert rows[0]["dense_ms"] > 0 and rows[1]["grouped_ms"] > 0 and "dense_ms" not in rows[1]
+    assert all(row["floor_ms"] > 0 and 1 <= row["distinct_experts"] <= 8 for row in rows)
