@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -62,6 +63,8 @@ INDEX = "model.safetensors.index.json"
 MAX_CONFIG_BYTES = 1 << 20
 #: the largest index read, in bytes (DeepSeek-V3's, 91k tensors with their FP8 scales, is 8.9 MiB)
 MAX_INDEX_BYTES = 64 << 20
+#: the most tensor names one list of an error message shows (the others are counted)
+MAX_LISTED = 20
 
 #: DeepSeek's name of a top-level tensor -> transformers' (each also accepted under its own name)
 DEEPSEEK_TOP_NAMES = {
@@ -535,14 +538,7 @@ def _check_tensors(directory, headers: dict, parts: dict, params: dict, layers: 
             kind = "an integer" if kinds is INT_DTYPES else "a floating-point"
             note = " (quantized tensors are not supported)" if stored.startswith(("F8", "F6", "F4")) else ""
             problems.append(f"tensor {name}: dtype {stored}, expected {kind} dtype{note}")
-    needed = sum(_tensors_needed(param, want, given.get(param, {})) for param, want in params.items())
-    if needed > len(parts):  # before listing what is missing: as many names as the config says, unbounded
-        raise ValueError(
-            f"{directory}: the checkpoint does not fit its config: the config needs at least {needed} "
-            "tensors (one per parameter, one per expert and projection where the experts are stored one by "
-            f"one), the checkpoint has {len(parts)}"
-        )
-    missing = []
+    missing, absent = [], 0  # the first MAX_LISTED names of the missing tensors, and how many are missing
     for param, want in params.items():
         pieces = given.get(param, {})
         for names in pieces.values():
@@ -553,16 +549,26 @@ def _check_tensors(directory, headers: dict, parts: dict, params: dict, layers: 
         halves = _halves(param)
         if not pieces:
             theirs = " and ".join(deepseek_name(Part(param, None, h), layers) for h in halves)
-            missing.append(f"{param} (DeepSeek: {theirs})")
-        elif (None, None) not in pieces:
-            for expert in range(want.shape[0]):
-                missing += [
-                    deepseek_name(Part(param, expert, h), layers) for h in halves if (expert, h) not in pieces
-                ]
-    if missing:
-        problems.insert(0, f"missing tensors ({len(missing)}): {', '.join(missing)}")
+            missing += [f"{param} (DeepSeek: {theirs})"][: MAX_LISTED - len(missing)]
+            absent += 1
+        elif (
+            None,
+            None,
+        ) not in pieces:  # counted, not listed: the config's experts are not bounded by the files
+            absent += want.shape[0] * len(halves) - len(pieces)
+            names = (
+                deepseek_name(Part(param, expert, h), layers)
+                for expert in range(want.shape[0])
+                for h in halves
+                if (expert, h) not in pieces
+            )
+            missing += itertools.islice(names, MAX_LISTED - len(missing))
+    if absent:
+        problems.insert(0, f"missing tensors ({absent}): {_listed(missing, absent)}")
     if unexpected:
-        problems.insert(0, f"unexpected tensors ({len(unexpected)}): {', '.join(sorted(unexpected))}")
+        problems.insert(
+            0, f"unexpected tensors ({len(unexpected)}): {_listed(sorted(unexpected), len(unexpected))}"
+        )
     if problems:
         raise ValueError(f"{directory}: the checkpoint does not fit its config:\n  " + "\n  ".join(problems))
 
@@ -573,13 +579,10 @@ def _halves(param: str) -> tuple[int | None, ...]:
     return (0, 1) if param.endswith(DEEPSEEK_EXPERT["w1"][0]) else (None,)
 
 
-def _tensors_needed(param: str, want, pieces: dict) -> int:
-    """How many tensors the checkpoint needs for ``param`` (of the abstract value ``want``), given its
-    ``pieces`` (``(expert, half)`` -> names): one, or one per expert and half where it stores any expert
-    of it on its own."""
-    if not pieces or (None, None) in pieces:
-        return 1
-    return want.shape[0] * len(_halves(param))
+def _listed(names: list[str], count: int) -> str:
+    """The first :data:`MAX_LISTED` of ``names``, ``count`` in all, for a message."""
+    more = count - min(len(names), MAX_LISTED)
+    return ", ".join(names[:MAX_LISTED]) + (f" and {more} more" if more else "")
 
 
 def _by_file(headers: dict) -> dict[pathlib.Path, list[str]]:
