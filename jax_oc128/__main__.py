@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.metadata
 import math
@@ -206,6 +207,22 @@ def _model_problem(args, config, prompts) -> str | None:
 
 
 def main(argv=None) -> int:
+    """Run the command of ``argv`` (default: the process's arguments); the exit status. Output into a pipe
+    whose reader has gone (``jax-oc128 info | true``, ``demo | head -1``) ends the command quietly, status 0:
+    the reader wanted no more."""
+    try:
+        return _command(argv)
+    except BrokenPipeError:
+        # the streams' buffered rest would fail again when the interpreter flushes them at exit
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(AttributeError, OSError, ValueError):  # a stream without a descriptor
+                os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+        return 0
+
+
+def _command(argv) -> int:
     parser = argparse.ArgumentParser(prog="python -m jax_oc128", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="versions, backend and registered native targets")
@@ -245,7 +262,7 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     if args.command == "info":
-        print(info())
+        print(info(), flush=True)
         return 0
     if len(set(args.draft)) < len(args.draft):
         run.error(f"argument --draft: each N at most once, got {args.draft}")
@@ -266,7 +283,7 @@ def main(argv=None) -> int:
     problem = _model_problem(args, model.config, prompts)
     if problem:
         run.error(problem)
-    print(demo(args, model, meta, prompts))
+    print(demo(args, model, meta, prompts), flush=True)
     return 0
 
 

@@ -210,8 +210,20 @@ def _dispatch(target, ref_fn, args, results, attrs):
         return jax.lax.platform_dependent(*operands, default=ref, **branches)
 
     shapes = tuple(results[name] for name in names.rets)
-    operands = [args[name] for name in names.args]
-    return partition.by_slots(run, names.args, names.rets, shapes, operands)
+
+    @jax.custom_jvp
+    def op(*operands):
+        return partition.by_slots(run, names.args, names.rets, shapes, list(operands))
+
+    @op.defjvp
+    def not_differentiable(primals, tangents):
+        public = target.removeprefix("oc128_")
+        raise NotImplementedError(
+            f"jax_oc128.ops.{public} ({target}): the ops are not differentiable (they update the state in "
+            f"place, for inference); differentiate its jnp twin jax_oc128.reference.{public} instead"
+        )
+
+    return op(*(args[name] for name in names.args))
 
 
 def compress(state, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0):

@@ -15,24 +15,33 @@ DeepSeek names them (``enorm``, ``hnorm``, ``e_proj``, ``h_proj``, ``norm``, ``h
 head are the target's. A checkpoint without MTP tensors loads for plain decoding
 (``model.mtp`` None, ``config.mtp`` False).
 
-Everything is checked before anything of the model's size is allocated or read: the config, then every
-file's header (names, shapes, dtypes), then every tensor against the model of the config
-(:func:`flax.nnx.eval_shape`): missing and unexpected tensors, shapes and dtypes, all problems in one
-:class:`ValueError` that names each tensor; then the hash layers' token -> expert tables (small) are read
-and their ids checked. Then the tensors are read one at a time (a shard is memory mapped), each cast to its
-parameter's dtype and placed on the device, DeepSeek's per-expert tensors written into their stacked
-parameter in place. Quantized checkpoints (FP8/FP4
+Everything is checked before anything of the model's size is allocated or read, and the checks' work is
+bounded by the files' sizes, not by numbers in the config: only regular files are opened (symlinks
+followed; a FIFO, a device or a socket is refused, never opened), ``config.json`` and the index are read up
+to :data:`MAX_CONFIG_BYTES` and :data:`MAX_INDEX_BYTES`; then every file's header (names, shapes, dtypes);
+then the config's layers and tensors are counted against the headers' tensors (each layer has tensors of its
+own, each expert of a per-expert checkpoint its own), then every tensor is checked against the model of the
+config (its shapes traced once, :func:`flax.nnx.eval_shape`): missing and unexpected tensors, shapes and
+dtypes, all problems in one :class:`ValueError` that names each tensor; then the hash layers' token ->
+expert tables (small, any integer dtype) are read and their ids checked. Then the tensors are read one at a
+time (a shard is memory mapped), each header checked again (a shard replaced since is refused, naming the
+tensor), each cast to its parameter's dtype and placed on the device, DeepSeek's per-expert tensors written
+into their stacked parameter in place. Quantized checkpoints (FP8/FP4
 tensors with scales, ``quantization_config``) are not supported: dequantize them first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import itertools
 import json
+import math
 import os
 import pathlib
 import re
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +59,12 @@ from jax_oc128.rules import MAX_DRAFT
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+#: the largest config.json read, in bytes (DeepSeek-V4's is a few KiB)
+MAX_CONFIG_BYTES = 1 << 20
+#: the largest index read, in bytes (DeepSeek-V3's, 91k tensors with their FP8 scales, is 8.9 MiB)
+MAX_INDEX_BYTES = 64 << 20
+#: the most tensor names one list of an error message shows (the others are counted)
+MAX_LISTED = 20
 
 #: DeepSeek's name of a top-level tensor -> transformers' (each also accepted under its own name)
 DEEPSEEK_TOP_NAMES = {
@@ -101,13 +116,29 @@ DEEPSEEK_EXPERT = {
     "w3": ("mlp.experts.gate_up_proj", 1),
     "w2": ("mlp.experts.down_proj", None),
 }
-EXPERT_NAME = re.compile(r"ffn\.experts\.(\d+)\.(w[123])\.weight")
-LAYER_NAME = re.compile(r"(?:model\.)?(layers|mtp)\.(\d+)\.(.+)")
+# (indices of at most 9 digits: a name with a longer one is an unexpected tensor)
+EXPERT_NAME = re.compile(r"ffn\.experts\.(\d{1,9})\.(w[123])\.weight")
+LAYER_NAME = re.compile(r"(?:model\.)?(layers|mtp)\.(\d{1,9})\.(.+)")
 #: DeepSeek's ``compress_ratios`` entries -> transformers' layer types
 RATIO_LAYER_TYPES = {0: SLIDING, 4: CSA, 128: HCA}
 #: safetensors dtypes a floating / an integer parameter may be stored in (cast on load)
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
-INT_DTYPES = {"I64", "I32", "I16", "I8", "U32", "U16", "U8"}
+INT_DTYPES = {"I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8"}
+#: the fields of a RoPE's parameters (``rope_parameters['main']`` and ``['compress']``) that its
+#: ``rope_type`` needs, and those that are numbers where given
+ROPE_REQUIRED = {
+    "default": ("rope_theta",),
+    "yarn": ("rope_theta", "factor", "original_max_position_embeddings"),
+}
+ROPE_NUMBERS = (
+    "rope_theta",
+    "factor",
+    "original_max_position_embeddings",
+    "partial_rotary_factor",
+    "beta_fast",
+    "beta_slow",
+    "attention_factor",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,29 +185,50 @@ def load_pretrained(
     config, mtp_layers = _read_config(directory / CONFIG)
     try:
         model_config = ModelConfig.from_hf(config, max_len=max_len, max_draft=max_draft, dtype=dtype)
-    except (TypeError, ValueError, NotImplementedError) as error:
-        raise type(error)(f"{directory / CONFIG}: {error}") from None
+    except (TypeError, ValueError) as error:  # what the file says (the arguments are checked above)
+        raise ValueError(f"{directory / CONFIG}: {error}") from None
+    except NotImplementedError as error:
+        raise NotImplementedError(f"{directory / CONFIG}: {error}") from None
     headers = _read_headers(directory)
     layers = len(model_config.layer_types)
+    if layers > len(headers):  # before the model's shapes are traced (work linear in the layers)
+        raise ValueError(
+            f"{directory}: the config has {layers} layers, the checkpoint {len(headers)} tensors (each layer "
+            "has tensors of its own)"
+        )
     parts = {name: _part(name, layers) for name in headers}
     has_mtp = mtp_layers > 0 and any(
         part is not None and part.param.startswith(f"model.layers.{layers}.") for part in parts.values()
     )
     model_config = dataclasses.replace(model_config, mtp=has_mtp)
-    model = nnx.eval_shape(lambda: SpeculativeModel(model_config, backend=backend, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: SpeculativeModel(model_config, backend=backend, rngs=_OneKey()))
     params = parameter_paths(model)
     variables = {name: variable_at(model, path) for name, path in params.items()}
     _check_tensors(directory, headers, parts, {name: v.get_value() for name, v in variables.items()}, layers)
-    tables = [name for name in headers if headers[name][2] in INT_DTYPES]  # the hash layers' (small)
-    for file, names in _by_file({name: headers[name] for name in tables}).items():
-        with safe_open(file, framework="numpy") as stored:
+    tables = {}  # the hash layers' (small): read once, checked, and placed as checked
+    for file, names in _by_file({n: h for n, h in headers.items() if h[2] in INT_DTYPES}).items():
+        with _open_shard(file) as stored:
             for name in names:
-                check_expert_ids(stored.get_tensor(name), model_config.num_experts, f"{file}: tensor {name}")
+                tables[name] = _read_tensor(stored, name, headers[name])
+                check_expert_ids(tables[name], model_config.num_experts, f"{file}: tensor {name}")
     for file, names in _by_file(headers).items():
-        with safe_open(file, framework="numpy") as stored:
+        with _open_shard(file) as stored:
             for name in names:
-                _place(variables[parts[name].param], parts[name], stored.get_tensor(name))
+                value = tables[name] if name in tables else _read_tensor(stored, name, headers[name])
+                _place(variables[parts[name].param], parts[name], value)
     return model
+
+
+class _OneKey:
+    """The parameters' keys where only their shapes are wanted (the model built under
+    :func:`flax.nnx.eval_shape`): one key for every draw. An :class:`flax.nnx.Rngs` would derive each key
+    from a count its last draw updated, and updating a traced variable builds an error text that walks
+    the whole chain of earlier draws back: tracing would be quadratic in the parameters (61 layers:
+    about a minute)."""
+
+    @staticmethod
+    def params() -> jax.Array:
+        return jax.random.key(0)
 
 
 def _check_dtype(dtype) -> str:
@@ -192,14 +244,54 @@ def _check_dtype(dtype) -> str:
     return name
 
 
-def _read_config(file: pathlib.Path) -> tuple[dict, int]:
-    """The transformers config of ``config.json`` (DeepSeek's fields converted) and its MTP layers."""
+def _regular_file(file: pathlib.Path, status: os.stat_result | None = None) -> os.stat_result:
+    """The status of ``file`` (``status``: one already taken, e.g. of an open descriptor), which must be a
+    regular file (symlinks followed): a ValueError naming it otherwise. A FIFO, a device or a socket is
+    never opened for its content (reading one can block forever or never end)."""
+    if status is None:
+        try:
+            status = os.stat(file)
+        except FileNotFoundError:
+            raise
+        except OSError as error:
+            raise ValueError(f"{file}: cannot be read ({error})") from None
+    if not stat.S_ISREG(status.st_mode):
+        raise ValueError(f"{file}: not a regular file (a FIFO, a device or a directory is not read)")
+    return status
+
+
+def _read_json(file: pathlib.Path, limit: int):
+    """The JSON value of ``file``, a regular file of at most ``limit`` bytes; a ValueError naming the file
+    for anything else (FileNotFoundError where it does not exist)."""
+    if _regular_file(file).st_size > limit:
+        raise ValueError(f"{file}: more than {limit} bytes (at most that is read)")
+    try:  # non-blocking: a FIFO swapped in since the stat is not waited on (its fstat refuses it)
+        descriptor = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise
+    except OSError as error:
+        raise ValueError(f"{file}: cannot be read ({error})") from None
+    with open(descriptor, "rb") as stream:
+        _regular_file(file, os.fstat(descriptor))
+        text = stream.read(limit + 1)
+    if len(text) > limit:
+        raise ValueError(f"{file}: more than {limit} bytes (at most that is read)")
     try:
-        config = json.loads(file.read_text())
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{file}: not a readable JSON file (nested too deeply)") from None
+    except ValueError as error:  # not JSON, not UTF-8, or an integer of more digits than Python converts
+        raise ValueError(f"{file}: not a readable JSON file ({error})") from None
+
+
+def _read_config(file: pathlib.Path) -> tuple[dict, int]:
+    """The transformers config of ``config.json`` (DeepSeek's fields converted) and its MTP layers; each
+    field :func:`ModelConfig.from_hf <jax_oc128.nn.ModelConfig.from_hf>` does not check itself is checked
+    here (a ValueError naming the file and the field)."""
+    try:
+        config = _read_json(file, MAX_CONFIG_BYTES)
     except FileNotFoundError:
         raise ValueError(f"path: {file.parent} has no {CONFIG} (not a Hugging Face checkpoint)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{file}: not a readable JSON file ({error})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{file}: must be a JSON object")
     if config.get("quantization_config") is not None:
@@ -213,11 +305,24 @@ def _read_config(file: pathlib.Path) -> tuple[dict, int]:
     if mtp_layers > 1:
         raise NotImplementedError(f"{file}: num_nextn_predict_layers: at most 1 MTP layer, got {mtp_layers}")
     try:
-        return _from_deepseek(config, mtp_layers), mtp_layers
+        config = _from_deepseek(config, mtp_layers)
+        if "rope_parameters" in config:
+            _check_rope_parameters(config["rope_parameters"])
+        return config, mtp_layers
     except KeyError as error:
         raise ValueError(f"{file}: config: missing fields [{error.args[0]!r}]") from None
-    except (TypeError, ValueError, NotImplementedError) as error:
-        raise type(error)(f"{file}: {error}") from None
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{file}: {error}") from None
+    except NotImplementedError as error:
+        raise NotImplementedError(f"{file}: {error}") from None
+
+
+def _list_field(config: dict, name: str) -> list:
+    """``config[name]``, which must be a JSON array (a KeyError where it is absent)."""
+    value = config[name]
+    if not isinstance(value, list):
+        raise ValueError(f"{name}: must be a list, got {value!r}")
+    return value
 
 
 def _from_deepseek(config: dict, mtp_layers: int) -> dict:
@@ -226,10 +331,15 @@ def _from_deepseek(config: dict, mtp_layers: int) -> dict:
     of ``compress_ratios`` (0 sliding, 4 CSA, 128 HCA; the entries past the decoder layers are the MTP
     layers', which must be sliding here), ``num_hash_layers`` hash-routed layers first, and the RoPE of
     ``rope_theta``, ``compress_rope_theta``, ``qk_rope_head_dim`` and ``rope_scaling`` (YaRN on the
-    compress RoPE, attention factor 1)."""
+    compress RoPE, attention factor 1). ``num_hidden_layers`` must be the number of layer types (as
+    transformers requires), checked before anything is made per layer."""
     config = dict(config)
-    if "layer_types" not in config and "compress_ratios" in config:
-        layers, ratios = config["num_hidden_layers"], config["compress_ratios"]
+    layers = check_int("num_hidden_layers", config["num_hidden_layers"], 1)
+    source = (
+        "layer_types" if "layer_types" in config or "compress_ratios" not in config else "compress_ratios"
+    )
+    if source == "compress_ratios":
+        ratios = _list_field(config, "compress_ratios")
         for i, ratio in enumerate(ratios[: layers + mtp_layers]):
             if ratio not in RATIO_LAYER_TYPES:
                 raise ValueError(f"compress_ratios[{i}]: must be 0, 4 or 128, got {ratio!r}")
@@ -238,14 +348,25 @@ def _from_deepseek(config: dict, mtp_layers: int) -> dict:
                     f"compress_ratios[{i}]: the MTP layer must be sliding (0), got {ratio}"
                 )
         config["layer_types"] = [RATIO_LAYER_TYPES[ratio] for ratio in ratios[:layers]]
+    if len(_list_field(config, "layer_types")) != layers:
+        raise ValueError(
+            f"num_hidden_layers: must be the number of layers of {source} ({len(config['layer_types'])}), "
+            f"got {layers}"
+        )
     if "mlp_layer_types" not in config and "num_hash_layers" in config:
-        layers, hashed = config["num_hidden_layers"], config["num_hash_layers"]
+        hashed = check_int("num_hash_layers", config["num_hash_layers"], 0, layers, " = num_hidden_layers")
         config["mlp_layer_types"] = [HASH_MOE if i < hashed else MOE for i in range(layers)]
+    _list_field(config, "mlp_layer_types")
     if "rope_parameters" not in config and "qk_rope_head_dim" in config:
-        factor = config["qk_rope_head_dim"] / config["head_dim"]
+        head_dim = check_int("head_dim", config["head_dim"], 1)
+        factor = (
+            check_int("qk_rope_head_dim", config["qk_rope_head_dim"], 0, head_dim, " = head_dim") / head_dim
+        )
         main = {"rope_type": "default", "rope_theta": config["rope_theta"], "partial_rotary_factor": factor}
         compress = {"rope_type": "default"}
         scaling = config.get("rope_scaling") or {}
+        if not isinstance(scaling, dict):
+            raise ValueError(f"rope_scaling: must be an object or null, got {scaling!r}")
         if scaling:
             compress = {k: v for k, v in scaling.items() if k != "type"}
             compress |= {"rope_type": scaling.get("rope_type", scaling.get("type")), "attention_factor": 1.0}
@@ -254,38 +375,83 @@ def _from_deepseek(config: dict, mtp_layers: int) -> dict:
     return config
 
 
+def _check_rope_parameters(rope) -> None:
+    """``rope_parameters``: an object with the ``main`` and ``compress`` RoPEs, each an object with the
+    fields of :data:`ROPE_REQUIRED` its ``rope_type`` needs and numbers where :data:`ROPE_NUMBERS` has
+    them (an unsupported ``rope_type`` is the config's NotImplementedError)."""
+    if not isinstance(rope, dict):
+        raise ValueError(f"rope_parameters: must be an object {{'main': ..., 'compress': ...}}, got {rope!r}")
+    for kind in ("main", "compress"):
+        params, where = rope.get(kind), f"rope_parameters[{kind!r}]"
+        if not isinstance(params, dict):
+            raise ValueError(f"{where}: must be an object, got {params!r}")
+        for name in ROPE_REQUIRED.get(params.get("rope_type", "default"), ()):
+            if params.get(name) is None:
+                raise ValueError(f"{where}: missing field {name!r}")
+        for name in ROPE_NUMBERS:
+            value = params.get(name)
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if value is not None and not (number and math.isfinite(value)):
+                raise ValueError(f"{where}[{name!r}]: must be a finite number, got {value!r}")
+
+
 def _read_headers(directory: pathlib.Path) -> dict[str, tuple[pathlib.Path, tuple[int, ...], str]]:
     """Every tensor of the checkpoint: name -> (its file, shape, safetensors dtype), from the headers."""
-    if (directory / SINGLE).is_file():
+    if (directory / SINGLE).exists():
         files = {directory / SINGLE: None}
-    elif (directory / INDEX).is_file():
+    elif (directory / INDEX).exists():
         files = _read_index(directory)
     else:
         raise ValueError(f"path: {directory} has neither {SINGLE} nor {INDEX}")
     headers = {}
     for file, names in files.items():
-        try:
-            with safe_open(file, framework="numpy") as stored:
-                held = set(stored.keys())
-                for name in held if names is None else names:
-                    if name not in held:
-                        raise ValueError(f"{directory / INDEX}: tensor {name}: not in {file.name}")
-                    view = stored.get_slice(name)
-                    headers[name] = file, tuple(view.get_shape()), view.get_dtype()
-        except (OSError, SafetensorError) as error:
-            raise ValueError(f"{file}: not a readable safetensors file ({error})") from None
+        with _open_shard(file) as stored:
+            held = set(stored.keys())
+            for name in held if names is None else names:
+                if name not in held:
+                    raise ValueError(f"{directory / INDEX}: tensor {name}: not in {file.name}")
+                view = stored.get_slice(name)
+                headers[name] = file, tuple(view.get_shape()), view.get_dtype()
     return headers
+
+
+@contextlib.contextmanager
+def _open_shard(file: pathlib.Path):
+    """``file`` opened by safetensors (memory mapped), a regular file; a ValueError naming it if it is not
+    one or its header cannot be read."""
+    try:
+        _regular_file(file)
+        with safe_open(file, framework="numpy") as stored:
+            yield stored
+    except (OSError, SafetensorError) as error:
+        raise ValueError(f"{file}: not a readable safetensors file ({error})") from None
+
+
+def _read_tensor(stored, name: str, header: tuple) -> np.ndarray:
+    """The tensor ``name`` of the open shard ``stored``, whose header must still be ``header`` (file, shape,
+    dtype) as it was when the headers were checked: a ValueError naming the tensor otherwise (the file
+    replaced since)."""
+    file, shape, dtype = header
+    try:
+        view = stored.get_slice(name)
+        now = tuple(view.get_shape()), view.get_dtype()
+        if now != (shape, dtype):
+            raise ValueError(
+                f"{file}: tensor {name}: now shape {now[0]} and dtype {now[1]}, checked as {shape} and "
+                f"{dtype} (the file changed while it was loaded)"
+            )
+        return stored.get_tensor(name)
+    except SafetensorError as error:
+        raise ValueError(f"{file}: tensor {name}: not readable ({error}; the file changed?)") from None
 
 
 def _read_index(directory: pathlib.Path) -> dict[pathlib.Path, list[str]]:
     """The shards of ``model.safetensors.index.json`` and the tensors each holds."""
     file = directory / INDEX
-    try:
-        weight_map = json.loads(file.read_text())["weight_map"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
-        raise ValueError(f"{file}: not an index (a JSON object with a weight_map) ({error})") from None
+    index = _read_json(file, MAX_INDEX_BYTES)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
-        raise ValueError(f"{file}: weight_map: must be an object {{tensor: file}}")
+        raise ValueError(f"{file}: not an index (a JSON object with a weight_map object {{tensor: file}})")
     shards = {}
     for name, shard in weight_map.items():
         if not isinstance(shard, str) or pathlib.Path(shard).name != shard:
@@ -372,7 +538,7 @@ def _check_tensors(directory, headers: dict, parts: dict, params: dict, layers: 
             kind = "an integer" if kinds is INT_DTYPES else "a floating-point"
             note = " (quantized tensors are not supported)" if stored.startswith(("F8", "F6", "F4")) else ""
             problems.append(f"tensor {name}: dtype {stored}, expected {kind} dtype{note}")
-    missing = []
+    missing, absent = [], 0  # the first MAX_LISTED names of the missing tensors, and how many are missing
     for param, want in params.items():
         pieces = given.get(param, {})
         for names in pieces.values():
@@ -380,21 +546,43 @@ def _check_tensors(directory, headers: dict, parts: dict, params: dict, layers: 
                 problems.append(f"tensors {', '.join(sorted(names))}: the same parameter ({param}) twice")
         if (None, None) in pieces and len(pieces) > 1:
             problems.append(f"tensor {param}: given whole and per expert")
-        halves = (0, 1) if param.endswith(DEEPSEEK_EXPERT["w1"][0]) else (None,)  # DeepSeek's w1 and w3
+        halves = _halves(param)
         if not pieces:
             theirs = " and ".join(deepseek_name(Part(param, None, h), layers) for h in halves)
-            missing.append(f"{param} (DeepSeek: {theirs})")
-        elif (None, None) not in pieces:
-            for expert in range(want.shape[0]):
-                missing += [
-                    deepseek_name(Part(param, expert, h), layers) for h in halves if (expert, h) not in pieces
-                ]
-    if missing:
-        problems.insert(0, f"missing tensors ({len(missing)}): {', '.join(missing)}")
+            missing += [f"{param} (DeepSeek: {theirs})"][: MAX_LISTED - len(missing)]
+            absent += 1
+        elif (
+            None,
+            None,
+        ) not in pieces:  # counted, not listed: the config's experts are not bounded by the files
+            absent += want.shape[0] * len(halves) - len(pieces)
+            names = (
+                deepseek_name(Part(param, expert, h), layers)
+                for expert in range(want.shape[0])
+                for h in halves
+                if (expert, h) not in pieces
+            )
+            missing += itertools.islice(names, MAX_LISTED - len(missing))
+    if absent:
+        problems.insert(0, f"missing tensors ({absent}): {_listed(missing, absent)}")
     if unexpected:
-        problems.insert(0, f"unexpected tensors ({len(unexpected)}): {', '.join(sorted(unexpected))}")
+        problems.insert(
+            0, f"unexpected tensors ({len(unexpected)}): {_listed(sorted(unexpected), len(unexpected))}"
+        )
     if problems:
         raise ValueError(f"{directory}: the checkpoint does not fit its config:\n  " + "\n  ".join(problems))
+
+
+def _halves(param: str) -> tuple[int | None, ...]:
+    """The halves of the stacked expert parameter ``param`` that DeepSeek stores as tensors of their own
+    (gate_up_proj: w1 and w3), ``(None,)`` for one whole."""
+    return (0, 1) if param.endswith(DEEPSEEK_EXPERT["w1"][0]) else (None,)
+
+
+def _listed(names: list[str], count: int) -> str:
+    """The first :data:`MAX_LISTED` of ``names``, ``count`` in all, for a message."""
+    more = count - min(len(names), MAX_LISTED)
+    return ", ".join(names[:MAX_LISTED]) + (f" and {more} more" if more else "")
 
 
 def _by_file(headers: dict) -> dict[pathlib.Path, list[str]]:

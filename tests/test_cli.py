@@ -133,3 +133,20 @@ def test_bad_demo_flags_from_the_shell(checkpoints, flag, args):
     assert f"error: argument {flag}: " in result.stderr
     assert "Compiling" not in result.stderr and "Traceback" not in result.stderr
     assert result.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["info"], ["demo", "--tokens", "4", "--draft", "2", "--tree", "--batch", "1", "--prompt", "Open "]],
+    ids=["info", "demo"],
+)
+def test_output_into_a_closed_pipe_is_quiet(args):
+    """``jax-oc128 info | true`` and ``demo | head -1``: the reader gone before the output is written (its
+    end of the pipe closed at once): status 0, no traceback (before: a BrokenPipeError's, status 1)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "jax_oc128", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    process.stdout.close()
+    err = process.stderr.read()
+    assert process.wait(timeout=300) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err

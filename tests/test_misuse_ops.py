@@ -502,3 +502,25 @@ def test_nan_and_plus_inf_scores_stay_in_their_block():
         np.testing.assert_array_equal(got, want)
         np.testing.assert_array_equal(got[:, :, 2], state[:, :, 2])
         np.testing.assert_array_equal(entries[:, 1], clean_entries[:, 1])
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("op", OPS)
+def test_grad_through_an_op_names_it(op, jit):
+    """jax.grad through an op (by the state, and by kv_score where the op has one): a NotImplementedError
+    naming the op and saying the ops are not differentiable (before: custom_partitioning's "Differentiation
+    rule ... not implemented", no op named); its jnp twin, which the message points to, differentiates."""
+    args = arguments(op)
+    wrt = "kv_score" if "kv_score" in args else "state"
+
+    def loss(x, fn):
+        out = fn(**(args | {wrt: x}))
+        return jnp.sum(out if op == "commit" else out[0]) + jnp.sum(out[1] if op != "commit" else 0.0)
+
+    grad = jax.grad(loss)
+    if jit:
+        grad = jax.jit(grad, static_argnums=1)
+    with pytest.raises(NotImplementedError, match=rf"jax_oc128\.ops\.{op} \(oc128_{op}\): the ops are not "):
+        grad(args[wrt], OPS[op])
+    twin = getattr(reference, op)
+    assert np.all(np.isfinite(grad(args[wrt], twin)))

@@ -1,0 +1,365 @@
+"""Misuse of ``jax_oc128.load_pretrained`` by a hostile directory: the loader's work is bounded by the files'
+sizes, not by numbers in the config (config.json and the index capped, regular files only, the config's
+layers and experts counted against the headers' tensors before anything is made per layer or expert, the
+model's shapes traced once), malformed fields are a ValueError naming the file and the field, the hash
+tables may be of any integer dtype, and a shard replaced after the checks is refused, naming the tensor.
+Each case is refused before any tensor is placed (the ``nothing_placed`` fixture)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import threading
+import time
+
+import numpy as np
+import pytest
+from test_pretrained import deepseek_named, nothing_placed, target_tensors, tensors_of, write  # noqa: F401
+from test_v4_parity import fixture
+
+from jax_oc128 import load_pretrained, pretrained
+
+
+@pytest.fixture(scope="module")
+def small_window():
+    """The small-window fixture's config and weights (transformers' names)."""
+    config, weights, _ = fixture("small_window")
+    return config, weights
+
+
+@contextlib.contextmanager
+def unblocked(fifo: pathlib.Path, after: float = 5.0):
+    """While inside, a thread that waits ``after`` seconds and then, if a reader is blocked on ``fifo``,
+    writes a byte and closes it, so that a loader that opened the FIFO fails (its error is not the one the
+    test expects) instead of hanging the test."""
+    done = threading.Event()
+
+    def release():
+        deadline = time.monotonic() + after
+        while not done.wait(0.05):
+            if time.monotonic() < deadline:
+                continue
+            try:
+                writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO while nobody reads
+            except OSError:
+                continue
+            os.write(writer, b"x")
+            os.close(writer)
+
+    thread = threading.Thread(target=release, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+@pytest.mark.usefixtures("nothing_placed")
+def test_config_over_the_cap(tmp_path, small_window):
+    """A config.json of more than MAX_CONFIG_BYTES (valid JSON: the fields and 2 MiB of spaces) is refused
+    from its size, before it is read."""
+    config, weights = small_window
+    directory = write(tmp_path / "ckpt", config, weights)
+    (directory / pretrained.CONFIG).write_text(json.dumps(config) + " " * (2 << 20))
+    with pytest.raises(ValueError, match=r"config\.json: more than 1048576 bytes"):
+        load_pretrained(directory, max_len=512)
+
+
+@pytest.mark.usefixtures("nothing_placed")
+def test_index_over_the_cap(tmp_path, small_window, monkeypatch):
+    config, weights = small_window
+    directory = write(tmp_path / "ckpt", config, weights, shards=2)
+    size = (directory / pretrained.INDEX).stat().st_size
+    monkeypatch.setattr(pretrained, "MAX_INDEX_BYTES", size - 1)
+    with pytest.raises(ValueError, match=rf"index\.json: more than {size - 1} bytes"):
+        load_pretrained(directory, max_len=512)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "directory"])
+@pytest.mark.usefixtures("nothing_placed")
+def test_config_not_a_regular_file(tmp_path, small_window, kind):
+    """config.json a FIFO (nobody writing: reading it would wait forever), a symlink to /dev/zero (reading
+    it would never end) or a directory: refused, never read."""
+    config, weights = small_window
+    directory = write(tmp_path / "ckpt", config, weights)
+    target = directory / pretrained.CONFIG
+    target.unlink()
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "dev-zero":
+        target.symlink_to("/dev/zero")
+    else:
+        target.mkdir()
+    with unblocked(target), pytest.raises(ValueError, match=r"config\.json: not a regular file"):
+        load_pretrained(directory, max_len=512)
+
+
+def test_symlinks_to_regular_files_load(tmp_path, small_window):
+    """The Hugging Face cache's layout: config.json and the shards symlinks to blobs elsewhere."""
+    config, weights = small_window
+    blobs = write(tmp_path / "blobs", config, weights)
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    for name in (pretrained.CONFIG, pretrained.SINGLE):
+        (snapshot / name).symlink_to(blobs / name)
+    model = load_pretrained(snapshot, dtype="float32", max_len=512)
+    assert np.array_equal(tensors_of(model)["lm_head.weight"], weights["lm_head.weight"])
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+@pytest.mark.usefixtures("nothing_placed")
+def test_shard_not_a_regular_file(tmp_path, small_window, kind):
+    """An indexed shard that is a FIFO (opening it would wait for a writer) or a symlink to /dev/zero."""
+    config, weights = small_window
+    directory = write(tmp_path / "ckpt", config, weights, shards=2)
+    shard = directory / json.loads((directory / pretrained.INDEX).read_text())["weight_map"]["lm_head.weight"]
+    shard.unlink()
+    if kind == "fifo":
+        os.mkfifo(shard)
+    else:
+        shard.symlink_to("/dev/zero")
+    with unblocked(shard), pytest.raises(ValueError, match=rf"{shard.name}: .*not a regular file"):
+        load_pretrained(directory, max_len=512)
+
+
+@pytest.mark.usefixtures("nothing_placed")
+def test_experts_counted_not_listed(tmp_path, small_window):
+    """n_routed_experts 10**5 on a checkpoint of 4 experts stored one by one (DeepSeek's names): the missing
+    expert tensors counted and the first MAX_LISTED named, a short message (before: every missing name
+    listed, 1.2 million, and 10**9 experts never finished)."""
+    config, _ = small_window
+    named = deepseek_named(target_tensors("small_window"), 4)
+    directory = write(tmp_path / "ckpt", config | {"n_routed_experts": 10**5}, named)
+    missing = 4 * 3 * (10**5 - 4)  # 4 layers, w1 w2 w3 per expert
+    with pytest.raises(
+        ValueError, match=rf"missing tensors \({missing}\): layers\.0\.ffn\.experts\.4\.w1"
+    ) as e:
+        load_pretrained(directory, max_len=512)
+    lines = str(e.value).splitlines()  # then the routers' and hash tables' shapes
+    assert lines[1].endswith(f" and {missing - pretrained.MAX_LISTED} more")
+    assert len(str(e.value)) < 3000
+
+
+@pytest.mark.usefixtures("nothing_placed")
+def test_layers_counted_before_the_model_is_traced(tmp_path, small_window, monkeypatch):
+    """A config of 200000 layers (DeepSeek's compress_ratios, 400 KB) on a checkpoint of 100 tensors: refused
+    from the count, before the model's shapes are traced (tracing them is linear in the layers)."""
+    config, weights = small_window
+    layers = 200_000
+    theirs = {k: v for k, v in config.items() if k not in ("layer_types", "mlp_layer_types")}
+    theirs |= {"num_hidden_layers": layers, "compress_ratios": [0] * layers, "num_hash_layers": 0}
+    directory = write(tmp_path / "ckpt", theirs, weights)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was traced before its layers were counted")
+
+    monkeypatch.setattr(pretrained.nnx, "eval_shape", refuse)
+    with pytest.raises(ValueError, match=rf"the config has {layers} layers, the checkpoint {len(weights)} "):
+        load_pretrained(directory, max_len=512)
+
+
+def test_shapes_traced_without_walking_the_trace(tmp_path, small_window, monkeypatch):
+    """The model's shapes are traced once and every parameter's key is drawn without updating a traced
+    variable: no tracer's origin is searched while tracing (each search walks the trace back, which made the
+    checks quadratic in the layers: 24 layers 7 s, 61 layers about a minute). Counted over the load of the
+    fixture: zero searches (before: two per parameter)."""
+    from jax._src.interpreters import partial_eval
+
+    searches = []
+    original = partial_eval.DynamicJaxprTracer._origin_msg
+
+    def counted(self):
+        searches.append(1)
+        return original(self)
+
+    monkeypatch.setattr(partial_eval.DynamicJaxprTracer, "_origin_msg", counted)
+    config, weights = small_window
+    load_pretrained(write(tmp_path / "ckpt", config, weights), max_len=512)
+    assert not searches
+
+
+#: (change to the fixture's config, the field the message names); each a ValueError naming config.json
+BAD_FIELDS = {
+    "rope-empty": ({"rope_parameters": {}}, r"rope_parameters\['main'\]: must be an object, got None"),
+    "rope-main-null": (
+        {"rope_parameters": {"main": None, "compress": {"rope_theta": 1.0}}},
+        r"rope_parameters\['main'\]: must be an object, got None",
+    ),
+    "rope-not-an-object": ({"rope_parameters": [1, 2]}, r"rope_parameters: must be an object"),
+    "rope-theta-missing": (
+        {"rope_parameters": {"main": {"rope_type": "default"}, "compress": {"rope_theta": 1.0}}},
+        r"rope_parameters\['main'\]: missing field 'rope_theta'",
+    ),
+    "yarn-factor-missing": (
+        {
+            "rope_parameters": {
+                "main": {"rope_theta": 1e4, "partial_rotary_factor": 0.25},
+                "compress": {
+                    "rope_type": "yarn",
+                    "rope_theta": 1.6e5,
+                    "original_max_position_embeddings": 128,
+                },
+            }
+        },
+        r"rope_parameters\['compress'\]: missing field 'factor'",
+    ),
+    "yarn-original-missing": (
+        {
+            "rope_parameters": {
+                "main": {"rope_theta": 1e4, "partial_rotary_factor": 0.25},
+                "compress": {"rope_type": "yarn", "rope_theta": 1.6e5, "factor": 4.0},
+            }
+        },
+        r"rope_parameters\['compress'\]: missing field 'original_max_position_embeddings'",
+    ),
+    "rope-theta-string": (
+        {"rope_parameters": {"main": {"rope_theta": "big"}, "compress": {"rope_theta": 1.0}}},
+        r"rope_parameters\['main'\]\['rope_theta'\]: must be a finite number, got 'big'",
+    ),
+    "layers-3": (
+        {"num_hidden_layers": 3},
+        r"num_hidden_layers: must be the number of layers of layer_types \(4\), got 3",
+    ),
+    "layers-5": (
+        {"num_hidden_layers": 5},
+        r"num_hidden_layers: must be the number of layers of layer_types \(4\), got 5",
+    ),
+    "layers-0": ({"num_hidden_layers": 0}, r"num_hidden_layers: must be >= 1, got 0"),
+    "layers-negative": ({"num_hidden_layers": -5}, r"num_hidden_layers: must be >= 1, got -5"),
+    "layers-string": ({"num_hidden_layers": "four"}, r"num_hidden_layers: must be an int, got 'four'"),
+    "layers-null": ({"num_hidden_layers": None}, r"num_hidden_layers: must be an int, got None"),
+    "layer-types-not-a-list": ({"layer_types": 4}, r"layer_types: must be a list, got 4"),
+    "mlp-types-not-a-list": ({"mlp_layer_types": "moe"}, r"mlp_layer_types: must be a list, got 'moe'"),
+    "int-field-float": ({"hc_mult": 2.5}, r"hc_mult: must be an int, got 2\.5"),
+}
+#: DeepSeek's fields (the fixture's transformers fields removed)
+BAD_DEEPSEEK_FIELDS = {
+    "ratios-not-a-list": ({"compress_ratios": 4}, r"compress_ratios: must be a list, got 4"),
+    "ratios-short": (
+        {"compress_ratios": [0, 4, 128]},
+        r"num_hidden_layers: must be the number of layers of compress_ratios \(3\), got 4",
+    ),
+    "hash-layers": (
+        {"num_hash_layers": 5},
+        r"num_hash_layers: must be in \[0, 4 = num_hidden_layers\], got 5",
+    ),
+    "head-dim-zero": ({"head_dim": 0}, r"head_dim: must be >= 1, got 0"),
+    "rope-scaling-list": ({"rope_scaling": [4]}, r"rope_scaling: must be an object or null, got \[4\]"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_FIELDS)
+@pytest.mark.usefixtures("nothing_placed")
+def test_malformed_fields_are_named(tmp_path, small_window, case):
+    change, match = BAD_FIELDS[case]
+    config, weights = small_window
+    with pytest.raises(ValueError, match=r"config\.json: (config: )?" + match):
+        load_pretrained(write(tmp_path / "ckpt", config | change, weights), max_len=512)
+
+
+@pytest.mark.parametrize("case", BAD_DEEPSEEK_FIELDS)
+@pytest.mark.usefixtures("nothing_placed")
+def test_malformed_deepseek_fields_are_named(tmp_path, small_window, case):
+    change, match = BAD_DEEPSEEK_FIELDS[case]
+    config, weights = small_window
+    theirs = {
+        k: v for k, v in config.items() if k not in ("layer_types", "mlp_layer_types", "rope_parameters")
+    }
+    theirs |= {"compress_ratios": [0, 4, 128, 4, 0], "num_hash_layers": 2, "qk_rope_head_dim": 8}
+    with pytest.raises(ValueError, match=r"config\.json: " + match):
+        load_pretrained(write(tmp_path / "ckpt", theirs | change, weights), max_len=512)
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("[" * 100_000 + "]" * 100_000, r"nested too deeply"),
+        ('{"vocab_size": 1' + "0" * 5000 + "}", r"digits"),
+        ("\xff\xfe{", r"codec can't decode"),
+        ("{", r"Expecting property name"),
+    ],
+    ids=["deep", "5000-digits", "not-utf8", "truncated"],
+)
+@pytest.mark.usefixtures("nothing_placed")
+def test_unreadable_json_names_the_file(tmp_path, small_window, text, match):
+    config, weights = small_window
+    for file in (pretrained.CONFIG, pretrained.INDEX):
+        directory = write(tmp_path / file, config, weights, shards=2)
+        (directory / file).write_bytes(text.encode("latin-1"))
+        with pytest.raises(ValueError, match=rf"{file}: not a readable JSON file .*{match}"):
+            load_pretrained(directory, max_len=512)
+
+
+@pytest.mark.usefixtures("nothing_placed")
+def test_layer_index_of_many_digits_is_an_unexpected_tensor(tmp_path, small_window):
+    config, weights = small_window
+    name = "layers." + "1" * 5000 + ".attn.wq_a.weight"
+    with pytest.raises(ValueError, match=r"unexpected tensors \(1\): layers\.1111"):
+        load_pretrained(
+            write(tmp_path / "ckpt", config, weights | {name: np.zeros(1, np.float32)}), max_len=512
+        )
+
+
+TABLE = "model.layers.0.mlp.gate.tid2eid"
+
+
+@pytest.mark.parametrize("dtype", [np.uint64, np.uint32, np.int16, np.uint8])
+def test_hash_tables_of_any_integer_dtype(tmp_path, small_window, dtype):
+    """The token -> expert tables stored as U64, U32, I16 or U8: the same ids (int32 in the model)."""
+    config, weights = small_window
+    table = weights[TABLE]
+    model = load_pretrained(
+        write(tmp_path / "ckpt", config, weights | {TABLE: table.astype(dtype)}), dtype="float32", max_len=512
+    )
+    got = tensors_of(model)[TABLE]
+    assert got.dtype == np.int32 and np.array_equal(got, table)
+
+
+@pytest.mark.parametrize("value", [2**64 - 1, 2**63, 4])
+@pytest.mark.usefixtures("nothing_placed")
+def test_hash_table_ids_out_of_range_in_u64(tmp_path, small_window, value):
+    config, weights = small_window
+    table = weights[TABLE].astype(np.uint64)
+    table[3, 1] = value
+    with pytest.raises(ValueError, match=rf"tensor {TABLE}: expert ids must be in \[0, 4\)"):
+        load_pretrained(write(tmp_path / "ckpt", config, weights | {TABLE: table}), max_len=512)
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "gone", "fifo"])
+def test_shard_replaced_after_the_checks(tmp_path, small_window, monkeypatch, change):
+    """The checkpoint's file replaced between the header checks and the reads (lm_head (3, 5) against the
+    config's (64, 32), F16 instead of BF16, lm_head gone, the file a FIFO): refused when the tensor is read,
+    naming it (before: the model held the new (3, 5) lm_head and failed only at its first forward)."""
+    config, weights = small_window
+    directory = write(tmp_path / "ckpt", config, weights)
+    file = directory / pretrained.SINGLE
+    replaced = dict(weights)
+    if change == "shape":
+        replaced["lm_head.weight"] = np.zeros((3, 5), np.float32)
+    elif change == "dtype":
+        replaced["lm_head.weight"] = weights["lm_head.weight"].astype(np.float16)
+    elif change == "gone":
+        del replaced["lm_head.weight"]
+    replacement = write(tmp_path / "replacement", config, replaced) / pretrained.SINGLE
+    checks = pretrained._check_tensors
+
+    def check_then_replace(*args):
+        checks(*args)
+        if change == "fifo":
+            file.unlink()
+            os.mkfifo(file)
+        else:
+            replacement.replace(file)
+
+    monkeypatch.setattr(pretrained, "_check_tensors", check_then_replace)
+    match = {
+        "shape": r"lm_head\.weight: now shape \(3, 5\) and dtype BF16, checked as \(64, 32\) and BF16",
+        "dtype": r"lm_head\.weight: now shape \(64, 32\) and dtype F16, checked as \(64, 32\) and BF16",
+        "gone": r"tensor lm_head\.weight: not readable",
+        "fifo": r"model\.safetensors: not a regular file",
+    }[change]
+    with unblocked(file), pytest.raises(ValueError, match=match):
+        load_pretrained(directory, max_len=512)
