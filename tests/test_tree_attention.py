@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 from test_nn import CONFIG, FIXTURE, VERIFY, X
 
-from jax_oc128.controller import ONLINE, ForwardMode
+from jax_oc128.controller import OFFLINE, ONLINE, ForwardMode
 from jax_oc128.nn import AttentionConfig, DeepseekV4Attention, prepare_forward
 from jax_oc128.nn.attention import CSA
 from jax_oc128.tree import Tree
@@ -245,3 +245,15 @@ def test_tree_misuse():
         ValueError, match=r"^nodes: an heavily_compressed_attention layer verifies every node"
     ):
         hca(x[:, :2], positions[:, :2], hca.init_cache(BATCH), mode=VERIFY, tree=TREES[0], nodes=(1, 2))
+    offline = DeepseekV4Attention(
+        AttentionConfig.from_hf(CONFIG, 1), backend=OFFLINE, max_draft=MAX_DRAFT, rngs=nnx.Rngs(0)
+    )
+    with pytest.raises(ValueError, match=r"^tree: the offline C128 state verifies chains only"):
+        offline(
+            x,
+            positions,
+            offline.init_cache(BATCH),
+            offline.init_compressed(BATCH),
+            mode=VERIFY,
+            tree=TREES[0],
+        )

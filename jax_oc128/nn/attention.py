@@ -187,8 +187,9 @@ class AttentionCache:
         )
 
 
-def _check_tree(tree, nodes, tokens: int, mode: ForwardMode, layer_type: str) -> tuple[int, ...]:
-    """``nodes`` (default: every node) checked against the call; returns them."""
+def _check_tree_call(tree, nodes, tokens: int, mode: ForwardMode, layer_type: str) -> tuple[int, ...]:
+    """A tree call's ``tree`` and ``nodes`` (default: every node) checked against its ``tokens``, ``mode``
+    and layer type; returns the nodes."""
     if not isinstance(tree, Tree):
         raise TypeError(f"tree: a jax_oc128.tree.Tree or None, got {type(tree).__name__}")
     if mode not in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND):
@@ -422,7 +423,7 @@ class DeepseekV4Attention(nnx.Module):
         batch, tokens, _ = x.shape
         lengths = jnp.full((batch,), tokens, jnp.int32) if lengths is None else lengths
         if tree is not None:
-            nodes = _check_tree(tree, nodes, tokens, mode, c.layer_type)
+            nodes = _check_tree_call(tree, nodes, tokens, mode, c.layer_type)
             if tree.is_chain:  # the chain's kernels and masks: its nodes are consecutive positions
                 tree = None
         q_res = rms_norm(linear(x, self.q_a_proj[...]), self.q_a_norm[...], c.rms_norm_eps)
@@ -518,9 +519,8 @@ class DeepseekV4Attention(nnx.Module):
         seq_lens, slots = positions[:, 0], batch_slots(lengths)
         controller, layer = self.backend.controller, self.compress_layer
         if mode is ForwardMode.TARGET_VERIFY:
-            on_tree = {} if tree is None else dict(tree=tree)  # (the online controller's only)
             compressed, entries, blocks = controller.write_prefix(
-                compressed, kv_score, seq_lens, slots, ape, layer=layer, **on_tree
+                compressed, kv_score, seq_lens, slots, ape, layer=layer, tree=tree
             )
         else:
             compressed, entries, blocks = controller.compress(
