@@ -1,7 +1,7 @@
-"""Flax NNX modules: DeepSeek-V4 attention (:mod:`~jax_oc128.nn.attention`) with the CSA compressor and
-indexer (:mod:`~jax_oc128.nn.csa`), RoPE (:mod:`~jax_oc128.nn.rope`), hyper-connections
-(:mod:`~jax_oc128.nn.hyper_connections`), the mixture of experts (:mod:`~jax_oc128.nn.moe`), the decoder
-with its draft heads (:mod:`~jax_oc128.nn.model`)."""
+"""Flax NNX modules: DeepSeek-V4 attention (:mod:`~jax_oc128.nn.attention`) with the HCA compressor
+(:mod:`~jax_oc128.nn.hca`) and the CSA compressor and indexer (:mod:`~jax_oc128.nn.csa`), RoPE
+(:mod:`~jax_oc128.nn.rope`), hyper-connections (:mod:`~jax_oc128.nn.hyper_connections`), the mixture of
+experts (:mod:`~jax_oc128.nn.moe`), the decoder with its draft heads (:mod:`~jax_oc128.nn.model`)."""
 
 from jax_oc128.nn.attention import (
     CSA,
@@ -15,6 +15,7 @@ from jax_oc128.nn.attention import (
     prepare_forward,
 )
 from jax_oc128.nn.csa import CSACompressor
+from jax_oc128.nn.hca import HCACompressor
 from jax_oc128.nn.hyper_connections import HyperConnection, HyperHead
 from jax_oc128.nn.model import (
     Block,
@@ -40,6 +41,7 @@ __all__ = [
     "DeepseekV4Attention",
     "DeepseekV4MTP",
     "DeepseekV4Model",
+    "HCACompressor",
     "HyperConnection",
     "HyperHead",
     "MTPHead",
