@@ -23,6 +23,11 @@ The rules of :class:`Controller`, per slot:
   k's k + 1, with ``accept`` its depth + 1); without it, the chain's bank ``accept``. It survives any
   number of other forwards, idle and draft forwards and abandoned verifies in between; ``free``/``alloc``
   drop it.
+* **Padding is decided once per forward**: rows ``>= verify_bs`` of ``prepare_forward`` (and rows of slot
+  -1) are padding for the whole forward. A verify's ``begin_verify`` records the row of each slot in the
+  state (``verify_rows``), and its write_prefix calls write only those rows (:func:`verifying_slots`), so a
+  padding row that carries a stale slot id (another request's, or an active row's) records nothing and
+  writes no bank. An extend or decode forward's padding rows are the rows of ``new_lens`` 0 (or slot -1).
 * **A commit that does not fit the pending verify changes nothing**: no verify pending for the slot,
   ``seq_lens`` not the pending verify's length (eager commit), or ``accept`` or its bank outside
   ``[0, N]`` of that verify (banks past N hold an older verify's prefixes). An eager or non-verify commit
@@ -106,6 +111,40 @@ def active_slots(slots, verify_bs=None):
     return jnp.where(jnp.arange(slots.shape[0]) < verify_bs, slots, -1)
 
 
+def begun_rows(verify_rows, slots):
+    """A state's ``verify_rows`` ``[slots]`` once a verify forward of ``slots`` (``[bs]``, padding -1) is
+    begun: each slot of the forward holds its row, every other slot -1."""
+    rows = jnp.arange(slots.shape[0], dtype=jnp.int32)
+    return jnp.full_like(verify_rows, -1).at[drop_index(slots, verify_rows.shape[0])].set(rows, mode="drop")
+
+
+def verifying_slots(verify_rows, slots):
+    """The one padding rule of a verify forward, for its write_prefix calls: ``slots`` with every row that
+    is not the row its slot was begun with (:func:`begun_rows`) made padding (-1). So rows that
+    prepare_forward treated as padding (``verify_bs``, or -1) write nothing and record no pending verify,
+    whatever stale slot ids they carry."""
+    in_range = (slots >= 0) & (slots < verify_rows.shape[0])
+    begun = verify_rows[jnp.where(in_range, slots, 0)] == jnp.arange(slots.shape[0])
+    return jnp.where(in_range & begun, slots, -1)
+
+
+def _close_verify(cs, slots, seq_lens, layer: int, layers_written: int, tokens: int):
+    """After a write_prefix of layers ``layer .. layer + layers_written - 1``: the call that covers the
+    state's last layer closes the verify (its rows' slots begun no more; the online state's verify becomes
+    pending, with its N = ``tokens``)."""
+    if layer + layers_written != cs.layers:
+        return cs
+    index = drop_index(slots, cs.slots, valid_rows(slots, seq_lens, cs.slots))
+    closed = dict(verify_rows=cs.verify_rows.at[index].set(-1, mode="drop"))
+    if isinstance(cs, CompressState):
+        closed |= dict(
+            pending=cs.pending.at[index].set(seq_lens, mode="drop"),
+            pending_tokens=cs.pending_tokens.at[index].set(tokens, mode="drop"),
+            to_commit=cs.to_commit.at[index].set(-1, mode="drop"),
+        )
+    return cs.replace(**closed)
+
+
 @dataclasses.dataclass(frozen=True)
 class Controller:
     """Transitions of the online backend (:class:`~jax_oc128.state.CompressState`); no state of its own.
@@ -115,7 +154,8 @@ class Controller:
         """Begin a verify of ``slots`` at ``seq_lens`` (SGLang's mark_pending): record in ``to_commit``
         the pending verify that the forward's write_prefix commits first, where ``seq_lens`` (and the kept
         bank ``accept_banks``, default the chain's) fits it (-1 elsewhere), and in ``to_commit_banks`` the
-        bank it keeps. ``pending`` is untouched: the verify becomes pending when write_prefix closes it."""
+        bank it keeps, and the forward's rows by slot (:func:`begun_rows`: the rows its write_prefix calls
+        write). ``pending`` is untouched: the verify becomes pending when write_prefix closes it."""
         _check_per_row_args(slots=slots, seq_lens=seq_lens, **_given(accept_banks=accept_banks))
         verify_lens, accept_lens, rows = lazy_commits(
             cs.pending, cs.pending_tokens, slots, seq_lens, accept_banks
@@ -125,6 +165,7 @@ class Controller:
         return cs.replace(
             to_commit=cs.to_commit.at[index].set(jnp.where(rows >= 0, verify_lens, -1), mode="drop"),
             to_commit_banks=cs.to_commit_banks.at[index].set(banks, mode="drop"),
+            verify_rows=begun_rows(cs.verify_rows, slots),
         )
 
     def prepare_forward(
@@ -158,10 +199,13 @@ class Controller:
         """The verify's bank writes for layers ``layer .. layer + Lk - 1`` (all layers in one call when
         ``kv_score`` has them all), each row first committing its slot's pending verify where
         prepare_forward recorded it (``to_commit``, keeping ``to_commit_banks``), in the same kernel.
-        ``tree``: the draft tree's static parents (:func:`jax_oc128.verify`), None for the chain. The call
-        that covers the state's last layer closes the verify: for its valid rows, ``pending = seq_lens`` and
-        ``pending_tokens = N`` (``kv_score.shape[2]``). Returns ``(cs, entries, entry_blocks)``, for the
-        chain ``[Lk, bs, 1, D]`` and ``[bs, 1]``, for a tree ``[Lk, bs, N, D]`` and ``[bs, N]``."""
+        ``tree``: the draft tree's static parents (:func:`jax_oc128.verify`), None for the chain. Rows
+        that the begun verify does not hold (:func:`verifying_slots`: prepare_forward's padding) are padding.
+        The call that covers the state's last layer closes the verify: for its valid rows, ``pending =
+        seq_lens`` and ``pending_tokens = N`` (``kv_score.shape[2]``). Returns ``(cs, entries,
+        entry_blocks)``, for the chain ``[Lk, bs, 1, D]`` and ``[bs, 1]``, for a tree ``[Lk, bs, N, D]`` and
+        ``[bs, N]``."""
+        slots = verifying_slots(cs.verify_rows, slots)
         banks, entries, blocks = ops.verify(
             cs.banks,
             kv_score,
@@ -173,14 +217,7 @@ class Controller:
             pending_banks=cs.to_commit_banks,
             tree=tree,
         )
-        cs = cs.replace(banks=banks)
-        if layer + kv_score.shape[0] == cs.layers:
-            index = drop_index(slots, cs.slots, valid_rows(slots, seq_lens, cs.slots))
-            cs = cs.replace(
-                pending=cs.pending.at[index].set(seq_lens, mode="drop"),
-                pending_tokens=cs.pending_tokens.at[index].set(kv_score.shape[2], mode="drop"),
-                to_commit=cs.to_commit.at[index].set(-1, mode="drop"),
-            )
+        cs = _close_verify(cs.replace(banks=banks), slots, seq_lens, layer, *kv_score.shape[::2])
         return cs, entries, blocks
 
     def commit(self, cs: CompressState, slots, seq_lens, accept_lens, accept_banks=None) -> CompressState:
@@ -234,24 +271,32 @@ class OfflineController:
     ``accept_banks`` a caller names are a chain's and are only checked."""
 
     def begin_verify(self, cs: OfflineState, slots, seq_lens, accept_banks=None) -> OfflineState:
+        """Record the forward's rows by slot (:func:`begun_rows`), the rows its write_prefix calls write."""
         _check_per_row_args(slots=slots, seq_lens=seq_lens, **_given(accept_banks=accept_banks))
-        return cs
+        return cs.replace(verify_rows=begun_rows(cs.verify_rows, slots))
 
     def prepare_forward(
         self, cs: OfflineState, mode: ForwardMode, slots, seq_lens, verify_bs=None, accept_banks=None
     ):
+        """``TARGET_VERIFY`` begins the verify (:meth:`begin_verify`, rows ``>= verify_bs`` padding); other
+        modes change nothing (nothing is ever pending)."""
         _check_prepare_forward_args(mode, slots, seq_lens, verify_bs, accept_banks)
-        return cs
+        if mode is not ForwardMode.TARGET_VERIFY:
+            return cs
+        return self.begin_verify(cs, active_slots(slots, verify_bs), seq_lens, accept_banks)
 
     def write_prefix(self, cs: OfflineState, kv_score, seq_lens, slots, ape, *, layer: int = 0, tree=None):
-        """A chain verify's rows, written as a compress of its N tokens; ``tree`` must be None."""
+        """A chain verify's rows, written as a compress of its N tokens for the rows the begun verify holds
+        (:func:`verifying_slots`); ``tree`` must be None. The call that covers the last layer closes it."""
         if tree is not None:
             raise ValueError(
                 f"tree: the offline C128 state verifies chains only (tree=None; the online one verifies "
                 f"trees), got {tree!r}"
             )
+        slots = verifying_slots(cs.verify_rows, slots)
         new_lens = jnp.full(seq_lens.shape, kv_score.shape[2], jnp.int32)
-        return self.compress(cs, kv_score, seq_lens, new_lens, slots, ape, layer=layer)
+        cs, entries, blocks = self.compress(cs, kv_score, seq_lens, new_lens, slots, ape, layer=layer)
+        return _close_verify(cs, slots, seq_lens, layer, *kv_score.shape[::2]), entries, blocks
 
     def commit(self, cs: OfflineState, slots, seq_lens, accept_lens, accept_banks=None) -> OfflineState:
         _check_per_row_args(
