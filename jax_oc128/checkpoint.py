@@ -36,6 +36,12 @@ MAX_META_BYTES = 1 << 20
 HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 #: parameter dtype -> the dtype it is stored as (its bits), for the dtypes the .npy format has not
 STORED_AS = {np.dtype(jnp.bfloat16): np.dtype(np.uint16)}
+#: a parameter path of earlier checkpoints -> its path today: an HCA layer's compressor parameters were
+#: attributes of the attention (``['attn']['compressor_ape']``), now of its ``compressor`` submodule
+RENAMED = {
+    f"['attn']['compressor_{name}']": f"['attn']['compressor']['{name}']"
+    for name in ("kv_proj", "gate_proj", "ape", "kv_norm")
+}
 #: what reading a damaged, encrypted or otherwise unreadable archive member raises
 READ_ERRORS = (
     ValueError,
@@ -77,11 +83,14 @@ def load(path=DEFAULT_MODEL, *, backend: Backend = ONLINE) -> tuple[SpeculativeM
     except zipfile.BadZipFile as error:
         raise ValueError(f"{path}: not a .npz archive ({error})") from None
     with archive:
-        headers = {}
+        headers, stored_as = {}, {}  # by today's parameter path: the .npy header, the member's name
         for member in archive.namelist():
             if not member.endswith(".npy"):
                 raise ValueError(f"{path}: {member!r} is not a .npy array")
-            headers[member.removesuffix(".npy")] = _header(archive, member, path)
+            name = _current_name(member.removesuffix(".npy"))
+            if name in headers:
+                raise ValueError(f"{path}: tensor {name} is stored twice ({stored_as[name]!r}, {member!r})")
+            headers[name], stored_as[name] = _header(archive, member, path), member.removesuffix(".npy")
         meta = _metadata(archive, headers, path)
         config = _config(meta, len(headers) - 1, path)
         graphdef, abstract = nnx.split(
@@ -90,10 +99,18 @@ def load(path=DEFAULT_MODEL, *, backend: Backend = ONLINE) -> tuple[SpeculativeM
         expected = dict(_named_leaves(abstract))
         _check_tensors(headers, expected, path)
         arrays = [
-            jax.device_put(_read(archive, name, path).view(want.dtype)) for name, want in expected.items()
+            jax.device_put(_read(archive, stored_as[name], path).view(want.dtype))
+            for name, want in expected.items()
         ]
     state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract), arrays)
     return nnx.merge(graphdef, state), meta
+
+
+def _current_name(name: str) -> str:
+    """A stored parameter's path as the model names it today (:data:`RENAMED`)."""
+    for old, new in RENAMED.items():
+        name = name.replace(old, new)
+    return name
 
 
 def _stored(array: np.ndarray) -> np.ndarray:

@@ -23,6 +23,11 @@ The rules of :class:`Controller`, per slot:
   k's k + 1, with ``accept`` its depth + 1); without it, the chain's bank ``accept``. It survives any
   number of other forwards, idle and draft forwards and abandoned verifies in between; ``free``/``alloc``
   drop it.
+* **Padding is decided once per forward**: rows ``>= verify_bs`` of ``prepare_forward`` (and rows of slot
+  -1) are padding for the whole forward. A verify's ``begin_verify`` records the row of each slot in the
+  state (``verify_rows``), and its write_prefix calls write only those rows (:func:`verifying_slots`), so a
+  padding row that carries a stale slot id (another request's, or an active row's) records nothing and
+  writes no bank. An extend or decode forward's padding rows are the rows of ``new_lens`` 0 (or slot -1).
 * **A commit that does not fit the pending verify changes nothing**: no verify pending for the slot,
   ``seq_lens`` not the pending verify's length (eager commit), or ``accept`` or its bank outside
   ``[0, N]`` of that verify (banks past N hold an older verify's prefixes). An eager or non-verify commit
@@ -30,8 +35,11 @@ The rules of :class:`Controller`, per slot:
   and then the old verify is dropped uncommitted. Such lengths are a caller's bug: the slot's state no
   longer follows its tokens, but no stale bank is ever copied.
 
-:class:`OfflineController` has the same interface over :class:`~jax_oc128.state.OfflineState` (raw rows,
-rollback by position): the baseline for memory and speed and a second oracle in tests.
+Both backends implement :class:`CompressController`, one protocol with the same signatures:
+:class:`Controller` over :class:`~jax_oc128.state.CompressState` and :class:`OfflineController` over
+:class:`~jax_oc128.state.OfflineState` (raw rows, rollback by position: the baseline for memory and speed
+and a second oracle in tests). The offline state verifies chains only: its ``write_prefix`` refuses a
+``tree``, and its ``accept_banks`` (always a chain's after a chain verify) are checked and need nothing.
 
 Shapes, for a batch of ``bs`` rows: ``slots``, ``seq_lens``, ``new_lens``, ``accept_lens``,
 ``accept_banks`` are ``[bs]`` int32 (slot -1 marks a padding row); ``kv_score`` is ``[Lk, bs, T, 2*D]``
@@ -44,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Protocol
 
 import jax.numpy as jnp
 
@@ -62,7 +71,7 @@ class ForwardMode(enum.Enum):
     IDLE = "idle"  # nothing for this rank: no transition at all
 
 
-def _check_rows(**rows):
+def _check_per_row_args(**rows):
     """Trace-time checks of per-row arguments, given by name: each an int32 array ``[bs]``, one ``bs``
     for all. Raises ``ValueError``/``TypeError`` naming the argument."""
     first = size = None
@@ -80,15 +89,16 @@ def _check_rows(**rows):
 
 
 def _given(**rows):
-    """The keyword arguments that are not None (optional per-row arguments, for :func:`_check_rows`)."""
+    """The keyword arguments that are not None (optional per-row arguments, for
+    :func:`_check_per_row_args`)."""
     return {name: x for name, x in rows.items() if x is not None}
 
 
-def _check_forward(mode, slots, seq_lens, verify_bs):
+def _check_prepare_forward_args(mode, slots, seq_lens, verify_bs, accept_banks):
     """Trace-time checks of ``prepare_forward``'s arguments."""
     if not isinstance(mode, ForwardMode):
         raise TypeError(f"mode: expected a ForwardMode, got {mode!r}")
-    _check_rows(slots=slots, seq_lens=seq_lens)
+    _check_per_row_args(slots=slots, seq_lens=seq_lens, **_given(accept_banks=accept_banks))
     if verify_bs is not None and jnp.ndim(verify_bs) != 0:
         raise ValueError(f"verify_bs: expected a scalar, got shape {list(jnp.shape(verify_bs))}")
 
@@ -101,6 +111,40 @@ def active_slots(slots, verify_bs=None):
     return jnp.where(jnp.arange(slots.shape[0]) < verify_bs, slots, -1)
 
 
+def begun_rows(verify_rows, slots):
+    """A state's ``verify_rows`` ``[slots]`` once a verify forward of ``slots`` (``[bs]``, padding -1) is
+    begun: each slot of the forward holds its row, every other slot -1."""
+    rows = jnp.arange(slots.shape[0], dtype=jnp.int32)
+    return jnp.full_like(verify_rows, -1).at[drop_index(slots, verify_rows.shape[0])].set(rows, mode="drop")
+
+
+def verifying_slots(verify_rows, slots):
+    """The one padding rule of a verify forward, for its write_prefix calls: ``slots`` with every row that
+    is not the row its slot was begun with (:func:`begun_rows`) made padding (-1). So rows that
+    prepare_forward treated as padding (``verify_bs``, or -1) write nothing and record no pending verify,
+    whatever stale slot ids they carry."""
+    in_range = (slots >= 0) & (slots < verify_rows.shape[0])
+    begun = verify_rows[jnp.where(in_range, slots, 0)] == jnp.arange(slots.shape[0])
+    return jnp.where(in_range & begun, slots, -1)
+
+
+def _close_verify(cs, slots, seq_lens, layer: int, layers_written: int, tokens: int):
+    """After a write_prefix of layers ``layer .. layer + layers_written - 1``: the call that covers the
+    state's last layer closes the verify (its rows' slots begun no more; the online state's verify becomes
+    pending, with its N = ``tokens``)."""
+    if layer + layers_written != cs.layers:
+        return cs
+    index = drop_index(slots, cs.slots, valid_rows(slots, seq_lens, cs.slots))
+    closed = dict(verify_rows=cs.verify_rows.at[index].set(-1, mode="drop"))
+    if isinstance(cs, CompressState):
+        closed |= dict(
+            pending=cs.pending.at[index].set(seq_lens, mode="drop"),
+            pending_tokens=cs.pending_tokens.at[index].set(tokens, mode="drop"),
+            to_commit=cs.to_commit.at[index].set(-1, mode="drop"),
+        )
+    return cs.replace(**closed)
+
+
 @dataclasses.dataclass(frozen=True)
 class Controller:
     """Transitions of the online backend (:class:`~jax_oc128.state.CompressState`); no state of its own.
@@ -110,8 +154,9 @@ class Controller:
         """Begin a verify of ``slots`` at ``seq_lens`` (SGLang's mark_pending): record in ``to_commit``
         the pending verify that the forward's write_prefix commits first, where ``seq_lens`` (and the kept
         bank ``accept_banks``, default the chain's) fits it (-1 elsewhere), and in ``to_commit_banks`` the
-        bank it keeps. ``pending`` is untouched: the verify becomes pending when write_prefix closes it."""
-        _check_rows(slots=slots, seq_lens=seq_lens, **_given(accept_banks=accept_banks))
+        bank it keeps, and the forward's rows by slot (:func:`begun_rows`: the rows its write_prefix calls
+        write). ``pending`` is untouched: the verify becomes pending when write_prefix closes it."""
+        _check_per_row_args(slots=slots, seq_lens=seq_lens, **_given(accept_banks=accept_banks))
         verify_lens, accept_lens, rows = lazy_commits(
             cs.pending, cs.pending_tokens, slots, seq_lens, accept_banks
         )
@@ -120,6 +165,7 @@ class Controller:
         return cs.replace(
             to_commit=cs.to_commit.at[index].set(jnp.where(rows >= 0, verify_lens, -1), mode="drop"),
             to_commit_banks=cs.to_commit_banks.at[index].set(banks, mode="drop"),
+            verify_rows=begun_rows(cs.verify_rows, slots),
         )
 
     def prepare_forward(
@@ -138,7 +184,7 @@ class Controller:
 
         Slots not in the batch keep their pending verify.
         """
-        _check_forward(mode, slots, seq_lens, verify_bs)
+        _check_prepare_forward_args(mode, slots, seq_lens, verify_bs, accept_banks)
         if mode in (ForwardMode.IDLE, ForwardMode.DRAFT_EXTEND):
             return cs
         slots = active_slots(slots, verify_bs)
@@ -153,10 +199,13 @@ class Controller:
         """The verify's bank writes for layers ``layer .. layer + Lk - 1`` (all layers in one call when
         ``kv_score`` has them all), each row first committing its slot's pending verify where
         prepare_forward recorded it (``to_commit``, keeping ``to_commit_banks``), in the same kernel.
-        ``tree``: the draft tree's static parents (:func:`jax_oc128.verify`), None for the chain. The call
-        that covers the state's last layer closes the verify: for its valid rows, ``pending = seq_lens`` and
-        ``pending_tokens = N`` (``kv_score.shape[2]``). Returns ``(cs, entries, entry_blocks)``, for the
-        chain ``[Lk, bs, 1, D]`` and ``[bs, 1]``, for a tree ``[Lk, bs, N, D]`` and ``[bs, N]``."""
+        ``tree``: the draft tree's static parents (:func:`jax_oc128.verify`), None for the chain. Rows
+        that the begun verify does not hold (:func:`verifying_slots`: prepare_forward's padding) are padding.
+        The call that covers the state's last layer closes the verify: for its valid rows, ``pending =
+        seq_lens`` and ``pending_tokens = N`` (``kv_score.shape[2]``). Returns ``(cs, entries,
+        entry_blocks)``, for the chain ``[Lk, bs, 1, D]`` and ``[bs, 1]``, for a tree ``[Lk, bs, N, D]`` and
+        ``[bs, N]``."""
+        slots = verifying_slots(cs.verify_rows, slots)
         banks, entries, blocks = ops.verify(
             cs.banks,
             kv_score,
@@ -168,14 +217,7 @@ class Controller:
             pending_banks=cs.to_commit_banks,
             tree=tree,
         )
-        cs = cs.replace(banks=banks)
-        if layer + kv_score.shape[0] == cs.layers:
-            index = drop_index(slots, cs.slots, valid_rows(slots, seq_lens, cs.slots))
-            cs = cs.replace(
-                pending=cs.pending.at[index].set(seq_lens, mode="drop"),
-                pending_tokens=cs.pending_tokens.at[index].set(kv_score.shape[2], mode="drop"),
-                to_commit=cs.to_commit.at[index].set(-1, mode="drop"),
-            )
+        cs = _close_verify(cs.replace(banks=banks), slots, seq_lens, layer, *kv_score.shape[::2])
         return cs, entries, blocks
 
     def commit(self, cs: CompressState, slots, seq_lens, accept_lens, accept_banks=None) -> CompressState:
@@ -184,7 +226,7 @@ class Controller:
         accepted nodes' k + 1; default: the chain's). A row whose commit does not fit the pending verify
         (nothing pending, ``seq_lens`` not its length, ``accept_lens`` or its bank outside ``[0, N]``)
         changes nothing and its verify stays pending."""
-        _check_rows(
+        _check_per_row_args(
             slots=slots, seq_lens=seq_lens, accept_lens=accept_lens, **_given(accept_banks=accept_banks)
         )
         fits = commits_pending(cs.pending, cs.pending_tokens, slots, seq_lens, accept_lens, accept_banks)
@@ -210,7 +252,7 @@ class Controller:
         is once the slot's next forward at ``seq_lens`` commits what is pending, keeping ``accept_banks``
         (default: the chain's) (meaningless where ``seq_lens % 128 == 0``)."""
         del ape  # the online state holds it already
-        _check_rows(slots=slots, seq_lens=seq_lens, **_given(accept_banks=accept_banks))
+        _check_per_row_args(slots=slots, seq_lens=seq_lens, **_given(accept_banks=accept_banks))
         verify_lens, accept_lens, rows = lazy_commits(
             cs.pending, cs.pending_tokens, slots, seq_lens, accept_banks
         )
@@ -223,32 +265,78 @@ class Controller:
 
 @dataclasses.dataclass(frozen=True)
 class OfflineController:
-    """Transitions of the offline backend (:class:`~jax_oc128.state.OfflineState`), same interface as
-    :class:`Controller`. Verifies write their rows by position and nothing needs committing."""
+    """Transitions of the offline backend (:class:`~jax_oc128.state.OfflineState`), the
+    :class:`CompressController` protocol as :class:`Controller` has it. Verifies write their rows by
+    position and nothing needs committing; a verify is a chain (``write_prefix`` refuses a tree), so the
+    ``accept_banks`` a caller names are a chain's and are only checked."""
 
-    def begin_verify(self, cs: OfflineState, slots, seq_lens) -> OfflineState:
-        return cs
+    def begin_verify(self, cs: OfflineState, slots, seq_lens, accept_banks=None) -> OfflineState:
+        """Record the forward's rows by slot (:func:`begun_rows`), the rows its write_prefix calls write."""
+        _check_per_row_args(slots=slots, seq_lens=seq_lens, **_given(accept_banks=accept_banks))
+        return cs.replace(verify_rows=begun_rows(cs.verify_rows, slots))
 
-    def prepare_forward(self, cs: OfflineState, mode: ForwardMode, slots, seq_lens, verify_bs=None):
-        _check_forward(mode, slots, seq_lens, verify_bs)
-        return cs
+    def prepare_forward(
+        self, cs: OfflineState, mode: ForwardMode, slots, seq_lens, verify_bs=None, accept_banks=None
+    ):
+        """``TARGET_VERIFY`` begins the verify (:meth:`begin_verify`, rows ``>= verify_bs`` padding); other
+        modes change nothing (nothing is ever pending)."""
+        _check_prepare_forward_args(mode, slots, seq_lens, verify_bs, accept_banks)
+        if mode is not ForwardMode.TARGET_VERIFY:
+            return cs
+        return self.begin_verify(cs, active_slots(slots, verify_bs), seq_lens, accept_banks)
 
-    def commit(self, cs: OfflineState, slots, seq_lens, accept_lens) -> OfflineState:
-        _check_rows(slots=slots, seq_lens=seq_lens, accept_lens=accept_lens)
-        return cs
-
-    def write_prefix(self, cs: OfflineState, kv_score, seq_lens, slots, ape, *, layer: int = 0):
+    def write_prefix(self, cs: OfflineState, kv_score, seq_lens, slots, ape, *, layer: int = 0, tree=None):
+        """A chain verify's rows, written as a compress of its N tokens for the rows the begun verify holds
+        (:func:`verifying_slots`); ``tree`` must be None. The call that covers the last layer closes it."""
+        if tree is not None:
+            raise ValueError(
+                f"tree: the offline C128 state verifies chains only (tree=None; the online one verifies "
+                f"trees), got {tree!r}"
+            )
+        slots = verifying_slots(cs.verify_rows, slots)
         new_lens = jnp.full(seq_lens.shape, kv_score.shape[2], jnp.int32)
-        return self.compress(cs, kv_score, seq_lens, new_lens, slots, ape, layer=layer)
+        cs, entries, blocks = self.compress(cs, kv_score, seq_lens, new_lens, slots, ape, layer=layer)
+        return _close_verify(cs, slots, seq_lens, layer, *kv_score.shape[::2]), entries, blocks
+
+    def commit(self, cs: OfflineState, slots, seq_lens, accept_lens, accept_banks=None) -> OfflineState:
+        _check_per_row_args(
+            slots=slots, seq_lens=seq_lens, accept_lens=accept_lens, **_given(accept_banks=accept_banks)
+        )
+        return cs
 
     def compress(self, cs: OfflineState, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0):
         """Write the rows by position and pool the blocks they close (:meth:`OfflineState.write`)."""
         return cs.write(kv_score, seq_lens, new_lens, slots, ape, layer=layer)
 
-    def open_state(self, cs: OfflineState, slots, seq_lens, ape):
+    def open_state(self, cs: OfflineState, slots, seq_lens, ape, accept_banks=None):
         """``(max, sum, mean)`` float32 ``[layers, bs, D]`` of the open block, pooled from the raw rows."""
-        _check_rows(slots=slots, seq_lens=seq_lens)
+        _check_per_row_args(slots=slots, seq_lens=seq_lens, **_given(accept_banks=accept_banks))
         return cs.open_block(slots, seq_lens, ape)
+
+
+class CompressController(Protocol):
+    """The transitions a C128 backend's controller implements, with these signatures (:class:`Controller`
+    and :class:`OfflineController`; the rules are in this module's docstring, the arguments' shapes below
+    it). ``cs`` is the backend's state; every method returns the new state (``write_prefix`` and
+    ``compress`` with the entries they closed)."""
+
+    def begin_verify(self, cs, slots, seq_lens, accept_banks=None):
+        """Begin a verify of ``slots`` at ``seq_lens``; nothing is committed or pending yet."""
+
+    def prepare_forward(self, cs, mode: ForwardMode, slots, seq_lens, verify_bs=None, accept_banks=None):
+        """Before a forward of ``mode``; rows ``>= verify_bs`` are padding."""
+
+    def write_prefix(self, cs, kv_score, seq_lens, slots, ape, *, layer: int = 0, tree=None):
+        """A verify's writes (``tree`` None: a chain) -> ``(cs, entries, entry_blocks)``."""
+
+    def commit(self, cs, slots, seq_lens, accept_lens, accept_banks=None):
+        """Keep ``accept_lens`` tokens (bank ``accept_banks``) of the pending verify at ``seq_lens``."""
+
+    def compress(self, cs, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0):
+        """An extend or decode forward's compression -> ``(cs, entries, entry_blocks)``."""
+
+    def open_state(self, cs, slots, seq_lens, ape, accept_banks=None):
+        """``(max, sum, mean)`` of each row's open block at ``seq_lens``, what is pending committed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,7 +346,7 @@ class Backend:
 
     name: str
     state_type: type
-    controller: Controller | OfflineController
+    controller: CompressController
 
     def create(self, layers: int, slots: int, head_dim: int, max_draft: int, dtype=jnp.float32):
         """A fresh state of this backend (see :meth:`CompressState.create`)."""

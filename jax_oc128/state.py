@@ -39,6 +39,8 @@ class CompressState:
         committed or replaced.
       to_commit_banks: ``[slots]`` int32: the bank that commit keeps (the chain: its accept; after a tree
         verify, the accepted node k's bank k + 1); meaningful where ``to_commit >= 0``.
+      verify_rows: ``[slots]`` int32: for the slots of a begun verify forward, the forward's row that
+        verifies the slot, -1 for none (see :func:`~jax_oc128.controller.verifying_slots`).
 
     The controller's rules (:class:`~jax_oc128.controller.Controller`) keep ``pending`` for a slot until
     it is committed (eagerly, or lazily by the slot's next forward), replaced by a verify whose banks
@@ -50,6 +52,7 @@ class CompressState:
     pending_tokens: jax.Array
     to_commit: jax.Array
     to_commit_banks: jax.Array
+    verify_rows: jax.Array
 
     @classmethod
     def create(
@@ -59,7 +62,12 @@ class CompressState:
         banks = ops.init_state(layers, slots, head_dim, max_draft, dtype)
         table = functools.partial(jnp.full, (slots,), dtype=jnp.int32)
         return cls(
-            banks, pending=table(-1), pending_tokens=table(0), to_commit=table(-1), to_commit_banks=table(0)
+            banks,
+            pending=table(-1),
+            pending_tokens=table(0),
+            to_commit=table(-1),
+            to_commit_banks=table(0),
+            verify_rows=table(-1),
         )
 
     layers = property(lambda self: self.banks.shape[0])
@@ -82,11 +90,13 @@ class CompressState:
         return self.free(slots).replace(banks=cleared)
 
     def free(self, slots) -> CompressState:
-        """Release ``slots``: whatever is pending for them is dropped (their rows are cleared on reuse)."""
+        """Release ``slots``: whatever is pending or begun for them is dropped (their rows are cleared on
+        reuse)."""
         index = drop_index(slots, self.slots)
         return self.replace(
             pending=self.pending.at[index].set(-1, mode="drop"),
             to_commit=self.to_commit.at[index].set(-1, mode="drop"),
+            verify_rows=self.verify_rows.at[index].set(-1, mode="drop"),
         )
 
 
@@ -99,15 +109,18 @@ class OfflineState:
       rows: ``[layers, slots, 128 + max_draft, 2 * head_dim]``: ``[kv | score]`` (score without ape) of
         position p in row ``p % (128 + max_draft)``: the open block plus a verify's drafts fit without
         overlap, so rejected drafts are simply overwritten later (rollback by position).
+      verify_rows: ``[slots]`` int32: as :class:`CompressState`'s, the rows of a begun verify forward.
     """
 
     rows: jax.Array
+    verify_rows: jax.Array
 
     @classmethod
     def create(
         cls, layers: int, slots: int, head_dim: int, max_draft: int, dtype=jnp.float32
     ) -> OfflineState:
-        return cls(jnp.zeros((layers, slots, BLOCK + max_draft, 2 * head_dim), dtype))
+        rows = jnp.zeros((layers, slots, BLOCK + max_draft, 2 * head_dim), dtype)
+        return cls(rows, jnp.full((slots,), -1, jnp.int32))
 
     layers = property(lambda self: self.rows.shape[0])
     max_draft = property(lambda self: self.rows.shape[2] - BLOCK)
@@ -117,13 +130,20 @@ class OfflineState:
 
     def state_bytes(self) -> int:
         """Device bytes of this state, all slots (also for a ``jax.eval_shape`` of it)."""
-        return _nbytes(self.rows)
+        return sum(_nbytes(leaf) for leaf in jax.tree.leaves(self))
+
+    def replace(self, **fields) -> OfflineState:
+        return dataclasses.replace(self, **fields)
 
     def alloc(self, slots) -> OfflineState:
-        return OfflineState(self.rows.at[:, drop_index(slots, self.slots)].set(0, mode="drop"))
+        cleared = self.rows.at[:, drop_index(slots, self.slots)].set(0, mode="drop")
+        return self.free(slots).replace(rows=cleared)
 
     def free(self, slots) -> OfflineState:
-        return self
+        """Release ``slots``: a verify begun for them is dropped (their rows are cleared on reuse)."""
+        return self.replace(
+            verify_rows=self.verify_rows.at[drop_index(slots, self.slots)].set(-1, mode="drop")
+        )
 
     def write(self, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0):
         """Write the new rows by position into layers ``layer .. layer + Lk - 1`` and pool every block the
@@ -157,7 +177,7 @@ class OfflineState:
         updated = self.rows.at[layer : layer + num_layers, index, (seq_lens[:, None] + t) % ring].set(
             kv_score.astype(self.rows.dtype), mode="drop"
         )
-        return OfflineState(updated), entries, entry_blocks
+        return self.replace(rows=updated), entries, entry_blocks
 
     def open_block(self, slots, seq_lens, ape):
         """``(max, sum, mean)`` float32 ``[layers, bs, D]`` of each row's open block at ``seq_lens``,

@@ -58,6 +58,33 @@ def test_saved_model_loads_back_exactly(tmp_path, fields):
         checkpoint.save(model, tmp_path / "n.npz", config={})
 
 
+def test_earlier_parameter_paths_load(tmp_path):
+    """An HCA layer's compressor parameters stored under their earlier paths (attributes of the attention,
+    as in the shipped file) load into its ``compressor``; a file storing one under both paths is refused."""
+    config = ModelConfig(vocab_size=40, hidden_size=32, layer_types=(HCA, SLIDING), head_dim=32, rope_dim=8)
+    model = SpeculativeModel(config, rngs=nnx.Rngs(4))
+    checkpoint.save(model, tmp_path / "m.npz")
+    with np.load(tmp_path / "m.npz", allow_pickle=False) as data:
+        tensors = {name: data[name] for name in data.files if name != checkpoint.META}
+        meta = json.loads(data[checkpoint.META].tobytes())
+    earlier = {new: old for old, new in checkpoint.RENAMED.items()}
+    renamed = {}
+    for name, tensor in tensors.items():
+        for new, old in earlier.items():
+            name = name.replace(new, old)
+        renamed[name] = tensor
+    ape = "['target']['blocks'][0]['attn']['compressor_ape'].value"
+    assert ape in renamed and len(renamed) == len(tensors)
+    loaded, _ = checkpoint.load(write(tmp_path / "earlier.npz", renamed, meta))
+    saved, restored = (jax.tree.leaves(nnx.split(m)[1]) for m in (model, loaded))
+    assert len(saved) == len(restored) and all(map(np.array_equal, saved, restored))
+    both = renamed | {ape.replace("compressor_ape", "compressor']['ape"): renamed[ape]}
+    with pytest.raises(
+        ValueError, match=r"tensor \['target'\].*\['compressor'\]\['ape'\]\.value is stored twice"
+    ):
+        checkpoint.load(write(tmp_path / "both.npz", both, meta))
+
+
 def test_wrong_shape_is_refused(tmp_path):
     tensors, meta = shipped()
     tensors[UP] = tensors[UP][:-1]

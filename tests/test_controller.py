@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from oracle import Stream, random_ape, random_tokens, state_err
 
-from jax_oc128.controller import BACKENDS, Controller, ForwardMode, OfflineController, active_slots
+from jax_oc128.controller import (
+    BACKENDS,
+    CompressController,
+    Controller,
+    ForwardMode,
+    OfflineController,
+    active_slots,
+)
 from jax_oc128.state import CompressState, OfflineState, bytes_per_slot
 
 LAYERS, DIM, MAX_DRAFT, SLOTS, BATCH, EXTEND_WIDTH = 2, 32, 4, 20, 8, 160
@@ -43,10 +51,10 @@ def compress_step(online, offline, kv, seq, new, slots, ape, mode):
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
 def verify_step(online, offline, kv, seq, slots, verify_bs, ape):
-    """Rows >= verify_bs carry other requests' slots: only verify_bs must keep them out. One write_prefix
-    per layer, as a model calls it."""
+    """Rows >= verify_bs carry other requests' slots: prepare_forward's verify_bs alone must keep them out
+    of every write_prefix. One write_prefix per layer, as a model calls it."""
     online = ONLINE.prepare_forward(online, ForwardMode.TARGET_VERIFY, slots, seq, verify_bs=verify_bs)
-    slots = active_slots(slots, verify_bs)
+    offline = OFFLINE.prepare_forward(offline, ForwardMode.TARGET_VERIFY, slots, seq, verify_bs=verify_bs)
     outputs = []
     for layer in range(LAYERS):
         online, entries, blocks = ONLINE.write_prefix(
@@ -507,6 +515,14 @@ MISUSE = [
     ("prepare_forward", dict(verify_bs=jnp.ones(2, jnp.int32)), ValueError, "verify_bs: expected a scalar"),
     ("commit", dict(accept_lens=jnp.zeros(1, jnp.int32)), ValueError, r"accept_lens: expected shape \[2\]"),
     ("commit", dict(slots=jnp.zeros(2, jnp.uint32)), TypeError, "slots: expected dtype int32"),
+    ("commit", dict(accept_banks=jnp.zeros(3, jnp.int32)), ValueError, r"accept_banks: expected shape \[2\]"),
+    ("prepare_forward", dict(accept_banks=jnp.zeros(2)), TypeError, "accept_banks: expected dtype int32"),
+    (
+        "open_state",
+        dict(accept_banks=jnp.zeros((2, 1), jnp.int32)),
+        ValueError,
+        "accept_banks: expected shape",
+    ),
     ("open_state", dict(seq_lens=jnp.zeros((), jnp.int32)), ValueError, "seq_lens: expected shape"),
 ]
 
@@ -525,6 +541,67 @@ def test_misuse_is_named_at_trace_time(backend, method, change, error, match):
     for run in (call, jax.jit(call)):
         with pytest.raises(error, match=match):
             run(state)
+
+
+@pytest.mark.parametrize("verify_bs", [1, 2, -3])
+def test_rows_past_verify_bs_are_padding_for_the_whole_forward(verify_bs):
+    """prepare_forward's verify_bs holds for the forward's write_prefix calls too: rows >= verify_bs (stale
+    slot ids, as a padded CUDA-graph batch carries; row 2 even another row's slot) record no pending
+    verify and write no bank or row, online and offline: the forward is the one of those rows as -1."""
+    online, stream, ape = prefilled(seed=9)  # slot A at 100 tokens
+    prefill = (jnp.asarray(stream.rows[:, None, :100]), ints(0), ints(100), ints(A), ape)
+    offline = OFFLINE.compress(OfflineState.create(LAYERS, 4, DIM, MAX_DRAFT), *prefill)[0]
+    seq = ints(100, 3, 7)
+    kv = jnp.asarray(np.random.default_rng(9).normal(size=(LAYERS, 3, 2, 2 * DIM)), jnp.float32)
+
+    def verify_forward(slots, verify_bs):
+        states = []
+        for ctl, cs in ((ONLINE, online), (OFFLINE, offline)):
+            cs = ctl.prepare_forward(cs, ForwardMode.TARGET_VERIFY, slots, seq, verify_bs=verify_bs)
+            for layer in range(LAYERS):
+                cs = ctl.write_prefix(
+                    cs, kv[layer : layer + 1], seq, slots, ape[layer : layer + 1], layer=layer
+                )[0]
+            states.append(cs)
+        return states
+
+    slots = ints(A, 1, A)
+    got = verify_forward(slots, jnp.int32(verify_bs))
+    want = verify_forward(active_slots(slots, verify_bs), None)
+    expected = np.full(4, -1)
+    expected[A] = 100 if verify_bs >= 1 else -1
+    expected[1] = 3 if verify_bs >= 2 else -1
+    assert got[0].pending.tolist() == expected.tolist()
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_both_backends_implement_the_protocol_in_full():
+    """Every method of CompressController, with its parameters (names, kinds, defaults), in both."""
+    methods = [name for name in vars(CompressController) if not name.startswith("_")]
+    assert set(methods) == {
+        "begin_verify",
+        "prepare_forward",
+        "write_prefix",
+        "commit",
+        "compress",
+        "open_state",
+    }
+
+    def parameters(function):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+
+    for backend in BACKENDS.values():
+        for name in methods:
+            assert parameters(getattr(backend.controller, name)) == parameters(
+                getattr(CompressController, name).__get__(backend.controller)
+            ), (backend.name, name)
+
+
+def test_the_offline_state_refuses_a_tree_by_name():
+    state = OfflineState.create(LAYERS, 4, DIM, MAX_DRAFT)
+    kv = jnp.zeros((1, 2, 3, 2 * DIM), jnp.float32)
+    with pytest.raises(ValueError, match=r"^tree: the offline C128 state verifies chains only"):
+        OFFLINE.write_prefix(state, kv, ROWS, ROWS, jnp.zeros((1, 128, DIM)), tree=(-1, 0, 0))
 
 
 def test_alloc_clears_the_slot_and_its_pending_verify():
@@ -560,6 +637,8 @@ def test_step_is_in_place_under_jit():
 
 
 def test_state_bytes():
-    assert bytes_per_slot(CompressState, 20, 512, 4) == 20 * 5 * 3 * 512 * 4 + 4 * 4
-    assert bytes_per_slot(OfflineState, 20, 512, 4) == 20 * 132 * 2 * 512 * 4
-    assert bytes_per_slot(CompressState, 20, 512, 4, jnp.bfloat16) == 20 * 5 * 3 * 512 * 2 + 4 * 4
+    # the banks, then the int32 tables per slot (online: pending, pending_tokens, to_commit,
+    # to_commit_banks, verify_rows; offline: verify_rows)
+    assert bytes_per_slot(CompressState, 20, 512, 4) == 20 * 5 * 3 * 512 * 4 + 5 * 4
+    assert bytes_per_slot(OfflineState, 20, 512, 4) == 20 * 132 * 2 * 512 * 4 + 4
+    assert bytes_per_slot(CompressState, 20, 512, 4, jnp.bfloat16) == 20 * 5 * 3 * 512 * 2 + 5 * 4

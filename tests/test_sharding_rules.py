@@ -39,7 +39,7 @@ def test_the_model_axis_splits_heads_groups_experts_hidden_and_vocabulary():
         (*block, "attn", "compressor", "kv_proj"),
         (*block, "moe", "router_weight"),
         (*block, "attn_hc", "fn"),
-        ("target", "blocks", "2", "attn", "compressor_kv_proj"),  # the C128 compressor
+        ("target", "blocks", "2", "attn", "compressor", "kv_proj"),  # the HCA (C128) compressor
         ("mtp", "embed"),
     ):
         assert by_path[whole] == P(), whole

@@ -1,8 +1,8 @@
-"""Flax NNX modules: DeepSeek-V4 attention (:mod:`~jax_oc128.nn.attention`) with the CSA compressor and
-indexer (:mod:`~jax_oc128.nn.csa`), RoPE (:mod:`~jax_oc128.nn.rope`), hyper-connections
-(:mod:`~jax_oc128.nn.hyper_connections`), the mixture of experts (:mod:`~jax_oc128.nn.moe`), the decoder
-and its config (:mod:`~jax_oc128.nn.model`), the draft heads and the speculative model
-(:mod:`~jax_oc128.nn.draft`)."""
+"""Flax NNX modules: DeepSeek-V4 attention (:mod:`~jax_oc128.nn.attention`) with the HCA compressor
+(:mod:`~jax_oc128.nn.hca`) and the CSA compressor and indexer (:mod:`~jax_oc128.nn.csa`), RoPE
+(:mod:`~jax_oc128.nn.rope`), hyper-connections (:mod:`~jax_oc128.nn.hyper_connections`), the mixture of
+experts (:mod:`~jax_oc128.nn.moe`), the decoder and its config (:mod:`~jax_oc128.nn.model`), the draft heads
+and the speculative model (:mod:`~jax_oc128.nn.draft`)."""
 
 from jax_oc128.nn.attention import (
     CSA,
@@ -17,6 +17,7 @@ from jax_oc128.nn.attention import (
 )
 from jax_oc128.nn.csa import CSACompressor
 from jax_oc128.nn.draft import DRAFT_HEADS, DeepseekV4MTP, DraftHead, MTPHead, SpeculativeModel
+from jax_oc128.nn.hca import HCACompressor
 from jax_oc128.nn.hyper_connections import HyperConnection, HyperHead
 from jax_oc128.nn.model import Block, DeepseekV4Model, ModelCache, ModelConfig
 from jax_oc128.nn.moe import MoE
@@ -36,6 +37,7 @@ __all__ = [
     "DeepseekV4MTP",
     "DeepseekV4Model",
     "DraftHead",
+    "HCACompressor",
     "HyperConnection",
     "HyperHead",
     "MTPHead",

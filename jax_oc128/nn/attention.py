@@ -2,8 +2,9 @@
 
 :class:`DeepseekV4Attention` follows Hugging Face transformers' ``DeepseekV4Attention`` (5.24.0) for the
 layer types ``sliding_attention``, ``compressed_sparse_attention`` (CSA, ratio 4 with the lightning indexer,
-:mod:`~jax_oc128.nn.csa`) and ``heavily_compressed_attention`` (HCA, C128). Modules hold parameters only;
-caches go in and come out as pytrees (donate them to the enclosing jit).
+:mod:`~jax_oc128.nn.csa`) and ``heavily_compressed_attention`` (HCA, C128, :mod:`~jax_oc128.nn.hca`); a
+compressed layer's compressor is its ``compressor`` submodule. Modules hold parameters only; caches go in
+and come out as pytrees (donate them to the enclosing jit).
 
 A CSA layer keeps its compressor's raw rows, entries and indexer keys in its own
 :class:`AttentionCache`. The C128 compressor state is not the layer's: one layer-stacked state
@@ -31,12 +32,13 @@ import numpy as np
 from flax import nnx
 
 from jax_oc128.controller import ONLINE, Backend, ForwardMode
-from jax_oc128.nn import csa
+from jax_oc128.nn import csa, hca
 from jax_oc128.nn.csa import CSACompressor, IndexerConfig
 from jax_oc128.nn.functional import FULL, assign_weights, linear, normal_param, ones_param, rms_norm
+from jax_oc128.nn.hca import HCACompressor, batch_slots
 from jax_oc128.nn.rope import RopeConfig
 from jax_oc128.rules import BLOCK, drop_index
-from jax_oc128.tree import Tree
+from jax_oc128.tree import Tree, check_tree
 
 SLIDING, HCA, CSA = "sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"
 
@@ -104,7 +106,11 @@ class AttentionCache:
         accepted node; -1 leaves the row untouched): its window rows move to where a chain of the path puts
         them (row ``p % R`` for position p) and every other row the tree wrote is emptied, so the rejected
         branches leave no trace. ``written``: the static nodes the tree wrote (default: all); a path node
-        not among them leaves its position empty."""
+        not among them leaves its position empty. A chain (:attr:`Tree.is_chain`) was written as the chain
+        is, by position: the cache is returned as it is (the positions past the path are rewritten before
+        any query reads them)."""
+        if check_tree(tree).is_chain:
+            return self
         window, batch = self.window.shape[1], nodes.shape[0]
         written = np.isin(np.arange(tree.size), range(tree.size) if written is None else written)
         kept = nodes >= 0
@@ -157,8 +163,9 @@ class AttentionCache:
         )
 
 
-def _check_tree(tree, nodes, tokens: int, mode: ForwardMode, layer_type: str) -> tuple[int, ...]:
-    """``nodes`` (default: every node) checked against the call; returns them."""
+def _check_tree_call(tree, nodes, tokens: int, mode: ForwardMode, layer_type: str) -> tuple[int, ...]:
+    """A tree call's ``tree`` and ``nodes`` (default: every node) checked against its ``tokens``, ``mode``
+    and layer type; returns the nodes."""
     if not isinstance(tree, Tree):
         raise TypeError(f"tree: a jax_oc128.tree.Tree or None, got {type(tree).__name__}")
     if mode not in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND):
@@ -174,40 +181,55 @@ def _check_tree(tree, nodes, tokens: int, mode: ForwardMode, layer_type: str) ->
     return nodes
 
 
-def _tree_visibility(tree: Tree, nodes, base, ring_size: int):
-    """What the tokens of ``nodes`` (node i at ``base + depths[i]``, ``base`` ``[batch, 1]`` the root's
-    position) see of this tree: ``(ring [batch, T, R], new [T, T])`` bool, the ring rows of their ancestors
-    written by earlier calls (node m at row ``(base + m) % R``) and their ancestors among the new tokens."""
-    sees = np.asarray(tree.mask)[list(nodes)]  # [T, N]: ancestors or self
-    new = sees[:, list(nodes)]
-    earlier = sees.copy()
-    earlier[:, list(nodes)] = False
-    rows = (base + jnp.arange(tree.size)) % ring_size  # [batch, N]: node m's ring row
-    at = rows[:, None, :, None] == jnp.arange(ring_size)  # [batch, 1, N, R]
-    ring = jnp.any(at & jnp.asarray(earlier)[None, :, :, None], axis=2)
-    return ring, jnp.asarray(new)
+def _window_visibility(tree, nodes, base, window_positions, positions, key_positions, sliding_window: int):
+    """``[batch, T, R + T]`` bool: what the T tokens at ``positions`` see of the window ring's R rows
+    (``window_positions``) and of themselves (``key_positions`` ``[batch, R + T]`` both's positions), within
+    the sliding window. Of the ring, the rows before the root (``base`` ``[batch, 1]`` its position: rows
+    at or past it hold rejected drafts of an earlier verify, positions this call rewrites), and for a tree
+    the rows of the tokens' ancestors that earlier calls of the tree wrote (node m at row ``(base + m) %
+    R``); of the new tokens, their ancestors (a chain's: the tokens before them, by position)."""
+    ring_size, (batch, tokens) = window_positions.shape[1], positions.shape
+    if (
+        tree is None
+    ):  # a chain's earlier calls wrote positions before base, its ancestry is the position order
+        ring, new = False, True
+    else:
+        sees = np.asarray(tree.mask)[list(nodes)]  # [T, N]: ancestors or self
+        new = sees[:, list(nodes)]
+        earlier = sees.copy()
+        earlier[:, list(nodes)] = False
+        rows = (base + jnp.arange(tree.size)) % ring_size  # [batch, N]: node m's ring row
+        at = rows[:, None, :, None] == jnp.arange(ring_size)  # [batch, 1, N, R]
+        ring = jnp.any(at & jnp.asarray(earlier)[None, :, :, None], axis=2)
+    seen = jnp.concatenate(
+        [
+            jnp.broadcast_to((window_positions < base)[:, None, :] | ring, (batch, tokens, ring_size)),
+            jnp.broadcast_to(new, (batch, tokens, tokens)),
+        ],
+        axis=2,
+    )
+    t, k = positions[:, :, None], key_positions[:, None, :]
+    return seen & (k >= 0) & (k <= t) & (k > t - sliding_window)
 
 
-def _tree_entries_visibility(tree: Tree, base, committed: int, rate: int, closed):
-    """What the nodes of a tree verify see of an HCA or CSA layer's entries (blocks or windows of ``rate``
-    tokens): ``[batch, N, committed + N]`` bool, of the ``committed`` entries by index those complete before
-    the root (``base`` ``[batch, 1]`` its position), then of the nodes' own entries (``closed`` ``[batch, N]``
-    the index each node closed, -1 for none) those its ancestors or itself closed."""
-    before_root = jnp.arange(committed)[None, None, :] < base[:, :, None] // rate  # [batch, 1, committed]
+def _entries_visibility(tree, positions, base, stored: int, rate: int, closed):
+    """What the T tokens at ``positions`` see of an HCA or CSA layer's entries (blocks or windows of
+    ``rate`` tokens): ``[batch, T, stored]`` bool for a chain, of the ``stored`` entries by index those
+    complete at or before the token (its call stored those it closed); ``[batch, N, stored + N]`` for a tree
+    verify, of the stored entries those complete before the root (``base`` ``[batch, 1]`` its position),
+    then of the nodes' own entries (``closed`` ``[batch, N]`` the index each node closed, -1 for none) those
+    its ancestors or itself closed."""
+    if tree is None:
+        return jnp.arange(stored) < ((positions + 1) // rate)[..., None]
+    before_root = jnp.arange(stored)[None, None, :] < base[:, :, None] // rate  # [batch, 1, stored]
     batch, nodes = closed.shape
     return jnp.concatenate(
         [
-            jnp.broadcast_to(before_root, (batch, nodes, committed)),
+            jnp.broadcast_to(before_root, (batch, nodes, stored)),
             jnp.asarray(tree.mask)[None] & (closed[:, None, :] >= 0),
         ],
         axis=2,
     )
-
-
-def batch_slots(lengths):
-    """``[batch]`` int32: the compressor slot of each batch row, its index; -1 (padding) for rows of
-    length 0, which leave every state untouched."""
-    return jnp.where(lengths > 0, jnp.arange(lengths.shape[0], dtype=jnp.int32), -1)
 
 
 def prepare_forward(backend: Backend, compressed, mode: ForwardMode, positions, lengths):
@@ -220,7 +242,8 @@ def prepare_forward(backend: Backend, compressed, mode: ForwardMode, positions, 
     return backend.controller.prepare_forward(compressed, mode, batch_slots(lengths), positions[:, 0])
 
 
-# transformers state-dict name (within the layer's self_attn) -> attribute, for sliding and HCA layers
+# transformers state-dict name (within the layer's self_attn) -> attribute, for every layer (the compressors'
+# in hca.HF_WEIGHT_NAMES and csa.HF_WEIGHT_NAMES)
 HF_WEIGHT_NAMES = {
     "q_a_proj.weight": "q_a_proj",
     "q_a_norm.weight": "q_a_norm",
@@ -230,10 +253,6 @@ HF_WEIGHT_NAMES = {
     "o_a_proj.weight": "o_a_proj",
     "o_b_proj.weight": "o_b_proj",
     "sinks": "sinks",
-    "compressor.kv_proj.weight": "compressor_kv_proj",
-    "compressor.gate_proj.weight": "compressor_gate_proj",
-    "compressor.position_bias": "compressor_ape",
-    "compressor.kv_norm.weight": "compressor_kv_norm",
 }
 
 
@@ -261,7 +280,6 @@ class DeepseekV4Attention(nnx.Module):
         if not isinstance(backend, Backend):
             raise TypeError(f"backend: a jax_oc128.controller.Backend (ONLINE or OFFLINE), got {backend!r}")
         self.config, self.backend, self.max_draft = config, backend, max_draft
-        self.compress_layer = compress_layer if config.layer_type == HCA else None
         c = config
         self.q_a_proj = normal_param(rngs, c.q_lora_rank, c.hidden_size, dtype=c.dtype)
         self.q_a_norm = ones_param(c.q_lora_rank)
@@ -274,10 +292,17 @@ class DeepseekV4Attention(nnx.Module):
         self.o_b_proj = normal_param(rngs, c.hidden_size, c.o_groups * c.o_lora_rank, dtype=c.dtype)
         self.sinks = nnx.Param(jnp.zeros((c.num_heads,), jnp.float32))
         if c.layer_type == HCA:
-            self.compressor_kv_proj = normal_param(rngs, c.head_dim, c.hidden_size, dtype=c.dtype)
-            self.compressor_gate_proj = normal_param(rngs, c.head_dim, c.hidden_size, dtype=c.dtype)
-            self.compressor_ape = nnx.Param(jnp.zeros((BLOCK, c.head_dim), jnp.float32))
-            self.compressor_kv_norm = ones_param(c.head_dim)
+            self.compressor = HCACompressor(
+                c.hidden_size,
+                c.head_dim,
+                c.rms_norm_eps,
+                c.rope,
+                backend=backend,
+                layer=compress_layer,
+                max_draft=max_draft,
+                dtype=c.dtype,
+                rngs=rngs,
+            )
         if c.layer_type == CSA:
             self.compressor = CSACompressor(
                 c.hidden_size,
@@ -292,10 +317,10 @@ class DeepseekV4Attention(nnx.Module):
 
     def hf_weight_paths(self) -> dict[str, tuple[str, ...]]:
         """transformers state-dict name (within the layer's ``self_attn``) -> attribute path of this layer."""
-        paths = {name: (attr,) for name, attr in HF_WEIGHT_NAMES.items() if hasattr(self, attr)}
-        if self.config.layer_type == CSA:
-            paths |= {name: ("compressor", attr) for name, attr in csa.HF_WEIGHT_NAMES.items()}
-        return paths
+        compressor = {HCA: hca.HF_WEIGHT_NAMES, CSA: csa.HF_WEIGHT_NAMES}.get(self.config.layer_type, {})
+        return {name: (attr,) for name, attr in HF_WEIGHT_NAMES.items()} | {
+            name: ("compressor", attr) for name, attr in compressor.items()
+        }
 
     @classmethod
     def from_hf(cls, config: AttentionConfig, layer_idx: int, weights: dict, **kwargs) -> DeepseekV4Attention:
@@ -340,11 +365,11 @@ class DeepseekV4Attention(nnx.Module):
         )
 
     def init_compressed(self, batch: int):
-        """A fresh compressor state for this layer alone (``compress_layer + 1`` layers, ``batch`` slots), for
-        standalone use (in a model the model makes one for all its HCA layers); None for a sliding layer."""
-        if self.compress_layer is None:
+        """A fresh C128 state for this layer alone (``compress_layer + 1`` layers, ``batch`` slots), for
+        standalone use (in a model the model makes one for all its HCA layers); None but for an HCA layer."""
+        if self.config.layer_type != HCA:
             return None
-        return self.backend.create(self.compress_layer + 1, batch, self.config.head_dim, self.max_draft)
+        return self.compressor.init_state(batch)
 
     def __call__(
         self,
@@ -377,8 +402,9 @@ class DeepseekV4Attention(nnx.Module):
             root, to its ancestors among the tokens (``tree.mask``), to the ring rows of its ancestors that
             earlier calls of this tree wrote, and (HCA, CSA) to the entries complete before the root and
             those its ancestors or itself closed; node n's window row goes to ring row
-            ``(base + n) % R`` until :meth:`AttentionCache.keep_path` keeps the accepted path. None: the
-            tokens are a chain (consecutive positions, causal).
+            ``(base + n) % R`` until :meth:`AttentionCache.keep_path` keeps the accepted path. None, or a
+            chain (:attr:`Tree.is_chain`, run as None): the tokens are a chain (consecutive positions,
+            causal).
           nodes: static, the tree's nodes the T tokens are: every node (the default, a verify) or distinct
             nodes of one depth (a draft level).
 
@@ -389,7 +415,9 @@ class DeepseekV4Attention(nnx.Module):
         batch, tokens, _ = x.shape
         lengths = jnp.full((batch,), tokens, jnp.int32) if lengths is None else lengths
         if tree is not None:
-            nodes = _check_tree(tree, nodes, tokens, mode, c.layer_type)
+            nodes = _check_tree_call(tree, nodes, tokens, mode, c.layer_type)
+            if tree.is_chain:  # the chain's kernels and masks: its nodes are consecutive positions
+                tree = None
         q_res = rms_norm(linear(x, self.q_a_proj[...]), self.q_a_norm[...], c.rms_norm_eps)
         q = linear(q_res, self.q_b_proj[...]).reshape(batch, tokens, c.num_heads, c.head_dim)
         q = c.rope.apply(rms_norm(q, 1.0, c.rms_norm_eps), positions)  # per head, unweighted
@@ -397,31 +425,19 @@ class DeepseekV4Attention(nnx.Module):
             rms_norm(linear(x, self.kv_proj[...]), self.kv_norm[...], c.rms_norm_eps), positions
         )
 
+        # the root's position: the chain's first token's, a tree's node 0's
+        base = positions[:, :1] - (0 if tree is None else int(tree.depths[nodes[0]]))
         keys = jnp.concatenate([cache.window, kv], axis=1)
         key_positions = jnp.concatenate([cache.window_positions, positions], axis=1)
-        t, k = positions[:, :, None], key_positions[:, None, :]
-        # window rows at or past the root's position hold rejected drafts of an earlier verify: this call
-        # rewrites those positions, so only the window rows before it count
-        base = positions[:, :1] if tree is None else positions[:, :1] - int(tree.depths[nodes[0]])
-        before = cache.window_positions < base
-        if tree is None:
-            seen = jnp.concatenate([before, jnp.ones_like(positions, bool)], axis=1)[:, None, :]
-        else:  # the new tokens see their ancestors, not every earlier position
-            ring, new = _tree_visibility(tree, nodes, base, cache.window.shape[1])
-            seen = jnp.concatenate(
-                [before[:, None, :] | ring, jnp.broadcast_to(new, (batch, tokens, tokens))], 2
-            )
-        visible = seen & (k >= 0) & (k <= t) & (k > t - c.sliding_window)
+        visible = _window_visibility(
+            tree, nodes, base, cache.window_positions, positions, key_positions, c.sliding_window
+        )
         if c.layer_type == HCA:
-            cache, compressed, closed = self._compress(x, positions, lengths, cache, compressed, mode, tree)
-            keys = jnp.concatenate([keys, cache.entries], axis=1)
-            if tree is None:
-                entry = jnp.arange(cache.entries.shape[1])[None, None, :]
-                visible = jnp.concatenate([visible, entry < (t + 1) // BLOCK], axis=2)
-            else:
-                keys = jnp.concatenate([keys, cache.tree_entries[:, :tokens]], axis=1)
-                seen_entries = _tree_entries_visibility(tree, base, cache.entries.shape[1], BLOCK, closed)
-                visible = jnp.concatenate([visible, seen_entries], axis=2)
+            cache, compressed, entries, seen_entries = self._compress(
+                x, positions, lengths, cache, compressed, mode, tree, base
+            )
+            keys = jnp.concatenate([keys, entries], axis=1)
+            visible = jnp.concatenate([visible, seen_entries], axis=2)
         scale = c.head_dim**-0.5
         logits = jnp.einsum("bthd,bkd->bhtk", q, keys, precision=FULL) * scale
         logits = jnp.where(visible[:, None], logits, -jnp.inf)
@@ -467,71 +483,51 @@ class DeepseekV4Attention(nnx.Module):
             window_positions=cache.window_positions.at[rows, index].set(positions, mode="drop"),
         )
 
-    def _compress(self, x, positions, lengths, cache, compressed, mode, tree=None):
-        """Run this layer's compressor (compress, or a verify's bank writes) on its layer of the prepared
-        state and store the entries it closed (a tree verify's by node in ``tree_entries``). Returns
-        ``(cache, compressed, entry_blocks)``, ``entry_blocks`` ``[batch, 1]`` (a tree: ``[batch, N]``)
-        the block each token closed, -1 for none."""
-        c = self.config
-        batch = x.shape[0]
+    def _compress(self, x, positions, lengths, cache, compressed, mode, tree, base):
+        """An HCA layer's compressor (:class:`~jax_oc128.nn.hca.HCACompressor`) on its layer of the
+        prepared state; the entries it closed stored (a tree verify's by node in ``tree_entries``, until
+        :meth:`AttentionCache.keep_path`). Returns ``(cache, compressed, entries [batch, E, D], visible
+        [batch, T, E])``: the entries the tokens may attend to and which of them each sees
+        (:func:`_entries_visibility`)."""
         if compressed is None:
-            compressed = self.init_compressed(batch)
-        kv_score = jnp.concatenate(
-            [linear(x, self.compressor_kv_proj[...]), linear(x, self.compressor_gate_proj[...])], -1
-        )
-        kv_score, ape = kv_score[None], self.compressor_ape[...][None]
-        seq_lens, slots = positions[:, 0], batch_slots(lengths)
-        controller, layer = self.backend.controller, self.compress_layer
-        if mode is ForwardMode.TARGET_VERIFY:
-            on_tree = {} if tree is None else dict(tree=tree)  # (the online controller's only)
-            compressed, entries, blocks = controller.write_prefix(
-                compressed, kv_score, seq_lens, slots, ape, layer=layer, **on_tree
-            )
-        else:
-            compressed, entries, blocks = controller.compress(
-                compressed, kv_score, seq_lens, lengths, slots, ape, layer=layer
-            )
-        normed = rms_norm(entries[0], self.compressor_kv_norm[...], c.rms_norm_eps)
-        normed = c.rope.apply(normed, jnp.maximum(blocks, 0) * BLOCK)
-        if tree is not None:
-            tree_entries = cache.tree_entries.at[:, : tree.size].set(normed)
-            return dataclasses.replace(cache, tree_entries=tree_entries), compressed, blocks
-        index = jnp.where(blocks >= 0, blocks, cache.entries.shape[1])
-        stored = cache.entries.at[jnp.arange(batch)[:, None], index].set(normed, mode="drop")
-        return dataclasses.replace(cache, entries=stored), compressed, blocks
+            compressed = self.init_compressed(x.shape[0])
+        compressed, closed, blocks = self.compressor(x, positions, lengths, compressed, mode, tree)
+        stored = cache.entries.shape[1]
+        if tree is None:  # the chain's kernels give the entries by block index
+            index = jnp.where(blocks >= 0, blocks, stored)
+            entries = cache.entries.at[jnp.arange(x.shape[0])[:, None], index].set(closed, mode="drop")
+            cache = dataclasses.replace(cache, entries=entries)
+        else:  # a tree verify's by node
+            cache = dataclasses.replace(cache, tree_entries=cache.tree_entries.at[:, : tree.size].set(closed))
+            entries = jnp.concatenate([cache.entries, closed], axis=1)
+        return cache, compressed, entries, _entries_visibility(tree, positions, base, stored, BLOCK, blocks)
 
-    def _compress_sparse(self, x, q_res, positions, lengths, cache, tree=None, base=None):
+    def _compress_sparse(self, x, q_res, positions, lengths, cache, tree, base):
         """A CSA layer's compressor and indexer (:mod:`~jax_oc128.nn.csa`): fold the new tokens into the
-        cache, then pick each query's entries. Returns ``(cache, selected [batch, T, k, D], picked
-        [batch, T, k] bool)``. A tree verify (``base`` ``[batch, 1]`` the root's position) keeps its
-        windows by node (``tree_entries``, ``tree_index_keys``): a node picks among the windows complete
-        before the root and those its ancestors closed."""
-        compressor = self.compressor
+        cache (a tree verify's windows by node in ``tree_entries``, ``tree_index_keys``), then pick each
+        query's entries among those it sees (:func:`_entries_visibility`). Returns ``(cache, selected
+        [batch, T, k, D], picked [batch, T, k] bool)``."""
+        compressor, stored = self.compressor, cache.entries.shape[1]
         if tree is None:
             rows, entries, keys = compressor.compress(
                 x, positions, lengths, cache.rows, cache.entries, cache.index_keys
             )
-            selected, picked = compressor.select(x, q_res, positions, entries, keys)
-            return dataclasses.replace(cache, rows=rows, entries=entries, index_keys=keys), selected, picked
-        rows, node_entries, node_keys, windows = compressor.compress_tree(
-            x, tree, base[:, 0], lengths, cache.rows
-        )
-        tokens = x.shape[1]
-        visible = _tree_entries_visibility(tree, base, cache.entries.shape[1], csa.RATE, windows)
-        selected, picked = compressor.select(
-            x,
-            q_res,
-            positions,
-            jnp.concatenate([cache.entries, node_entries], axis=1),
-            jnp.concatenate([cache.index_keys, node_keys], axis=1),
-            visible,
-        )
-        cache = dataclasses.replace(
-            cache,
-            rows=rows,
-            tree_entries=cache.tree_entries.at[:, :tokens].set(node_entries),
-            tree_index_keys=cache.tree_index_keys.at[:, :tokens].set(node_keys),
-        )
+            cache = dataclasses.replace(cache, rows=rows, entries=entries, index_keys=keys)
+            windows = None
+        else:
+            rows, node_entries, node_keys, windows = compressor.compress_tree(
+                x, tree, base[:, 0], lengths, cache.rows
+            )
+            cache = dataclasses.replace(
+                cache,
+                rows=rows,
+                tree_entries=cache.tree_entries.at[:, : tree.size].set(node_entries),
+                tree_index_keys=cache.tree_index_keys.at[:, : tree.size].set(node_keys),
+            )
+            entries = jnp.concatenate([cache.entries, node_entries], axis=1)
+            keys = jnp.concatenate([cache.index_keys, node_keys], axis=1)
+        visible = _entries_visibility(tree, positions, base, stored, csa.RATE, windows)
+        selected, picked = compressor.select(x, q_res, positions, entries, keys, visible)
         return cache, selected, picked
 
     def commit(self, compressed, seq_lens, accept_lens):

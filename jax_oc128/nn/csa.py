@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_oc128.nn import hca
 from jax_oc128.nn.functional import FULL, linear, normal_param, ones_param, rms_norm
 from jax_oc128.reference import pool
 
@@ -183,11 +184,10 @@ class CSACompressor(nnx.Module):
         )
         return main, index
 
-    def select(self, x, q_res, positions, entries, keys, visible=None):
+    def select(self, x, q_res, positions, entries, keys, visible):
         """The indexer's picks: ``(selected [batch, T, k, head_dim], valid [batch, T, k] bool)``, the top
-        ``k = min(index_topk, E)`` entries each query may see (``visible`` ``[batch, T, E]`` bool, default
-        the windows closed at or before the query's position; ``valid`` False for picks past the visible
-        ones, where fewer than k are visible)."""
+        ``k = min(index_topk, E)`` entries each query may see (``visible`` ``[batch, T, E]`` bool; ``valid``
+        False for picks past the visible ones, where fewer than k are visible)."""
         c = self.indexer
         batch, tokens, _ = x.shape
         q = linear(q_res, self.indexer_q_b_proj[...]).reshape(batch, tokens, c.num_heads, c.head_dim)
@@ -195,19 +195,14 @@ class CSACompressor(nnx.Module):
         relu = jax.nn.relu(jnp.einsum("bthi,bei->bthe", q, keys, precision=FULL)) * c.head_dim**-0.5
         head_weights = linear(x, self.indexer_weights_proj[...]) * c.num_heads**-0.5
         scores = jnp.einsum("bth,bthe->bte", head_weights, relu, precision=FULL)
-        if visible is None:
-            visible = jnp.arange(keys.shape[1]) < ((positions + 1) // RATE)[..., None]
         top, picks = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), min(c.topk, keys.shape[1]))
         selected = entries[jnp.arange(batch)[:, None, None], picks]
         return selected, top > -jnp.inf
 
 
-# transformers state-dict name (within the layer's self_attn) -> attribute of the CSA compressor
-HF_WEIGHT_NAMES = {
-    "compressor.kv_proj.weight": "kv_proj",
-    "compressor.gate_proj.weight": "gate_proj",
-    "compressor.position_bias": "ape",
-    "compressor.kv_norm.weight": "kv_norm",
+# transformers state-dict name (within the layer's self_attn) -> attribute of the CSA compressor: the HCA
+# compressor's names, then the indexer's
+HF_WEIGHT_NAMES = hca.HF_WEIGHT_NAMES | {
     "compressor.indexer.kv_proj.weight": "indexer_kv_proj",
     "compressor.indexer.gate_proj.weight": "indexer_gate_proj",
     "compressor.indexer.position_bias": "indexer_ape",

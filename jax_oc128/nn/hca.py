@@ -1,0 +1,104 @@
+"""The compressor of DeepSeek-V4's heavily compressed attention (HCA, ratio 128), as transformers'
+``DeepseekV4HCACompressor`` (5.24.0) defines it.
+
+Every token projects a value ``kv`` and a gate, each ``head_dim`` wide. Entry b pools the 128 tokens of
+block b per channel by the softmax of gate + ``ape[j]`` (j the token's offset in the block); then its
+RMSNorm and RoPE at position ``128 b``. It exists once token ``128 b + 127`` has been seen.
+
+State: the pooling of each row's open block is the model's layer-stacked C128 state (online banks or offline
+raw rows, :mod:`jax_oc128.controller`); this compressor folds its tokens into its own layer of it through the
+backend's controller, and returns the entries they close. Activations, pooling and state are float32; the
+projections' weights are float32 or bfloat16 (:mod:`~jax_oc128.nn.functional`).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_oc128.controller import Backend, ForwardMode
+from jax_oc128.nn.functional import linear, normal_param, ones_param, rms_norm
+from jax_oc128.rules import BLOCK
+
+
+def batch_slots(lengths):
+    """``[batch]`` int32: the compressor slot of each batch row, its index; -1 (padding) for rows of
+    length 0, which leave every state untouched."""
+    return jnp.where(lengths > 0, jnp.arange(lengths.shape[0], dtype=jnp.int32), -1)
+
+
+class HCACompressor(nnx.Module):
+    """The HCA compressor of one attention layer: its parameters (transformers' names in
+    :data:`HF_WEIGHT_NAMES`) and its layer ``layer`` of the model's C128 state.
+
+    Args:
+      hidden_size, head_dim, rms_norm_eps: the attention layer's.
+      rope: the layer's (compress) :class:`~jax_oc128.nn.RopeConfig`, for the entries.
+      backend: the C128 state's :class:`~jax_oc128.controller.Backend`.
+      layer: the layer's index in the model's layer-stacked state (the number of HCA layers before it).
+      max_draft: the most tokens a verify may feed (banks of a state made by :meth:`init_state`).
+      dtype: the projections' weights' (a name in :data:`~jax_oc128.nn.functional.DTYPES`).
+    """
+
+    def __init__(
+        self,
+        hidden_size,
+        head_dim,
+        rms_norm_eps,
+        rope,
+        *,
+        backend: Backend,
+        layer: int,
+        max_draft: int,
+        dtype: str = "float32",
+        rngs,
+    ):
+        self.head_dim, self.eps, self.rope = head_dim, rms_norm_eps, rope
+        self.backend, self.layer, self.max_draft = backend, layer, max_draft
+        self.kv_proj = normal_param(rngs, head_dim, hidden_size, dtype=dtype)
+        self.gate_proj = normal_param(rngs, head_dim, hidden_size, dtype=dtype)
+        self.ape = nnx.Param(jnp.zeros((BLOCK, head_dim), jnp.float32))
+        self.kv_norm = ones_param(head_dim)
+
+    def init_state(self, batch: int):
+        """A fresh C128 state of ``layer + 1`` layers and ``batch`` slots (for a layer used on its own)."""
+        return self.backend.create(self.layer + 1, batch, self.head_dim, self.max_draft)
+
+    def __call__(self, x, positions, lengths, compressed, mode: ForwardMode, tree=None):
+        """Fold the new tokens into this layer of the prepared state (``prepare_forward`` ran): compress them,
+        or (``mode`` TARGET_VERIFY) write the verify's banks, of the chain or of ``tree`` (a
+        :class:`~jax_oc128.tree.Tree` of the T tokens).
+
+        Args:
+          x: ``[batch, T, hidden]``; positions: ``[batch, T]`` int32 (a tree's: the root's + depth);
+            lengths: ``[batch]`` int32, batch row b being slot b of ``compressed``.
+
+        Returns:
+          ``(compressed, entries [batch, K, head_dim], blocks [batch, K])``: the normed, rotated entries of
+          the blocks the tokens closed and their block indices (-1: no entry). K is ``T // 128 + 1`` for a
+          compress, 1 for a chain verify, and for a tree verify T (by node: the block the node closes on its
+          path).
+        """
+        kv_score = jnp.concatenate([linear(x, self.kv_proj[...]), linear(x, self.gate_proj[...])], -1)[None]
+        ape, seq_lens, slots = self.ape[...][None], positions[:, 0], batch_slots(lengths)
+        controller = self.backend.controller
+        if mode is ForwardMode.TARGET_VERIFY:
+            compressed, entries, blocks = controller.write_prefix(
+                compressed, kv_score, seq_lens, slots, ape, layer=self.layer, tree=tree
+            )
+        else:
+            compressed, entries, blocks = controller.compress(
+                compressed, kv_score, seq_lens, lengths, slots, ape, layer=self.layer
+            )
+        normed = rms_norm(entries[0], self.kv_norm[...], self.eps)
+        return compressed, self.rope.apply(normed, jnp.maximum(blocks, 0) * BLOCK), blocks
+
+
+# transformers state-dict name (within the layer's self_attn) -> attribute of the HCA compressor (the CSA
+# compressor's start with them)
+HF_WEIGHT_NAMES = {
+    "compressor.kv_proj.weight": "kv_proj",
+    "compressor.gate_proj.weight": "gate_proj",
+    "compressor.position_bias": "ape",
+    "compressor.kv_norm.weight": "kv_norm",
+}
