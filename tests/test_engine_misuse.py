@@ -16,8 +16,9 @@ from jax.sharding import Mesh
 from test_decode import CONFIG as DECODE_CONFIG
 
 from jax_oc128.controller import OFFLINE
-from jax_oc128.decode import MAX_STOP_TOKENS, Engine
+from jax_oc128.engine import MAX_STOP_TOKENS, Engine
 from jax_oc128.nn import HCA, SLIDING, SpeculativeModel, sharding
+from jax_oc128.tree import Tree
 
 # test_decode's model with one sliding and one C128 layer of 2 heads, shorter and with fewer draft banks
 CONFIG = dataclasses.replace(DECODE_CONFIG, layer_types=(SLIDING, HCA), num_heads=2, max_len=512, max_draft=4)
@@ -387,7 +388,7 @@ def test_numpy_scalars_and_bytes_reach_the_device_as_checked(engine, monkeypatch
     assert tokens.dtype == lengths.dtype == budgets.dtype == stops.dtype == np.int32
     assert temperature == 0.0 and isinstance(temperature, float)
     engine.decode(state, num_tokens=np.int64(2), steps=np.int64(2), waiting=np.bool_(True), stop_tokens=b"\0")
-    _, _, stops, waiting, steps, num_tokens, _, tree = calls["decode"]
+    _, _, stops, waiting, steps, tree, _ = calls["decode"]
     np.testing.assert_array_equal(stops, [0, *[-1] * (MAX_STOP_TOKENS - 1)])
-    assert waiting and (steps, num_tokens) == (2, 2) and type(steps) is type(num_tokens) is int
-    assert tree is None
+    assert waiting and steps == 2 and type(steps) is int
+    assert tree == Tree.chain(2)

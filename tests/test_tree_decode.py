@@ -15,7 +15,7 @@ from harness import copy_tree
 from test_decode import CONFIG, prompts
 
 from jax_oc128.controller import OFFLINE, ONLINE
-from jax_oc128.decode import Engine
+from jax_oc128.engine import Engine
 from jax_oc128.nn import SpeculativeModel
 from jax_oc128.nn.attention import CSA, HCA, SLIDING
 from jax_oc128.tree import Tree
