@@ -3,14 +3,22 @@
 Ops (native XLA FFI handlers on CPU and CUDA, jnp twins in :mod:`jax_oc128.reference`): :func:`compress`,
 :func:`verify`, :func:`commit`, and :func:`init_state` for a zeroed state. The functional controller:
 :class:`Controller` over :class:`CompressState` (and the offline baseline, :class:`OfflineController` over
-:class:`OfflineState`); the two backends as objects, :data:`ONLINE` and :data:`OFFLINE`. The slot and bank
-rules in :mod:`jax_oc128.rules`. Flax NNX modules in :mod:`jax_oc128.nn`; generation in
-:mod:`jax_oc128.engine` (:class:`Engine`); a DeepSeek-V4 checkpoint in Hugging Face format by
-:func:`load_pretrained`.
+:class:`OfflineState`), both the :class:`CompressController` protocol; the two backends as objects,
+:data:`ONLINE` and :data:`OFFLINE`. The slot and bank rules in :mod:`jax_oc128.rules`. Flax NNX modules in
+:mod:`jax_oc128.nn`; generation in :mod:`jax_oc128.engine` (:class:`Engine`); a DeepSeek-V4 checkpoint in
+Hugging Face format by :func:`load_pretrained`.
 """
 
 from jax_oc128 import reference
-from jax_oc128.controller import OFFLINE, ONLINE, Backend, Controller, ForwardMode, OfflineController
+from jax_oc128.controller import (
+    OFFLINE,
+    ONLINE,
+    Backend,
+    CompressController,
+    Controller,
+    ForwardMode,
+    OfflineController,
+)
 from jax_oc128.engine import Engine
 from jax_oc128.ops import commit, compress, init_state, verify
 from jax_oc128.pretrained import load_pretrained
@@ -20,6 +28,7 @@ __all__ = [
     "OFFLINE",
     "ONLINE",
     "Backend",
+    "CompressController",
     "CompressState",
     "Controller",
     "Engine",

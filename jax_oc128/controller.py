@@ -30,8 +30,11 @@ The rules of :class:`Controller`, per slot:
   and then the old verify is dropped uncommitted. Such lengths are a caller's bug: the slot's state no
   longer follows its tokens, but no stale bank is ever copied.
 
-:class:`OfflineController` has the same interface over :class:`~jax_oc128.state.OfflineState` (raw rows,
-rollback by position): the baseline for memory and speed and a second oracle in tests.
+Both backends implement :class:`CompressController`, one protocol with the same signatures:
+:class:`Controller` over :class:`~jax_oc128.state.CompressState` and :class:`OfflineController` over
+:class:`~jax_oc128.state.OfflineState` (raw rows, rollback by position: the baseline for memory and speed
+and a second oracle in tests). The offline state verifies chains only: its ``write_prefix`` refuses a
+``tree``, and its ``accept_banks`` (always a chain's after a chain verify) are checked and need nothing.
 
 Shapes, for a batch of ``bs`` rows: ``slots``, ``seq_lens``, ``new_lens``, ``accept_lens``,
 ``accept_banks`` are ``[bs]`` int32 (slot -1 marks a padding row); ``kv_score`` is ``[Lk, bs, T, 2*D]``
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Protocol
 
 import jax.numpy as jnp
 
@@ -62,7 +66,7 @@ class ForwardMode(enum.Enum):
     IDLE = "idle"  # nothing for this rank: no transition at all
 
 
-def _check_rows(**rows):
+def _check_per_row_args(**rows):
     """Trace-time checks of per-row arguments, given by name: each an int32 array ``[bs]``, one ``bs``
     for all. Raises ``ValueError``/``TypeError`` naming the argument."""
     first = size = None
@@ -80,15 +84,16 @@ def _check_rows(**rows):
 
 
 def _given(**rows):
-    """The keyword arguments that are not None (optional per-row arguments, for :func:`_check_rows`)."""
+    """The keyword arguments that are not None (optional per-row arguments, for
+    :func:`_check_per_row_args`)."""
     return {name: x for name, x in rows.items() if x is not None}
 
 
-def _check_forward(mode, slots, seq_lens, verify_bs):
+def _check_prepare_forward_args(mode, slots, seq_lens, verify_bs, accept_banks):
     """Trace-time checks of ``prepare_forward``'s arguments."""
     if not isinstance(mode, ForwardMode):
         raise TypeError(f"mode: expected a ForwardMode, got {mode!r}")
-    _check_rows(slots=slots, seq_lens=seq_lens)
+    _check_per_row_args(slots=slots, seq_lens=seq_lens, **_given(accept_banks=accept_banks))
     if verify_bs is not None and jnp.ndim(verify_bs) != 0:
         raise ValueError(f"verify_bs: expected a scalar, got shape {list(jnp.shape(verify_bs))}")
 
@@ -111,7 +116,7 @@ class Controller:
         the pending verify that the forward's write_prefix commits first, where ``seq_lens`` (and the kept
         bank ``accept_banks``, default the chain's) fits it (-1 elsewhere), and in ``to_commit_banks`` the
         bank it keeps. ``pending`` is untouched: the verify becomes pending when write_prefix closes it."""
-        _check_rows(slots=slots, seq_lens=seq_lens, **_given(accept_banks=accept_banks))
+        _check_per_row_args(slots=slots, seq_lens=seq_lens, **_given(accept_banks=accept_banks))
         verify_lens, accept_lens, rows = lazy_commits(
             cs.pending, cs.pending_tokens, slots, seq_lens, accept_banks
         )
@@ -138,7 +143,7 @@ class Controller:
 
         Slots not in the batch keep their pending verify.
         """
-        _check_forward(mode, slots, seq_lens, verify_bs)
+        _check_prepare_forward_args(mode, slots, seq_lens, verify_bs, accept_banks)
         if mode in (ForwardMode.IDLE, ForwardMode.DRAFT_EXTEND):
             return cs
         slots = active_slots(slots, verify_bs)
@@ -184,7 +189,7 @@ class Controller:
         accepted nodes' k + 1; default: the chain's). A row whose commit does not fit the pending verify
         (nothing pending, ``seq_lens`` not its length, ``accept_lens`` or its bank outside ``[0, N]``)
         changes nothing and its verify stays pending."""
-        _check_rows(
+        _check_per_row_args(
             slots=slots, seq_lens=seq_lens, accept_lens=accept_lens, **_given(accept_banks=accept_banks)
         )
         fits = commits_pending(cs.pending, cs.pending_tokens, slots, seq_lens, accept_lens, accept_banks)
@@ -210,7 +215,7 @@ class Controller:
         is once the slot's next forward at ``seq_lens`` commits what is pending, keeping ``accept_banks``
         (default: the chain's) (meaningless where ``seq_lens % 128 == 0``)."""
         del ape  # the online state holds it already
-        _check_rows(slots=slots, seq_lens=seq_lens, **_given(accept_banks=accept_banks))
+        _check_per_row_args(slots=slots, seq_lens=seq_lens, **_given(accept_banks=accept_banks))
         verify_lens, accept_lens, rows = lazy_commits(
             cs.pending, cs.pending_tokens, slots, seq_lens, accept_banks
         )
@@ -223,32 +228,70 @@ class Controller:
 
 @dataclasses.dataclass(frozen=True)
 class OfflineController:
-    """Transitions of the offline backend (:class:`~jax_oc128.state.OfflineState`), same interface as
-    :class:`Controller`. Verifies write their rows by position and nothing needs committing."""
+    """Transitions of the offline backend (:class:`~jax_oc128.state.OfflineState`), the
+    :class:`CompressController` protocol as :class:`Controller` has it. Verifies write their rows by
+    position and nothing needs committing; a verify is a chain (``write_prefix`` refuses a tree), so the
+    ``accept_banks`` a caller names are a chain's and are only checked."""
 
-    def begin_verify(self, cs: OfflineState, slots, seq_lens) -> OfflineState:
+    def begin_verify(self, cs: OfflineState, slots, seq_lens, accept_banks=None) -> OfflineState:
+        _check_per_row_args(slots=slots, seq_lens=seq_lens, **_given(accept_banks=accept_banks))
         return cs
 
-    def prepare_forward(self, cs: OfflineState, mode: ForwardMode, slots, seq_lens, verify_bs=None):
-        _check_forward(mode, slots, seq_lens, verify_bs)
+    def prepare_forward(
+        self, cs: OfflineState, mode: ForwardMode, slots, seq_lens, verify_bs=None, accept_banks=None
+    ):
+        _check_prepare_forward_args(mode, slots, seq_lens, verify_bs, accept_banks)
         return cs
 
-    def commit(self, cs: OfflineState, slots, seq_lens, accept_lens) -> OfflineState:
-        _check_rows(slots=slots, seq_lens=seq_lens, accept_lens=accept_lens)
-        return cs
-
-    def write_prefix(self, cs: OfflineState, kv_score, seq_lens, slots, ape, *, layer: int = 0):
+    def write_prefix(self, cs: OfflineState, kv_score, seq_lens, slots, ape, *, layer: int = 0, tree=None):
+        """A chain verify's rows, written as a compress of its N tokens; ``tree`` must be None."""
+        if tree is not None:
+            raise ValueError(
+                f"tree: the offline C128 state verifies chains only (tree=None; the online one verifies "
+                f"trees), got {tree!r}"
+            )
         new_lens = jnp.full(seq_lens.shape, kv_score.shape[2], jnp.int32)
         return self.compress(cs, kv_score, seq_lens, new_lens, slots, ape, layer=layer)
+
+    def commit(self, cs: OfflineState, slots, seq_lens, accept_lens, accept_banks=None) -> OfflineState:
+        _check_per_row_args(
+            slots=slots, seq_lens=seq_lens, accept_lens=accept_lens, **_given(accept_banks=accept_banks)
+        )
+        return cs
 
     def compress(self, cs: OfflineState, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0):
         """Write the rows by position and pool the blocks they close (:meth:`OfflineState.write`)."""
         return cs.write(kv_score, seq_lens, new_lens, slots, ape, layer=layer)
 
-    def open_state(self, cs: OfflineState, slots, seq_lens, ape):
+    def open_state(self, cs: OfflineState, slots, seq_lens, ape, accept_banks=None):
         """``(max, sum, mean)`` float32 ``[layers, bs, D]`` of the open block, pooled from the raw rows."""
-        _check_rows(slots=slots, seq_lens=seq_lens)
+        _check_per_row_args(slots=slots, seq_lens=seq_lens, **_given(accept_banks=accept_banks))
         return cs.open_block(slots, seq_lens, ape)
+
+
+class CompressController(Protocol):
+    """The transitions a C128 backend's controller implements, with these signatures (:class:`Controller`
+    and :class:`OfflineController`; the rules are in this module's docstring, the arguments' shapes below
+    it). ``cs`` is the backend's state; every method returns the new state (``write_prefix`` and
+    ``compress`` with the entries they closed)."""
+
+    def begin_verify(self, cs, slots, seq_lens, accept_banks=None):
+        """Begin a verify of ``slots`` at ``seq_lens``; nothing is committed or pending yet."""
+
+    def prepare_forward(self, cs, mode: ForwardMode, slots, seq_lens, verify_bs=None, accept_banks=None):
+        """Before a forward of ``mode``; rows ``>= verify_bs`` are padding."""
+
+    def write_prefix(self, cs, kv_score, seq_lens, slots, ape, *, layer: int = 0, tree=None):
+        """A verify's writes (``tree`` None: a chain) -> ``(cs, entries, entry_blocks)``."""
+
+    def commit(self, cs, slots, seq_lens, accept_lens, accept_banks=None):
+        """Keep ``accept_lens`` tokens (bank ``accept_banks``) of the pending verify at ``seq_lens``."""
+
+    def compress(self, cs, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0):
+        """An extend or decode forward's compression -> ``(cs, entries, entry_blocks)``."""
+
+    def open_state(self, cs, slots, seq_lens, ape, accept_banks=None):
+        """``(max, sum, mean)`` of each row's open block at ``seq_lens``, what is pending committed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,7 +301,7 @@ class Backend:
 
     name: str
     state_type: type
-    controller: Controller | OfflineController
+    controller: CompressController
 
     def create(self, layers: int, slots: int, head_dim: int, max_draft: int, dtype=jnp.float32):
         """A fresh state of this backend (see :meth:`CompressState.create`)."""

@@ -195,6 +195,13 @@ class Tree:
         size = check_int("size", size, 1, MAX_DRAFT, " = MAX_DRAFT")
         return cls.from_choices(DEFAULT_CHOICES[: size - 1])
 
+    @property
+    def is_chain(self) -> bool:
+        """Whether this is :meth:`chain` of its size (every node the child of the one before it): the tree
+        the model verifies and drafts with the chain's kernels and masks (its nodes at consecutive
+        positions)."""
+        return self.depth == self.size - 1
+
     def __eq__(self, other):
         return isinstance(other, Tree) and other.parents == self.parents
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from oracle import Stream, random_ape, random_tokens, state_err
 
-from jax_oc128.controller import BACKENDS, Controller, ForwardMode, OfflineController, active_slots
+from jax_oc128.controller import (
+    BACKENDS,
+    CompressController,
+    Controller,
+    ForwardMode,
+    OfflineController,
+    active_slots,
+)
 from jax_oc128.state import CompressState, OfflineState, bytes_per_slot
 
 LAYERS, DIM, MAX_DRAFT, SLOTS, BATCH, EXTEND_WIDTH = 2, 32, 4, 20, 8, 160
@@ -505,6 +513,14 @@ MISUSE = [
     ("prepare_forward", dict(verify_bs=jnp.ones(2, jnp.int32)), ValueError, "verify_bs: expected a scalar"),
     ("commit", dict(accept_lens=jnp.zeros(1, jnp.int32)), ValueError, r"accept_lens: expected shape \[2\]"),
     ("commit", dict(slots=jnp.zeros(2, jnp.uint32)), TypeError, "slots: expected dtype int32"),
+    ("commit", dict(accept_banks=jnp.zeros(3, jnp.int32)), ValueError, r"accept_banks: expected shape \[2\]"),
+    ("prepare_forward", dict(accept_banks=jnp.zeros(2)), TypeError, "accept_banks: expected dtype int32"),
+    (
+        "open_state",
+        dict(accept_banks=jnp.zeros((2, 1), jnp.int32)),
+        ValueError,
+        "accept_banks: expected shape",
+    ),
     ("open_state", dict(seq_lens=jnp.zeros((), jnp.int32)), ValueError, "seq_lens: expected shape"),
 ]
 
@@ -523,6 +539,35 @@ def test_misuse_is_named_at_trace_time(backend, method, change, error, match):
     for run in (call, jax.jit(call)):
         with pytest.raises(error, match=match):
             run(state)
+
+
+def test_both_backends_implement_the_protocol_in_full():
+    """Every method of CompressController, with its parameters (names, kinds, defaults), in both."""
+    methods = [name for name in vars(CompressController) if not name.startswith("_")]
+    assert set(methods) == {
+        "begin_verify",
+        "prepare_forward",
+        "write_prefix",
+        "commit",
+        "compress",
+        "open_state",
+    }
+
+    def parameters(function):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+
+    for backend in BACKENDS.values():
+        for name in methods:
+            assert parameters(getattr(backend.controller, name)) == parameters(
+                getattr(CompressController, name).__get__(backend.controller)
+            ), (backend.name, name)
+
+
+def test_the_offline_state_refuses_a_tree_by_name():
+    state = OfflineState.create(LAYERS, 4, DIM, MAX_DRAFT)
+    kv = jnp.zeros((1, 2, 3, 2 * DIM), jnp.float32)
+    with pytest.raises(ValueError, match=r"^tree: the offline C128 state verifies chains only"):
+        OFFLINE.write_prefix(state, kv, ROWS, ROWS, jnp.zeros((1, 128, DIM)), tree=(-1, 0, 0))
 
 
 def test_alloc_clears_the_slot_and_its_pending_verify():

@@ -4,15 +4,19 @@ compiled HLO."""
 from __future__ import annotations
 
 import collections
+import dataclasses
+import functools
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
-from jax_oc128.controller import ONLINE, ForwardMode
-from jax_oc128.nn import HCA, SLIDING, DeepseekV4Model, ModelConfig
+from jax_oc128.controller import OFFLINE, ONLINE, ForwardMode
+from jax_oc128.nn import CSA, HCA, SLIDING, DeepseekV4Model, ModelConfig
+from jax_oc128.tree import Tree
 
 CONFIG = ModelConfig(
     vocab_size=32,
@@ -79,3 +83,35 @@ def test_backend_must_be_an_object():
     with pytest.raises(TypeError, match="backend"):
         DeepseekV4Model(CONFIG, backend="online", rngs=nnx.Rngs(0))
     assert DeepseekV4Model(CONFIG, backend=ONLINE, rngs=nnx.Rngs(0)).backend is ONLINE
+
+
+@pytest.mark.parametrize("backend", [ONLINE, OFFLINE], ids=["online", "offline"])
+def test_a_chain_given_as_a_tree_is_the_chain(backend):
+    """``tree=Tree.chain(N)`` runs the chain's kernels and masks: a verify whose 128-block closes inside it
+    gives the chain's logits and caches bit for bit, and keep_path leaves them as the chain does (the verify
+    pending, for the next forward to commit)."""
+    config = dataclasses.replace(
+        CONFIG, layer_types=(HCA, SLIDING, CSA, HCA), index_n_heads=2, index_head_dim=16, index_topk=4
+    )
+    model = DeepseekV4Model(config, backend=backend, rngs=nnx.Rngs(1))
+    graphdef, params = nnx.split(model)
+
+    @functools.partial(jax.jit, static_argnames=("mode", "tree"))
+    def forward(cache, tokens, positions, mode, tree=None):
+        return nnx.merge(graphdef, params)(tokens, positions, cache, mode=mode, tree=tree)
+
+    batch, prefix, n = 2, 126, 4
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, config.vocab_size, (batch, prefix + n)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(prefix + n, dtype=jnp.int32), tokens.shape)
+    _, _, cache = forward(
+        model.init_cache(batch), tokens[:, :prefix], positions[:, :prefix], ForwardMode.EXTEND
+    )
+    verify = (tokens[:, prefix : prefix + n], positions[:, prefix : prefix + n], ForwardMode.TARGET_VERIFY)
+    chain = forward(cache, *verify)
+    tree = Tree.chain(n)
+    as_tree = forward(cache, *verify, tree=tree)
+    jax.tree.map(np.testing.assert_array_equal, as_tree, chain)
+    nodes = jnp.asarray([3, 1], jnp.int32)
+    kept = model.keep_path(as_tree[2], tree, positions[:, prefix], nodes)
+    jax.tree.map(np.testing.assert_array_equal, kept, chain[2])

@@ -64,6 +64,8 @@ def test_chain():
     assert np.array_equal(t.mask, np.tri(5, dtype=bool))  # causal: the chain's verify
     assert t.depths.tolist() == list(range(5)) and t.widths == (1,) * 4
     assert Tree.chain(1).parents == (-1,) and Tree.chain(1).depth == 0
+    assert t.is_chain and Tree.chain(1).is_chain and Tree((-1, 0, 1)).is_chain
+    assert not Tree((-1, 0, 0)).is_chain and not Tree((-1, 0, 1, 0)).is_chain
 
 
 def test_trees_compare_and_hash_by_parents():

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 from test_nn import CONFIG, FIXTURE, VERIFY, X
 
-from jax_oc128.controller import ONLINE, ForwardMode
+from jax_oc128.controller import OFFLINE, ONLINE, ForwardMode
 from jax_oc128.nn import AttentionConfig, DeepseekV4Attention, prepare_forward
 from jax_oc128.nn.attention import CSA
 from jax_oc128.tree import Tree
@@ -197,7 +197,7 @@ def test_keep_path_empties_a_path_node_not_written():
     """A draft head writes only the nodes it expands: a kept leaf leaves its position empty."""
     attn = make_layer(0)
     graphdef, params = nnx.split(attn)
-    tree = Tree((-1, 0, 1))
+    tree = Tree((-1, 0, 1, 0))  # not a chain: a chain keeps its path as it is
     x, positions = tree_inputs(tree, 100, 7)
     caches = (attn.init_cache(BATCH), None)
     _, (drafted, _) = forward(
@@ -206,6 +206,28 @@ def test_keep_path_empties_a_path_node_not_written():
     kept = drafted.keep_path(tree, positions[:, 0], jnp.asarray([2, 1], jnp.int32), written=(0, 1))
     ring = (100 + np.arange(3)) % kept.window.shape[1]
     np.testing.assert_array_equal(kept.window_positions[:, ring], [[100, 101, -1]] * 2)
+
+
+def test_a_chain_drafted_as_a_tree_is_the_chain():
+    """The draft head's levels of ``Tree.chain(N)`` (one node each) run the chain's calls: the same outputs
+    and caches, bit for bit, and keep_path leaves the cache as it is."""
+    attn = make_layer(0)
+    graphdef, params = nnx.split(attn)
+    positions = jnp.broadcast_to(jnp.arange(100, dtype=jnp.int32), (BATCH, 100))
+    _, caches = forward(graphdef, params, X[:, :100], positions, (attn.init_cache(BATCH), None))
+    tree = Tree.chain(4)
+    x, positions = tree_inputs(tree, 100, 8)
+    as_tree = as_chain = caches
+    for level in tree.levels:
+        mode, index = ForwardMode.DRAFT_EXTEND, list(level)
+        y_tree, as_tree = forward(
+            graphdef, params, x[:, index], positions[:, index], as_tree, mode=mode, tree=tree, nodes=level
+        )
+        y_chain, as_chain = forward(graphdef, params, x[:, index], positions[:, index], as_chain, mode=mode)
+        np.testing.assert_array_equal(y_tree, y_chain, err_msg=f"level {level}")
+        jax.tree.map(np.testing.assert_array_equal, as_tree, as_chain)
+    kept = as_tree[0].keep_path(tree, positions[:, 0], jnp.asarray([2, -1], jnp.int32))
+    jax.tree.map(np.testing.assert_array_equal, kept, as_chain[0])
 
 
 def test_tree_misuse():
@@ -223,3 +245,15 @@ def test_tree_misuse():
         ValueError, match=r"^nodes: an heavily_compressed_attention layer verifies every node"
     ):
         hca(x[:, :2], positions[:, :2], hca.init_cache(BATCH), mode=VERIFY, tree=TREES[0], nodes=(1, 2))
+    offline = DeepseekV4Attention(
+        AttentionConfig.from_hf(CONFIG, 1), backend=OFFLINE, max_draft=MAX_DRAFT, rngs=nnx.Rngs(0)
+    )
+    with pytest.raises(ValueError, match=r"^tree: the offline C128 state verifies chains only"):
+        offline(
+            x,
+            positions,
+            offline.init_cache(BATCH),
+            offline.init_compressed(BATCH),
+            mode=VERIFY,
+            tree=TREES[0],
+        )

@@ -82,7 +82,7 @@ def check_speculation(num_tokens, tree, model) -> Tree | None:
         raise ValueError(f"tree: at most max_draft = {config.max_draft} nodes, got {tree.size}")
     if num_tokens is not None and num_tokens != tree.size:
         raise ValueError(f"num_tokens: None or the tree's {tree.size} nodes, got {num_tokens!r}")
-    if tree != Tree.chain(tree.size) and HCA in config.layer_types and model.target.backend is not ONLINE:
+    if not tree.is_chain and HCA in config.layer_types and model.target.backend is not ONLINE:
         raise NotImplementedError("tree: a tree verifies on the online C128 state only (backend ONLINE)")
     return tree
 

@@ -36,7 +36,7 @@ from jax_oc128.nn.csa import CSACompressor, IndexerConfig
 from jax_oc128.nn.functional import FULL, assign_weights, linear, normal_param, ones_param, rms_norm
 from jax_oc128.nn.rope import RopeConfig
 from jax_oc128.rules import BLOCK, drop_index
-from jax_oc128.tree import Tree
+from jax_oc128.tree import Tree, check_tree
 
 SLIDING, HCA, CSA = "sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"
 
@@ -130,7 +130,11 @@ class AttentionCache:
         accepted node; -1 leaves the row untouched): its window rows move to where a chain of the path puts
         them (row ``p % R`` for position p) and every other row the tree wrote is emptied, so the rejected
         branches leave no trace. ``written``: the static nodes the tree wrote (default: all); a path node
-        not among them leaves its position empty."""
+        not among them leaves its position empty. A chain (:attr:`Tree.is_chain`) was written as the chain
+        is, by position: the cache is returned as it is (the positions past the path are rewritten before
+        any query reads them)."""
+        if check_tree(tree).is_chain:
+            return self
         window, batch = self.window.shape[1], nodes.shape[0]
         written = np.isin(np.arange(tree.size), range(tree.size) if written is None else written)
         kept = nodes >= 0
@@ -183,8 +187,9 @@ class AttentionCache:
         )
 
 
-def _check_tree(tree, nodes, tokens: int, mode: ForwardMode, layer_type: str) -> tuple[int, ...]:
-    """``nodes`` (default: every node) checked against the call; returns them."""
+def _check_tree_call(tree, nodes, tokens: int, mode: ForwardMode, layer_type: str) -> tuple[int, ...]:
+    """A tree call's ``tree`` and ``nodes`` (default: every node) checked against its ``tokens``, ``mode``
+    and layer type; returns the nodes."""
     if not isinstance(tree, Tree):
         raise TypeError(f"tree: a jax_oc128.tree.Tree or None, got {type(tree).__name__}")
     if mode not in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND):
@@ -405,8 +410,9 @@ class DeepseekV4Attention(nnx.Module):
             root, to its ancestors among the tokens (``tree.mask``), to the ring rows of its ancestors that
             earlier calls of this tree wrote, and (HCA, CSA) to the entries complete before the root and
             those its ancestors or itself closed; node n's window row goes to ring row
-            ``(base + n) % R`` until :meth:`AttentionCache.keep_path` keeps the accepted path. None: the
-            tokens are a chain (consecutive positions, causal).
+            ``(base + n) % R`` until :meth:`AttentionCache.keep_path` keeps the accepted path. None, or a
+            chain (:attr:`Tree.is_chain`, run as None): the tokens are a chain (consecutive positions,
+            causal).
           nodes: static, the tree's nodes the T tokens are: every node (the default, a verify) or distinct
             nodes of one depth (a draft level).
 
@@ -417,7 +423,9 @@ class DeepseekV4Attention(nnx.Module):
         batch, tokens, _ = x.shape
         lengths = jnp.full((batch,), tokens, jnp.int32) if lengths is None else lengths
         if tree is not None:
-            nodes = _check_tree(tree, nodes, tokens, mode, c.layer_type)
+            nodes = _check_tree_call(tree, nodes, tokens, mode, c.layer_type)
+            if tree.is_chain:  # the chain's kernels and masks: its nodes are consecutive positions
+                tree = None
         q_res = rms_norm(linear(x, self.q_a_proj[...]), self.q_a_norm[...], c.rms_norm_eps)
         q = linear(q_res, self.q_b_proj[...]).reshape(batch, tokens, c.num_heads, c.head_dim)
         q = c.rope.apply(rms_norm(q, 1.0, c.rms_norm_eps), positions)  # per head, unweighted
@@ -511,9 +519,8 @@ class DeepseekV4Attention(nnx.Module):
         seq_lens, slots = positions[:, 0], batch_slots(lengths)
         controller, layer = self.backend.controller, self.compress_layer
         if mode is ForwardMode.TARGET_VERIFY:
-            on_tree = {} if tree is None else dict(tree=tree)  # (the online controller's only)
             compressed, entries, blocks = controller.write_prefix(
-                compressed, kv_score, seq_lens, slots, ape, layer=layer, **on_tree
+                compressed, kv_score, seq_lens, slots, ape, layer=layer, tree=tree
             )
         else:
             compressed, entries, blocks = controller.compress(

@@ -58,6 +58,7 @@ from jax_oc128.nn.hyper_connections import HyperConnection, HyperHead
 from jax_oc128.nn.moe import HASH_MOE, MOE, MoE, MoEConfig, check_expert_ids
 from jax_oc128.nn.rope import RopeConfig
 from jax_oc128.rules import MAX_DRAFT
+from jax_oc128.tree import check_tree
 
 #: the fields added with the full DeepSeek-V4 layout (its layout, the draft head's presence, the weights'
 #: dtype), whose defaults give the look-alike (a checkpoint written before they existed has those defaults)
@@ -543,7 +544,8 @@ class DeepseekV4Model(nnx.Module):
         """A forward of ``mode`` (static :class:`~jax_oc128.controller.ForwardMode`: EXTEND or DECODE fold
         the tokens into the caches; TARGET_VERIFY writes a verify's banks, kept by :meth:`commit` or
         committed lazily by the rows' next forward; with ``tree``, a static :class:`~jax_oc128.tree.Tree`,
-        the tokens are its nodes at ``positions`` = the root's + depth, then :meth:`keep_path`). Returns
+        the tokens are its nodes at ``positions`` = the root's + depth, then :meth:`keep_path`; a chain
+        runs as ``tree=None``). Returns
         ``(logits [batch, T, vocab], hidden [batch, T, draft_hidden_size], cache)``; ``hidden`` is what the
         draft head takes, the last block's output (with hyper-connections its residual streams, flattened,
         before their final collapse)."""
@@ -564,7 +566,11 @@ class DeepseekV4Model(nnx.Module):
         """After a verify of ``tree`` at ``first_positions`` ``[batch]`` (the root's positions), keep each
         row's path to ``nodes`` ``[batch]`` (-1: the row is left as it is) in every layer's cache
         (:meth:`~jax_oc128.nn.AttentionCache.keep_path`) and commit it in the C128 state: the node's bank,
-        ``depths[node] + 1`` tokens (one launch for all layers)."""
+        ``depths[node] + 1`` tokens (one launch for all layers). A chain (:attr:`Tree.is_chain`) keeps its
+        path as the chain does: its caches are returned as they are, the verify pending for the rows' next
+        forward to commit."""
+        if check_tree(tree).is_chain:
+            return cache
         layers = tuple(layer.keep_path(tree, first_positions, nodes) for layer in cache.layers)
         cache = dataclasses.replace(cache, layers=layers)
         if cache.compressed is None:
