@@ -231,6 +231,8 @@ def draft_children(logits, width: int, key=None, temperature: float = 0.0):
     scores = logits.astype(jnp.float32)
     if temperature != 0:
         scores = scores / temperature + jax.random.gumbel(key, scores.shape, jnp.float32)
+    if width == 1:  # the same token (of ties, the first), without top_k's sort (a chain drafts this way)
+        return jnp.argmax(scores, axis=-1, keepdims=True).astype(jnp.int32)
     return jax.lax.top_k(scores, width)[1].astype(jnp.int32)
 
 

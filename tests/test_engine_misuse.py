@@ -36,8 +36,8 @@ def engine():
 
 @pytest.fixture(scope="module")
 def foreign_states(engine):
-    """States that ``engine`` must refuse: another engine's (more slots; the offline backend) and one of its
-    own already donated."""
+    """States that ``engine`` must refuse: another engine's (more slots; the offline backend; the same
+    layout) and one of its own already donated."""
     donated = engine.init_state()
     jax.jit(lambda state: state, donate_argnums=0)(donated)
     return {
@@ -45,6 +45,7 @@ def foreign_states(engine):
         "offline": Engine(
             SpeculativeModel(CONFIG, backend=OFFLINE, rngs=nnx.Rngs(0)), slots=SLOTS
         ).init_state(),
+        "same layout": Engine(engine.model, slots=SLOTS, prompt_bucket=64, steps_per_dispatch=4).init_state(),
         "donated": donated,
     }
 
@@ -279,6 +280,12 @@ CASES = [
     ),
     ("prefill state offline", prefill(state="offline"), ValueError, "state: not this engine's"),
     (
+        "prefill state same layout",
+        prefill(state="same layout"),
+        ValueError,
+        r"state: not this engine's: made by engine \d+, this is engine \d+ \(of the same layout",
+    ),
+    (
         "prefill state donated",
         prefill(state="donated"),
         ValueError,
@@ -296,6 +303,12 @@ CASES = [
     ("decode state dict", decode(state="dict"), TypeError, "state: must be a DecodeState"),
     ("decode state more slots", decode(state="more slots"), ValueError, "state: not this engine's"),
     ("decode state offline", decode(state="offline"), ValueError, "state: not this engine's"),
+    (
+        "decode state same layout",
+        decode(state="same layout"),
+        ValueError,
+        "state: not this engine's: made by engine",
+    ),
     (
         "decode state donated",
         decode(state="donated"),

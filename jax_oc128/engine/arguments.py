@@ -6,6 +6,7 @@ reading the device; what it holds (which slots are active) is not checked."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Collection, Mapping, Sequence
 
@@ -80,6 +81,11 @@ def check_speculation(num_tokens, tree, model) -> Tree | None:
         raise ValueError(f"tree: must have drafts (at least 2 nodes), got {tree}")
     if tree.size > config.max_draft:
         raise ValueError(f"tree: at most max_draft = {config.max_draft} nodes, got {tree.size}")
+    if max(tree.widths) > config.vocab_size:
+        raise ValueError(
+            f"tree: a node has {max(tree.widths)} children, more than the vocabulary's {config.vocab_size} "
+            f"tokens (a node's children are distinct tokens), got {tree}"
+        )
     if num_tokens is not None and num_tokens != tree.size:
         raise ValueError(f"num_tokens: None or the tree's {tree.size} nodes, got {num_tokens!r}")
     if not tree.is_chain and HCA in config.layer_types and model.target.backend is not ONLINE:
@@ -188,14 +194,16 @@ def check_progress(progress) -> None:
         raise TypeError(f"progress: must be callable or None, got {progress!r}")
 
 
-def check_state_is_engines(state, layout: DecodeState) -> None:
-    """``state`` a :class:`DecodeState` of the engine's ``layout`` (its tree, shapes and dtypes) whose
-    buffers were not donated yet; read on the host only (no device sync)."""
+def check_state_is_this_engines(state, layout: DecodeState) -> None:
+    """``state`` a :class:`DecodeState` of the engine's ``layout`` (its tree, shapes and dtypes), made by
+    this engine (``layout.engine``), whose buffers were not donated yet; read on the host only (no device
+    sync)."""
     if not isinstance(state, DecodeState):
         raise TypeError(
             f"state: must be a DecodeState (from init_state, prefill or decode), got {type(state).__name__}"
         )
-    leaves, tree = jax.tree_util.tree_flatten_with_path(state)
+    # the layout first (the more telling error), then the engine that made it
+    leaves, tree = jax.tree_util.tree_flatten_with_path(dataclasses.replace(state, engine=layout.engine))
     expected, expected_tree = jax.tree.flatten(layout)
     if tree != expected_tree:
         raise ValueError("state: not this engine's (its caches have another structure: another model?)")
@@ -208,5 +216,10 @@ def check_state_is_engines(state, layout: DecodeState) -> None:
                 f"state: not this engine's: {where} is {leaf.dtype}{list(leaf.shape)}, this engine's is "
                 f"{want.dtype}{list(want.shape)} (another slot count or model?)"
             )
+    if state.engine != layout.engine:
+        raise ValueError(
+            f"state: not this engine's: made by engine {state.engine}, this is engine {layout.engine} (of "
+            "the same layout; a state is used by the engine that made it)"
+        )
     if any(leaf.is_deleted() for _, leaf in leaves):
         raise ValueError("state: already donated to an earlier call; use the state it returned")

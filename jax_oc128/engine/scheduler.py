@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import os
 import time
 from collections.abc import Mapping
@@ -20,6 +21,8 @@ from jax_oc128.engine import arguments, placement
 from jax_oc128.engine.state import DecodeOutput, DecodeState, Result, init_state, restart
 from jax_oc128.nn import SpeculativeModel, sharding
 
+#: numbers the engines of this process (:attr:`Engine.number`)
+_ENGINE_NUMBERS = itertools.count(1)
 #: decoding steps per dispatch by default: on the H200 (shipped model, 8 slots, plain) K = 1 / 4 / 16 / 64
 #: gave 2724 / 9659 / 17127 / 21197 tokens/s end to end (bench/RESULTS.md, bench/bench_decode.py --sweep-k)
 STEPS_PER_DISPATCH = 64
@@ -80,6 +83,10 @@ class Engine:
         communicating only the loop's condition and counts; the parameters are split over ``"model"`` by
         :mod:`jax_oc128.nn.sharding` (tensor parallel). The jitted steps take and return the decode state
         in that layout. Greedy tokens are those of one device; sampling draws per device.
+
+    Attributes:
+      number: this engine's number in the process (from 1), carried by its decode states
+        (:attr:`DecodeState.engine`): another engine's state is refused, even one of the same layout.
     """
 
     def __init__(
@@ -97,7 +104,8 @@ class Engine:
         self.prompt_bucket = arguments.check_count("prompt_bucket", prompt_bucket)
         self.steps_per_dispatch = arguments.check_count("steps_per_dispatch", steps_per_dispatch)
         graphdef, params = nnx.split(model)
-        new_state = functools.partial(init_state, model, self.slots)
+        self.number = next(_ENGINE_NUMBERS)  # the decode states it makes carry it
+        new_state = functools.partial(init_state, model, self.slots, self.number)
         # the decode state's tree, shapes and dtypes (traced, not compiled), what prefill and decode accept
         self._state_layout = jax.eval_shape(new_state, np.uint32(0))
         self._placement = where = placement.Placement(self.mesh, params, self._state_layout)
@@ -154,7 +162,7 @@ class Engine:
 
         Returns ``(state, DecodeOutput)``: the output's one step holds each new slot's first generated token
         (greedy, or sampled at ``temperature``); a request whose first token ends it is no longer active."""
-        arguments.check_state_is_engines(state, self._state_layout)
+        arguments.check_state_is_this_engines(state, self._state_layout)
         config = self.model.config
         tree = arguments.check_speculation(num_tokens, tree, self.model)
         longest_prompt = arguments.check_max_new_tokens(max_new_tokens, tree, config)
@@ -189,7 +197,7 @@ class Engine:
         vocab_size)) or when their budget is spent, and with ``waiting`` (a bool) the loop also leaves once
         a row ends. ``state`` (this engine's, not yet donated) is donated; nothing is read back to the
         host."""
-        arguments.check_state_is_engines(state, self._state_layout)
+        arguments.check_state_is_this_engines(state, self._state_layout)
         config = self.model.config
         tree = arguments.check_speculation(num_tokens, tree, self.model)
         temperature = arguments.check_temperature(temperature)

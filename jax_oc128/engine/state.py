@@ -25,6 +25,8 @@ class DecodeState:
       active: ``[slots]`` bool, slots whose request is still generating.
       remaining: ``[slots]`` int32, tokens the slot's request may still generate.
       key: the PRNG key of the next step (split on the device).
+      engine: static (pytree metadata), the number of the :class:`~jax_oc128.engine.Engine` that made it:
+        another engine refuses it, even one of the same layout.
     """
 
     cache: ModelCache
@@ -35,6 +37,7 @@ class DecodeState:
     active: jax.Array
     remaining: jax.Array
     key: jax.Array
+    engine: int = dataclasses.field(metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -80,10 +83,10 @@ class Result:
     mean_accepted: float
 
 
-def init_state(model, slots: int, seed) -> DecodeState:
+def init_state(model, slots: int, engine: int, seed) -> DecodeState:
     """An empty decode state of ``slots`` slots for ``model`` (a
-    :class:`~jax_oc128.nn.SpeculativeModel`), its PRNG key ``jax.random.key(seed)``: the caches' layout
-    comes from the config, no parameter is read."""
+    :class:`~jax_oc128.nn.SpeculativeModel`) made by the engine numbered ``engine``, its PRNG key
+    ``jax.random.key(seed)``: the caches' layout comes from the config, no parameter is read."""
     return DecodeState(
         model.target.init_cache(slots),
         None if model.mtp is None else model.mtp.init_cache(slots),
@@ -93,6 +96,7 @@ def init_state(model, slots: int, seed) -> DecodeState:
         active=jnp.zeros((slots,), bool),
         remaining=jnp.zeros((slots,), jnp.int32),
         key=jax.random.key(seed),
+        engine=engine,
     )
 
 

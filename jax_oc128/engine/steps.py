@@ -91,15 +91,18 @@ def prefill(model, state: DecodeState, tokens, lengths, budgets, stop_tokens, *,
         _, _, mtp_cache = model.mtp(tokens, prev, positions, mtp_cache.clear(slots), lengths=lengths)
     new = lengths > 0
     kept, done = stop_rule(first[:, None], new.astype(jnp.int32), budgets, stop_tokens)
-    state = DecodeState(
-        cache,
-        mtp_cache,
-        jnp.where(new, first, state.token),
-        jnp.where(new, lengths, state.position),
-        jnp.where(new[:, None], jnp.take_along_axis(hidden, last[..., None], axis=1)[:, 0], state.hidden),
-        jnp.where(new, ~done, state.active),
-        jnp.where(new, budgets - kept, state.remaining),
-        key,
+    state = dataclasses.replace(
+        state,
+        cache=cache,
+        mtp_cache=mtp_cache,
+        token=jnp.where(new, first, state.token),
+        position=jnp.where(new, lengths, state.position),
+        hidden=jnp.where(
+            new[:, None], jnp.take_along_axis(hidden, last[..., None], axis=1)[:, 0], state.hidden
+        ),
+        active=jnp.where(new, ~done, state.active),
+        remaining=jnp.where(new, budgets - kept, state.remaining),
+        key=key,
     )
     zero = jnp.zeros((), jnp.int32)
     return state, DecodeOutput(first[None, :, None], kept[None], state.active, zero, zero, zero)
@@ -126,22 +129,25 @@ def plain_step(model, state: DecodeState, key, temperature: float):
 def _draft_level(model, tree: Tree, position, active, carry, tokens, level: int):
     """:func:`~jax_oc128.tree.draft_tree`'s ``draft_fn``: the MTP head on the nodes of ``level`` that have
     children (``tokens`` ``[slots, N]``, at ``position`` ``[slots]`` + ``level``), each reading its parent's
-    hidden state from ``carry = (mtp_cache, hidden [slots, N, H])`` and storing its own at its children.
-    Returns ``(logits [slots, nodes, V], carry)``."""
+    hidden state from ``carry = (mtp_cache, hidden)``, ``hidden`` ``[slots, n, H]`` the head's outputs at
+    the nodes of the level before (``tree.expanded[level - 1]``; at level 0 the target's hidden state of
+    the root). Returns ``(logits [slots, nodes, V], (mtp_cache, the head's outputs at the level's
+    nodes))``."""
     mtp_cache, hidden = carry
     nodes = tree.expanded[level]
+    if level:  # each node's parent among the level before's nodes (for a chain, the one node)
+        parents = tree.expanded[level - 1]
+        hidden = hidden[:, [parents.index(tree.parents[node]) for node in nodes]]
     positions = jnp.broadcast_to((position + level)[:, None], (position.shape[0], len(nodes)))
-    logits, h, mtp_cache = model.mtp(
+    logits, hidden, mtp_cache = model.mtp(
         tokens[:, nodes],
-        hidden[:, nodes],
+        hidden,
         positions,
         mtp_cache,
         lengths=active.astype(jnp.int32) * len(nodes),
         tree=tree,
         nodes=nodes,
     )
-    for i, node in enumerate(nodes):
-        hidden = hidden.at[:, list(tree.children[node])].set(h[:, i : i + 1])
     return logits, (mtp_cache, hidden)
 
 
@@ -152,11 +158,9 @@ def speculative_step(model, state: DecodeState, key, tree: Tree, temperature: fl
     are its new output."""
     active = state.active
     draft_key, accept_key = jax.random.split(key)
-    slots, hidden_size = state.hidden.shape
-    hidden = jnp.zeros((slots, tree.size, hidden_size), state.hidden.dtype).at[:, 0].set(state.hidden)
     draft_fn = functools.partial(_draft_level, model, tree, state.position, active)
     tokens, draft_logits, (mtp_cache, _) = draft_tree(
-        tree, state.token, draft_fn, (state.mtp_cache, hidden), draft_key, temperature
+        tree, state.token, draft_fn, (state.mtp_cache, state.hidden[:, None]), draft_key, temperature
     )
     positions = state.position[:, None] + jnp.asarray(tree.depths)
     logits, hiddens, cache = model.target(
@@ -180,7 +184,7 @@ def speculative_step(model, state: DecodeState, key, tree: Tree, temperature: fl
         mtp_cache=mtp_cache.keep_path(tree, state.position, nodes, written=drafted),
         token=jnp.where(active, accepted.bonus, state.token),
         position=state.position + counts,
-        hidden=jnp.where(active[:, None], hiddens[jnp.arange(slots), accepted.node], state.hidden),
+        hidden=jnp.where(active[:, None], hiddens[jnp.arange(active.shape[0]), accepted.node], state.hidden),
     )
     return state, accepted.emitted, counts
 
