@@ -83,7 +83,7 @@ from flax import nnx
 
 from jax_oc128 import checkpoint
 from jax_oc128.controller import BACKENDS
-from jax_oc128.decode import STEPS_PER_DISPATCH, Engine
+from jax_oc128.engine import STEPS_PER_DISPATCH, Engine
 from jax_oc128.nn import ModelConfig, SpeculativeModel, sharding
 from jax_oc128.nn.attention import HCA, SLIDING
 from jax_oc128.tree import Tree

@@ -61,7 +61,7 @@ from jax.experimental import pallas as pl
 
 import jax_oc128 as oc
 from jax_oc128 import reference
-from jax_oc128.decode import GPU_LOOP_OPTIONS
+from jax_oc128.engine import GPU_LOOP_OPTIONS
 from jax_oc128.nn import ModelConfig
 from jax_oc128.rules import BLOCK, committed_bank
 
@@ -275,7 +275,7 @@ def setup(pattern, rows, n, dtype):
 
 def build(pattern, repeat):
     """A jitted function running ``repeat`` steps of ``pattern``, the carry donated, compiled as the engine
-    compiles its decode loop (on a GPU with :data:`~jax_oc128.decode.GPU_LOOP_OPTIONS`: a ``lax.cond`` is a
+    compiles its decode loop (on a GPU with :data:`~jax_oc128.engine.GPU_LOOP_OPTIONS`: a ``lax.cond`` is a
     conditional node of the command buffer, not a return to the host)."""
 
     def run(carry, consts):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from jax_oc128 import checkpoint
 from jax_oc128.controller import ONLINE
-from jax_oc128.decode import Engine
+from jax_oc128.engine import Engine
 from jax_oc128.tree import Tree
 
 

@@ -5,8 +5,8 @@ Ops (native XLA FFI handlers on CPU and CUDA, jnp twins in :mod:`jax_oc128.refer
 :class:`Controller` over :class:`CompressState` (and the offline baseline, :class:`OfflineController` over
 :class:`OfflineState`), both the :class:`CompressController` protocol; the two backends as objects,
 :data:`ONLINE` and :data:`OFFLINE`. The slot and bank rules in :mod:`jax_oc128.rules`. Flax NNX modules in
-:mod:`jax_oc128.nn`; generation in :mod:`jax_oc128.decode`; a DeepSeek-V4 checkpoint in Hugging Face format
-by :func:`load_pretrained`.
+:mod:`jax_oc128.nn`; generation in :mod:`jax_oc128.engine` (:class:`Engine`); a DeepSeek-V4 checkpoint in
+Hugging Face format by :func:`load_pretrained`.
 """
 
 from jax_oc128 import reference
@@ -19,6 +19,7 @@ from jax_oc128.controller import (
     ForwardMode,
     OfflineController,
 )
+from jax_oc128.engine import Engine
 from jax_oc128.ops import commit, compress, init_state, verify
 from jax_oc128.pretrained import load_pretrained
 from jax_oc128.state import CompressState, OfflineState
@@ -30,6 +31,7 @@ __all__ = [
     "CompressController",
     "CompressState",
     "Controller",
+    "Engine",
     "ForwardMode",
     "OfflineController",
     "OfflineState",

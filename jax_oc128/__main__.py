@@ -11,7 +11,7 @@ import os
 import pathlib
 import sys
 
-from jax_oc128.decode import STEPS_PER_DISPATCH
+from jax_oc128.engine import STEPS_PER_DISPATCH
 from jax_oc128.rules import MAX_DRAFT
 
 
@@ -79,7 +79,7 @@ def demo(args, model, meta, prompts) -> str:
     import jax
 
     from jax_oc128.controller import OFFLINE, ONLINE
-    from jax_oc128.decode import Engine
+    from jax_oc128.engine import Engine
     from jax_oc128.state import bytes_per_slot
     from jax_oc128.tree import Tree
 

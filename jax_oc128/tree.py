@@ -3,10 +3,11 @@ path of it (greedy, or by multi-draft speculative sampling that keeps the target
 
 **Nodes and verify tokens.** A tree of N nodes is the N tokens of one verify, node k being verify token k
 (the ops' ``verify(..., tree=parents)``: bank k + 1 holds the state after the path from the root to node
-k). As in the engine's chain (``decode._speculative_step``, whose first verify token is the newest token
-and the others its drafts), **node 0 is the root: the newest token** (the last step's bonus token, already
-output, always kept); nodes 1 .. N-1 are drafts, each a child of its parent in the token stream: node k
-sits at position ``position + depths[k]``. The chain of N is the tree ``(-1, 0, 1, ..., N - 2)``.
+k). In the engine's speculative step (:func:`jax_oc128.engine.steps.speculative_step`, which drafts,
+verifies and accepts every tree, the chain included, by this module's rules), **node 0 is the root: the
+newest token** (the last step's bonus token, already output, always kept); nodes 1 .. N-1 are drafts,
+each a child of its parent in the token stream: node k sits at position ``position + depths[k]``. The
+chain of N is the tree ``(-1, 0, 1, ..., N - 2)``.
 
 After a verify, a row keeps the path from the root to one accepted node ``a``: ``depths[a] + 1`` tokens
 (the commit's ``accept_lens``; its bank is ``a + 1``), and outputs the path's drafts followed by the bonus
@@ -230,6 +231,8 @@ def draft_children(logits, width: int, key=None, temperature: float = 0.0):
     scores = logits.astype(jnp.float32)
     if temperature != 0:
         scores = scores / temperature + jax.random.gumbel(key, scores.shape, jnp.float32)
+    if width == 1:  # the same token (of ties, the first), without top_k's sort (a chain drafts this way)
+        return jnp.argmax(scores, axis=-1, keepdims=True).astype(jnp.int32)
     return jax.lax.top_k(scores, width)[1].astype(jnp.int32)
 
 

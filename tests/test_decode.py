@@ -15,7 +15,7 @@ from harness import copy_tree, count_compiles
 
 from jax_oc128 import checkpoint
 from jax_oc128.controller import OFFLINE, ONLINE
-from jax_oc128.decode import Engine
+from jax_oc128.engine import Engine
 from jax_oc128.nn import ModelConfig, SpeculativeModel
 
 CONFIG = ModelConfig.tiny(

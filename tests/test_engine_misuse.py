@@ -16,8 +16,9 @@ from jax.sharding import Mesh
 from test_decode import CONFIG as DECODE_CONFIG
 
 from jax_oc128.controller import OFFLINE
-from jax_oc128.decode import MAX_STOP_TOKENS, Engine
+from jax_oc128.engine import MAX_STOP_TOKENS, Engine
 from jax_oc128.nn import HCA, SLIDING, SpeculativeModel, sharding
+from jax_oc128.tree import Tree
 
 # test_decode's model with one sliding and one C128 layer of 2 heads, shorter and with fewer draft banks
 CONFIG = dataclasses.replace(DECODE_CONFIG, layer_types=(SLIDING, HCA), num_heads=2, max_len=512, max_draft=4)
@@ -35,8 +36,8 @@ def engine():
 
 @pytest.fixture(scope="module")
 def foreign_states(engine):
-    """States that ``engine`` must refuse: another engine's (more slots; the offline backend) and one of its
-    own already donated."""
+    """States that ``engine`` must refuse: another engine's (more slots; the offline backend; the same
+    layout) and one of its own already donated."""
     donated = engine.init_state()
     jax.jit(lambda state: state, donate_argnums=0)(donated)
     return {
@@ -44,6 +45,7 @@ def foreign_states(engine):
         "offline": Engine(
             SpeculativeModel(CONFIG, backend=OFFLINE, rngs=nnx.Rngs(0)), slots=SLOTS
         ).init_state(),
+        "same layout": Engine(engine.model, slots=SLOTS, prompt_bucket=64, steps_per_dispatch=4).init_state(),
         "donated": donated,
     }
 
@@ -278,6 +280,12 @@ CASES = [
     ),
     ("prefill state offline", prefill(state="offline"), ValueError, "state: not this engine's"),
     (
+        "prefill state same layout",
+        prefill(state="same layout"),
+        ValueError,
+        r"state: not this engine's: made by engine \d+, this is engine \d+ \(of the same layout",
+    ),
+    (
         "prefill state donated",
         prefill(state="donated"),
         ValueError,
@@ -295,6 +303,12 @@ CASES = [
     ("decode state dict", decode(state="dict"), TypeError, "state: must be a DecodeState"),
     ("decode state more slots", decode(state="more slots"), ValueError, "state: not this engine's"),
     ("decode state offline", decode(state="offline"), ValueError, "state: not this engine's"),
+    (
+        "decode state same layout",
+        decode(state="same layout"),
+        ValueError,
+        "state: not this engine's: made by engine",
+    ),
     (
         "decode state donated",
         decode(state="donated"),
@@ -387,7 +401,7 @@ def test_numpy_scalars_and_bytes_reach_the_device_as_checked(engine, monkeypatch
     assert tokens.dtype == lengths.dtype == budgets.dtype == stops.dtype == np.int32
     assert temperature == 0.0 and isinstance(temperature, float)
     engine.decode(state, num_tokens=np.int64(2), steps=np.int64(2), waiting=np.bool_(True), stop_tokens=b"\0")
-    _, _, stops, waiting, steps, num_tokens, _, tree = calls["decode"]
+    _, _, stops, waiting, steps, tree, _ = calls["decode"]
     np.testing.assert_array_equal(stops, [0, *[-1] * (MAX_STOP_TOKENS - 1)])
-    assert waiting and (steps, num_tokens) == (2, 2) and type(steps) is type(num_tokens) is int
-    assert tree is None
+    assert waiting and steps == 2 and type(steps) is int
+    assert tree == Tree.chain(2)

@@ -21,7 +21,7 @@ from safetensors.numpy import save_file
 from test_v4_parity import HF_TOL, fixture, positions
 
 from jax_oc128 import load_pretrained, pretrained
-from jax_oc128.decode import Engine
+from jax_oc128.engine import Engine
 from jax_oc128.nn import ModelConfig, SpeculativeModel
 from jax_oc128.nn.functional import variable_at
 

@@ -34,7 +34,7 @@ from harness import count_compiles
 from test_decode import CONFIG, make_model
 
 from jax_oc128.controller import OFFLINE, ONLINE
-from jax_oc128.decode import Engine
+from jax_oc128.engine import Engine
 from jax_oc128.rules import BLOCK
 
 pytestmark = pytest.mark.soak

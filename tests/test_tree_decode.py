@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from harness import copy_tree
+from harness import copy_tree, count_compiles
 from test_decode import CONFIG, prompts
 
 from jax_oc128.controller import OFFLINE, ONLINE
-from jax_oc128.decode import Engine
+from jax_oc128.engine import Engine
 from jax_oc128.nn import SpeculativeModel
 from jax_oc128.nn.attention import CSA, HCA, SLIDING
 from jax_oc128.tree import Tree
@@ -100,6 +100,9 @@ def test_tree_misuse():
         engine.generate(prompt, 5, tree=Tree.default(9))
     with pytest.raises(ValueError, match=r"^num_tokens: None or the tree's 8 nodes"):
         engine.generate(prompt, 5, num_tokens=4, tree=Tree.default(8))
+    with count_compiles() as compiles, pytest.raises(ValueError, match=r"^tree: a node has 7 children, more"):
+        engine.generate(prompt, 5, tree=(-1,) + (0,) * 7)  # 7 distinct tokens of 6
+    assert not compiles
     offline = Engine(make_model(backend=OFFLINE), slots=1)
     with pytest.raises(NotImplementedError, match=r"^tree: a tree verifies on the online C128 state only"):
         offline.generate(prompt, 5, tree=(-1, 0, 0))

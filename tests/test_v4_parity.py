@@ -17,7 +17,7 @@ from oracle import rel_err
 
 from jax_oc128 import checkpoint
 from jax_oc128.controller import OFFLINE, ONLINE, ForwardMode
-from jax_oc128.decode import Engine
+from jax_oc128.engine import Engine
 from jax_oc128.nn import CSA, HCA, SLIDING, DeepseekV4Model, ModelConfig, SpeculativeModel
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"

@@ -11,7 +11,7 @@ from flax import nnx
 from test_model import CONFIG as MODEL_CONFIG
 
 from jax_oc128 import checkpoint
-from jax_oc128.decode import Engine
+from jax_oc128.engine import Engine
 from jax_oc128.nn import HCA, SLIDING, SpeculativeModel
 
 # test_model's small model (short compilations) with one sliding and one C128 layer and a vocabulary of 64

@@ -18,7 +18,8 @@ from test_decode import make_model, prompts
 from test_v4_parity import fixture
 
 from jax_oc128.controller import ONLINE
-from jax_oc128.decode import Engine, _stop_array
+from jax_oc128.engine import Engine
+from jax_oc128.engine.arguments import stop_array
 from jax_oc128.nn import SpeculativeModel, sharding
 from jax_oc128.tree import Tree
 
@@ -99,8 +100,10 @@ def steps_collectives(on_mesh):
     """The collectives of the compiled prefill and decode (N = 4), each with its :func:`kind_of` (those
     that generate ran: after test_same_greedy_tokens_as_one_device, they are compiled already)."""
     state = on_mesh.init_state()
-    stops, steps = _stop_array(()), on_mesh.steps_per_dispatch
-    decode = on_mesh._decode.lower(on_mesh.params, state, stops, np.bool_(False), steps, N, 0.0).compile()
+    stops, steps = stop_array(()), on_mesh.steps_per_dispatch
+    decode = on_mesh._decode.lower(
+        on_mesh.params, state, stops, np.bool_(False), steps, Tree.chain(N), 0.0
+    ).compile()
     tokens, lengths = np.zeros((SLOTS, 256), np.int32), np.ones(SLOTS, np.int32)
     prefill = on_mesh._prefill.lower(on_mesh.params, state, tokens, lengths, lengths, stops, 0.0).compile()
     outputs = {hlo_shape(bool, [SLOTS])}

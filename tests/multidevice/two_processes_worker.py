@@ -25,7 +25,7 @@ from test_decode import make_model, prompts  # noqa: E402
 from test_engine_on_mesh import NEW_TOKENS, SLOTS  # noqa: E402
 
 from jax_oc128.controller import ONLINE  # noqa: E402
-from jax_oc128.decode import Engine  # noqa: E402
+from jax_oc128.engine import Engine  # noqa: E402
 from jax_oc128.nn import sharding  # noqa: E402
 
 assert jax.process_count() == 2 and jax.device_count() == 4 and jax.local_device_count() == 2

@@ -1,0 +1,225 @@
+"""The engine's argument checks, on the host before anything is compiled or dispatched: one function per
+concept, shared by :class:`~jax_oc128.engine.Engine`'s constructor, ``init_state``, ``generate``,
+``prefill`` and ``decode``. A wrong type is a TypeError, a wrong value a ValueError, each message starting
+with the argument's name. A decode state is checked against the engine's layout and for donation without
+reading the device; what it holds (which slots are active) is not checked."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Collection, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from jax_oc128.checks import check_int, is_int
+from jax_oc128.controller import ONLINE
+from jax_oc128.engine.state import DecodeState
+from jax_oc128.nn import HCA, SpeculativeModel, sharding
+from jax_oc128.tree import Tree, check_parents
+
+#: stop token ids per call (padded with -1 to this size, so their number never recompiles)
+MAX_STOP_TOKENS = 8
+#: seeds are 32-bit (``jax.random.key`` of a seed in [0, 2**32) is the same with and without x64)
+MAX_SEED = 2**32 - 1
+#: the most of a count the engine keeps in int32 (steps per dispatch, slots, prompt bucket)
+MAX_INT32 = 2**31 - 1
+
+
+def check_model(model) -> SpeculativeModel:
+    """``model`` a :class:`~jax_oc128.nn.SpeculativeModel`."""
+    if not isinstance(model, SpeculativeModel):
+        raise TypeError(f"model: must be a SpeculativeModel, got {type(model).__name__}")
+    return model
+
+
+def check_count(name: str, value) -> int:
+    """A count the engine keeps in int32 (``name`` in errors): an int in [1, 2**31)."""
+    return check_int(name, value, 1, MAX_INT32)
+
+
+def check_slots(slots, mesh) -> int:
+    """The slot count (:func:`check_count`), a multiple of the data axis of ``mesh`` (a checked mesh or
+    None)."""
+    slots = check_count("slots", slots)
+    if mesh is not None and slots % mesh.shape[sharding.DATA]:
+        raise ValueError(
+            f"slots: must be a multiple of the mesh's data axis ({mesh.shape[sharding.DATA]}), got {slots}"
+        )
+    return slots
+
+
+def check_seed(seed) -> np.uint32:
+    """A PRNG seed, an int in [0, 2**32), as the uint32 the engine's jitted functions take."""
+    return np.uint32(check_int("seed", seed, 0, MAX_SEED))
+
+
+def _check_draft_head(name: str, value, config) -> None:
+    """Speculation (``name`` given as ``value``) needs a draft head: refused for a model without one."""
+    if not config.mtp:
+        raise ValueError(
+            f"{name}: this model has no MTP head (its checkpoint carries no MTP layer), so it decodes "
+            f"plainly only: pass num_tokens=None and tree=None, got {name}={value!r}"
+        )
+
+
+def check_speculation(num_tokens, tree, model) -> Tree | None:
+    """The draft tree of a speculative step for ``model``, or None (plain steps). ``num_tokens`` N, an int
+    in [2, max_draft], is the chain of N (:meth:`Tree.chain`); ``tree`` a :class:`Tree` or its parents
+    (:func:`~jax_oc128.tree.check_parents`) of 2 to max_draft nodes, ``num_tokens`` then None or its
+    size. A tree that is not a chain needs the online C128 state in a model with C128 layers."""
+    config = model.config
+    if tree is None:
+        if num_tokens is None:
+            return None
+        _check_draft_head("num_tokens", num_tokens, config)
+        return Tree.chain(check_int("num_tokens", num_tokens, 2, config.max_draft, " = max_draft"))
+    tree = tree if isinstance(tree, Tree) else Tree(check_parents(tree, "tree"))
+    _check_draft_head("tree", tree, config)
+    if tree.size < 2:
+        raise ValueError(f"tree: must have drafts (at least 2 nodes), got {tree}")
+    if tree.size > config.max_draft:
+        raise ValueError(f"tree: at most max_draft = {config.max_draft} nodes, got {tree.size}")
+    if max(tree.widths) > config.vocab_size:
+        raise ValueError(
+            f"tree: a node has {max(tree.widths)} children, more than the vocabulary's {config.vocab_size} "
+            f"tokens (a node's children are distinct tokens), got {tree}"
+        )
+    if num_tokens is not None and num_tokens != tree.size:
+        raise ValueError(f"num_tokens: None or the tree's {tree.size} nodes, got {num_tokens!r}")
+    if not tree.is_chain and HCA in config.layer_types and model.target.backend is not ONLINE:
+        raise NotImplementedError("tree: a tree verifies on the online C128 state only (backend ONLINE)")
+    return tree
+
+
+def check_max_new_tokens(max_new_tokens, tree: Tree | None, config) -> int:
+    """A request's budget, an int in [1, max_len - N - 1] (N the nodes of ``tree``, 1 for plain steps), so
+    that a prompt of one token fits. Returns the longest prompt it leaves room for,
+    ``max_len - max_new_tokens - N`` (a step writes up to N positions)."""
+    n = 1 if tree is None else tree.size
+    budget = check_int("max_new_tokens", max_new_tokens, 1, config.max_len - n - 1, " = max_len - N - 1")
+    return config.max_len - budget - n
+
+
+def check_temperature(temperature) -> float:
+    """A finite number >= 0 (bools refused), as a float (a static argument of the jitted functions)."""
+    if not isinstance(temperature, int | float | np.integer | np.floating) or isinstance(temperature, bool):
+        raise TypeError(f"temperature: must be a number, got {temperature!r}")
+    if not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature: must be finite and >= 0, got {temperature}")
+    return float(temperature)
+
+
+def check_stop_tokens(stop_tokens, config) -> tuple[int, ...]:
+    """A collection (list, tuple, bytes, 1-D integer array) of at most :data:`MAX_STOP_TOKENS` token ids
+    (ints, bools refused) in [0, vocab_size), as a tuple of ints."""
+    if isinstance(stop_tokens, np.ndarray | jax.Array):
+        stop_tokens = np.asarray(stop_tokens).tolist()  # a 0-d array gives a scalar, refused below
+    if not isinstance(stop_tokens, Collection) or isinstance(stop_tokens, str):
+        raise TypeError(f"stop_tokens: must be a sequence of token ids, got {stop_tokens!r}")
+    if len(stop_tokens) > MAX_STOP_TOKENS:
+        raise ValueError(f"stop_tokens: at most {MAX_STOP_TOKENS} ids, got {len(stop_tokens)}")
+    for token in stop_tokens:
+        if not is_int(token):
+            raise TypeError(f"stop_tokens: ids must be ints, got {token!r}")
+        if not 0 <= token < config.vocab_size:
+            raise ValueError(f"stop_tokens: ids must be in [0, {config.vocab_size}), got {token}")
+    return tuple(map(int, stop_tokens))
+
+
+def stop_array(stop_tokens: tuple[int, ...]) -> np.ndarray:
+    """Checked ``stop_tokens`` as ``[MAX_STOP_TOKENS]`` int32 padded with -1."""
+    return np.array([*stop_tokens, *[-1] * (MAX_STOP_TOKENS - len(stop_tokens))], np.int32)
+
+
+def check_prompt(name: str, prompt, config, longest: int) -> np.ndarray:
+    """A prompt (named ``name`` in errors): a sequence (list, tuple, bytes) of ints or a 1-D integer array,
+    1 to ``longest`` token ids in [0, vocab_size). Returns it as ``[length]`` int32."""
+    if isinstance(prompt, np.ndarray | jax.Array):
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise TypeError(f"{name}: must be a 1-D integer array, got {ids.dtype}{list(ids.shape)}")
+    elif isinstance(prompt, Sequence) and not isinstance(prompt, str):
+        ids = list(prompt)  # bytes as ints
+        for token in ids:
+            if not is_int(token):
+                raise TypeError(f"{name}: token ids must be ints, got {token!r}")
+    else:
+        raise TypeError(f"{name}: must be a sequence of token ids, got {type(prompt).__name__}")
+    if not 0 < len(ids) <= longest:
+        raise ValueError(
+            f"{name}: length {len(ids)} must be in [1, {longest} = max_len - max_new_tokens - N]"
+        )
+    low, high = (ids.min(), ids.max()) if isinstance(ids, np.ndarray) else (min(ids), max(ids))
+    if low < 0 or high >= config.vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"{name}: token ids must be in [0, {config.vocab_size}), got {bad}")
+    return np.asarray(ids, np.int32)
+
+
+def check_prompts(prompts, config, longest: int) -> list[np.ndarray]:
+    """``generate``'s prompts: a sequence (list, tuple, array) of prompts, each checked by
+    :func:`check_prompt` as ``prompts[i]``."""
+    if isinstance(prompts, str | bytes | bytearray) or not isinstance(prompts, Sequence | np.ndarray):
+        kind = type(prompts).__name__
+        raise TypeError(f"prompts: must be a sequence of prompts (each a sequence of token ids), got {kind}")
+    return [check_prompt(f"prompts[{i}]", prompt, config, longest) for i, prompt in enumerate(prompts)]
+
+
+def check_assignments(assignments, slots: int, config, longest: int) -> dict[int, np.ndarray]:
+    """``prefill``'s requests: a non-empty mapping from a slot (an int in [0, slots)) to its prompt, checked
+    by :func:`check_prompt` as ``assignments[slot]``."""
+    if not isinstance(assignments, Mapping):
+        raise TypeError(f"assignments: must be a mapping {{slot: prompt}}, got {type(assignments).__name__}")
+    if not assignments:
+        raise ValueError("assignments: no request (a mapping {slot: prompt} with at least one entry)")
+    prompts = {}
+    for slot, prompt in assignments.items():
+        slot = check_int("assignments: a slot", slot, 0, slots - 1)
+        prompts[slot] = check_prompt(f"assignments[{slot}]", prompt, config, longest)
+    return prompts
+
+
+def check_waiting(waiting) -> np.bool_:
+    """Whether requests wait for a slot, a bool (numpy's too)."""
+    if not isinstance(waiting, bool | np.bool_):
+        raise TypeError(f"waiting: must be a bool, got {waiting!r}")
+    return np.bool_(waiting)
+
+
+def check_progress(progress) -> None:
+    """``generate``'s progress callback, a callable or None."""
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress: must be callable or None, got {progress!r}")
+
+
+def check_state_is_this_engines(state, layout: DecodeState) -> None:
+    """``state`` a :class:`DecodeState` of the engine's ``layout`` (its tree, shapes and dtypes), made by
+    this engine (``layout.engine``), whose buffers were not donated yet; read on the host only (no device
+    sync)."""
+    if not isinstance(state, DecodeState):
+        raise TypeError(
+            f"state: must be a DecodeState (from init_state, prefill or decode), got {type(state).__name__}"
+        )
+    # the layout first (the more telling error), then the engine that made it
+    leaves, tree = jax.tree_util.tree_flatten_with_path(dataclasses.replace(state, engine=layout.engine))
+    expected, expected_tree = jax.tree.flatten(layout)
+    if tree != expected_tree:
+        raise ValueError("state: not this engine's (its caches have another structure: another model?)")
+    for (path, leaf), want in zip(leaves, expected, strict=True):
+        where = f"state{jax.tree_util.keystr(path)}"
+        if not isinstance(leaf, jax.Array):
+            raise TypeError(f"state: {where} must be a jax.Array, got {type(leaf).__name__}")
+        if leaf.shape != want.shape or leaf.dtype != want.dtype:
+            raise ValueError(
+                f"state: not this engine's: {where} is {leaf.dtype}{list(leaf.shape)}, this engine's is "
+                f"{want.dtype}{list(want.shape)} (another slot count or model?)"
+            )
+    if state.engine != layout.engine:
+        raise ValueError(
+            f"state: not this engine's: made by engine {state.engine}, this is engine {layout.engine} (of "
+            "the same layout; a state is used by the engine that made it)"
+        )
+    if any(leaf.is_deleted() for _, leaf in leaves):
+        raise ValueError("state: already donated to an earlier call; use the state it returned")

@@ -1,0 +1,321 @@
+""":class:`Engine`, the host scheduler: it checks every argument (:mod:`~jax_oc128.engine.arguments`), places
+the parameters and the decode state (:mod:`~jax_oc128.engine.placement`), dispatches the jitted device
+steps (:mod:`~jax_oc128.engine.steps`) and, in :meth:`Engine.generate`, admits waiting requests into free
+slots between dispatches while it reads each dispatch's output as the next one runs."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import itertools
+import os
+import time
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jax_oc128.engine import arguments, placement
+from jax_oc128.engine.state import DecodeOutput, DecodeState, Result, init_state, restart
+from jax_oc128.nn import SpeculativeModel, sharding
+
+#: numbers the engines of this process (:attr:`Engine.number`)
+_ENGINE_NUMBERS = itertools.count(1)
+#: decoding steps per dispatch by default: on the H200 (shipped model, 8 slots, plain) K = 1 / 4 / 16 / 64
+#: gave 2724 / 9659 / 17127 / 21197 tokens/s end to end (bench/RESULTS.md, bench/bench_decode.py --sweep-k)
+STEPS_PER_DISPATCH = 64
+#: XLA options of the decode loop on a GPU: XLA's default command buffer (CUDA graph) contents plus WHILE
+#: and CONDITIONAL, so that the ``while_loop`` and its condition are recorded too (conditional nodes) and a
+#: dispatch of K steps runs without the host. With XLA's default the host evaluates the loop's condition
+#: after every step: the call blocks for the whole dispatch and the GPU waits for the host between steps
+#: (bench/RESULTS.md). Not applied when ``XLA_FLAGS`` sets ``--xla_gpu_enable_command_buffer`` itself.
+GPU_LOOP_OPTIONS = {
+    "xla_gpu_enable_command_buffer": ",".join(
+        (
+            "FUSION",
+            "CUBLAS",
+            "CUBLASLT",
+            "CUSTOM_CALL",
+            "CUDNN",
+            "DYNAMIC_SLICE_FUSION",
+            "WHILE",
+            "CONDITIONAL",
+        )
+    )
+}
+
+
+def loop_compiler_options(mesh: Mesh | None) -> dict | None:
+    """The decode loop's XLA options on the engine's first device: :data:`GPU_LOOP_OPTIONS` on a GPU
+    unless ``XLA_FLAGS`` sets the command buffer, else None."""
+    device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+    if device.platform == "gpu" and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
+        return GPU_LOOP_OPTIONS
+    return None
+
+
+class Engine:
+    """Generation over ``slots`` slots with a :class:`~jax_oc128.nn.SpeculativeModel`.
+
+    Requests beyond the slots wait; a finished request frees its slot and the next one takes it (the slot's
+    rows are cleared on allocation). The parameters are placed on the device once; the prefill and the
+    decode loop are jitted once per engine with the decode state donated, and each compiles once per
+    (slots, draft tree, K, temperature). On a GPU the loop is compiled with :data:`GPU_LOOP_OPTIONS` (one
+    CUDA graph per dispatch). :meth:`generate` keeps its state between calls and reuses its buffers.
+
+    Speculation is given as ``num_tokens=N`` (the chain of N: each step drafts N - 1 tokens one after the
+    other) or ``tree`` (a draft tree of N nodes); both are one speculative step of a
+    :class:`~jax_oc128.tree.Tree` (``num_tokens=N`` is ``tree=Tree.chain(N)``), see
+    :mod:`jax_oc128.engine.steps`.
+
+    Args:
+      model: the target and its MTP head (a :class:`~jax_oc128.nn.SpeculativeModel`).
+      slots: requests decoded together, an int >= 1.
+      prompt_bucket: prompts are padded to a multiple of this (fewer prefill shapes, fewer compilations),
+        an int >= 1.
+      steps_per_dispatch: K, the most decoding steps one dispatch runs on the device (1: a dispatch per
+        step, the host reading each step's tokens), an int >= 1.
+      mesh: None (one device), or a :class:`jax.sharding.Mesh` of the axes ``("data", "model")``
+        (:func:`jax_oc128.nn.sharding.make_mesh`). The slots are split over ``"data"`` (``slots`` a multiple
+        of its size): each device runs the prefill and the decode loop on its own slots (``shard_map``),
+        communicating only the loop's condition and counts; the parameters are split over ``"model"`` by
+        :mod:`jax_oc128.nn.sharding` (tensor parallel). The jitted steps take and return the decode state
+        in that layout. Greedy tokens are those of one device; sampling draws per device.
+
+    Attributes:
+      number: this engine's number in the process (from 1), carried by its decode states
+        (:attr:`DecodeState.engine`): another engine's state is refused, even one of the same layout.
+    """
+
+    def __init__(
+        self,
+        model: SpeculativeModel,
+        slots: int,
+        *,
+        prompt_bucket: int = 128,
+        steps_per_dispatch: int = STEPS_PER_DISPATCH,
+        mesh: Mesh | None = None,
+    ):
+        self.model = arguments.check_model(model)
+        self.mesh = None if mesh is None else sharding.check_mesh(mesh)
+        self.slots = arguments.check_slots(slots, self.mesh)
+        self.prompt_bucket = arguments.check_count("prompt_bucket", prompt_bucket)
+        self.steps_per_dispatch = arguments.check_count("steps_per_dispatch", steps_per_dispatch)
+        graphdef, params = nnx.split(model)
+        self.number = next(_ENGINE_NUMBERS)  # the decode states it makes carry it
+        new_state = functools.partial(init_state, model, self.slots, self.number)
+        # the decode state's tree, shapes and dtypes (traced, not compiled), what prefill and decode accept
+        self._state_layout = jax.eval_shape(new_state, np.uint32(0))
+        self._placement = where = placement.Placement(self.mesh, params, self._state_layout)
+        self.params = where.put_params(params)
+        self._init_state = jax.jit(new_state, **where.state_options())
+        self._restart = jax.jit(restart, donate_argnames="state", **where.state_options())
+        self._prefill = jax.jit(
+            functools.partial(placement.prefill, graphdef, where),
+            static_argnames="temperature",
+            donate_argnames="state",
+            **where.jit_options(*where.prefill_specs),
+        )
+        self._decode = jax.jit(
+            functools.partial(placement.decode, graphdef, where),
+            static_argnames=("steps", "tree", "temperature"),
+            donate_argnames="state",
+            compiler_options=loop_compiler_options(self.mesh),
+            **where.jit_options(*where.decode_specs),
+        )
+        self._idle_state = None  # generate's state between calls (its buffers reused, their slots cleared)
+
+    def init_state(self, seed: int = 0) -> DecodeState:
+        """An empty decode state (no active slot), its PRNG key ``jax.random.key(seed)`` (``seed`` an int in
+        [0, 2**32)); one dispatch, every leaf its own buffer (the state is donated)."""
+        return self._init_state(arguments.check_seed(seed))
+
+    def prefill(
+        self,
+        state: DecodeState,
+        assignments: Mapping,
+        max_new_tokens: int,
+        *,
+        num_tokens=None,
+        tree=None,
+        stop_tokens=(),
+        temperature=0.0,
+    ) -> tuple[DecodeState, DecodeOutput]:
+        """Start the requests of ``assignments`` {slot: prompt}, each generating up to ``max_new_tokens``:
+        their slots are cleared and their prompts fed (padded to a multiple of ``prompt_bucket``). A slot
+        still active in ``state`` is not refused (that would need a device read): its request is dropped and
+        the slot restarts with the new one.
+
+        Args:
+          state: this engine's :class:`DecodeState`, donated.
+          assignments: a non-empty mapping from a slot (an int in [0, slots)) to its prompt: a sequence
+            (list, tuple, bytes) or a 1-D integer array of token ids in [0, vocab_size), 1 to
+            ``max_len - max_new_tokens - N`` long.
+          max_new_tokens: an int in [1, max_len - N - 1].
+          num_tokens, tree: those of the :meth:`decode` calls that will run these requests (None: plain
+            steps, N = 1); only the lengths are checked against them (a speculative step writes up to N
+            positions).
+          stop_tokens: at most 8 token ids in [0, vocab_size).
+          temperature: a number >= 0 (0: greedy).
+
+        Returns ``(state, DecodeOutput)``: the output's one step holds each new slot's first generated token
+        (greedy, or sampled at ``temperature``); a request whose first token ends it is no longer active."""
+        arguments.check_state_is_this_engines(state, self._state_layout)
+        config = self.model.config
+        tree = arguments.check_speculation(num_tokens, tree, self.model)
+        longest_prompt = arguments.check_max_new_tokens(max_new_tokens, tree, config)
+        stops = arguments.stop_array(arguments.check_stop_tokens(stop_tokens, config))
+        temperature = arguments.check_temperature(temperature)
+        prompts = arguments.check_assignments(assignments, self.slots, config, longest_prompt)
+        longest = max(map(len, prompts.values()))
+        width = -(-longest // self.prompt_bucket) * self.prompt_bucket
+        tokens = np.zeros((self.slots, width), np.int32)
+        lengths = np.zeros(self.slots, np.int32)
+        for slot, prompt in prompts.items():
+            tokens[slot, : len(prompt)], lengths[slot] = prompt, len(prompt)
+        budgets = np.full(self.slots, max_new_tokens, np.int32)
+        rows = (self._placement.host_rows(x) for x in (tokens, lengths, budgets))
+        return self._prefill(self.params, state, *rows, stops, temperature)
+
+    def decode(
+        self,
+        state: DecodeState,
+        *,
+        num_tokens=None,
+        tree=None,
+        temperature=0.0,
+        stop_tokens=(),
+        steps=None,
+        waiting=False,
+    ) -> tuple[DecodeState, DecodeOutput]:
+        """One dispatch: up to ``steps`` (default K) plain (``num_tokens`` and ``tree`` None) or speculative
+        (the chain of N = ``num_tokens``, an int in [2, max_draft], or the draft tree ``tree``, as
+        :meth:`generate` takes them) steps of every active slot, on the device, greedy or sampled at
+        ``temperature`` (a number >= 0); rows end at a stop token (``stop_tokens``: at most 8 ids in [0,
+        vocab_size)) or when their budget is spent, and with ``waiting`` (a bool) the loop also leaves once
+        a row ends. ``state`` (this engine's, not yet donated) is donated; nothing is read back to the
+        host."""
+        arguments.check_state_is_this_engines(state, self._state_layout)
+        config = self.model.config
+        tree = arguments.check_speculation(num_tokens, tree, self.model)
+        temperature = arguments.check_temperature(temperature)
+        stops = arguments.stop_array(arguments.check_stop_tokens(stop_tokens, config))
+        steps = self.steps_per_dispatch if steps is None else arguments.check_count("steps", steps)
+        waiting = arguments.check_waiting(waiting)
+        return self._decode(self.params, state, stops, waiting, steps, tree, temperature)
+
+    def generate(
+        self,
+        prompts,
+        max_new_tokens,
+        *,
+        num_tokens=None,
+        tree=None,
+        temperature=0.0,
+        stop_tokens=(),
+        seed=0,
+        progress=None,
+    ) -> Result:
+        """Generate up to ``max_new_tokens`` for each prompt with speculative steps of N = ``num_tokens``
+        tokens or of the draft tree ``tree`` (both None: plain steps of the target alone), greedy or sampled
+        at ``temperature``. A request ends after ``max_new_tokens`` or at the first of ``stop_tokens``,
+        which is its last token.
+
+        Args:
+          prompts: a sequence (list, tuple) of prompts, each a sequence (list, tuple, bytes) or a 1-D
+            integer array of token ids in [0, vocab_size), 1 to ``max_len - max_new_tokens - N`` long. An
+            empty sequence returns an empty :class:`Result` at once (nothing dispatched).
+          max_new_tokens: an int in [1, max_len - N - 1].
+          num_tokens: None, or an int in [2, max_draft]: the chain of N, each step drafting N - 1 tokens one
+            after the other (the same as ``tree=Tree.chain(N)``; None only, for a model without an MTP
+            head).
+          tree: None, or a draft tree of N nodes (a :class:`~jax_oc128.tree.Tree` or its parents, a tuple of
+            ints: ``tree[0] == -1``, ``0 <= tree[k] < k``; ``num_tokens`` None or N): the MTP head drafts
+            each node's children as its top-k tokens (greedy) or k draws without replacement (sampled), the
+            target verifies all N nodes in one forward and the row keeps the deepest accepted path
+            (multi-draft speculative sampling at ``temperature`` > 0). Every layer type, on the online C128
+            state (the offline one verifies chains only).
+          temperature: a number >= 0 (0: greedy).
+          stop_tokens: at most 8 token ids in [0, vocab_size).
+          seed: the sampling's PRNG seed, an int in [0, 2**32).
+          progress: None, or a callable called with the number of tokens generated so far.
+
+        Returns a :class:`Result`, ``tokens[i]`` the output of ``prompts[i]``."""
+        config = self.model.config
+        tree = arguments.check_speculation(num_tokens, tree, self.model)
+        longest_prompt = arguments.check_max_new_tokens(max_new_tokens, tree, config)
+        temperature = arguments.check_temperature(temperature)
+        stop_tokens = arguments.check_stop_tokens(stop_tokens, config)
+        seed = arguments.check_seed(seed)
+        arguments.check_progress(progress)
+        prompts = arguments.check_prompts(prompts, config, longest_prompt)
+        if not prompts:
+            return Result([], steps=0, dispatches=0, seconds=0.0, mean_accepted=0.0)
+        start = time.perf_counter()
+        # the last call's state, its slots made idle (a slot is cleared when a request takes it): no
+        # allocation, and the decode loop's CUDA graph sees the same buffers as before; the first call
+        # allocates it (and compiles the restart with everything else)
+        state, self._idle_state = self._idle_state, None
+        state = self._restart(self.init_state(seed) if state is None else state, seed)
+        requests = _Requests(len(prompts), progress)
+        waiting = collections.deque(range(len(prompts)))
+        unread = collections.deque()  # dispatched, not yet read: (owner of its slots, its output)
+        options = dict(tree=tree, temperature=temperature, stop_tokens=stop_tokens)
+        while waiting or requests.owner:
+            free = [slot for slot in range(self.slots) if slot not in requests.owner]
+            if waiting and free:
+                admitted = {slot: waiting.popleft() for slot in free[: len(waiting)]}
+                assignments = {slot: prompts[request] for slot, request in admitted.items()}
+                state, output = self.prefill(state, assignments, max_new_tokens, **options)
+                requests.owner.update(admitted)
+                unread.append((admitted, output))
+            state, output = self.decode(state, waiting=bool(waiting), **options)
+            requests.dispatches += 1
+            for leaf in jax.tree.leaves(output):
+                leaf.copy_to_host_async()
+            unread.append((dict(requests.owner), output))
+            # read everything but this dispatch, which runs meanwhile; all of it when a slot must be freed
+            while len(unread) > (0 if waiting else 1):
+                requests.read(*unread.popleft())
+        self._idle_state = state
+        return requests.result(time.perf_counter() - start)
+
+
+class _Requests:
+    """:meth:`Engine.generate`'s host side of its requests: their outputs, which request owns which slot
+    (as of the last output read), and the counts of the dispatches read.
+
+    Args:
+      count: the number of requests; progress: None, or called with the tokens generated so far after each
+        output read.
+    """
+
+    def __init__(self, count: int, progress):
+        self.outputs = [[] for _ in range(count)]
+        self.owner = {}  # slot -> request
+        self.progress = progress
+        self.dispatches = 0
+        self.totals = collections.Counter()
+
+    def read(self, owner: dict, output: DecodeOutput) -> None:
+        """Take a dispatch's (or a prefill's) tokens for the requests that owned its slots (``owner``, slot
+        -> request, at dispatch); free the slots whose request ended."""
+        host = jax.device_get(output)  # the copies started at dispatch
+        self.totals.update(
+            steps=int(host.steps), slot_steps=int(host.slot_steps), accepted=int(host.accepted)
+        )
+        for slot, request in owner.items():
+            for step in range(host.tokens.shape[0]):  # counts are 0 past the steps run
+                self.outputs[request].extend(host.tokens[step, slot, : host.counts[step, slot]].tolist())
+            if not host.active[slot]:
+                self.owner.pop(
+                    slot, None
+                )  # (a request that ended at its prefill is in the next snapshot too)
+        if self.progress is not None:
+            self.progress(sum(map(len, self.outputs)))
+
+    def result(self, seconds: float) -> Result:
+        mean = self.totals["accepted"] / max(1, self.totals["slot_steps"])
+        return Result(self.outputs, self.totals["steps"], self.dispatches, seconds, mean)

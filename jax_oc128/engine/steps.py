@@ -1,0 +1,241 @@
+"""The engine's device steps, pure functions of a :class:`~jax_oc128.nn.SpeculativeModel` and a
+:class:`~jax_oc128.engine.DecodeState`: the prefill, the plain step, the speculative step, the stop rule
+and the decode loop that runs K steps in a ``lax.while_loop``.
+
+**One speculative step for chains and trees.** A speculative step drafts a static draft tree (a
+:class:`~jax_oc128.tree.Tree`; the chain of N, ``Tree.chain(N)``, is what ``num_tokens=N`` means) with
+the MTP head level by level (:func:`~jax_oc128.tree.draft_tree`), verifies its N nodes (node 0 the newest
+token) with the target in one forward, accepts a path (:func:`~jax_oc128.tree.accept_greedy`, or at a
+temperature :func:`~jax_oc128.tree.accept_sampled`, whose emitted tokens follow the target's
+distribution), keeps that path in the caches (the model's ``keep_path``) and the bonus token. The model
+runs a chain's verify with the chain kernels.
+
+On a mesh every function runs on one device's slots (``axis`` the mesh axis of the slots, None without a
+mesh): the PRNG key is folded with the device's index and the loop's condition and counts are summed over
+the axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_oc128.controller import ForwardMode
+from jax_oc128.engine.state import DecodeOutput, DecodeState
+from jax_oc128.nn import batch_slots
+from jax_oc128.tree import Tree, accept_greedy, accept_sampled, draft_tree
+
+
+def pick(logits, key, temperature: float):
+    """Greedy (``temperature`` 0, static) or a sample of softmax(logits / temperature): ``logits``
+    ``[..., V]`` -> ``[...]`` int32."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
+
+
+def stop_rule(tokens, counts, remaining, stop_tokens):
+    """A step's output per row cut at the first stop token (kept) and at the remaining budget.
+
+    ``tokens`` ``[slots, W]`` int32, ``counts`` ``[slots]`` int32 (0 for idle rows), ``remaining``
+    ``[slots]`` int32, ``stop_tokens`` ``[MAX_STOP_TOKENS]`` int32 (-1 padding). Returns ``(kept [slots],
+    done [slots])``: the row ends when it kept a stop token or spent its budget."""
+    width = tokens.shape[1]
+    produced = jnp.arange(width)[None] < counts[:, None]
+    is_stop = produced & jnp.any(tokens[..., None] == stop_tokens[None, None], axis=-1)
+    through_stop = jnp.where(
+        jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1).astype(jnp.int32) + 1, width + 1
+    )
+    kept = jnp.minimum(jnp.minimum(counts, through_stop), remaining)
+    done = (counts > 0) & ((through_stop <= kept) | (kept >= remaining))
+    return kept, done
+
+
+def _split_key(key, axis):
+    """``(key, sub)``: the next key and a key for this step's draws, on a mesh (``axis`` the mesh axis of the
+    slots, None without one) each device's own."""
+    key, sub = jax.random.split(key)
+    return key, sub if axis is None else jax.random.fold_in(sub, jax.lax.axis_index(axis))
+
+
+def _any(x, axis):
+    """Whether any of ``x`` (bool) is set: on a mesh, on any device along ``axis``."""
+    return jnp.any(x) if axis is None else jax.lax.psum(jnp.any(x).astype(jnp.int32), axis) > 0
+
+
+def _total(x, axis):
+    """The int32 sum of ``x`` over all slots: on a mesh, over every device along ``axis`` too."""
+    total = jnp.sum(x, dtype=jnp.int32)
+    return total if axis is None else jax.lax.psum(total, axis)
+
+
+def prefill(model, state: DecodeState, tokens, lengths, budgets, stop_tokens, *, temperature, axis=None):
+    """New requests: clear the slots of the rows with ``lengths`` ``[slots]`` > 0 and feed them right-padded
+    prompts ``tokens`` ``[slots, P]`` int32 (``budgets`` ``[slots]`` their max new tokens); the first
+    generated token comes from the last prompt token. Returns ``(state, DecodeOutput)``, the output holding
+    the first tokens as one step with no steps counted."""
+    slots = batch_slots(lengths)
+    cache = state.cache.clear(slots)
+    rows, width = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width))
+    logits, hidden, cache = model.target(tokens, positions, cache, lengths=lengths, mode=ForwardMode.EXTEND)
+    last = jnp.maximum(lengths - 1, 0)[:, None]
+    key, sub = _split_key(state.key, axis)
+    first = pick(jnp.take_along_axis(logits, last[..., None], axis=1)[:, 0], sub, temperature)
+    mtp_cache = state.mtp_cache
+    if model.mtp is not None:  # it sees token p with the target's hidden state at p - 1, p = 1 .. length - 1
+        prev = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
+        _, _, mtp_cache = model.mtp(tokens, prev, positions, mtp_cache.clear(slots), lengths=lengths)
+    new = lengths > 0
+    kept, done = stop_rule(first[:, None], new.astype(jnp.int32), budgets, stop_tokens)
+    state = dataclasses.replace(
+        state,
+        cache=cache,
+        mtp_cache=mtp_cache,
+        token=jnp.where(new, first, state.token),
+        position=jnp.where(new, lengths, state.position),
+        hidden=jnp.where(
+            new[:, None], jnp.take_along_axis(hidden, last[..., None], axis=1)[:, 0], state.hidden
+        ),
+        active=jnp.where(new, ~done, state.active),
+        remaining=jnp.where(new, budgets - kept, state.remaining),
+        key=key,
+    )
+    zero = jnp.zeros((), jnp.int32)
+    return state, DecodeOutput(first[None, :, None], kept[None], state.active, zero, zero, zero)
+
+
+def plain_step(model, state: DecodeState, key, temperature: float):
+    """One token per active slot with the target alone. Returns ``(state, tokens [slots, 1], counts
+    [slots])``."""
+    lengths = state.active.astype(jnp.int32)
+    logits, hidden, cache = model.target(
+        state.token[:, None], state.position[:, None], state.cache, lengths=lengths, mode=ForwardMode.DECODE
+    )
+    nxt = pick(logits[:, 0], key, temperature)
+    state = dataclasses.replace(
+        state,
+        cache=cache,
+        token=jnp.where(state.active, nxt, state.token),
+        position=state.position + lengths,
+        hidden=jnp.where(state.active[:, None], hidden[:, 0], state.hidden),
+    )
+    return state, nxt[:, None], lengths
+
+
+def _draft_level(model, tree: Tree, position, active, carry, tokens, level: int):
+    """:func:`~jax_oc128.tree.draft_tree`'s ``draft_fn``: the MTP head on the nodes of ``level`` that have
+    children (``tokens`` ``[slots, N]``, at ``position`` ``[slots]`` + ``level``), each reading its parent's
+    hidden state from ``carry = (mtp_cache, hidden)``, ``hidden`` ``[slots, n, H]`` the head's outputs at
+    the nodes of the level before (``tree.expanded[level - 1]``; at level 0 the target's hidden state of
+    the root). Returns ``(logits [slots, nodes, V], (mtp_cache, the head's outputs at the level's
+    nodes))``."""
+    mtp_cache, hidden = carry
+    nodes = tree.expanded[level]
+    if level:  # each node's parent among the level before's nodes (for a chain, the one node)
+        parents = tree.expanded[level - 1]
+        hidden = hidden[:, [parents.index(tree.parents[node]) for node in nodes]]
+    positions = jnp.broadcast_to((position + level)[:, None], (position.shape[0], len(nodes)))
+    logits, hidden, mtp_cache = model.mtp(
+        tokens[:, nodes],
+        hidden,
+        positions,
+        mtp_cache,
+        lengths=active.astype(jnp.int32) * len(nodes),
+        tree=tree,
+        nodes=nodes,
+    )
+    return logits, (mtp_cache, hidden)
+
+
+def speculative_step(model, state: DecodeState, key, tree: Tree, temperature: float):
+    """Draft ``tree`` (N nodes) with the MTP head level by level, verify its N nodes at once, accept a path
+    (greedy at ``temperature`` 0, else sampled) and keep it. Returns ``(state, tokens [slots, depth + 1],
+    counts [slots])``: each active slot's first ``counts`` tokens (the path's drafts, then the bonus token)
+    are its new output."""
+    active = state.active
+    draft_key, accept_key = jax.random.split(key)
+    draft_fn = functools.partial(_draft_level, model, tree, state.position, active)
+    tokens, draft_logits, (mtp_cache, _) = draft_tree(
+        tree, state.token, draft_fn, (state.mtp_cache, state.hidden[:, None]), draft_key, temperature
+    )
+    positions = state.position[:, None] + jnp.asarray(tree.depths)
+    logits, hiddens, cache = model.target(
+        tokens,
+        positions,
+        state.cache,
+        lengths=active.astype(jnp.int32) * tree.size,
+        mode=ForwardMode.TARGET_VERIFY,
+        tree=tree,
+    )
+    if temperature == 0:
+        accepted = accept_greedy(tree, logits, tokens)
+    else:
+        accepted = accept_sampled(tree, logits, draft_logits, tokens, accept_key, temperature)
+    nodes = jnp.where(active, accepted.node, -1)
+    counts = jnp.where(active, accepted.length, 0)
+    drafted = tuple(node for level in tree.expanded for node in level)
+    state = dataclasses.replace(
+        state,
+        cache=model.target.keep_path(cache, tree, state.position, nodes),
+        mtp_cache=mtp_cache.keep_path(tree, state.position, nodes, written=drafted),
+        token=jnp.where(active, accepted.bonus, state.token),
+        position=state.position + counts,
+        hidden=jnp.where(active[:, None], hiddens[jnp.arange(active.shape[0]), accepted.node], state.hidden),
+    )
+    return state, accepted.emitted, counts
+
+
+def decode_loop(model, state: DecodeState, stop_tokens, waiting, *, steps: int, tree, temperature, axis=None):
+    """Up to ``steps`` plain (``tree`` None) or speculative (``tree`` a static :class:`~jax_oc128.tree.Tree`)
+    steps in a ``lax.while_loop``; rows end on the device by :func:`stop_rule` (``stop_tokens``
+    ``[MAX_STOP_TOKENS]`` int32). The loop leaves early when no row is active, or when a row ended and
+    ``waiting`` (a bool scalar: requests wait for a slot); on a mesh every device runs the same steps.
+    Returns ``(state, DecodeOutput)``."""
+    width = 1 if tree is None else tree.depth + 1
+    slots = state.token.shape[0]
+    zero = jnp.zeros((), jnp.int32)
+    output = DecodeOutput(
+        jnp.zeros((steps, slots, width), jnp.int32),
+        jnp.zeros((steps, slots), jnp.int32),
+        state.active,
+        *[zero] * 3,
+    )
+    step = functools.partial(_loop_step, model, stop_tokens, tree=tree, temperature=temperature, axis=axis)
+    running = functools.partial(_loop_running, waiting, steps=steps, axis=axis)
+    state, output, _ = jax.lax.while_loop(running, step, (state, output, jnp.zeros((), bool)))
+    return state, output
+
+
+def _loop_running(waiting, carry, *, steps: int, axis):
+    """The decode loop's condition on its carry ``(state, output, ended)``."""
+    state, output, ended = carry
+    return (output.steps < steps) & _any(state.active, axis) & ~(ended & waiting)
+
+
+def _loop_step(model, stop_tokens, carry, *, tree, temperature, axis):
+    """One step of the decode loop on its carry ``(state, output, ended)``: a plain or speculative step, the
+    stop rule, the step's tokens and counts written into the output."""
+    state, output, ended = carry
+    active, remaining = state.active, state.remaining
+    key, sub = _split_key(state.key, axis)
+    state = dataclasses.replace(state, key=key)
+    if tree is None:
+        state, tokens, counts = plain_step(model, state, sub, temperature)
+    else:
+        state, tokens, counts = speculative_step(model, state, sub, tree, temperature)
+    kept, done = stop_rule(tokens, counts, remaining, stop_tokens)
+    state = dataclasses.replace(state, active=active & ~done, remaining=remaining - kept)
+    i = output.steps
+    output = DecodeOutput(
+        output.tokens.at[i].set(tokens),
+        output.counts.at[i].set(kept),
+        state.active,
+        i + 1,
+        output.slot_steps + _total(active, axis),
+        output.accepted + _total(counts, axis),
+    )
+    return state, output, ended | _any(done, axis)
