@@ -61,7 +61,9 @@ def test_saved_model_loads_back_exactly(tmp_path, fields):
 def test_earlier_parameter_paths_load(tmp_path):
     """An HCA layer's compressor parameters stored under their earlier paths (attributes of the attention,
     as in the shipped file) load into its ``compressor``; a file storing one under both paths is refused."""
-    config = ModelConfig.tiny(vocab_size=40, hidden_size=32, layer_types=(HCA, SLIDING), head_dim=32, rope_dim=8)
+    config = ModelConfig.tiny(
+        vocab_size=40, hidden_size=32, layer_types=(HCA, SLIDING), head_dim=32, rope_dim=8
+    )
     model = SpeculativeModel(config, rngs=nnx.Rngs(4))
     checkpoint.save(model, tmp_path / "m.npz")
     with np.load(tmp_path / "m.npz", allow_pickle=False) as data:
