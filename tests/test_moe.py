@@ -95,7 +95,7 @@ def test_grouped_equals_dense_and_float64(case, dtype):
         assert np.abs(out - np.asarray(dense)).max() < TOL[dtype] * scale, dispatch
 
 
-@pytest.mark.gpu
+@pytest.mark.cuda
 @pytest.mark.parametrize("case", ["random", "skewed"])
 def test_default_dispatch_runs_the_triton_kernel_on_gpu(case):
     """On a GPU the default dispatch is the Triton kernel, and it equals the float64 computation."""
