@@ -2,7 +2,7 @@
 
 The layer is :class:`jax_oc128.nn.moe.MoE` (router, top-k routing, routed experts, shared expert, SwiGLU
 limit) at DeepSeek-V4-Flash's shapes (hidden 4096, 256 routed experts of 2048, top-6, one shared expert,
-bfloat16; spelled here as :data:`V4_FLASH_MOE`, the released config.json's values) on random weights and
+bfloat16; :data:`V4_FLASH_MOE`, from :meth:`ModelConfig.deepseek_v4_flash`) on random weights and
 activations, for each ``--tokens`` and each dispatch (``--dispatches``, names of
 :data:`jax_oc128.nn.moe.DISPATCHES`): ``dense`` (every expert on every token), ``grouped_jnp`` (the grouped
 layout, a jnp loop over tiles), ``grouped_pallas`` (the Pallas kernel), ``grouped_ragged_dot`` (XLA's ragged
@@ -39,23 +39,14 @@ from flax import nnx
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_ops import copy_bandwidth, timed
 
-from jax_oc128.nn.moe import DISPATCHES, MoE, MoEConfig
+from jax_oc128.nn import ModelConfig
+from jax_oc128.nn.moe import DISPATCHES, MOE, MoE, MoEConfig
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "bench_moe.json"
 DEFAULT_DISPATCHES = ("dense", "grouped_jnp", "grouped_pallas", "grouped_ragged_dot")
-#: DeepSeek-V4-Flash's MoE layer (config.json: hidden_size, n_routed_experts, moe_intermediate_size,
-#: num_experts_per_tok, routed_scaling_factor, swiglu_limit; one shared expert), a top-k routed layer
-V4_FLASH_MOE = MoEConfig(
-    hash_routed=False,
-    hidden_size=4096,
-    intermediate_size=2048,
-    num_experts=256,
-    num_experts_per_tok=6,
-    routed_scaling_factor=1.5,
-    swiglu_limit=10.0,
-    vocab_size=129280,
-    dtype="bfloat16",
-)
+#: DeepSeek-V4-Flash's MoE layer (its preset's first top-k routed layer), in bfloat16
+V4_FLASH = ModelConfig.deepseek_v4_flash(dtype="bfloat16")
+V4_FLASH_MOE = V4_FLASH.moe(V4_FLASH.mlp_layer_types.index(MOE))
 
 
 def floor_seconds(config: MoEConfig, distinct: int, tokens: int, bandwidth: float, flops_per_s: float):
