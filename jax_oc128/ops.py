@@ -292,8 +292,11 @@ def _optional_table(name, x, shape):
 
 def _constant(values):
     """An int32 vector of ``values``, made by an op (a tracer under ``jax.jit``, which XLA folds into a
-    constant): custom_partitioning refuses a concrete array among the operands it traces."""
-    return jnp.zeros((len(values),), jnp.int32) + np.asarray(values, np.int32)
+    constant): custom_partitioning refuses a concrete array among the operands it traces. No empty constant
+    is added (``values`` empty: the zeros alone): jax 0.11.2's partitioner crashes on one inside a
+    ``shard_map`` (``scripts/repro_data_parallel_crash.py``)."""
+    zeros = jnp.zeros((len(values),), jnp.int32)
+    return zeros + np.asarray(values, np.int32) if len(values) else zeros
 
 
 def verify(

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -47,19 +48,46 @@ class Placement:
         return jax.device_put(params, None if self.mesh is None else sharding.named(self.params, self.mesh))
 
     def per_slot_shard(self, fn, in_specs, out_specs):
-        """``fn(params, *args)`` on each device's slots (the parameters whole, the args by ``in_specs``), or
-        ``fn`` itself without a mesh."""
+        """``fn(params, state, *args) -> (state, output)`` on each device's slots (the parameters whole, the
+        state and the args by ``in_specs``, the first of which is the state's), or ``fn`` itself without a
+        mesh.
+
+        The state's zero-sized leaves (the compressed caches of sliding-attention layers) stay outside the
+        ``shard_map`` and are rebuilt inside at their per-device shape: jax 0.11.2's partitioner (Shardy)
+        crashes on a zero-sized operand of a ``shard_map`` manual over ``"data"`` alone
+        (``scripts/repro_data_parallel_crash.py``)."""
         if self.mesh is None:
             return fn
-        # check_vma off: the C128 ops' custom calls and platform branches carry no varying-axes types
-        return jax.shard_map(
-            fn,
-            mesh=self.mesh,
-            in_specs=(P(), *in_specs),
-            out_specs=out_specs,
-            axis_names={self.axis},
-            check_vma=False,
-        )
+        axis, devices = self.axis, self.mesh.shape[self.axis]
+
+        def run(params, state, *args):
+            leaves, treedef = jax.tree.flatten(state)
+            specs = treedef.flatten_up_to(in_specs[0])
+            empty = [leaf.size == 0 for leaf in leaves]
+
+            def on_device(params, kept, *args):
+                per_device = [  # made inside: a closed-over array would be an operand
+                    jnp.zeros(_per_device_shape(leaf.shape, spec, axis, devices), leaf.dtype)
+                    for leaf, spec in zip(leaves, specs, strict=True)
+                    if leaf.size == 0
+                ]
+                state, output = fn(params, treedef.unflatten(_merge(kept, per_device, empty)), *args)
+                return _split(treedef.flatten_up_to(state), empty)[0], output
+
+            kept, empties = _split(leaves, empty)
+            kept_specs = _split(specs, empty)[0]
+            # check_vma off: the C128 ops' custom calls and platform branches carry no varying-axes types
+            kept, output = jax.shard_map(
+                on_device,
+                mesh=self.mesh,
+                in_specs=(P(), kept_specs, *in_specs[1:]),
+                out_specs=(kept_specs, out_specs[1]),
+                axis_names={axis},
+                check_vma=False,
+            )(params, kept, *args)
+            return treedef.unflatten(_merge(kept, empties, empty)), output
+
+        return run
 
     def jit_options(self, in_specs, out_specs) -> dict:
         """``jax.jit``'s placement of a step's arguments (the parameters first, then by ``in_specs``) and of
@@ -83,6 +111,25 @@ class Placement:
             return array
         placement = NamedSharding(self.mesh, sharding.slots_at(0))
         return jax.make_array_from_callback(array.shape, placement, lambda index: array[index])
+
+
+def _per_device_shape(shape: tuple[int, ...], spec: P, axis: str, devices: int) -> tuple[int, ...]:
+    """The shape on each device of an array of ``shape`` split by ``spec`` over ``axis`` of ``devices``."""
+    split = [axis == axes or (isinstance(axes, tuple) and axis in axes) for axes in spec]
+    split += [False] * (len(shape) - len(split))
+    return tuple(size // devices if is_split else size for size, is_split in zip(shape, split, strict=True))
+
+
+def _split(leaves: list, empty: list[bool]) -> tuple[list, list]:
+    """``leaves`` as (those not marked ``empty``, those marked)."""
+    pairs = list(zip(leaves, empty, strict=True))
+    return [x for x, e in pairs if not e], [x for x, e in pairs if e]
+
+
+def _merge(kept: list, empties: list, empty: list[bool]) -> list:
+    """The inverse of :func:`_split`."""
+    kept, empties = iter(kept), iter(empties)
+    return [next(empties) if e else next(kept) for e in empty]
 
 
 def _on_model(step, graphdef, params, *args, **static):

@@ -212,6 +212,13 @@ def _window_visibility(tree, nodes, base, window_positions, positions, key_posit
     return seen & (k >= 0) & (k <= t) & (k > t - sliding_window)
 
 
+def _set_nodes(cache, values):
+    """``cache`` ``[batch, max_draft, dim]`` with its first ``values.shape[1]`` nodes set to ``values``
+    (``dynamic_update_slice``: a scatter here crashes jax 0.11.2's partitioner inside the engine's
+    ``shard_map``, ``scripts/repro_data_parallel_crash.py``)."""
+    return jax.lax.dynamic_update_slice_in_dim(cache, values.astype(cache.dtype), 0, axis=1)
+
+
 def _entries_visibility(tree, positions, base, stored: int, rate: int, closed):
     """What the T tokens at ``positions`` see of an HCA or CSA layer's entries (blocks or windows of
     ``rate`` tokens): ``[batch, T, stored]`` bool for a chain, of the ``stored`` entries by index those
@@ -498,7 +505,7 @@ class DeepseekV4Attention(nnx.Module):
             entries = cache.entries.at[jnp.arange(x.shape[0])[:, None], index].set(closed, mode="drop")
             cache = dataclasses.replace(cache, entries=entries)
         else:  # a tree verify's by node
-            cache = dataclasses.replace(cache, tree_entries=cache.tree_entries.at[:, : tree.size].set(closed))
+            cache = dataclasses.replace(cache, tree_entries=_set_nodes(cache.tree_entries, closed))
             entries = jnp.concatenate([cache.entries, closed], axis=1)
         return cache, compressed, entries, _entries_visibility(tree, positions, base, stored, BLOCK, blocks)
 
@@ -521,8 +528,8 @@ class DeepseekV4Attention(nnx.Module):
             cache = dataclasses.replace(
                 cache,
                 rows=rows,
-                tree_entries=cache.tree_entries.at[:, : tree.size].set(node_entries),
-                tree_index_keys=cache.tree_index_keys.at[:, : tree.size].set(node_keys),
+                tree_entries=_set_nodes(cache.tree_entries, node_entries),
+                tree_index_keys=_set_nodes(cache.tree_index_keys, node_keys),
             )
             entries = jnp.concatenate([cache.entries, node_entries], axis=1)
             keys = jnp.concatenate([cache.index_keys, node_keys], axis=1)
