@@ -18,6 +18,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from jax_oc128 import pretrained  # noqa: E402
+
 # tests/multidevice needs 4 devices from the start of its process: tests/test_multidevice.py runs it so
 collect_ignore = ["multidevice"]
 
@@ -37,6 +39,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def nothing_placed(monkeypatch):
+    """Fails the test if ``load_pretrained`` places a tensor into the model (every check must come before)."""
+
+    def refuse(*args):
+        raise AssertionError("a tensor was placed before the checks failed")
+
+    monkeypatch.setattr(pretrained, "_place", refuse)
 
 
 def pytest_unconfigure(config):

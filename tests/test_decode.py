@@ -10,36 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from harness import copy_tree, count_compiles
+from models import DECODE_CONFIG, make_model, prompts
 
 from jax_oc128 import checkpoint
 from jax_oc128.controller import OFFLINE, ONLINE
 from jax_oc128.engine import Engine
-from jax_oc128.nn import ModelConfig, SpeculativeModel
-
-CONFIG = ModelConfig.tiny(
-    vocab_size=64,
-    hidden_size=64,
-    head_dim=32,
-    rope_dim=16,
-    q_lora_rank=32,
-    o_lora_rank=32,
-    mlp_hidden=128,
-    sliding_window=16,
-    max_len=1024,
-)
-# prompt lengths crossing 128-blocks in prefill; 100 new tokens cross more during generation
-PROMPT_LENGTHS = (120, 5, 200, 129, 60)
-
-
-def make_model(backend, seed=0, config=CONFIG):
-    return SpeculativeModel(config, backend=backend, rngs=nnx.Rngs(seed))
-
-
-def prompts(vocab=CONFIG.vocab_size, lengths=PROMPT_LENGTHS):
-    rng = np.random.default_rng(1)
-    return [list(rng.integers(0, vocab, n)) for n in lengths]
+from jax_oc128.nn import ModelConfig
 
 
 @pytest.mark.parametrize("backend", [ONLINE, OFFLINE], ids=["online", "offline"])
@@ -147,7 +124,7 @@ def test_stop_token_inside_an_accepted_run_of_drafts():
 def test_speculative_sampling_follows_the_target(n):
     """Temperature 1: the first token of a speculative step is distributed as the target's softmax (chi-square
     over 4096 samples, p > 1e-3), though the draft head (random) proposes from another distribution."""
-    config = ModelConfig(**{**CONFIG.__dict__, "vocab_size": 12})
+    config = ModelConfig(**{**DECODE_CONFIG.__dict__, "vocab_size": 12})
     model = make_model(ONLINE, seed=3, config=config)
     engine = Engine(model, slots=512)
     prompt = prompts(vocab=12, lengths=(140,))[0]

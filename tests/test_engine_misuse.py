@@ -13,14 +13,14 @@ import pytest
 from flax import nnx
 from harness import count_compiles
 from jax.sharding import Mesh
-from test_decode import CONFIG as DECODE_CONFIG
+from models import DECODE_CONFIG
 
 from jax_oc128.controller import OFFLINE
 from jax_oc128.engine import MAX_STOP_TOKENS, Engine
 from jax_oc128.nn import HCA, SLIDING, SpeculativeModel, sharding
 from jax_oc128.tree import Tree
 
-# test_decode's model with one sliding and one C128 layer of 2 heads, shorter and with fewer draft banks
+# the engine tests' model with one sliding and one C128 layer of 2 heads, shorter and with fewer draft banks
 CONFIG = dataclasses.replace(DECODE_CONFIG, layer_types=(SLIDING, HCA), num_heads=2, max_len=512, max_draft=4)
 VOCAB, MAX_LEN, MAX_DRAFT = CONFIG.vocab_size, CONFIG.max_len, CONFIG.max_draft
 SLOTS = 2

@@ -3,7 +3,7 @@ sizes, not by numbers in the config (config.json and the index capped, regular f
 layers and experts counted against the headers' tensors before anything is made per layer or expert, the
 model's shapes traced once), malformed fields are a ValueError naming the file and the field, the hash
 tables may be of any integer dtype, and a shard replaced after the checks is refused, naming the tensor.
-Each case is refused before any tensor is placed (the ``nothing_placed`` fixture)."""
+Each case is refused before any tensor is placed (the ``nothing_placed`` fixture of conftest.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from test_pretrained import deepseek_named, nothing_placed, target_tensors, tensors_of, write  # noqa: F401
-from test_v4_parity import fixture
+from hf_fixtures import deepseek_named, fixture, target_tensors, tensors_of, write
 
 from jax_oc128 import load_pretrained, pretrained
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from models import MODEL_CONFIG
 
 from jax_oc128.controller import OFFLINE, ONLINE, ForwardMode
 from jax_oc128.nn import (
@@ -29,20 +30,6 @@ from jax_oc128.nn import (
 from jax_oc128.nn.moe import MOE
 from jax_oc128.tree import Tree
 
-CONFIG = ModelConfig.tiny(
-    vocab_size=32,
-    hidden_size=32,
-    layer_types=(HCA, SLIDING, HCA, HCA),
-    num_heads=2,
-    head_dim=32,
-    rope_dim=8,
-    q_lora_rank=16,
-    o_lora_rank=16,
-    mlp_hidden=32,
-    sliding_window=8,
-    max_len=512,
-    max_draft=4,
-)
 TOKENS = {ForwardMode.EXTEND: 8, ForwardMode.DECODE: 1, ForwardMode.TARGET_VERIFY: 4}
 
 
@@ -64,7 +51,7 @@ def compiled_forward(model, mode, batch=3):
 
 
 def test_model_holds_one_compressed_state_for_its_c128_layers():
-    cache = DeepseekV4Model(CONFIG, rngs=nnx.Rngs(0)).init_cache(2)
+    cache = DeepseekV4Model(MODEL_CONFIG, rngs=nnx.Rngs(0)).init_cache(2)
     assert cache.compressed.layers == 3 and cache.compressed.slots == 2
     assert len(cache.layers) == 4 and all(not hasattr(layer, "compressed") for layer in cache.layers)
 
@@ -75,8 +62,8 @@ def test_one_native_call_per_c128_layer_and_at_most_one_commit(mode):
     """Extend and decode: one compress per C128 layer and one commit for all layers (the pending verify,
     if any, in one launch). Verify: one verify per C128 layer, each committing its own layer's pending
     verify inside the kernel, and no commit launch at all."""
-    calls = custom_calls(compiled_forward(DeepseekV4Model(CONFIG, rngs=nnx.Rngs(0)), mode).as_text())
-    layers = CONFIG.compressed_layers
+    calls = custom_calls(compiled_forward(DeepseekV4Model(MODEL_CONFIG, rngs=nnx.Rngs(0)), mode).as_text())
+    layers = MODEL_CONFIG.compressed_layers
     if mode is ForwardMode.TARGET_VERIFY:
         assert calls == {"oc128_verify": layers}
     else:
@@ -84,7 +71,7 @@ def test_one_native_call_per_c128_layer_and_at_most_one_commit(mode):
 
 
 def test_eager_commit_is_one_launch_for_all_layers():
-    model = DeepseekV4Model(CONFIG, rngs=nnx.Rngs(0))
+    model = DeepseekV4Model(MODEL_CONFIG, rngs=nnx.Rngs(0))
     batch = 3
     seq_lens = jnp.full((batch,), 130, jnp.int32)
     commit = jax.jit(model.commit, donate_argnums=0).lower(model.init_cache(batch), seq_lens, seq_lens)
@@ -93,13 +80,13 @@ def test_eager_commit_is_one_launch_for_all_layers():
 
 def test_backend_must_be_an_object():
     with pytest.raises(TypeError, match="backend"):
-        DeepseekV4Model(CONFIG, backend="online", rngs=nnx.Rngs(0))
-    assert DeepseekV4Model(CONFIG, backend=ONLINE, rngs=nnx.Rngs(0)).backend is ONLINE
+        DeepseekV4Model(MODEL_CONFIG, backend="online", rngs=nnx.Rngs(0))
+    assert DeepseekV4Model(MODEL_CONFIG, backend=ONLINE, rngs=nnx.Rngs(0)).backend is ONLINE
 
 
 @pytest.mark.parametrize(
     "config, head",
-    [(CONFIG, MTPHead), (ModelConfig.tiny(hc_mult=2, mlp_layer_types=(MOE,) * 4), DeepseekV4MTP)],
+    [(MODEL_CONFIG, MTPHead), (ModelConfig.tiny(hc_mult=2, mlp_layer_types=(MOE,) * 4), DeepseekV4MTP)],
     ids=["one-stream", "hyper-connections"],
 )
 def test_draft_head_is_the_registered_head_the_config_names(config, head):
@@ -119,7 +106,7 @@ def test_a_chain_given_as_a_tree_is_the_chain(backend):
     gives the chain's logits and caches bit for bit, and keep_path leaves them as the chain does (the verify
     pending, for the next forward to commit)."""
     config = dataclasses.replace(
-        CONFIG, layer_types=(HCA, SLIDING, CSA, HCA), index_n_heads=2, index_head_dim=16, index_topk=4
+        MODEL_CONFIG, layer_types=(HCA, SLIDING, CSA, HCA), index_n_heads=2, index_head_dim=16, index_topk=4
     )
     model = DeepseekV4Model(config, backend=backend, rngs=nnx.Rngs(1))
     graphdef, params = nnx.split(model)

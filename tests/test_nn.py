@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -12,28 +10,18 @@ import numpy as np
 import pytest
 from flax import nnx
 from harness import copy_tree
+from hf_fixtures import ATTENTION_FIXTURE as FIXTURE
+from hf_fixtures import ATTENTION_META as META
+from hf_fixtures import ATTENTION_MODEL as MODEL
+from hf_fixtures import ATTENTION_X as X
+from hf_fixtures import HF_TOL, attention_layer, attention_weights
 from oracle import rel_err
 
 from jax_oc128.controller import OFFLINE, ONLINE, ForwardMode
-from jax_oc128.nn import DeepseekV4Attention, ModelConfig, prepare_forward
+from jax_oc128.nn import DeepseekV4Attention, prepare_forward
 
-FIXTURE = np.load(pathlib.Path(__file__).parent / "fixtures" / "hf_deepseek_v4.npz")
-META = json.loads(bytes(FIXTURE["meta"]).decode())
-CONFIG = META["config"]
-MODEL = ModelConfig.from_hf(CONFIG)  # its layers' configs: MODEL.attention(layer_type)
-X = jnp.asarray(FIXTURE["x"])
 BATCH, PROMPT = X.shape[:2]
-HF_TOL = 1e-4  # the issue's bar: fp32 relative error against transformers
 VERIFY = ForwardMode.TARGET_VERIFY
-
-
-def layer(index, backend=ONLINE):
-    weights = {
-        k.split("/", 1)[1]: v for k, v in FIXTURE.items() if k.startswith(f"layer{index}/") and "." in k
-    }
-    weights |= {"sinks": FIXTURE[f"layer{index}/sinks"]}
-    config = MODEL.attention(MODEL.layer_types[index])
-    return DeepseekV4Attention.from_hf(config, index, weights, backend=backend, max_draft=4)
 
 
 def positions(start, stop):
@@ -91,7 +79,7 @@ CHUNKINGS = {
 def test_matches_transformers(index, mode, backend):
     """Layer outputs and compressed entries (2 closed blocks) equal transformers' within 1e-4 (measured:
     about 5e-7)."""
-    y, cache = run(layer(index, backend), CHUNKINGS[mode])
+    y, cache = run(attention_layer(index, backend), CHUNKINGS[mode])
     assert rel_err(y, FIXTURE[f"layer{index}/{mode}"]) < HF_TOL
     if index == 1:
         hf_entries = FIXTURE["layer1/entries" if mode != "decoded" else "layer1/decode_entries"]
@@ -101,8 +89,8 @@ def test_matches_transformers(index, mode, backend):
 
 
 def test_online_and_offline_backends_agree():
-    y_online, c_online = run(layer(1, ONLINE), CHUNKINGS["chunked"])
-    y_offline, c_offline = run(layer(1, OFFLINE), CHUNKINGS["chunked"])
+    y_online, c_online = run(attention_layer(1, ONLINE), CHUNKINGS["chunked"])
+    y_offline, c_offline = run(attention_layer(1, OFFLINE), CHUNKINGS["chunked"])
     assert rel_err(y_online, y_offline) < 1e-5
     assert rel_err(c_online[0].entries, c_offline[0].entries) < 1e-5
 
@@ -112,7 +100,7 @@ def test_online_and_offline_backends_agree():
 def test_verify_equals_decoding_one_by_one(start, backend):
     """N = 4 tokens verified at once give the outputs of decoding them one by one, also when a block
     closes at the second token (the later drafts see its entry); after commit the cache goes on alike."""
-    attn = layer(1, backend)
+    attn = attention_layer(1, backend)
     graphdef, params = nnx.split(attn)
     _, cache = run(attn, (start,))
     _, cache_copy = run(attn, (start,))
@@ -132,7 +120,7 @@ def test_verify_equals_decoding_one_by_one(start, backend):
 
 
 def test_cache_is_donated_under_jit():
-    attn = layer(1)
+    attn = attention_layer(1)
     graphdef, params = nnx.split(attn)
     cache = init_caches(attn)
     _, new_cache = step(graphdef, params, X[:, :5], positions(0, 5), cache)
@@ -141,7 +129,7 @@ def test_cache_is_donated_under_jit():
 
 
 def test_missing_weight_is_named():
-    weights = {k.split("/", 1)[1]: v for k, v in FIXTURE.items() if k.startswith("layer1/") and "." in k}
+    weights = attention_weights(1)
     with pytest.raises(KeyError, match="sinks"):
         DeepseekV4Attention.from_hf(MODEL.attention(MODEL.layer_types[1]), 1, weights)
 
@@ -149,7 +137,7 @@ def test_missing_weight_is_named():
 def test_ragged_rows():
     """Rows of different lengths in one call (the rest padding), then only one row goes on: each row sees
     exactly its own tokens (compared with transformers' unpadded run)."""
-    attn = layer(1)
+    attn = attention_layer(1)
     graphdef, params = nnx.split(attn)
     lengths = jnp.asarray([PROMPT, 200], jnp.int32)
     y, cache = step(graphdef, params, X, positions(0, PROMPT), init_caches(attn), lengths)
@@ -168,7 +156,7 @@ def test_rejected_drafts_leave_no_trace(start, backend):
     """Verify 4 tokens whose last two are junk, keep 2 (eager commit), and go on: the outputs equal those of
     a cache that only ever saw the 2 kept tokens (window rows, entries and compressor state of the junk are
     all overwritten or invisible)."""
-    attn = layer(1, backend)
+    attn = attention_layer(1, backend)
     graphdef, params = nnx.split(attn)
     _, cache = run(attn, (start,))
     _, clean = run(attn, (start + 2,))

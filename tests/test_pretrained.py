@@ -8,7 +8,6 @@ refused, naming what is wrong, before any tensor is placed."""
 from __future__ import annotations
 
 import json
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -16,70 +15,24 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from hf_fixtures import (
+    FIXTURES,
+    HF_TOL,
+    deepseek_named,
+    fixture,
+    positions,
+    target_tensors,
+    tensors_of,
+    write,
+)
 from oracle import rel_err
-from safetensors.numpy import save_file
-from test_v4_parity import HF_TOL, fixture, positions
 
 from jax_oc128 import load_pretrained, pretrained
 from jax_oc128.engine import Engine
 from jax_oc128.nn import ModelConfig, SpeculativeModel
-from jax_oc128.nn.functional import variable_at
 
-HF_CHECKPOINT = pathlib.Path(__file__).parent / "fixtures" / "v4_small_window_hf"
+HF_CHECKPOINT = FIXTURES / "v4_small_window_hf"
 LAYERS = 4  # the small-window fixture's decoder layers
-
-
-def tensors_of(model: SpeculativeModel) -> dict[str, np.ndarray]:
-    """Every parameter of ``model`` by its transformers-style name (what a checkpoint of it holds)."""
-    paths = pretrained.parameter_paths(model)
-    return {name: np.asarray(variable_at(model, path)[...]) for name, path in paths.items()}
-
-
-def deepseek_named(tensors: dict, layers: int) -> dict[str, np.ndarray]:
-    """``tensors`` (transformers-style names) under DeepSeek's names, the experts one tensor per expert and
-    projection (w1 and w3 the halves of gate_up_proj, w2 down_proj)."""
-    named = {}
-    for param, value in tensors.items():
-        if param.endswith("mlp.experts.gate_up_proj"):
-            for expert, half in np.ndindex(value.shape[0], 2):
-                name = pretrained.deepseek_name(pretrained.Part(param, expert, half), layers)
-                named[name] = np.split(value[expert], 2)[half]
-        elif param.endswith("mlp.experts.down_proj"):
-            for expert in range(value.shape[0]):
-                named[pretrained.deepseek_name(pretrained.Part(param, expert), layers)] = value[expert]
-        else:
-            named[pretrained.deepseek_name(pretrained.Part(param), layers)] = value
-    return named
-
-
-def write(directory: pathlib.Path, config: dict, tensors: dict, shards: int = 1) -> pathlib.Path:
-    """A checkpoint: ``config.json`` and ``tensors`` in ``model.safetensors`` or, with ``shards`` > 1, that
-    many files and an index. Floating tensors whose values are bfloat16 values are stored as BF16."""
-    directory.mkdir(parents=True)
-    (directory / pretrained.CONFIG).write_text(json.dumps(config))
-
-    def stored(value):
-        value = np.ascontiguousarray(value)
-        as_bf16 = value.astype(ml_dtypes.bfloat16)
-        exact = value.dtype == np.float32 and np.array_equal(as_bf16.astype(np.float32), value)
-        return as_bf16 if exact else value
-
-    if shards == 1:
-        save_file({name: stored(value) for name, value in tensors.items()}, directory / pretrained.SINGLE)
-        return directory
-    files = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
-    weight_map = {name: files[i % shards] for i, name in enumerate(sorted(tensors))}
-    for file in files:
-        save_file({n: stored(v) for n, v in tensors.items() if weight_map[n] == file}, directory / file)
-    (directory / pretrained.INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return directory
-
-
-def target_tensors(name: str) -> dict[str, np.ndarray]:
-    """The tensors of the fixture's model (no MTP layer) as :meth:`DeepseekV4Model.from_hf` loads them."""
-    config, weights, _ = fixture(name)
-    model = SpeculativeModel.from_hf(config, weights, rngs=nnx.Rngs(0))
-    return {name: value for name, value in tensors_of(model).items() if name in weights}
 
 
 def assert_same_parameters(model, expected: dict):
@@ -374,16 +327,6 @@ BAD_CONFIGS = {
         r"tensor model\.embed_tokens\.weight: shape \(64, 32\), the config gives \(1073741824, 16384\)",
     ),
 }
-
-
-@pytest.fixture
-def nothing_placed(monkeypatch):
-    """Fails the test if a tensor is placed into the model (every check must come before)."""
-
-    def refuse(*args):
-        raise AssertionError("a tensor was placed before the checks failed")
-
-    monkeypatch.setattr(pretrained, "_place", refuse)
 
 
 @pytest.mark.parametrize("case", BAD_TENSORS)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import jax
 from flax import nnx
+from hf_fixtures import fixture
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
-from test_v4_parity import fixture
 
 from jax_oc128.nn import ModelConfig, SpeculativeModel, sharding
 

@@ -31,7 +31,8 @@ import jax
 import numpy as np
 import pytest
 from harness import count_compiles
-from test_decode import CONFIG, make_model
+from models import DECODE_CONFIG as CONFIG
+from models import make_model
 
 from jax_oc128.controller import OFFLINE, ONLINE
 from jax_oc128.engine import Engine

@@ -13,14 +13,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_nn import FIXTURE, MODEL, VERIFY, X
+from hf_fixtures import ATTENTION_MODEL as MODEL
+from hf_fixtures import ATTENTION_X as X
+from hf_fixtures import attention_layer
 
-from jax_oc128.controller import OFFLINE, ONLINE, ForwardMode
+from jax_oc128.controller import OFFLINE, ForwardMode
 from jax_oc128.nn import DeepseekV4Attention, prepare_forward
 from jax_oc128.nn.attention import CSA, HCA
 from jax_oc128.tree import Tree
 
 MAX_DRAFT = 8
+VERIFY = ForwardMode.TARGET_VERIFY
 BATCH = X.shape[0]
 # trees of MAX_DRAFT nodes: EAGLE-style default, a bushy one, one not in depth order
 TREES = [Tree.default(MAX_DRAFT), Tree((-1, 0, 0, 0, 1, 1, 2, 4)), Tree((-1, 0, 1, 0, 3, 2, 0, 6))]
@@ -50,12 +53,7 @@ def make_layer(index):
     if index == CSA:
         config = dataclasses.replace(MODEL, index_n_heads=2, index_head_dim=16, index_topk=8).attention(CSA)
         return DeepseekV4Attention(config, max_draft=MAX_DRAFT, rngs=nnx.Rngs(5))
-    weights = {
-        k.split("/", 1)[1]: v for k, v in FIXTURE.items() if k.startswith(f"layer{index}/") and "." in k
-    }
-    weights |= {"sinks": FIXTURE[f"layer{index}/sinks"]}
-    config = MODEL.attention(MODEL.layer_types[index])
-    return DeepseekV4Attention.from_hf(config, index, weights, backend=ONLINE, max_draft=MAX_DRAFT)
+    return attention_layer(index, max_draft=MAX_DRAFT)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "mode", "tree", "nodes"))

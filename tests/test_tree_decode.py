@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from harness import copy_tree, count_compiles
-from test_decode import CONFIG, prompts
+from models import DECODE_CONFIG, prompts
 
 from jax_oc128.controller import OFFLINE, ONLINE
 from jax_oc128.engine import Engine
@@ -20,9 +20,9 @@ from jax_oc128.nn import SpeculativeModel
 from jax_oc128.nn.attention import CSA, HCA, SLIDING
 from jax_oc128.tree import Tree
 
-# sliding and HCA layers (test_decode's), a small vocabulary, so that a random draft head's top-k children
+# sliding and HCA layers (the engine tests'), a small vocabulary, so that a random draft head's top-k children
 # often hold the target's token and the paths are accepted deep
-TREE_CONFIG = dataclasses.replace(CONFIG, vocab_size=6, max_draft=8)
+TREE_CONFIG = dataclasses.replace(DECODE_CONFIG, vocab_size=6, max_draft=8)
 TREES = [Tree.default(8), Tree((-1, 0, 0, 0, 1, 1, 2, 4)), Tree.chain(4)]
 
 

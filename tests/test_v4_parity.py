@@ -1,18 +1,17 @@
 """The full DeepSeek-V4 decoder (every layer type, MoE, hyper-connections) against transformers 5.24.0:
-tests/fixtures/v4_*.npz (scripts/make_v4_fixture.py) hold tiny random models' weights by transformers name,
-their prefill logits and the logits of 40 cached greedy decode steps."""
+tests/fixtures/v4_*.npz (scripts/make_v4_fixture.py, read by :func:`hf_fixtures.fixture`) hold tiny random
+models' weights by transformers name, their prefill logits and the logits of 40 cached greedy decode steps."""
 
 from __future__ import annotations
 
 import functools
-import json
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hf_fixtures import HF_TOL, fixture, positions
 from oracle import rel_err
 
 from jax_oc128 import checkpoint
@@ -20,17 +19,7 @@ from jax_oc128.controller import OFFLINE, ONLINE, ForwardMode
 from jax_oc128.engine import Engine
 from jax_oc128.nn import CSA, HCA, SLIDING, DeepseekV4Model, ModelConfig, SpeculativeModel
 
-FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 NAMES = ("small_window", "large_window")
-HF_TOL = 1e-4  # the issue's bar: fp32 relative error against transformers
-
-
-@functools.cache
-def fixture(name):
-    data = dict(np.load(FIXTURES / f"v4_{name}.npz"))
-    meta = json.loads(bytes(data.pop("meta")).decode())
-    weights = {k.removeprefix("weights/"): data.pop(k) for k in list(data) if k.startswith("weights/")}
-    return meta["config"], weights, data
 
 
 def load(name, backend=ONLINE, **kwargs):
@@ -42,10 +31,6 @@ def load(name, backend=ONLINE, **kwargs):
 def forward(graphdef, params, tokens, positions, cache, mode=ForwardMode.EXTEND):
     logits, _, cache = nnx.merge(graphdef, params)(tokens, positions, cache, mode=mode)
     return logits, cache
-
-
-def positions(batch, start, stop):
-    return jnp.broadcast_to(jnp.arange(start, stop, dtype=jnp.int32), (batch, stop - start))
 
 
 def test_fixtures_cover_every_layer_and_mlp_type():

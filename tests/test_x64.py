@@ -8,13 +8,13 @@ import dataclasses
 import jax
 import pytest
 from flax import nnx
-from test_model import CONFIG as MODEL_CONFIG
+from models import MODEL_CONFIG
 
 from jax_oc128 import checkpoint
 from jax_oc128.engine import Engine
 from jax_oc128.nn import HCA, SLIDING, SpeculativeModel
 
-# test_model's small model (short compilations) with one sliding and one C128 layer and a vocabulary of 64
+# the forward tests' small model (short compilations), one sliding and one C128 layer, a vocabulary of 64
 CONFIG = dataclasses.replace(MODEL_CONFIG, vocab_size=64, layer_types=(SLIDING, HCA))
 PROMPTS = [[(7 * i) % 64 for i in range(150)], [5, 9, 1]]  # the first crosses a 128-token block
 

@@ -1,47 +1,28 @@
-"""The engine on meshes of 4 CPU devices (data x model: 4x1, 2x2, 1x4), the small model of test_decode: the
+"""The engine on meshes of 4 CPU devices (data x model: 4x1, 2x2, 1x4), the engine tests' small model: the
 same greedy tokens as one device, plain, speculative and tree speculative, with slots reused; the decode state
 keeps its layout from call to call and the compiled steps move no cache or state between devices."""
 
 from __future__ import annotations
 
-import functools
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from engines import NEW_TOKENS, SLOTS, N, engine, model, one_device
 from flax import nnx
+from hf_fixtures import fixture
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_decode import make_model, prompts
-from test_v4_parity import fixture
+from models import prompts
 
-from jax_oc128.controller import ONLINE
 from jax_oc128.engine import Engine
 from jax_oc128.engine.arguments import stop_array
 from jax_oc128.nn import SpeculativeModel, sharding
 from jax_oc128.tree import Tree
 
-# 5 prompts for 4 slots: a slot is reused; blocks of 128 close in prefill and in decoding
-SLOTS, NEW_TOKENS, N = 4, 40, 4
 MESHES = [(4, 1), (2, 2), (1, 4)]
-
-
-@functools.cache
-def model():
-    return make_model(ONLINE)
-
-
-@functools.cache
-def engine(shape=None):
-    mesh = None if shape is None else sharding.make_mesh(*shape)
-    return Engine(model(), SLOTS, prompt_bucket=256, mesh=mesh)  # one prompt bucket: one prefill compiled
-
-
-@functools.cache
-def one_device(num_tokens):
-    return engine().generate(prompts(), NEW_TOKENS, num_tokens=num_tokens).tokens
 
 
 @pytest.mark.parametrize("shape", MESHES, ids=[f"{d}x{m}" for d, m in MESHES])

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 
-from test_engine_on_mesh import N, one_device
+from engines import N, one_device
 
 HERE = pathlib.Path(__file__).resolve().parent
 

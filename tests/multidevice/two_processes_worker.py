@@ -21,8 +21,8 @@ jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"localhost:{sys.argv[2]}", num_processes=2, process_id=int(sys.argv[1]))
 
-from test_decode import make_model, prompts  # noqa: E402
-from test_engine_on_mesh import NEW_TOKENS, SLOTS  # noqa: E402
+from engines import NEW_TOKENS, SLOTS  # noqa: E402
+from models import make_model, prompts  # noqa: E402
 
 from jax_oc128.controller import ONLINE  # noqa: E402
 from jax_oc128.engine import Engine  # noqa: E402

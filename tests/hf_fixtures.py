@@ -1,0 +1,122 @@
+"""The transformers fixtures the test files share (tests/fixtures) and checkpoints written from their
+weights: tiny random DeepSeek-V4 models, their weights by transformers name and their logits
+(:func:`fixture`), a sliding and an HCA attention layer and their outputs (:data:`ATTENTION_FIXTURE`), and
+checkpoint directories as ``load_pretrained`` reads them (:func:`write`)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors.numpy import save_file
+
+from jax_oc128 import pretrained
+from jax_oc128.controller import ONLINE
+from jax_oc128.nn import DeepseekV4Attention, ModelConfig, SpeculativeModel
+from jax_oc128.nn.functional import variable_at
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+HF_TOL = 1e-4  # the issue's bar: fp32 relative error against transformers
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The full decoder: tests/fixtures/v4_<name>.npz (scripts/make_v4_fixture.py)
+
+
+@functools.cache
+def fixture(name):
+    """The fixture ``name`` (``small_window`` or ``large_window``), loaded once: the model's config.json
+    (a dict), its weights by transformers name, and the rest of the file (``prompt`` and the logits)."""
+    data = dict(np.load(FIXTURES / f"v4_{name}.npz"))
+    meta = json.loads(bytes(data.pop("meta")).decode())
+    weights = {k.removeprefix("weights/"): data.pop(k) for k in list(data) if k.startswith("weights/")}
+    return meta["config"], weights, data
+
+
+def positions(batch, start, stop):
+    """Positions ``start .. stop - 1`` for every row, ``[batch, stop - start]`` int32."""
+    return jnp.broadcast_to(jnp.arange(start, stop, dtype=jnp.int32), (batch, stop - start))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A sliding and an HCA attention layer: tests/fixtures/hf_deepseek_v4.npz (scripts/make_hf_fixture.py)
+
+ATTENTION_FIXTURE = np.load(FIXTURES / "hf_deepseek_v4.npz")
+ATTENTION_META = json.loads(bytes(ATTENTION_FIXTURE["meta"]).decode())
+ATTENTION_MODEL = ModelConfig.from_hf(ATTENTION_META["config"])  # its layers' configs: .attention(layer_type)
+ATTENTION_X = jnp.asarray(ATTENTION_FIXTURE["x"])  # the layers' input [batch, tokens, hidden] float32
+
+
+def attention_weights(index):
+    """Layer ``index``'s projection weights by transformers name (its ``sinks`` not among them)."""
+    prefix = f"layer{index}/"
+    return {k.split("/", 1)[1]: v for k, v in ATTENTION_FIXTURE.items() if k.startswith(prefix) and "." in k}
+
+
+def attention_layer(index, backend=ONLINE, max_draft=4):
+    """Layer ``index`` of the fixture with its weights, on the C128 ``backend``."""
+    weights = attention_weights(index) | {"sinks": ATTENTION_FIXTURE[f"layer{index}/sinks"]}
+    config = ATTENTION_MODEL.attention(ATTENTION_MODEL.layer_types[index])
+    return DeepseekV4Attention.from_hf(config, index, weights, backend=backend, max_draft=max_draft)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def tensors_of(model: SpeculativeModel) -> dict[str, np.ndarray]:
+    """Every parameter of ``model`` by its transformers-style name (what a checkpoint of it holds)."""
+    paths = pretrained.parameter_paths(model)
+    return {name: np.asarray(variable_at(model, path)[...]) for name, path in paths.items()}
+
+
+def deepseek_named(tensors: dict, layers: int) -> dict[str, np.ndarray]:
+    """``tensors`` (transformers-style names) under DeepSeek's names, the experts one tensor per expert and
+    projection (w1 and w3 the halves of gate_up_proj, w2 down_proj)."""
+    named = {}
+    for param, value in tensors.items():
+        if param.endswith("mlp.experts.gate_up_proj"):
+            for expert, half in np.ndindex(value.shape[0], 2):
+                name = pretrained.deepseek_name(pretrained.Part(param, expert, half), layers)
+                named[name] = np.split(value[expert], 2)[half]
+        elif param.endswith("mlp.experts.down_proj"):
+            for expert in range(value.shape[0]):
+                named[pretrained.deepseek_name(pretrained.Part(param, expert), layers)] = value[expert]
+        else:
+            named[pretrained.deepseek_name(pretrained.Part(param), layers)] = value
+    return named
+
+
+def write(directory: pathlib.Path, config: dict, tensors: dict, shards: int = 1) -> pathlib.Path:
+    """A checkpoint: ``config.json`` and ``tensors`` in ``model.safetensors`` or, with ``shards`` > 1, that
+    many files and an index. Floating tensors whose values are bfloat16 values are stored as BF16."""
+    directory.mkdir(parents=True)
+    (directory / pretrained.CONFIG).write_text(json.dumps(config))
+
+    def stored(value):
+        value = np.ascontiguousarray(value)
+        as_bf16 = value.astype(ml_dtypes.bfloat16)
+        exact = value.dtype == np.float32 and np.array_equal(as_bf16.astype(np.float32), value)
+        return as_bf16 if exact else value
+
+    if shards == 1:
+        save_file({name: stored(value) for name, value in tensors.items()}, directory / pretrained.SINGLE)
+        return directory
+    files = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    weight_map = {name: files[i % shards] for i, name in enumerate(sorted(tensors))}
+    for file in files:
+        save_file({n: stored(v) for n, v in tensors.items() if weight_map[n] == file}, directory / file)
+    (directory / pretrained.INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return directory
+
+
+def target_tensors(name: str) -> dict[str, np.ndarray]:
+    """The tensors of the fixture's model (no MTP layer) as :meth:`DeepseekV4Model.from_hf` loads them."""
+    config, weights, _ = fixture(name)
+    model = SpeculativeModel.from_hf(config, weights, rngs=nnx.Rngs(0))
+    return {name: value for name, value in tensors_of(model).items() if name in weights}
