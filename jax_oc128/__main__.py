@@ -250,6 +250,8 @@ class _GenerateDisplay:
                 console=self.console,
                 auto_refresh=False,  # no refresh thread: the engine's dispatch loop keeps the interpreter
                 transient=True,
+                redirect_stdout=False,  # the text goes to stdout, not above the bar
+                redirect_stderr=False,
             )
             self.progress.start()
             self.task = self.progress.add_task("", total=self.total)
@@ -411,7 +413,7 @@ def _command(argv) -> int:
     text.add_argument(
         "path", help="a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json)"
     )
-    text.add_argument("--prompt", type=_nonempty, required=True, help="the prompt's text")
+    text.add_argument("--prompt", type=_nonempty, required=True, metavar="TEXT", help="the prompt's text")
     text.add_argument(
         "--chat", action="store_true", help="the prompt as a user message in the checkpoint's chat template"
     )
@@ -420,12 +422,19 @@ def _command(argv) -> int:
         "--draft",
         type=_int_in(2, MAX_DRAFT),
         default=None,
+        metavar="N",
         help="speculate with a chain of N (the MTP layer)",
     )
     speculation.add_argument(
-        "--tree", type=_int_in(2, MAX_DRAFT), default=None, help="speculate with the default draft tree of N"
+        "--tree",
+        type=_int_in(2, MAX_DRAFT),
+        default=None,
+        metavar="N",
+        help="speculate with the default draft tree of N",
     )
-    text.add_argument("--max-new-tokens", type=_int_in(1), default=256, help="at most this many (EOS stops)")
+    text.add_argument(
+        "--max-new-tokens", type=_int_in(1), default=256, metavar="M", help="at most this many (EOS stops)"
+    )
     text.add_argument("--temperature", type=_temperature, default=0.0, help="0: greedy")
     text.add_argument("--seed", type=_int_in(0, 2**32 - 1), default=0, help="of the sampling")
     text.add_argument(
