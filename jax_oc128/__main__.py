@@ -297,7 +297,9 @@ def generate(args, tokenizer, model, prompt: list[int], display: _GenerateDispla
 
 
 def _generate_command(parser, args) -> int:
-    """``generate``: every flag checked (argparse's error, status 2) before anything compiles."""
+    """``generate``: every flag checked (argparse's error, status 2) before the model runs: what the
+    tokenizer tells before the checkpoint loads, what the model tells (its MTP layer, its vocabulary)
+    once loaded."""
     from jax_oc128.engine import MAX_STOP_TOKENS
     from jax_oc128.pretrained import load_pretrained
     from jax_oc128.text import load_tokenizer

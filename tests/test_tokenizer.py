@@ -274,9 +274,7 @@ BAD_GENERATE = [
 @pytest.mark.parametrize(
     "flag, path, args", BAD_GENERATE, ids=[" ".join([p, *a]) for _, p, a in BAD_GENERATE]
 )
-def test_bad_generate_input_is_refused_before_anything_compiles(
-    checkpoints, tmp_path, flag, path, args, capsys
-):
+def test_bad_generate_input_is_refused_before_the_model_runs(checkpoints, tmp_path, flag, path, args, capsys):
     bare, untemplated = tmp_path / "bare", tmp_path / "untemplated"
     shutil.copytree(HF_CHECKPOINT, bare)
     shutil.copytree(checkpoints["plain"], untemplated)
@@ -287,4 +285,7 @@ def test_bad_generate_input_is_refused_before_anything_compiles(
         cli.main(argv)
     assert exit_info.value.code == 2
     assert f"error: argument {flag}: " in capsys.readouterr().err
-    assert not compiles
+    if path == "{plain}":  # refused once loaded: the loader's placement compiled, the engine nothing
+        assert not compiles.keys() & {"init_state", "restart", "prefill", "decode"}, compiles
+    else:
+        assert not compiles
