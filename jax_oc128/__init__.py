@@ -6,7 +6,8 @@ Ops (native XLA FFI handlers on CPU and CUDA, jnp twins in :mod:`jax_oc128.refer
 :class:`OfflineState`), both the :class:`CompressController` protocol; the two backends as objects,
 :data:`ONLINE` and :data:`OFFLINE`. The slot and bank rules in :mod:`jax_oc128.rules`. Flax NNX modules in
 :mod:`jax_oc128.nn`; generation in :mod:`jax_oc128.engine` (:class:`Engine`); a DeepSeek-V4 checkpoint in
-Hugging Face format by :func:`load_pretrained`.
+Hugging Face format by :func:`load_pretrained`, its tokenizer by :func:`load_tokenizer`
+(:mod:`jax_oc128.text`).
 """
 
 from jax_oc128 import reference
@@ -23,6 +24,7 @@ from jax_oc128.engine import Engine
 from jax_oc128.ops import commit, compress, init_state, verify
 from jax_oc128.pretrained import load_pretrained
 from jax_oc128.state import CompressState, OfflineState
+from jax_oc128.text import TextTokenizer, load_tokenizer
 
 __all__ = [
     "OFFLINE",
@@ -35,10 +37,12 @@ __all__ = [
     "ForwardMode",
     "OfflineController",
     "OfflineState",
+    "TextTokenizer",
     "commit",
     "compress",
     "init_state",
     "load_pretrained",
+    "load_tokenizer",
     "reference",
     "verify",
 ]

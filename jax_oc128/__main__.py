@@ -1,4 +1,4 @@
-"""Command line: ``python -m jax_oc128 demo | info``."""
+"""Command line: ``python -m jax_oc128 demo | generate | info``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import math
 import os
 import pathlib
 import sys
+import time
 
 from jax_oc128.engine import STEPS_PER_DISPATCH
 from jax_oc128.rules import MAX_DRAFT
@@ -180,6 +181,13 @@ def _prompt(text: str) -> str:
     return text
 
 
+def _nonempty(text: str) -> str:
+    """An argparse type: non-empty text."""
+    if not text:
+        raise argparse.ArgumentTypeError("must be non-empty text")
+    return text
+
+
 def _file(text: str) -> pathlib.Path:
     """An argparse type: an existing file."""
     path = pathlib.Path(text)
@@ -204,6 +212,147 @@ def _model_problem(args, config, prompts) -> str | None:
     if top >= config.vocab_size:
         return f"argument --prompt: byte {top} is not in the model's vocabulary [0, {config.vocab_size})"
     return None
+
+
+class _GenerateDisplay:
+    """What ``generate`` shows on stderr where it is a terminal (nothing elsewhere): a spinner while the
+    checkpoint loads and the first token is computed; then, where stdout is not that terminal, a bar of the
+    tokens generated (the text is the display where it is). Transient: gone when it stops."""
+
+    def __init__(self, total: int):
+        from rich.console import Console
+
+        self.console = Console(stderr=True)
+        self.on = self.console.is_terminal
+        self.bar = self.on and not sys.stdout.isatty()
+        self.total = total
+        self.status = self.console.status("") if self.on else None
+        self.progress = None
+
+    def phase(self, text: str) -> None:
+        if self.status is not None:
+            self.status.update(text)
+            self.status.start()
+
+    def tokens(self, done: int) -> None:
+        """``done`` tokens generated: the spinner ends (before the first text is written), the bar moves."""
+        if self.status is not None:
+            self.status.stop()
+            self.status = None
+        if self.bar and self.progress is None:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self.progress = Progress(
+                TextColumn("generating"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("tokens"),
+                console=self.console,
+                auto_refresh=False,  # no refresh thread: the engine's dispatch loop keeps the interpreter
+                transient=True,
+                redirect_stdout=False,  # the text goes to stdout, not above the bar
+                redirect_stderr=False,
+            )
+            self.progress.start()
+            self.task = self.progress.add_task("", total=self.total)
+        if self.progress is not None:
+            self.progress.update(self.task, completed=done, refresh=True)
+
+    def stop(self) -> None:
+        for display in (self.status, self.progress):
+            if display is not None:
+                display.stop()
+
+
+def generate(args, tokenizer, model, prompt: list[int], display: _GenerateDisplay):
+    """Generate from the token ids ``prompt`` with ``model`` as ``args`` say, the text written to stdout as
+    the tokens arrive (and a newline at the end); ``(result, seconds to the first token)``."""
+    from jax_oc128.engine import Engine
+    from jax_oc128.tree import Tree
+
+    engine = Engine(model, slots=1, steps_per_dispatch=min(args.steps_per_dispatch, args.max_new_tokens))
+    text = tokenizer.decode_stream()
+    arrivals = []  # (seconds since the start, tokens generated so far)
+    start = time.perf_counter()
+
+    def stream(request, tokens):
+        arrivals.append((time.perf_counter() - start, (arrivals[-1][1] if arrivals else 0) + len(tokens)))
+        display.tokens(arrivals[-1][1])
+        sys.stdout.write(text.push(tokens))
+        sys.stdout.flush()
+
+    result = engine.generate(
+        [prompt],
+        args.max_new_tokens,
+        num_tokens=args.draft,
+        tree=None if args.tree is None else Tree.default(args.tree),
+        temperature=args.temperature,
+        stop_tokens=tokenizer.eos_token_ids,
+        seed=args.seed,
+        stream=stream,
+    )
+    display.stop()
+    print(text.finish(), flush=True)
+    return result, arrivals
+
+
+def _generate_command(parser, args) -> int:
+    """``generate``: every flag checked (argparse's error, status 2) before the model runs: what the
+    tokenizer tells before the checkpoint loads, what the model tells (its MTP layer, its vocabulary)
+    once loaded."""
+    from jax_oc128.engine import MAX_STOP_TOKENS
+    from jax_oc128.pretrained import load_pretrained
+    from jax_oc128.text import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(args.path)
+    except ValueError as error:
+        parser.error(f"argument path: {error}")
+    try:
+        prompt = tokenizer.encode(args.prompt, chat=args.chat)
+    except ValueError as error:
+        parser.error(f"argument --chat: {error}")
+    if not prompt:
+        parser.error(f"argument --prompt: {args.prompt!r} is no tokens")
+    if len(tokenizer.eos_token_ids) > MAX_STOP_TOKENS:
+        ids = tokenizer.eos_token_ids
+        parser.error(f"argument path: at most {MAX_STOP_TOKENS} EOS tokens, the tokenizer has {len(ids)}")
+    n = args.draft or args.tree or 1
+    # the caches hold the prompt, the new tokens and a verify's N (in whole 128-token blocks, as prefill pads)
+    max_len = -(-(len(prompt) + args.max_new_tokens + n) // 128) * 128
+    display = _GenerateDisplay(args.max_new_tokens)
+
+    def refuse(message):
+        display.stop()  # before argparse prints
+        parser.error(message)
+
+    try:
+        display.phase(f"loading {args.path}")
+        try:
+            model = load_pretrained(args.path, dtype=args.dtype, max_len=max_len, max_draft=n)
+        except (OSError, ValueError, NotImplementedError) as error:
+            refuse(f"argument path: {error}")
+        if n > 1 and model.mtp is None:
+            refuse(
+                f"argument --{'draft' if args.draft else 'tree'}: {args.path} has no MTP layer (plain only)"
+            )
+        vocab = model.config.vocab_size
+        for name, ids in (("--prompt", prompt), ("path", tokenizer.eos_token_ids)):
+            if ids and max(ids) >= vocab:
+                refuse(
+                    f"argument {name}: token {max(ids)} of the tokenizer is not in the model's vocabulary "
+                    f"[0, {vocab})"
+                )
+        display.phase(f"compiling, then the prefill of {len(prompt)} prompt tokens")
+        result, arrivals = generate(args, tokenizer, model, prompt, display)
+    finally:
+        display.stop()
+    (first, first_count), (last, count) = arrivals[0], arrivals[-1]
+    line = f"{count} tokens in {result.seconds:.2f} s: the first after {first:.2f} s (compilation included)"
+    if count > first_count:
+        line += f", then {(count - first_count) / (last - first):.1f} tokens/s"
+    print(f"{line}; mean accepted length {result.mean_accepted:.2f}", file=sys.stderr, flush=True)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -260,10 +409,54 @@ def _command(argv) -> int:
     run.add_argument(
         "--model", type=_file, default=None, help="a checkpoint (default: the one shipped in the package)"
     )
+    text = commands.add_parser(
+        "generate", help="stream text from a prompt with a DeepSeek-V4 checkpoint and its tokenizer"
+    )
+    text.add_argument(
+        "path", help="a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json)"
+    )
+    text.add_argument("--prompt", type=_nonempty, required=True, metavar="TEXT", help="the prompt's text")
+    text.add_argument(
+        "--chat", action="store_true", help="the prompt as a user message in the checkpoint's chat template"
+    )
+    speculation = text.add_mutually_exclusive_group()
+    speculation.add_argument(
+        "--draft",
+        type=_int_in(2, MAX_DRAFT),
+        default=None,
+        metavar="N",
+        help="speculate with a chain of N (the MTP layer)",
+    )
+    speculation.add_argument(
+        "--tree",
+        type=_int_in(2, MAX_DRAFT),
+        default=None,
+        metavar="N",
+        help="speculate with the default draft tree of N",
+    )
+    text.add_argument(
+        "--max-new-tokens", type=_int_in(1), default=256, metavar="M", help="at most this many (EOS stops)"
+    )
+    text.add_argument("--temperature", type=_temperature, default=0.0, help="0: greedy")
+    text.add_argument("--seed", type=_int_in(0, 2**32 - 1), default=0, help="of the sampling")
+    text.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="default: bfloat16 on a GPU, else float32",
+    )
+    text.add_argument(
+        "--steps-per-dispatch",
+        type=_int_in(1),
+        default=STEPS_PER_DISPATCH,
+        help="K: decoding steps per on-device loop (the text arrives K steps at a time)",
+    )
     args = parser.parse_args(argv)
     if args.command == "info":
         print(info(), flush=True)
         return 0
+    if args.command == "generate":
+        return _generate_command(text, args)
     if len(set(args.draft)) < len(args.draft):
         run.error(f"argument --draft: each N at most once, got {args.draft}")
     if args.tree is None:

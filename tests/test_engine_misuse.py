@@ -182,7 +182,7 @@ CASES = [
         ValueError,
         rf"max_new_tokens: must be in \[1, {MAX_LEN - MAX_DRAFT - 1} = ",
     ),
-    # generate: num_tokens, temperature, stop_tokens, seed, progress
+    # generate: num_tokens, temperature, stop_tokens, seed, progress, stream
     (
         "generate num_tokens 1",
         generate(num_tokens=1),
@@ -240,6 +240,7 @@ CASES = [
     ("generate seed 2**32", generate(seed=2**32), ValueError, "seed: must be in"),
     ("generate seed 1.5", generate(seed=1.5), TypeError, "seed: must be an int"),
     ("generate progress 5", generate(progress=5), TypeError, "progress: must be callable or None, got 5"),
+    ("generate stream 5", generate(stream=5), TypeError, "stream: must be callable or None, got 5"),
     # prefill
     ("prefill slot -1", prefill({-1: [1]}), ValueError, r"assignments: a slot: must be in \[0, 1\], got -1"),
     ("prefill slot slots", prefill({SLOTS: [1]}), ValueError, "assignments: a slot: must be in"),

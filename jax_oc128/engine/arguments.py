@@ -188,10 +188,10 @@ def check_waiting(waiting) -> np.bool_:
     return np.bool_(waiting)
 
 
-def check_progress(progress) -> None:
-    """``generate``'s progress callback, a callable or None."""
-    if progress is not None and not callable(progress):
-        raise TypeError(f"progress: must be callable or None, got {progress!r}")
+def check_callback(name: str, value) -> None:
+    """``generate``'s callback ``name`` (``progress``, ``stream``), a callable or None."""
+    if value is not None and not callable(value):
+        raise TypeError(f"{name}: must be callable or None, got {value!r}")
 
 
 def check_state_is_this_engines(state, layout: DecodeState) -> None:

@@ -217,6 +217,7 @@ class Engine:
         stop_tokens=(),
         seed=0,
         progress=None,
+        stream=None,
     ) -> Result:
         """Generate up to ``max_new_tokens`` for each prompt with speculative steps of N = ``num_tokens``
         tokens or of the draft tree ``tree`` (both None: plain steps of the target alone), greedy or sampled
@@ -241,6 +242,9 @@ class Engine:
           stop_tokens: at most 8 token ids in [0, vocab_size).
           seed: the sampling's PRNG seed, an int in [0, 2**32).
           progress: None, or a callable called with the number of tokens generated so far.
+          stream: None, or a callable called as ``stream(i, tokens)`` whenever request ``i`` gains tokens
+            (``tokens`` a list of ints, in order: their concatenation is ``tokens[i]`` of the result), as
+            each dispatch's output is read.
 
         Returns a :class:`Result`, ``tokens[i]`` the output of ``prompts[i]``."""
         config = self.model.config
@@ -249,7 +253,8 @@ class Engine:
         temperature = arguments.check_temperature(temperature)
         stop_tokens = arguments.check_stop_tokens(stop_tokens, config)
         seed = arguments.check_seed(seed)
-        arguments.check_progress(progress)
+        arguments.check_callback("progress", progress)
+        arguments.check_callback("stream", stream)
         prompts = arguments.check_prompts(prompts, config, longest_prompt)
         if not prompts:
             return Result([], steps=0, dispatches=0, seconds=0.0, mean_accepted=0.0)
@@ -259,7 +264,7 @@ class Engine:
         # allocates it (and compiles the restart with everything else)
         state, self._idle_state = self._idle_state, None
         state = self._restart(self.init_state(seed) if state is None else state, seed)
-        requests = _Requests(len(prompts), progress)
+        requests = _Requests(len(prompts), progress, stream)
         waiting = collections.deque(range(len(prompts)))
         unread = collections.deque()  # dispatched, not yet read: (owner of its slots, its output)
         options = dict(tree=tree, temperature=temperature, stop_tokens=stop_tokens)
@@ -289,13 +294,14 @@ class _Requests:
 
     Args:
       count: the number of requests; progress: None, or called with the tokens generated so far after each
-        output read.
+        output read; stream: None, or called with a request and the tokens it gained from an output read.
     """
 
-    def __init__(self, count: int, progress):
+    def __init__(self, count: int, progress, stream):
         self.outputs = [[] for _ in range(count)]
         self.owner = {}  # slot -> request
         self.progress = progress
+        self.stream = stream
         self.dispatches = 0
         self.totals = collections.Counter()
 
@@ -307,8 +313,12 @@ class _Requests:
             steps=int(host.steps), slot_steps=int(host.slot_steps), accepted=int(host.accepted)
         )
         for slot, request in owner.items():
+            new = []
             for step in range(host.tokens.shape[0]):  # counts are 0 past the steps run
-                self.outputs[request].extend(host.tokens[step, slot, : host.counts[step, slot]].tolist())
+                new.extend(host.tokens[step, slot, : host.counts[step, slot]].tolist())
+            self.outputs[request].extend(new)
+            if self.stream is not None and new:
+                self.stream(request, new)
             if not host.active[slot]:
                 self.owner.pop(
                     slot, None

@@ -1,0 +1,291 @@
+"""Text in and out: ``load_tokenizer`` on a byte-level BPE trained here (64 tokens, the vocabulary of the tiny
+checkpoint beside it), its chat template in jinja2's sandbox, the incremental decoder on characters split over
+tokens, every bad file named; and ``jax-oc128 generate`` end to end on a copy of
+tests/fixtures/v4_small_window_hf with an MTP layer added: the streamed text is the decode of the tokens,
+greedy text is the same with ``--draft`` and ``--tree``, bad input is refused before anything compiles."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import pathlib
+import random
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from flax import nnx
+from harness import count_compiles
+from safetensors.numpy import load_file, save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from jax_oc128 import __main__ as cli
+from jax_oc128 import load_tokenizer, pretrained, text
+from jax_oc128.engine import Engine
+from jax_oc128.nn import ModelConfig, SpeculativeModel
+from jax_oc128.nn.functional import variable_at
+
+HF_CHECKPOINT = pathlib.Path(__file__).parent / "fixtures" / "v4_small_window_hf"
+# DeepSeek's (full-width bars, U+2581 for spaces), ids 0 and 1 as in the checkpoint's config
+BOS, EOS = "<\uff5cbegin\u2581of\u2581sentence\uff5c>", "<\uff5cend\u2581of\u2581sentence\uff5c>"
+CORPUS = [
+    "Open the file and return a file object. Return the list of items in ascending order.",
+    "A café serves crème brûlée; naïve readers read 日本語 text, and the interpreter reads the file.",
+]
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+PROMPT = "A café"
+#: the EOS of generate's checkpoint (its generation_config.json): the 11th token of PROMPT's greedy output
+EOS_ID = 63
+
+
+def train_tokenizer() -> Tokenizer:
+    """A byte-level BPE of 64 tokens (the two special ones first, then the corpus's bytes and merges): few
+    merges, so characters of several UTF-8 bytes stay split over tokens."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=64, special_tokens=[BOS, EOS], show_progress=False)
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    assert tokenizer.get_vocab_size() == 64 and tokenizer.token_to_id(EOS) == 1
+    return tokenizer
+
+
+def write_tokenizer(directory, *, template=TEMPLATE, **config):
+    train_tokenizer().save(str(directory / text.TOKENIZER))
+    fields = {"bos_token": BOS, "eos_token": {"content": EOS, "lstrip": False}, "add_bos_token": True}
+    fields |= {"chat_template": template} if template else {}
+    (directory / text.TOKENIZER_CONFIG).write_text(json.dumps(fields | config))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """``mtp``: the small-window checkpoint as transformers saved it, with an MTP layer (random, named
+    ``model.layers.4.*``), this module's tokenizer and :data:`EOS_ID`; ``plain``: the checkpoint as saved,
+    with the tokenizer."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    plain, mtp = root / "plain", root / "mtp"
+    shutil.copytree(HF_CHECKPOINT, plain)
+    write_tokenizer(plain)
+    shutil.copytree(plain, mtp)
+    config = json.loads((plain / pretrained.CONFIG).read_text()) | {"num_nextn_predict_layers": 1}
+    model = SpeculativeModel(ModelConfig.from_hf(config, max_len=512, max_draft=4), rngs=nnx.Rngs(3))
+    prefix = f"model.layers.{len(config['layer_types'])}."
+    tensors = load_file(plain / pretrained.SINGLE) | {
+        name: np.asarray(variable_at(model, path)[...])
+        for name, path in pretrained.parameter_paths(model).items()
+        if name.startswith(prefix)
+    }
+    save_file(tensors, mtp / pretrained.SINGLE)
+    (mtp / pretrained.CONFIG).write_text(json.dumps(config))
+    (mtp / text.GENERATION_CONFIG).write_text(json.dumps({"eos_token_id": EOS_ID}))
+    return {"plain": plain, "mtp": mtp}
+
+
+def test_round_trip_and_special_tokens(checkpoints):
+    tokenizer = load_tokenizer(checkpoints["plain"])
+    assert tokenizer.vocab_size == 64
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_ids, tokenizer.add_bos_token) == (0, (1,), True)
+    for sample in [*CORPUS, PROMPT, "日本"]:
+        ids = tokenizer.encode(sample)
+        assert ids[0] == 0 and 0 not in ids[1:]  # BOS once
+        assert tokenizer.decode(ids) == sample
+    assert tokenizer.encode(BOS + "Open")[:2] == [0, tokenizer.encode("Open")[1]]  # no second BOS
+    assert len(tokenizer.encode("日")) == 1 + 3  # one token per UTF-8 byte: no merge of them
+
+
+def test_stream_gives_characters_once_complete_and_joins_to_the_decode(checkpoints):
+    tokenizer = load_tokenizer(checkpoints["plain"])
+    stream = tokenizer.decode_stream()
+    first, second, third = tokenizer.encode("日")[1:]
+    assert [stream.push([first]), stream.push([second]), stream.push([third])] == ["", "", "日"]
+    rng = random.Random(0)
+    for _ in range(300):  # random ids, invalid UTF-8 and special tokens included, in random pieces
+        ids = [rng.randrange(64) for _ in range(rng.randrange(1, 40))]
+        stream, pieces, i = tokenizer.decode_stream(), [], 0
+        while i < len(ids):
+            k = rng.randrange(1, 6)
+            pieces.append(stream.push(ids[i : i + k]))
+            i += k
+        assert "".join(pieces) + stream.finish() == tokenizer.decode(ids), ids
+
+
+def test_chat_template(checkpoints, tmp_path):
+    tokenizer = load_tokenizer(checkpoints["plain"])
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert rendered == f"{BOS}<user>hi\n<assistant>"
+    ids = tokenizer.encode("hi", chat=True)
+    assert ids == tokenizer.tokenizer.encode(rendered, add_special_tokens=False).ids and ids.count(0) == 1
+    # chat_template.jinja takes precedence over tokenizer_config.json's
+    shutil.copy(checkpoints["plain"] / text.TOKENIZER, tmp_path)
+    shutil.copy(checkpoints["plain"] / text.TOKENIZER_CONFIG, tmp_path)
+    (tmp_path / text.CHAT_TEMPLATE).write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    assert load_tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}]) == "[hi]"
+    # the sandbox: no way out through Python's attributes
+    (tmp_path / text.CHAT_TEMPLATE).write_text("{{ ().__class__.__base__.__subclasses__() }}")
+    with pytest.raises(ValueError, match=r"chat: the chat template of .* failed .*unsafe"):
+        load_tokenizer(tmp_path).encode("hi", chat=True)
+    (tmp_path / text.CHAT_TEMPLATE).unlink()
+    write_tokenizer(tmp_path, template=None)
+    with pytest.raises(ValueError, match=r"chat: .* has no chat template \(chat_template.jinja"):
+        load_tokenizer(tmp_path).encode("hi", chat=True)
+
+
+#: (what is written into a checkpoint directory with the tokenizer, the error's pattern)
+BAD_FILES = {
+    "no tokenizer.json": ({text.TOKENIZER: None}, r"path: .* has no tokenizer\.json"),
+    "tokenizer.json not JSON": ({text.TOKENIZER: "{"}, r"tokenizer\.json: not a readable JSON file"),
+    "tokenizer.json a directory": ({text.TOKENIZER: "/"}, r"tokenizer\.json: not a regular file"),
+    "tokenizer.json not a tokenizer": (
+        {text.TOKENIZER: '{"model": 5}'},
+        r"tokenizer\.json: not a tokenizer the tokenizers package reads",
+    ),
+    "config not an object": ({text.TOKENIZER_CONFIG: "[]"}, r"tokenizer_config\.json: must be a JSON object"),
+    "bos not a token": (
+        {text.TOKENIZER_CONFIG: '{"bos_token": "<s>"}'},
+        r"tokenizer_config\.json: bos_token: '<s>' is not a token of tokenizer\.json",
+    ),
+    "eos not text": (
+        {text.TOKENIZER_CONFIG: '{"eos_token": 1}'},
+        r"tokenizer_config\.json: eos_token: must be a token's text, got 1",
+    ),
+    "add_bos_token not a bool": (
+        {text.TOKENIZER_CONFIG: '{"add_bos_token": "yes"}'},
+        r"tokenizer_config\.json: add_bos_token: must be a bool",
+    ),
+    "chat_template a number": (
+        {text.TOKENIZER_CONFIG: '{"chat_template": 5}'},
+        r"tokenizer_config\.json: chat_template: must be a string",
+    ),
+    "chat_template not Jinja": (
+        {text.CHAT_TEMPLATE: "{% for %}"},
+        r"chat_template\.jinja: chat_template: not a Jinja template",
+    ),
+    "eos id past the vocabulary": (
+        {text.GENERATION_CONFIG: '{"eos_token_id": [1, 64]}'},
+        r"generation_config\.json: eos_token_id: must be a token id in \[0, 64\) or a list of them",
+    ),
+}
+
+
+@pytest.mark.parametrize("files, match", BAD_FILES.values(), ids=BAD_FILES.keys())
+def test_bad_files_are_named(checkpoints, tmp_path, files, match):
+    shutil.copy(checkpoints["plain"] / text.TOKENIZER, tmp_path)
+    for name, content in files.items():
+        (tmp_path / name).unlink(missing_ok=True)
+        if content == "/":
+            (tmp_path / name).mkdir()
+        elif content is not None:
+            (tmp_path / name).write_text(content)
+    with pytest.raises(ValueError, match=match):
+        load_tokenizer(tmp_path)
+
+
+def test_generation_config_eos_ids(checkpoints, tmp_path):
+    shutil.copy(checkpoints["plain"] / text.TOKENIZER, tmp_path)
+    (tmp_path / text.GENERATION_CONFIG).write_text('{"eos_token_id": [1, 5, 1]}')
+    assert load_tokenizer(tmp_path).eos_token_ids == (1, 5)  # and no BOS: add_bos_token defaults to false
+    assert load_tokenizer(tmp_path).encode("Open")[0] != 0
+
+
+GENERATE = ["--prompt", PROMPT, "--max-new-tokens", "24", "--steps-per-dispatch", "4"]
+
+
+@pytest.fixture(scope="module")
+def generated(checkpoints):
+    """``generate`` in this process, plainly and with a chain (the tree runs in a process of its own): {mode:
+    (stdout, stderr, the tokens generate returned, the token lists streamed, generate's stop tokens)}."""
+    runs = {}
+    original = Engine.generate
+
+    def recording(engine, *args, stream, **kwargs):
+        pieces = []
+        result = original(engine, *args, stream=lambda i, t: (pieces.append(t), stream(i, t)), **kwargs)
+        recorded.append((result.tokens[0], pieces, kwargs["stop_tokens"]))
+        return result
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Engine, "generate", recording)
+        for mode, flags in (("plain", []), ("draft", ["--draft", "3"])):
+            recorded = []
+            out, err = _run_in_process(["generate", str(checkpoints["mtp"]), *GENERATE, *flags])
+            [(tokens, pieces, stops)] = recorded
+            runs[mode] = (out, err, tokens, pieces, stops)
+    return runs
+
+
+def _run_in_process(argv):
+    """``cli.main(argv)`` with stdout and stderr captured (capsys is per test): (stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert cli.main(argv) == 0
+    return out.getvalue(), err.getvalue()
+
+
+def test_generate_streams_the_decode_of_its_tokens(checkpoints, generated):
+    tokenizer = load_tokenizer(checkpoints["mtp"])
+    out, err, tokens, pieces, stops = generated["plain"]
+    assert len(pieces) > 2 and [t for piece in pieces for t in piece] == tokens  # over several dispatches
+    assert out == tokenizer.decode(tokens) + "\n" and "\ufffd" in out  # bytes of no character included
+    assert stops == (EOS_ID,) and tokens.index(EOS_ID) == len(tokens) - 1 == 10  # EOS ends it
+    assert f"{len(tokens)} tokens in " in err and "tokens/s; mean accepted length 1.00" in err
+    assert err.count("\n") == 1  # the report alone: no progress display off a terminal
+
+
+def test_generate_greedy_text_is_the_same_with_a_chain(generated):
+    out, err, tokens, _, _ = generated["draft"]
+    assert (out, tokens) == (generated["plain"][0], generated["plain"][2])
+    assert float(err.split("mean accepted length ")[1]) >= 1.0
+
+
+def test_generate_from_the_shell(checkpoints, generated):
+    """As a user runs it (one process), with a draft tree: the plain greedy text, the report on stderr, no
+    progress display in a pipe."""
+    result = subprocess.run(
+        [sys.executable, "-m", "jax_oc128", "generate", str(checkpoints["mtp"]), *GENERATE, "--tree", "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == generated["plain"][0]
+    assert result.stderr.count("\n") == 1 and "mean accepted length" in result.stderr, result.stderr
+    assert float(result.stderr.split("mean accepted length ")[1]) >= 1.0
+
+
+#: (the flag named, generate's arguments after the checkpoint's; {dir}: a checkpoint without a tokenizer)
+BAD_GENERATE = [
+    ("path", "{bare}", []),
+    ("--chat", "{untemplated}", ["--chat"]),
+    ("--draft", "{plain}", ["--draft", "2"]),  # no MTP layer
+    ("--tree", "{plain}", ["--tree", "4"]),
+    ("--draft", "{mtp}", ["--draft", "1"]),
+    ("--tree", "{mtp}", ["--draft", "2", "--tree", "4"]),
+    ("--max-new-tokens", "{mtp}", ["--max-new-tokens", "0"]),
+    ("--prompt", "{mtp}", ["--prompt="]),
+]
+
+
+@pytest.mark.parametrize(
+    "flag, path, args", BAD_GENERATE, ids=[" ".join([p, *a]) for _, p, a in BAD_GENERATE]
+)
+def test_bad_generate_input_is_refused_before_the_model_runs(checkpoints, tmp_path, flag, path, args, capsys):
+    bare, untemplated = tmp_path / "bare", tmp_path / "untemplated"
+    shutil.copytree(HF_CHECKPOINT, bare)
+    shutil.copytree(checkpoints["plain"], untemplated)
+    write_tokenizer(untemplated, template=None)
+    folders = {"bare": bare, "untemplated": untemplated, **checkpoints}
+    argv = ["generate", path.format(**folders), *(["--prompt", PROMPT] if flag != "--prompt" else []), *args]
+    with count_compiles() as compiles, pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert f"error: argument {flag}: " in capsys.readouterr().err
+    if path == "{plain}":  # refused once loaded: the loader's placement compiled, the engine nothing
+        assert not compiles.keys() & {"init_state", "restart", "prefill", "decode"}, compiles
+    else:
+        assert not compiles
