@@ -7,6 +7,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +16,8 @@ import numpy as np
 from oracle import BLOCK, Stream, random_ape, random_tokens, rel_err, state_err
 
 import jax_oc128 as oc
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 
 # Native vs reference run the same float32 recurrence; they differ only in how exp and the divisions
 # round (libm / CUDA expf vs XLA's exp), accumulated over at most 128 folds.
@@ -293,3 +297,14 @@ def state_bits(state):
     """The state's bytes as unsigned integers of its width, to compare bit for bit (NaN payloads included)."""
     state = np.asarray(state)
     return state.view(np.uint32 if state.dtype.itemsize == 4 else np.uint16)
+
+
+@functools.cache
+def v4_fixture(name):
+    """The transformers parity fixture ``tests/fixtures/v4_{name}.npz`` (``scripts/make_v4_fixture.py``):
+    ``(config, weights, data)``, its transformers config dict, its weights by transformers name and the
+    rest (``prompt``, ``prefill_logits``, ``decode_tokens``, ``decode_logits``)."""
+    data = dict(np.load(FIXTURES / f"v4_{name}.npz"))
+    meta = json.loads(bytes(data.pop("meta")).decode())
+    weights = {k.removeprefix("weights/"): data.pop(k) for k in list(data) if k.startswith("weights/")}
+    return meta["config"], weights, data

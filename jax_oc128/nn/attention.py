@@ -108,6 +108,35 @@ class AttentionCache:
     tree_entries: jax.Array
     tree_index_keys: jax.Array
 
+    @classmethod
+    def create(
+        cls, config: AttentionConfig, max_draft: int, batch: int, max_len: int | None = None
+    ) -> AttentionCache:
+        """An empty cache of a layer of ``config`` (verifies of up to ``max_draft`` tokens) for ``batch`` rows
+        and sequences up to ``max_len`` tokens (default: the config's ``max_position_embeddings``), stored as
+        its ``cache_dtypes`` say; nothing but the config is read (``jax.eval_shape`` of it is free)."""
+        c, dtypes = config, config.cache_dtypes
+        max_len = c.max_position_embeddings if max_len is None else max_len
+        rows = c.sliding_window + max_draft
+        is_csa = c.layer_type == CSA
+        max_entries = max_len // c.compress_rate if c.compress_rate else 0
+        index_dim = c.indexer.head_dim if is_csa else 0
+        tree_entries = max_draft if c.layer_type != SLIDING else 0
+        return cls(
+            window=jnp.zeros((batch, rows, c.head_dim), dtypes.rows),
+            window_positions=jnp.full((batch, rows), -1, jnp.int32),
+            entries=kv_cache.zeros((batch, max_entries, c.head_dim), dtypes.entries, c.rope.dim),
+            index_keys=kv_cache.zeros((batch, max_entries if is_csa else 0, index_dim), dtypes.entries),
+            rows=jnp.zeros(
+                (batch, csa.ring_rows(max_draft), csa.row_width(c.head_dim, index_dim))
+                if is_csa
+                else (batch, 0, 0),
+                dtypes.rows,
+            ),
+            tree_entries=kv_cache.zeros((batch, tree_entries, c.head_dim), dtypes.entries, c.rope.dim),
+            tree_index_keys=kv_cache.zeros((batch, max_draft if is_csa else 0, index_dim), dtypes.entries),
+        )
+
     def keep_path(self, tree: Tree, first_positions, nodes, written=None) -> AttentionCache:
         """After a tree verify or draft (``__call__(..., tree=tree)``) at ``first_positions`` ``[batch]``
         int32 (the root's position), keep the path from the root to ``nodes`` ``[batch]`` int32 (the
@@ -349,30 +378,8 @@ class DeepseekV4Attention(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int | None = None) -> AttentionCache:
         """An empty cache for ``batch`` rows and sequences up to ``max_len`` tokens (default: the config's
-        ``max_position_embeddings``), stored as the config's ``cache_dtypes`` say."""
-        c, dtypes = self.config, self.config.cache_dtypes
-        max_len = c.max_position_embeddings if max_len is None else max_len
-        rows = c.sliding_window + self.max_draft
-        is_csa = c.layer_type == CSA
-        max_entries = max_len // c.compress_rate if c.compress_rate else 0
-        index_dim = c.indexer.head_dim if is_csa else 0
-        tree_entries = self.max_draft if c.layer_type != SLIDING else 0
-        return AttentionCache(
-            window=jnp.zeros((batch, rows, c.head_dim), dtypes.rows),
-            window_positions=jnp.full((batch, rows), -1, jnp.int32),
-            entries=kv_cache.zeros((batch, max_entries, c.head_dim), dtypes.entries, c.rope.dim),
-            tree_entries=kv_cache.zeros((batch, tree_entries, c.head_dim), dtypes.entries, c.rope.dim),
-            tree_index_keys=kv_cache.zeros(
-                (batch, self.max_draft if is_csa else 0, index_dim), dtypes.entries
-            ),
-            index_keys=kv_cache.zeros((batch, max_entries if is_csa else 0, index_dim), dtypes.entries),
-            rows=jnp.zeros(
-                (batch, csa.ring_rows(self.max_draft), self.compressor.row_width)
-                if is_csa
-                else (batch, 0, 0),
-                dtypes.rows,
-            ),
-        )
+        ``max_position_embeddings``): :meth:`AttentionCache.create` of this layer's config."""
+        return AttentionCache.create(self.config, self.max_draft, batch, max_len)
 
     def init_compressed(self, batch: int):
         """A fresh C128 state for this layer alone (``compress_layer + 1`` layers, ``batch`` slots), for

@@ -42,6 +42,11 @@ def ring_rows(max_draft: int) -> int:
     return LOOKBACK + max_draft
 
 
+def row_width(head_dim: int, index_head_dim: int) -> int:
+    """Channels of a raw ring row: ``[kv | gate]``, each ``[A | B]`` of ``head_dim + index_head_dim``."""
+    return 4 * (head_dim + index_head_dim)
+
+
 @dataclasses.dataclass(frozen=True)
 class IndexerConfig:
     """The lightning indexer's static configuration."""
@@ -89,8 +94,8 @@ class CSACompressor(nnx.Module):
 
     @property
     def row_width(self) -> int:
-        """Channels of a raw ring row: ``[kv | gate]``, each ``[A | B]`` of ``head_dim + index_head_dim``."""
-        return 4 * (self.head_dim + self.indexer.head_dim)
+        """Channels of a raw ring row (:func:`row_width`)."""
+        return row_width(self.head_dim, self.indexer.head_dim)
 
     def _by_half(self, main, index):
         """``[A | B]`` along the last axis, each half the attention's then the indexer's channels."""

@@ -342,8 +342,9 @@ class ModelConfig:
     ) -> ModelConfig:
         """From ``DeepseekV4Config.to_dict()`` (a Hugging Face ``config.json``); ``max_len`` (default
         ``max_position_embeddings``) bounds the sequences the caches hold; ``max_draft``, ``mtp``,
-        ``dtype``, ``moe_dispatch`` and ``kv_cache_dtype`` are the fields of the same names. Raises ValueError naming a missing
-        field, NotImplementedError for what transformers allows and this model does not have."""
+        ``dtype``, ``moe_dispatch`` and ``kv_cache_dtype`` are the fields of the same names. Raises
+        ValueError naming a missing field, NotImplementedError for what transformers allows and this model
+        does not have."""
         missing = sorted(HF_FIELDS - config.keys())
         if missing:
             raise ValueError(f"config: missing fields {missing}")
@@ -530,6 +531,20 @@ class ModelCache:
     layers: tuple[AttentionCache, ...]
     compressed: object
 
+    @classmethod
+    def create(cls, config: ModelConfig, backend: Backend, batch: int) -> ModelCache:
+        """An empty cache of a model of ``config`` with the C128 ``backend`` for ``batch`` rows (slots):
+        each layer's :meth:`~jax_oc128.nn.AttentionCache.create` up to ``max_len`` tokens, and the C128 state
+        (float32); nothing but the config is read."""
+        compressed = None
+        if config.compressed_layers:
+            compressed = backend.create(config.compressed_layers, batch, config.head_dim, config.max_draft)
+        layers = tuple(
+            AttentionCache.create(config.attention(t), config.max_draft, batch, config.max_len)
+            for t in config.layer_types
+        )
+        return cls(layers, compressed)
+
     def clear(self, rows) -> ModelCache:
         """Empty ``rows`` ([n] int32, -1 ignored) for new sequences, in every layer and the compressor."""
         return ModelCache(
@@ -699,12 +714,8 @@ class DeepseekV4Model(nnx.Module):
         return paths
 
     def init_cache(self, batch: int) -> ModelCache:
-        """An empty cache for ``batch`` rows (slots)."""
-        c = self.config
-        compressed = None
-        if c.compressed_layers:
-            compressed = self.backend.create(c.compressed_layers, batch, c.head_dim, c.max_draft)
-        return ModelCache(tuple(block.attn.init_cache(batch, c.max_len) for block in self.blocks), compressed)
+        """An empty cache for ``batch`` rows (slots): :meth:`ModelCache.create`."""
+        return ModelCache.create(self.config, self.backend, batch)
 
     def logits(self, hidden):
         """``[..., hidden]`` -> ``[..., vocab]`` (final norm and LM head)."""
