@@ -5,14 +5,13 @@ their prefill logits and the logits of 40 cached greedy decode steps."""
 from __future__ import annotations
 
 import functools
-import json
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from harness import v4_fixture
 from oracle import rel_err
 
 from jax_oc128 import checkpoint
@@ -20,21 +19,12 @@ from jax_oc128.controller import OFFLINE, ONLINE, ForwardMode
 from jax_oc128.engine import Engine
 from jax_oc128.nn import CSA, HCA, SLIDING, DeepseekV4Model, ModelConfig, SpeculativeModel
 
-FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 NAMES = ("small_window", "large_window")
 HF_TOL = 1e-4  # the issue's bar: fp32 relative error against transformers
 
 
-@functools.cache
-def fixture(name):
-    data = dict(np.load(FIXTURES / f"v4_{name}.npz"))
-    meta = json.loads(bytes(data.pop("meta")).decode())
-    weights = {k.removeprefix("weights/"): data.pop(k) for k in list(data) if k.startswith("weights/")}
-    return meta["config"], weights, data
-
-
 def load(name, backend=ONLINE, **kwargs):
-    config, weights, _ = fixture(name)
+    config, weights, _ = v4_fixture(name)
     return DeepseekV4Model.from_hf(config, weights, backend=backend, max_len=512, **kwargs)
 
 
@@ -49,12 +39,12 @@ def positions(batch, start, stop):
 
 
 def test_fixtures_cover_every_layer_and_mlp_type():
-    configs = [ModelConfig.from_hf(fixture(name)[0]) for name in NAMES]
+    configs = [ModelConfig.from_hf(v4_fixture(name)[0]) for name in NAMES]
     assert {t for c in configs for t in c.layer_types} == {SLIDING, CSA, HCA}
     assert {t for c in configs for t in c.mlp_layer_types} == {"moe", "hash_moe"}
     assert {c.hc_mult for c in configs} == {2, 4}
     assert min(c.sliding_window for c in configs) < 128 < max(c.sliding_window for c in configs)
-    prompt = fixture(NAMES[0])[2]["prompt"]
+    prompt = v4_fixture(NAMES[0])[2]["prompt"]
     assert all(c.index_topk < prompt.shape[1] // 4 for c in configs), "the indexer's top-k selects"
 
 
@@ -63,7 +53,7 @@ def test_fixtures_cover_every_layer_and_mlp_type():
 def test_prefill_and_decode_match_transformers(name, backend):
     """The prompt's logits, then 40 decode steps fed transformers' greedy tokens, one at a time through the
     donated cache: relative error < 1e-4 each."""
-    _, _, data = fixture(name)
+    _, _, data = v4_fixture(name)
     model = load(name, backend)
     graphdef, params = nnx.split(model)
     prompt = jnp.asarray(data["prompt"])
@@ -81,7 +71,7 @@ def test_prefill_and_decode_match_transformers(name, backend):
 def test_chunked_prefill_matches_transformers():
     """The prompt in chunks of 97, 2, 1 and 120 tokens (windows and blocks split across calls) gives the
     same logits as transformers' single prefill."""
-    _, _, data = fixture("small_window")
+    _, _, data = v4_fixture("small_window")
     model = load("small_window")
     graphdef, params = nnx.split(model)
     prompt = jnp.asarray(data["prompt"])
@@ -103,7 +93,7 @@ def test_verify_with_rejected_drafts_matches_transformers(name, backend, eager):
     block at 255), keep 2 (an eager commit, or the next forward's lazy one), then verify the next 4 real
     tokens and decode one: every real token's logits are transformers' (the junk's rows, entries and banks
     are rewritten by position before any query reads them)."""
-    _, _, data = fixture(name)
+    _, _, data = v4_fixture(name)
     model = load(name, backend, max_draft=4)
     graphdef, params = nnx.split(model)
     tokens = jnp.asarray(np.concatenate([data["prompt"], data["decode_tokens"]], axis=1))
@@ -133,7 +123,7 @@ def test_speculative_greedy_equals_plain_greedy():
     speculative greedy (N = 4, lazy commits; and a draft tree of 4 nodes) gives the plain greedy tokens,
     whose first 40 on the fixture's prompts are transformers' greedy tokens. (The random head's drafts are
     all rejected here; partly accepted verifies are the test above.)"""
-    config, weights, data = fixture("small_window")
+    config, weights, data = v4_fixture("small_window")
     model = SpeculativeModel.from_hf(config, weights, rngs=nnx.Rngs(0), max_len=512, max_draft=4)
     engine = Engine(model, slots=2)
     prompts = [list(map(int, row)) for row in data["prompt"]]
@@ -175,7 +165,7 @@ def test_speculative_greedy_equals_plain_greedy():
     ids=["missing", "unexpected", "shape", "dtype", "expert-id"],
 )
 def test_bad_weights_are_named(change, error, match):
-    config, weights, _ = fixture("small_window")
+    config, weights, _ = v4_fixture("small_window")
     weights = dict(weights)
     change(weights)
     with pytest.raises(error, match=match):
@@ -206,7 +196,7 @@ def test_bad_weights_are_named(change, error, match):
     ids=["missing", "unsupported", "mlp-type", "layer-type", "compress-rate"],
 )
 def test_bad_configs_are_named(change, error, match):
-    config = {k: v for k, v in {**fixture("small_window")[0], **change}.items() if v is not None}
+    config = {k: v for k, v in {**v4_fixture("small_window")[0], **change}.items() if v is not None}
     with pytest.raises(error, match=match):
         ModelConfig.from_hf(config)
 
@@ -214,7 +204,7 @@ def test_bad_configs_are_named(change, error, match):
 def test_checkpoint_round_trip(tmp_path):
     """A model loaded from transformers' weights saves to this package's checkpoint format and loads back
     with the same config (tuples, None fields) and parameters (the int32 hash tables included)."""
-    config, weights, _ = fixture("small_window")
+    config, weights, _ = v4_fixture("small_window")
     model = SpeculativeModel.from_hf(config, weights, rngs=nnx.Rngs(0), max_len=512)
     checkpoint.save(model, tmp_path / "v4.npz")
     loaded, _ = checkpoint.load(tmp_path / "v4.npz")
