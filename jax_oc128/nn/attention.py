@@ -18,8 +18,9 @@ runs before the layers (:func:`prepare_forward`), so a standalone layer is drive
 
 Shapes: ``x`` ``[batch, T, hidden]`` float32 (the layer input after its input norm), ``positions``
 ``[batch, T]`` int32, consecutive per row, ``lengths`` ``[batch]`` int32. Batch row b is slot b of the
-compressed state. Activations and caches are float32; the weights are float32 or bfloat16, their matmuls
-accumulating in float32 (:mod:`~jax_oc128.nn.functional`).
+compressed state. Activations are float32; the weights are float32 or bfloat16, their matmuls accumulating
+in float32 (:mod:`~jax_oc128.nn.functional`); the caches are stored as the config's ``cache_dtypes`` say
+(float32, bfloat16 or FP8 entries, :mod:`~jax_oc128.nn.kv_cache`) and read back in float32.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ import numpy as np
 from flax import nnx
 
 from jax_oc128.controller import ONLINE, Backend, ForwardMode
-from jax_oc128.nn import csa, hca
+from jax_oc128.nn import csa, hca, kv_cache
 from jax_oc128.nn.csa import CSACompressor, IndexerConfig
 from jax_oc128.nn.functional import FULL, assign_weights, linear, normal_param, ones_param, rms_norm
 from jax_oc128.nn.hca import HCACompressor, batch_slots
+from jax_oc128.nn.kv_cache import CacheDtypes
 from jax_oc128.nn.rope import RopeConfig
 from jax_oc128.rules import BLOCK, drop_index
 from jax_oc128.tree import Tree, check_tree
@@ -62,6 +64,8 @@ class AttentionConfig:
     max_position_embeddings: int
     indexer: IndexerConfig | None = None  # CSA layers
     dtype: str = "float32"  # the projections' weights'
+    # the caches' storage (ModelConfig.cache_dtypes)
+    cache_dtypes: CacheDtypes = dataclasses.field(default_factory=CacheDtypes)
 
     @property
     def compress_rate(self) -> int:
@@ -74,21 +78,25 @@ class AttentionConfig:
 class AttentionCache:
     """One layer's cache for a batch, a pytree (the compressor state is the model's, see the module doc).
 
+    The window and the raw rows are arrays of the config's ``cache_dtypes.rows`` (float32 or bfloat16); the
+    entries and indexer keys are stored in its ``cache_dtypes.entries`` (an array, or an
+    :class:`~jax_oc128.nn.kv_cache.FP8Entries` of that shape; :mod:`~jax_oc128.nn.kv_cache`).
+
     Attributes:
-      window: ``[batch, R, D]`` float32: a ring of the last rotated K=V rows, row ``p % R`` holding
-        position p. ``R = sliding_window + max_draft``, so that a verify's rejected drafts never overwrite
-        a row that the window still needs.
+      window: ``[batch, R, D]``: a ring of the last rotated K=V rows, row ``p % R`` holding position p.
+        ``R = sliding_window + max_draft``, so that a verify's rejected drafts never overwrite a row that the
+        window still needs.
       window_positions: ``[batch, R]`` int32: the position held by each ring row, -1 for none.
-      entries: ``[batch, max_entries, D]`` float32: normed, rotated compressed entries by block index (HCA
-        and CSA; zero-sized for sliding layers).
-      index_keys: ``[batch, max_entries, index_head_dim]`` float32: the CSA indexer's keys by window index
+      entries: ``[batch, max_entries, D]``: normed, rotated compressed entries by block index (HCA and CSA;
+        zero-sized for sliding layers).
+      index_keys: ``[batch, max_entries, index_head_dim]``: the CSA indexer's keys by window index
         (zero-sized for other layers).
-      rows: ``[batch, ring, row_width]`` float32: the CSA compressor's raw rows by position
+      rows: ``[batch, ring, row_width]``: the CSA compressor's raw rows by position
         (:mod:`~jax_oc128.nn.csa`; zero-sized for other layers).
-      tree_entries: ``[batch, max_draft, D]`` float32: an HCA or CSA layer's entries of the last tree verify
-        by node (the entry of the block or window the node closes; normed, rotated), until :meth:`keep_path`
-        stores the accepted path's (zero-sized for sliding layers).
-      tree_index_keys: ``[batch, max_draft, index_head_dim]`` float32: the same for a CSA layer's indexer keys
+      tree_entries: ``[batch, max_draft, D]``: an HCA or CSA layer's entries of the last tree verify by node
+        (the entry of the block or window the node closes; normed, rotated), until :meth:`keep_path` stores
+        the accepted path's (zero-sized for sliding layers).
+      tree_index_keys: ``[batch, max_draft, index_head_dim]``: the same for a CSA layer's indexer keys
         (zero-sized for other layers).
     """
 
@@ -99,6 +107,35 @@ class AttentionCache:
     rows: jax.Array
     tree_entries: jax.Array
     tree_index_keys: jax.Array
+
+    @classmethod
+    def create(
+        cls, config: AttentionConfig, max_draft: int, batch: int, max_len: int | None = None
+    ) -> AttentionCache:
+        """An empty cache of a layer of ``config`` (verifies of up to ``max_draft`` tokens) for ``batch`` rows
+        and sequences up to ``max_len`` tokens (default: the config's ``max_position_embeddings``), stored as
+        its ``cache_dtypes`` say; nothing but the config is read (``jax.eval_shape`` of it is free)."""
+        c, dtypes = config, config.cache_dtypes
+        max_len = c.max_position_embeddings if max_len is None else max_len
+        rows = c.sliding_window + max_draft
+        is_csa = c.layer_type == CSA
+        max_entries = max_len // c.compress_rate if c.compress_rate else 0
+        index_dim = c.indexer.head_dim if is_csa else 0
+        tree_entries = max_draft if c.layer_type != SLIDING else 0
+        return cls(
+            window=jnp.zeros((batch, rows, c.head_dim), dtypes.rows),
+            window_positions=jnp.full((batch, rows), -1, jnp.int32),
+            entries=kv_cache.zeros((batch, max_entries, c.head_dim), dtypes.entries, c.rope.dim),
+            index_keys=kv_cache.zeros((batch, max_entries if is_csa else 0, index_dim), dtypes.entries),
+            rows=jnp.zeros(
+                (batch, csa.ring_rows(max_draft), csa.row_width(c.head_dim, index_dim))
+                if is_csa
+                else (batch, 0, 0),
+                dtypes.rows,
+            ),
+            tree_entries=kv_cache.zeros((batch, tree_entries, c.head_dim), dtypes.entries, c.rope.dim),
+            tree_index_keys=kv_cache.zeros((batch, max_draft if is_csa else 0, index_dim), dtypes.entries),
+        )
 
     def keep_path(self, tree: Tree, first_positions, nodes, written=None) -> AttentionCache:
         """After a tree verify or draft (``__call__(..., tree=tree)``) at ``first_positions`` ``[batch]``
@@ -138,10 +175,11 @@ class AttentionCache:
         at = base + depth  # the path's positions
         index = jnp.where(on_path & ((at + 1) % rate == 0), at // rate, self.entries.shape[1])
         node = jnp.maximum(path, 0)
-        entries = self.entries.at[rows, index].set(self.tree_entries[rows, node], mode="drop")
+        entries = kv_cache.put(self.entries, (rows, index), kv_cache.take(self.tree_entries, (rows, node)))
         kept_cache = dataclasses.replace(kept_cache, entries=entries)
         if self.rows.shape[1]:
-            keys = self.index_keys.at[rows, index].set(self.tree_index_keys[rows, node], mode="drop")
+            node_keys = kv_cache.take(self.tree_index_keys, (rows, node))
+            keys = kv_cache.put(self.index_keys, (rows, index), node_keys)
             ring_rows = self.rows.shape[1]
             raw = self.rows[rows, (base + node) % ring_rows]
             target = jnp.where(on_path, at % ring_rows, ring_rows)
@@ -155,11 +193,11 @@ class AttentionCache:
         return AttentionCache(
             self.window.at[index].set(0, mode="drop"),
             self.window_positions.at[index].set(-1, mode="drop"),
-            self.entries.at[index].set(0, mode="drop"),
-            self.index_keys.at[index].set(0, mode="drop"),
+            kv_cache.clear(self.entries, index),
+            kv_cache.clear(self.index_keys, index),
             self.rows.at[index].set(0, mode="drop"),
-            self.tree_entries.at[index].set(0, mode="drop"),
-            self.tree_index_keys.at[index].set(0, mode="drop"),
+            kv_cache.clear(self.tree_entries, index),
+            kv_cache.clear(self.tree_index_keys, index),
         )
 
 
@@ -210,13 +248,6 @@ def _window_visibility(tree, nodes, base, window_positions, positions, key_posit
     )
     t, k = positions[:, :, None], key_positions[:, None, :]
     return seen & (k >= 0) & (k <= t) & (k > t - sliding_window)
-
-
-def _set_nodes(cache, values):
-    """``cache`` ``[batch, max_draft, dim]`` with its first ``values.shape[1]`` nodes set to ``values``
-    (``dynamic_update_slice``: a scatter here crashes jax 0.11.2's partitioner inside the engine's
-    ``shard_map``, ``scripts/repro_data_parallel_crash.py``)."""
-    return jax.lax.dynamic_update_slice_in_dim(cache, values.astype(cache.dtype), 0, axis=1)
 
 
 def _entries_visibility(tree, positions, base, stored: int, rate: int, closed):
@@ -347,29 +378,8 @@ class DeepseekV4Attention(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int | None = None) -> AttentionCache:
         """An empty cache for ``batch`` rows and sequences up to ``max_len`` tokens (default: the config's
-        ``max_position_embeddings``)."""
-        c = self.config
-        max_len = c.max_position_embeddings if max_len is None else max_len
-        rows = c.sliding_window + self.max_draft
-        is_csa = c.layer_type == CSA
-        max_entries = max_len // c.compress_rate if c.compress_rate else 0
-        index_dim = c.indexer.head_dim if is_csa else 0
-        return AttentionCache(
-            window=jnp.zeros((batch, rows, c.head_dim), jnp.float32),
-            window_positions=jnp.full((batch, rows), -1, jnp.int32),
-            entries=jnp.zeros((batch, max_entries, c.head_dim), jnp.float32),
-            tree_entries=jnp.zeros(
-                (batch, self.max_draft if c.layer_type != SLIDING else 0, c.head_dim), jnp.float32
-            ),
-            tree_index_keys=jnp.zeros((batch, self.max_draft if is_csa else 0, index_dim), jnp.float32),
-            index_keys=jnp.zeros((batch, max_entries if is_csa else 0, index_dim), jnp.float32),
-            rows=jnp.zeros(
-                (batch, csa.ring_rows(self.max_draft), self.compressor.row_width)
-                if is_csa
-                else (batch, 0, 0),
-                jnp.float32,
-            ),
-        )
+        ``max_position_embeddings``): :meth:`AttentionCache.create` of this layer's config."""
+        return AttentionCache.create(self.config, self.max_draft, batch, max_len)
 
     def init_compressed(self, batch: int):
         """A fresh C128 state for this layer alone (``compress_layer + 1`` layers, ``batch`` slots), for
@@ -431,10 +441,11 @@ class DeepseekV4Attention(nnx.Module):
         kv = c.rope.apply(
             rms_norm(linear(x, self.kv_proj[...]), self.kv_norm[...], c.rms_norm_eps), positions
         )
+        kv = kv_cache.round_trip(kv, cache.window)  # as the window stores it
 
         # the root's position: the chain's first token's, a tree's node 0's
         base = positions[:, :1] - (0 if tree is None else int(tree.depths[nodes[0]]))
-        keys = jnp.concatenate([cache.window, kv], axis=1)
+        keys = jnp.concatenate([kv_cache.decode(cache.window), kv], axis=1)
         key_positions = jnp.concatenate([cache.window_positions, positions], axis=1)
         visible = _window_visibility(
             tree, nodes, base, cache.window_positions, positions, key_positions, c.sliding_window
@@ -486,7 +497,7 @@ class DeepseekV4Attention(nnx.Module):
         rows = jnp.arange(positions.shape[0])[:, None]
         return dataclasses.replace(
             cache,
-            window=cache.window.at[rows, index].set(kv, mode="drop"),
+            window=kv_cache.store(cache.window, (rows, index), kv),
             window_positions=cache.window_positions.at[rows, index].set(positions, mode="drop"),
         )
 
@@ -502,11 +513,14 @@ class DeepseekV4Attention(nnx.Module):
         stored = cache.entries.shape[1]
         if tree is None:  # the chain's kernels give the entries by block index
             index = jnp.where(blocks >= 0, blocks, stored)
-            entries = cache.entries.at[jnp.arange(x.shape[0])[:, None], index].set(closed, mode="drop")
-            cache = dataclasses.replace(cache, entries=entries)
+            cache = dataclasses.replace(
+                cache, entries=kv_cache.store(cache.entries, (jnp.arange(x.shape[0])[:, None], index), closed)
+            )
+            entries = kv_cache.decode(cache.entries)
         else:  # a tree verify's by node
-            cache = dataclasses.replace(cache, tree_entries=_set_nodes(cache.tree_entries, closed))
-            entries = jnp.concatenate([cache.entries, closed], axis=1)
+            closed = kv_cache.encode(closed, cache.tree_entries)
+            cache = dataclasses.replace(cache, tree_entries=kv_cache.put_nodes(cache.tree_entries, closed))
+            entries = jnp.concatenate([kv_cache.decode(cache.entries), kv_cache.decode(closed)], axis=1)
         return cache, compressed, entries, _entries_visibility(tree, positions, base, stored, BLOCK, blocks)
 
     def _compress_sparse(self, x, q_res, positions, lengths, cache, tree, base):
@@ -525,14 +539,16 @@ class DeepseekV4Attention(nnx.Module):
             rows, node_entries, node_keys, windows = compressor.compress_tree(
                 x, tree, base[:, 0], lengths, cache.rows
             )
+            node_entries = kv_cache.encode(node_entries, cache.tree_entries)
+            node_keys = kv_cache.encode(node_keys, cache.tree_index_keys)
             cache = dataclasses.replace(
                 cache,
                 rows=rows,
-                tree_entries=_set_nodes(cache.tree_entries, node_entries),
-                tree_index_keys=_set_nodes(cache.tree_index_keys, node_keys),
+                tree_entries=kv_cache.put_nodes(cache.tree_entries, node_entries),
+                tree_index_keys=kv_cache.put_nodes(cache.tree_index_keys, node_keys),
             )
-            entries = jnp.concatenate([cache.entries, node_entries], axis=1)
-            keys = jnp.concatenate([cache.index_keys, node_keys], axis=1)
+            entries = kv_cache.concatenate(cache.entries, node_entries, axis=1)
+            keys = kv_cache.concatenate(cache.index_keys, node_keys, axis=1)
         visible = _entries_visibility(tree, positions, base, stored, csa.RATE, windows)
         selected, picked = compressor.select(x, q_res, positions, entries, keys, visible)
         return cache, selected, picked

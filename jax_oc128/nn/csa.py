@@ -12,8 +12,10 @@ is visible to the queries at ``t >= 4w + 3``. The indexer scores each query agai
 State: the raw projected rows (``[kv | gate]``, no ape) of the last ``2 * RATE + max_draft`` positions per
 row, in a ring addressed by position (``p % ring``), and the entries and indexer keys by window index. As in
 :class:`~jax_oc128.OfflineState`, a verify's rejected drafts need no rollback: their rows and entries are
-rewritten by the positions that replace them before any query may read them. Activations, pooling and state
-are float32; the projections' weights are float32 or bfloat16 (:mod:`~jax_oc128.nn.functional`).
+rewritten by the positions that replace them before any query may read them. Activations and pooling are
+float32; the projections' weights are float32 or bfloat16 (:mod:`~jax_oc128.nn.functional`); the state is
+stored as the attention's caches are (:mod:`~jax_oc128.nn.kv_cache`), every raw row rounded to it before it
+is pooled, so that a window pools the same values from the ring as from a call's own tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_oc128.nn import hca
+from jax_oc128.nn import hca, kv_cache
 from jax_oc128.nn.functional import FULL, linear, normal_param, ones_param, rms_norm
 from jax_oc128.reference import pool
 
@@ -38,6 +40,11 @@ def ring_rows(max_draft: int) -> int:
     """Rows of the raw ring: a call reads positions down to ``seq_len - (LOOKBACK - 1)`` that the previous
     call (at most ``max_draft`` tokens past ``seq_len - 1``) must not have overwritten."""
     return LOOKBACK + max_draft
+
+
+def row_width(head_dim: int, index_head_dim: int) -> int:
+    """Channels of a raw ring row: ``[kv | gate]``, each ``[A | B]`` of ``head_dim + index_head_dim``."""
+    return 4 * (head_dim + index_head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,19 +94,20 @@ class CSACompressor(nnx.Module):
 
     @property
     def row_width(self) -> int:
-        """Channels of a raw ring row: ``[kv | gate]``, each ``[A | B]`` of ``head_dim + index_head_dim``."""
-        return 4 * (self.head_dim + self.indexer.head_dim)
+        """Channels of a raw ring row (:func:`row_width`)."""
+        return row_width(self.head_dim, self.indexer.head_dim)
 
     def _by_half(self, main, index):
         """``[A | B]`` along the last axis, each half the attention's then the indexer's channels."""
         d, di = self.head_dim, self.indexer.head_dim
         return jnp.concatenate([main[..., :d], index[..., :di], main[..., d:], index[..., di:]], axis=-1)
 
-    def _rows(self, x):
-        """The raw rows ``[batch, T, row_width]`` of ``x`` ``[batch, T, hidden]``."""
+    def _rows(self, x, ring):
+        """The raw rows ``[batch, T, row_width]`` float32 of ``x`` ``[batch, T, hidden]``, rounded to the
+        format of the ``ring`` they go to."""
         kv = self._by_half(linear(x, self.kv_proj[...]), linear(x, self.indexer_kv_proj[...]))
         gate = self._by_half(linear(x, self.gate_proj[...]), linear(x, self.indexer_gate_proj[...]))
-        return jnp.concatenate([kv, gate], axis=-1)
+        return kv_cache.round_trip(jnp.concatenate([kv, gate], axis=-1), ring)
 
     def compress(self, x, positions, lengths, rows, entries, keys):
         """Fold the new tokens into the state: pool every window they close, then write their raw rows.
@@ -107,14 +115,15 @@ class CSACompressor(nnx.Module):
         Args:
           x: ``[batch, T, hidden]``; positions: ``[batch, T]`` int32, consecutive; lengths: ``[batch]``.
           rows: ``[batch, ring, row_width]``; entries: ``[batch, E, head_dim]``; keys: ``[batch, E,
-            index_head_dim]``, by window index.
+            index_head_dim]``, by window index; each stored in its cache format
+            (:mod:`~jax_oc128.nn.kv_cache`).
 
         Returns:
           ``(rows, entries, keys)`` updated.
         """
         batch, tokens, _ = x.shape
         ring = rows.shape[1]
-        new = self._rows(x)
+        new = self._rows(x, rows)
         seq_lens = positions[:, 0]
         windows = seq_lens[:, None] // RATE + jnp.arange((tokens + RATE - 1) // RATE + 1)  # [batch, W]
         closed = (windows + 1) * RATE <= (seq_lens + lengths)[:, None]
@@ -126,13 +135,13 @@ class CSACompressor(nnx.Module):
         ).reshape(*slot_pos.shape, -1)
         main, index = self._pool(rows, from_new, is_new, slot_pos)
         at = (jnp.arange(batch)[:, None], jnp.where(closed, windows, entries.shape[1]))
-        entries = entries.at[at].set(main, mode="drop")
-        keys = keys.at[at].set(index, mode="drop")
+        entries = kv_cache.store(entries, at, main)
+        keys = kv_cache.store(keys, at, index)
 
         t = jnp.arange(tokens)[None]
         write = (t < lengths[:, None]) & (t >= lengths[:, None] - ring)
-        rows = rows.at[jnp.arange(batch)[:, None], jnp.where(write, positions % ring, ring)].set(
-            new, mode="drop"
+        rows = kv_cache.store(
+            rows, (jnp.arange(batch)[:, None], jnp.where(write, positions % ring, ring)), new
         )
         return rows, entries, keys
 
@@ -144,10 +153,11 @@ class CSACompressor(nnx.Module):
         until the attention's ``keep_path``.
 
         Returns ``(rows, entries [batch, T, head_dim], keys [batch, T, index_head_dim], windows [batch, T])``:
-        per node the entry and indexer key of the window it closes, and that window's index (-1 if none)."""
+        per node the entry and indexer key (float32) of the window it closes, and that window's index (-1 if
+        none)."""
         batch, tokens, _ = x.shape
         ring = rows.shape[1]
-        new = self._rows(x)
+        new = self._rows(x, rows)
         positions = base[:, None] + jnp.asarray(tree.depths)  # [batch, T]
         windows = positions // RATE
         slot_pos = windows[..., None] * RATE + jnp.arange(-RATE, RATE)  # [batch, T, 8]
@@ -159,7 +169,7 @@ class CSACompressor(nnx.Module):
         closes = (positions + 1) % RATE == 0
         t = jnp.arange(tokens)[None]
         at = jnp.where(t < lengths[:, None], (base[:, None] + t) % ring, ring)
-        rows = rows.at[jnp.arange(batch)[:, None], at].set(new, mode="drop")
+        rows = kv_cache.store(rows, (jnp.arange(batch)[:, None], at), new)
         return rows, main, index, jnp.where(closes, windows, -1)
 
     def _pool(self, rows, from_new, is_new, slot_pos):
@@ -167,7 +177,9 @@ class CSACompressor(nnx.Module):
         W, 8]`` (window ``slot_pos[..., RATE] // RATE``): the rows ``from_new`` ``[batch, W, 8, row_width]``
         where ``is_new``, else the ring's (``rows``)."""
         batch, ring, width = *rows.shape[:2], self.row_width
-        from_ring = jnp.take_along_axis(rows, (slot_pos % ring).reshape(batch, -1, 1), axis=1)
+        from_ring = kv_cache.decode(
+            jnp.take_along_axis(rows, (slot_pos % ring).reshape(batch, -1, 1), axis=1)
+        )
         slot_rows = jnp.where(is_new[..., None], from_new, from_ring.reshape(*slot_pos.shape, width))
         half = width // 4
         is_b = jnp.arange(LOOKBACK) >= RATE  # [8]
@@ -187,16 +199,19 @@ class CSACompressor(nnx.Module):
     def select(self, x, q_res, positions, entries, keys, visible):
         """The indexer's picks: ``(selected [batch, T, k, head_dim], valid [batch, T, k] bool)``, the top
         ``k = min(index_topk, E)`` entries each query may see (``visible`` ``[batch, T, E]`` bool; ``valid``
-        False for picks past the visible ones, where fewer than k are visible)."""
+        False for picks past the visible ones, where fewer than k are visible). ``entries`` ``[batch, E,
+        head_dim]`` and ``keys`` ``[batch, E, index_head_dim]`` are stored caches, read in float32;
+        ``selected`` is float32."""
         c = self.indexer
         batch, tokens, _ = x.shape
         q = linear(q_res, self.indexer_q_b_proj[...]).reshape(batch, tokens, c.num_heads, c.head_dim)
         q = self.rope.apply(q, positions)
+        keys = kv_cache.decode(keys)
         relu = jax.nn.relu(jnp.einsum("bthi,bei->bthe", q, keys, precision=FULL)) * c.head_dim**-0.5
         head_weights = linear(x, self.indexer_weights_proj[...]) * c.num_heads**-0.5
         scores = jnp.einsum("bth,bthe->bte", head_weights, relu, precision=FULL)
         top, picks = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), min(c.topk, keys.shape[1]))
-        selected = entries[jnp.arange(batch)[:, None, None], picks]
+        selected = kv_cache.decode(kv_cache.take(entries, (jnp.arange(batch)[:, None, None], picks)))
         return selected, top > -jnp.inf
 
 

@@ -17,8 +17,9 @@ target with its draft head) are in :mod:`~jax_oc128.nn.draft`.
 
 Shapes: ``tokens`` ``[batch, T]`` int32, ``positions`` ``[batch, T]`` int32 (consecutive per row),
 ``lengths`` ``[batch]`` int32 (valid tokens per row, default all; rows of length 0 are untouched).
-Activations, caches and logits are float32; the matrices are stored in ``ModelConfig.dtype`` (float32 or
-bfloat16, accumulated in float32: :mod:`~jax_oc128.nn.functional`).
+Activations and logits are float32; the matrices are stored in ``ModelConfig.dtype`` (float32 or bfloat16,
+accumulated in float32: :mod:`~jax_oc128.nn.functional`), the caches as ``ModelConfig.kv_cache_dtype`` says
+(by default in the model's dtype; :mod:`~jax_oc128.nn.kv_cache`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from jax_oc128.nn.functional import (
     swiglu,
 )
 from jax_oc128.nn.hyper_connections import HyperConnection, HyperHead
+from jax_oc128.nn.kv_cache import CacheDtypes, check_kv_cache_dtype
 from jax_oc128.nn.moe import HASH_MOE, MOE, MoE, MoEConfig, check_dispatch, check_expert_ids
 from jax_oc128.nn.rope import RopeConfig
 from jax_oc128.rules import MAX_DRAFT
@@ -61,7 +63,8 @@ from jax_oc128.tree import check_tree
 #: the draft heads' names (:data:`jax_oc128.nn.draft.DRAFT_HEADS`)
 MTP_HEAD, DEEPSEEK_V4_MTP = "mtp_head", "deepseek_v4_mtp"
 #: the fields added with the full DeepSeek-V4 layout (its layout, the draft head's presence, the weights'
-#: dtype): a checkpoint written before they existed has :meth:`ModelConfig.tiny`'s values of them
+#: dtype) and since (the caches' storage): a checkpoint written before they existed has
+#: :meth:`ModelConfig.tiny`'s values of them
 V4_FIELDS = (
     "mlp_layer_types",
     "num_experts",
@@ -79,6 +82,7 @@ V4_FIELDS = (
     "compress_rope_original_max_position_embeddings",
     "mtp",
     "dtype",
+    "kv_cache_dtype",
 )
 
 
@@ -124,11 +128,13 @@ class ModelConfig:
     compress_rope_original_max_position_embeddings: int | None
     mtp: bool  # a draft head (False: plain decoding only)
     dtype: str  # the matrices' storage dtype, a name in functional.DTYPES
+    kv_cache_dtype: str  # the caches' storage, a name in kv_cache.KV_CACHE_DTYPES ("auto": the model's dtype)
 
     def __post_init__(self):
         """Every field checked (a config read from a file is checked before any parameter is built): ints
         in [1, 2**31) (positions and token ids are int32), finite floats > 0, a non-empty tuple of
-        supported layer types, a bool ``mtp``, a known ``dtype``, and the shapes' constraints."""
+        supported layer types, a bool ``mtp``, a known ``dtype`` and ``kv_cache_dtype``, and the shapes'
+        constraints."""
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             kind = field.type.removesuffix(" | None")
@@ -148,6 +154,7 @@ class ModelConfig:
             raise TypeError(f"mtp: must be a bool, got {self.mtp!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         check_dispatch(self.moe_dispatch, "moe_dispatch")
         if not isinstance(self.layer_types, tuple) or not self.layer_types:
             raise TypeError(f"layer_types: must be a non-empty tuple, got {self.layer_types!r}")
@@ -202,6 +209,12 @@ class ModelConfig:
     def compressed_layers(self) -> int:
         """The number of C128 (HCA) layers: the layers of the model's compressor state."""
         return self.layer_types.count(HCA)
+
+    @property
+    def cache_dtypes(self) -> CacheDtypes:
+        """How every layer's caches are stored: ``kv_cache_dtype`` resolved against ``dtype``
+        (:meth:`~jax_oc128.nn.kv_cache.CacheDtypes.resolve`)."""
+        return CacheDtypes.resolve(self.kv_cache_dtype, self.dtype)
 
     @property
     def hyper_connections(self) -> bool:
@@ -295,6 +308,7 @@ class ModelConfig:
             max_position_embeddings=self.max_len,
             indexer=indexer,
             dtype=self.dtype,
+            cache_dtypes=self.cache_dtypes,
         )
 
     def moe(self, layer: int) -> MoEConfig | None:
@@ -324,11 +338,13 @@ class ModelConfig:
         mtp: bool = True,
         dtype: str = "float32",
         moe_dispatch: str = "grouped",
+        kv_cache_dtype: str = "auto",
     ) -> ModelConfig:
         """From ``DeepseekV4Config.to_dict()`` (a Hugging Face ``config.json``); ``max_len`` (default
         ``max_position_embeddings``) bounds the sequences the caches hold; ``max_draft``, ``mtp``,
-        ``dtype`` and ``moe_dispatch`` are the fields of the same names. Raises ValueError naming a missing
-        field, NotImplementedError for what transformers allows and this model does not have."""
+        ``dtype``, ``moe_dispatch`` and ``kv_cache_dtype`` are the fields of the same names. Raises
+        ValueError naming a missing field, NotImplementedError for what transformers allows and this model
+        does not have."""
         missing = sorted(HF_FIELDS - config.keys())
         if missing:
             raise ValueError(f"config: missing fields {missing}")
@@ -355,6 +371,7 @@ class ModelConfig:
             mtp=mtp,
             dtype=dtype,
             moe_dispatch=moe_dispatch,
+            kv_cache_dtype=kv_cache_dtype,
         )
         if model_config.attention(HCA).rope != compress_rope:
             raise NotImplementedError(f"config: rope_parameters['compress']: unsupported {compress!r}")
@@ -439,6 +456,7 @@ TINY = dict(
     compress_rope_original_max_position_embeddings=None,
     mtp=True,
     dtype="float32",
+    kv_cache_dtype="auto",
 )
 #: what DeepSeek-V4-Flash's and -Pro's released ``config.json`` share, as ModelConfig fields (``max_len``
 #: their ``max_position_embeddings``; ``max_draft``, ``mtp`` and ``dtype`` as :meth:`ModelConfig.from_hf`
@@ -466,6 +484,7 @@ DEEPSEEK_V4 = dict(
     compress_rope_original_max_position_embeddings=65536,
     mtp=True,
     dtype="float32",
+    kv_cache_dtype="auto",
 )
 #: DeepSeek-V4-Flash's released ``config.json`` as ModelConfig fields (:meth:`ModelConfig.deepseek_v4_flash`):
 #: ``compress_ratios`` 0, 0, then 4 and 128 alternating, ending 4; ``num_hash_layers`` 3
@@ -511,6 +530,20 @@ class ModelCache:
 
     layers: tuple[AttentionCache, ...]
     compressed: object
+
+    @classmethod
+    def create(cls, config: ModelConfig, backend: Backend, batch: int) -> ModelCache:
+        """An empty cache of a model of ``config`` with the C128 ``backend`` for ``batch`` rows (slots):
+        each layer's :meth:`~jax_oc128.nn.AttentionCache.create` up to ``max_len`` tokens, and the C128 state
+        (float32); nothing but the config is read."""
+        compressed = None
+        if config.compressed_layers:
+            compressed = backend.create(config.compressed_layers, batch, config.head_dim, config.max_draft)
+        layers = tuple(
+            AttentionCache.create(config.attention(t), config.max_draft, batch, config.max_len)
+            for t in config.layer_types
+        )
+        return cls(layers, compressed)
 
     def clear(self, rows) -> ModelCache:
         """Empty ``rows`` ([n] int32, -1 ignored) for new sequences, in every layer and the compressor."""
@@ -681,12 +714,8 @@ class DeepseekV4Model(nnx.Module):
         return paths
 
     def init_cache(self, batch: int) -> ModelCache:
-        """An empty cache for ``batch`` rows (slots)."""
-        c = self.config
-        compressed = None
-        if c.compressed_layers:
-            compressed = self.backend.create(c.compressed_layers, batch, c.head_dim, c.max_draft)
-        return ModelCache(tuple(block.attn.init_cache(batch, c.max_len) for block in self.blocks), compressed)
+        """An empty cache for ``batch`` rows (slots): :meth:`ModelCache.create`."""
+        return ModelCache.create(self.config, self.backend, batch)
 
     def logits(self, hidden):
         """``[..., hidden]`` -> ``[..., vocab]`` (final norm and LM head)."""

@@ -1,0 +1,174 @@
+"""How attention's caches are stored: the window ring and the CSA raw rows in float32 or bfloat16, the CSA and
+HCA entries and the indexer keys in float32, bfloat16 or DeepSeek's FP8 format; attention reads them back in
+float32 (:func:`decode`) and computes in float32 (:mod:`~jax_oc128.nn.functional`).
+
+``ModelConfig.kv_cache_dtype`` (:data:`KV_CACHE_DTYPES`) selects them, resolved once by
+:meth:`CacheDtypes.resolve`:
+
+* ``"auto"``: every cache in the model's dtype (``ModelConfig.dtype``), float32 or bfloat16;
+* ``"float32"``, ``"bfloat16"``: every cache in that dtype, whatever the model's;
+* ``"fp8"``: the window and raw rows in the model's dtype; the entries as :class:`FP8Entries` (the non-RoPE
+  channels e4m3 with one power-of-two scale per entry, the RoPE channels bfloat16, as DeepSeek's inference
+  stores them) and the indexer keys as FP8 too (every channel e4m3, one scale per key).
+
+A stored cache is an array or an :class:`FP8Entries`, a pytree whose leaves share their leading axes (batch,
+then the row or entry index): :func:`take`, :func:`put` and :func:`concatenate` work on it leaf by leaf. A
+value is rounded to its cache's format (:func:`round_trip`) before any query reads it, stored or not, so a
+verify of N tokens computes from what N decodes read. float32 caches store values as they are: the exact
+path, the oracle of the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+#: the values of ``ModelConfig.kv_cache_dtype``
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8")
+#: the largest finite float8_e4m3fn
+E4M3_MAX = 448.0
+
+
+def check_kv_cache_dtype(value, name: str = "kv_cache_dtype") -> str:
+    """``value`` if one of :data:`KV_CACHE_DTYPES`, else ValueError naming ``name``."""
+    if value not in KV_CACHE_DTYPES:
+        raise ValueError(f"{name}: must be one of {list(KV_CACHE_DTYPES)}, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheDtypes:
+    """The storage of one layer's caches (static).
+
+    Attributes:
+      rows: the window ring's and the CSA raw rows' dtype, ``"float32"`` or ``"bfloat16"``.
+      entries: the CSA and HCA entries' and the indexer keys' format, ``"float32"``, ``"bfloat16"`` or
+        ``"fp8"``.
+    """
+
+    rows: str = "float32"
+    entries: str = "float32"
+
+    @classmethod
+    def resolve(cls, kv_cache_dtype: str, model_dtype: str) -> CacheDtypes:
+        """The rule: the caches of a model of ``model_dtype`` (``"float32"`` or ``"bfloat16"``) under
+        ``kv_cache_dtype`` (see the module doc)."""
+        check_kv_cache_dtype(kv_cache_dtype)
+        plain = model_dtype if kv_cache_dtype in ("auto", "fp8") else kv_cache_dtype
+        return cls(rows=plain, entries="fp8" if kv_cache_dtype == "fp8" else plain)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FP8Entries:
+    """Vectors of ``dim`` channels in DeepSeek's FP8 cache format, a pytree: value = ``nope * scale`` on the
+    leading ``dim - rope_dim`` channels, then ``rope``.
+
+    Attributes:
+      nope: ``[..., dim - rope_dim]`` float8_e4m3fn.
+      scale: ``[...]`` float32, a power of two per vector: ``max |x_nope| / scale`` is in [224, 448).
+      rope: ``[..., rope_dim]`` bfloat16, the RoPE channels (zero-sized for the indexer keys).
+    """
+
+    nope: jax.Array
+    scale: jax.Array
+    rope: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the vectors this holds, ``[..., dim]``."""
+        return (*self.nope.shape[:-1], self.nope.shape[-1] + self.rope.shape[-1])
+
+    @classmethod
+    def zeros(cls, shape, rope_dim: int) -> FP8Entries:
+        """Zeros of ``shape`` ``[..., dim]``, the trailing ``rope_dim`` channels bfloat16."""
+        *lead, dim = shape
+        return cls(
+            jnp.zeros((*lead, dim - rope_dim), jnp.float8_e4m3fn),
+            jnp.zeros(lead, jnp.float32),
+            jnp.zeros((*lead, rope_dim), jnp.bfloat16),
+        )
+
+    @classmethod
+    def encode(cls, x, rope_dim: int) -> FP8Entries:
+        """``x`` ``[..., dim]`` float32 quantized: the scale is the power of two ``2^e`` of ``frexp(max
+        |x_nope| / 448)`` (at least float32's smallest normal), the non-RoPE channels ``x / scale`` rounded
+        to e4m3 (nearest even), the RoPE channels rounded to bfloat16."""
+        nope, rope = x[..., : x.shape[-1] - rope_dim], x[..., x.shape[-1] - rope_dim :]
+        amax = jnp.max(jnp.abs(nope), axis=-1, initial=0.0)
+        _, exponent = jnp.frexp(jnp.maximum(amax / E4M3_MAX, jnp.finfo(jnp.float32).tiny))
+        scale = jnp.ldexp(jnp.float32(1), exponent)
+        return cls((nope / scale[..., None]).astype(jnp.float8_e4m3fn), scale, rope.astype(jnp.bfloat16))
+
+    def decode(self):
+        """``[..., dim]`` float32."""
+        nope = self.nope.astype(jnp.float32) * self.scale[..., None]
+        return jnp.concatenate([nope, self.rope.astype(jnp.float32)], axis=-1)
+
+
+def zeros(shape, fmt: str, rope_dim: int = 0):
+    """An empty cache of vectors ``shape`` ``[..., dim]`` in ``fmt`` (``"float32"``, ``"bfloat16"``, or
+    ``"fp8"``: :class:`FP8Entries` with ``rope_dim`` RoPE channels)."""
+    if fmt == "fp8":
+        return FP8Entries.zeros(shape, rope_dim)
+    return jnp.zeros(shape, jnp.dtype(fmt))
+
+
+def encode(x, like):
+    """``x`` ``[..., dim]`` float32 in the format of the stored cache ``like``."""
+    if isinstance(like, FP8Entries):
+        return FP8Entries.encode(x, like.rope.shape[-1])
+    return x.astype(like.dtype)
+
+
+def decode(stored):
+    """A stored cache's values, float32."""
+    return stored.decode() if isinstance(stored, FP8Entries) else stored.astype(jnp.float32)
+
+
+def round_trip(x, like):
+    """``x`` float32 as a query reads it once stored in ``like``'s format (``x`` itself for float32)."""
+    return decode(encode(x, like))
+
+
+def take(stored, index):
+    """``stored[index]`` (an index of its leading axes), in its format."""
+    return jax.tree.map(lambda leaf: leaf[index], stored)
+
+
+def put(stored, index, values):
+    """``stored`` with ``stored[index]`` set to ``values`` (stored values of its format; out-of-range
+    indices dropped)."""
+    return jax.tree.map(lambda leaf, value: leaf.at[index].set(value, mode="drop"), stored, values)
+
+
+def put_nodes(stored, values):
+    """``stored`` ``[batch, max_draft, ...]`` with its first ``values.shape[1]`` nodes set to ``values``
+    (stored values of its format) by ``dynamic_update_slice``: a scatter here crashes jax 0.11.2's partitioner
+    inside the engine's ``shard_map`` (``scripts/repro_data_parallel_crash.py``)."""
+    return jax.tree.map(
+        lambda leaf, value: jax.lax.dynamic_update_slice_in_dim(leaf, value, 0, 1), stored, values
+    )
+
+
+def store(stored, index, x):
+    """``stored`` with ``stored[index]`` set to ``x`` float32, encoded (out-of-range indices dropped)."""
+    return put(stored, index, encode(x, stored))
+
+
+def clear(stored, index):
+    """``stored`` with ``stored[index]`` zeroed (out-of-range indices dropped)."""
+    return put(stored, index, jax.tree.map(lambda leaf: jnp.zeros((), leaf.dtype), stored))
+
+
+def concatenate(stored, more, axis: int):
+    """Two stored caches of one format joined along a leading ``axis``."""
+    return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=axis), stored, more)
+
+
+def nbytes(tree) -> int:
+    """Device bytes of the arrays of ``tree`` (also of a ``jax.eval_shape`` of it)."""
+    return sum(math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
