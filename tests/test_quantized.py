@@ -23,7 +23,7 @@ from safetensors.numpy import save_file
 
 from jax_oc128 import load_pretrained, pretrained, released
 from jax_oc128.engine import Engine
-from jax_oc128.nn import ModelConfig, SpeculativeModel, quant
+from jax_oc128.nn import ModelConfig, SpeculativeModel, moe, quant
 from jax_oc128.nn.quant import FP4, FP8, QuantizedArray
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "v4_small_window.npz"
@@ -375,3 +375,28 @@ def test_scale_exponents_out_of_range_are_named(tmp_path, checkpoints):
         ValueError, match=r"tensor layers\.2\.ffn\.experts\.3\.w1\.scale: e8m0 scale exponents must"
     ):
         load_pretrained(directory, max_len=512, max_draft=4)
+
+
+@pytest.mark.parametrize("fmt", [FP4, FP8])
+@pytest.mark.parametrize("dispatch", ["dense", "grouped_jnp", "grouped_ragged_dot"])
+def test_expert_dispatch_takes_quantized_experts(fmt, dispatch):
+    """Each expert dispatch on quantized experts (4 experts, 32 x 64) gives its result on the dequantized
+    experts, float32 to rounding."""
+    rng = np.random.default_rng(4)
+    quantize = quant.quantize_fp8 if fmt == FP8 else quant.quantize_fp4
+
+    def experts(out, width):
+        pieces = [quantize(rng.normal(size=(out, width)).astype(np.float32)) for _ in range(4)]
+        codes = np.stack([c.view(np.uint8) if fmt == FP4 else c for c, _ in pieces])
+        scales = np.stack([s.view(np.uint8) for _, s in pieces])
+        scales = quant.row_scales(scales, out) if fmt == FP8 else scales
+        return QuantizedArray(jnp.asarray(codes), jnp.asarray(scales), fmt, "float32")
+
+    gate_up, down = experts(64, 32), experts(32, 32)
+    x = jnp.asarray(rng.normal(size=(2, 5, 32)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 4, (2, 5, 2)), jnp.int32)
+    weights = jnp.asarray(rng.uniform(size=(2, 5, 2)), jnp.float32)
+    run = jax.jit(moe.DISPATCHES[dispatch], static_argnums=5)
+    got = run(x, ids, weights, gate_up, down, 10.0)
+    want = run(x, ids, weights, quant.dequantize(gate_up), quant.dequantize(down), 10.0)
+    assert rel_err(got, want) < 1e-6
