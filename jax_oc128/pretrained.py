@@ -26,8 +26,16 @@ dtypes, all problems in one :class:`ValueError` that names each tensor; then the
 expert tables (small, any integer dtype) are read and their ids checked. Then the tensors are read one at a
 time (a shard is memory mapped), each header checked again (a shard replaced since is refused, naming the
 tensor), each cast to its parameter's dtype and placed on the device, DeepSeek's per-expert tensors written
-into their stacked parameter in place. Quantized checkpoints (FP8/FP4
-tensors with scales, ``quantization_config``) are not supported: dequantize them first.
+into their stacked parameter in place.
+
+A quantized checkpoint (DeepSeek's released format: ``quantization_config`` and ``expert_dtype``,
+:func:`read_quantization`) keeps its weights quantized on the device (:mod:`jax_oc128.nn.quant`): the FP8
+linears (:data:`FP8_PARAMS`) and the routed experts (FP4, or FP8 in the Base checkpoints) become
+:class:`~jax_oc128.nn.quant.QuantizedArray` parameters of their codes and per-row scales, each weight with its
+``.scale`` tensor (checked with the others: present, of its shape and dtype, and each quantized weight of its
+format's dtype and packed shape; a quantized tensor where the format has a float one is refused), each
+scale's exponents checked when it is read (:func:`~jax_oc128.nn.quant.check_exponents`). The other
+parameters load as from a float checkpoint.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ import stat
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, safe_open
@@ -54,6 +63,7 @@ from jax_oc128.controller import ONLINE, Backend
 from jax_oc128.nn import CSA, HCA, SLIDING, ModelConfig, SpeculativeModel
 from jax_oc128.nn.functional import DTYPES, variable_at
 from jax_oc128.nn.moe import HASH_MOE, MOE, check_expert_ids
+from jax_oc128.nn.quant import FP4, FP8, GROUP, QuantizedArray, check_exponents, row_scales
 from jax_oc128.rules import MAX_DRAFT
 
 CONFIG = "config.json"
@@ -118,12 +128,47 @@ DEEPSEEK_EXPERT = {
 }
 # (indices of at most 9 digits: a name with a longer one is an unexpected tensor)
 EXPERT_NAME = re.compile(r"ffn\.experts\.(\d{1,9})\.(w[123])\.weight")
+LAYER_PARAM = re.compile(r"model\.layers\.\d+\.(.+)")
 LAYER_NAME = re.compile(r"(?:model\.)?(layers|mtp)\.(\d{1,9})\.(.+)")
 #: DeepSeek's ``compress_ratios`` entries -> transformers' layer types
 RATIO_LAYER_TYPES = {0: SLIDING, 4: CSA, 128: HCA}
 #: safetensors dtypes a floating / an integer parameter may be stored in (cast on load)
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 INT_DTYPES = {"I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8"}
+#: the safetensors dtypes numpy cannot read by name (safetensors' numpy reader), read as their bytes
+RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E8M0": ml_dtypes.float8_e8m0fnu}
+#: DeepSeek's ``quantization_config`` as released, the only one read (each field checked)
+QUANTIZATION_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "scale_fmt": "ue8m0",
+    "weight_block_size": [128, 128],
+    "activation_scheme": "dynamic",
+}
+#: ``expert_dtype`` -> the routed experts' format (absent: fp4, as the released V4 checkpoints)
+EXPERT_DTYPES = {"fp4": FP4, "fp8": FP8}
+#: the parameters (within ``model.layers.{i}.``) a quantized checkpoint stores in FP8: the attention's
+#: projections, the indexer's query projection and the shared expert
+FP8_PARAMS = (
+    "self_attn.q_a_proj.weight",
+    "self_attn.q_b_proj.weight",
+    "self_attn.kv_proj.weight",
+    "self_attn.o_a_proj.weight",
+    "self_attn.o_b_proj.weight",
+    "self_attn.compressor.indexer.q_b_proj.weight",
+    "mlp.shared_experts.gate_proj.weight",
+    "mlp.shared_experts.up_proj.weight",
+    "mlp.shared_experts.down_proj.weight",
+)
+#: the MTP layer's projections: FP8 where stored so (F8_E4M3 with a scale), float otherwise
+OPTIONAL_FP8_PARAMS = ("e_proj.weight", "h_proj.weight")
+#: the routed experts' parameters, in the format of ``expert_dtype``
+EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+#: a quantized weight's safetensors dtype, and its scale's (the Base checkpoints' FP8 experts: float32)
+WEIGHT_DTYPE = {FP8: "F8_E4M3", FP4: "I8"}
+SCALE_DTYPES = {FP8: ("F8_E8M0",), FP4: ("F8_E8M0",)}
+EXPERT_SCALE_DTYPES = {FP8: ("F8_E8M0", "F32"), FP4: ("F8_E8M0",)}
+SCALE = ".scale"
 #: the fields of a RoPE's parameters (``rope_parameters['main']`` and ``['compress']``) that its
 #: ``rope_type`` needs, and those that are numbers where given
 ROPE_REQUIRED = {
@@ -145,11 +190,13 @@ ROPE_NUMBERS = (
 class Part:
     """Where a stored tensor goes: the parameter ``param`` (its transformers-style name) whole
     (``expert`` None) or one expert's slice of it (DeepSeek's per-expert tensors): rows
-    ``[half * n, (half + 1) * n)`` of ``param[expert]``, ``n`` half its rows (``half`` None: all)."""
+    ``[half * n, (half + 1) * n)`` of ``param[expert]``, ``n`` half its rows (``half`` None: all); ``scale``:
+    the part's scale (a quantized checkpoint's ``.scale`` tensor), not its weight."""
 
     param: str
     expert: int | None = None
     half: int | None = None
+    scale: bool = False
 
 
 def load_pretrained(
@@ -182,7 +229,7 @@ def load_pretrained(
     if max_len is not None:
         check_int("max_len", max_len, 1)  # (the config bounds it by 2**31)
     check_int("max_draft", max_draft, 1, MAX_DRAFT)
-    config, mtp_layers = _read_config(directory / CONFIG)
+    config, mtp_layers, quantization = _read_config(directory / CONFIG)
     try:
         model_config = ModelConfig.from_hf(config, max_len=max_len, max_draft=max_draft, dtype=dtype)
     except (TypeError, ValueError) as error:  # what the file says (the arguments are checked above)
@@ -204,9 +251,16 @@ def load_pretrained(
     model = nnx.eval_shape(lambda: SpeculativeModel(model_config, backend=backend, rngs=_OneKey()))
     params = parameter_paths(model)
     variables = {name: variable_at(model, path) for name, path in params.items()}
-    _check_tensors(directory, headers, parts, {name: v.get_value() for name, v in variables.items()}, layers)
+    abstract = {name: v.get_value() for name, v in variables.items()}
+    formats = _formats(headers, parts, abstract, quantization)
+    _check_tensors(directory, headers, parts, abstract, layers, formats)
+    scale_dtypes = {parts[name].param: header[2] for name, header in headers.items() if parts[name].scale}
+    for param, fmt in formats.items():  # the quantized parameters' leaves, placed as read
+        leaves = _quantized_leaves(abstract[param], fmt, scale_dtypes[param], model_config.dtype)
+        variables[param].set_value(leaves)
     tables = {}  # the hash layers' (small): read once, checked, and placed as checked
-    for file, names in _by_file({n: h for n, h in headers.items() if h[2] in INT_DTYPES}).items():
+    hashes = {n: h for n, h in headers.items() if jnp.issubdtype(abstract[parts[n].param].dtype, jnp.integer)}
+    for file, names in _by_file(hashes).items():
         with _open_shard(file) as stored:
             for name in names:
                 tables[name] = _read_tensor(stored, name, headers[name])
@@ -215,7 +269,13 @@ def load_pretrained(
         with _open_shard(file) as stored:
             for name in names:
                 value = tables[name] if name in tables else _read_tensor(stored, name, headers[name])
-                _place(variables[parts[name].param], parts[name], value)
+                part, fmt = parts[name], formats.get(parts[name].param)
+                if part.scale:
+                    rows = _part_shape(part, abstract[part.param].shape)[-2]
+                    value = _scale_rows(value, fmt, rows, f"{file}: tensor {name}")
+                elif fmt == FP4:
+                    value = value.view(np.uint8)  # the packed codes' bytes
+                _place(variables[part.param], part, value)
     return model
 
 
@@ -284,21 +344,21 @@ def _read_json(file: pathlib.Path, limit: int):
         raise ValueError(f"{file}: not a readable JSON file ({error})") from None
 
 
-def _read_config(file: pathlib.Path) -> tuple[dict, int]:
-    """The transformers config of ``config.json`` (DeepSeek's fields converted) and its MTP layers; each
-    field :func:`ModelConfig.from_hf <jax_oc128.nn.ModelConfig.from_hf>` does not check itself is checked
-    here (a ValueError naming the file and the field)."""
+def _read_config(file: pathlib.Path) -> tuple[dict, int, str | None]:
+    """The transformers config of ``config.json`` (DeepSeek's fields converted), its MTP layers and its
+    quantization (:func:`read_quantization`); each field :func:`ModelConfig.from_hf
+    <jax_oc128.nn.ModelConfig.from_hf>` does not check itself is checked here (a ValueError naming the file
+    and the field)."""
     try:
         config = _read_json(file, MAX_CONFIG_BYTES)
     except FileNotFoundError:
         raise ValueError(f"path: {file.parent} has no {CONFIG} (not a Hugging Face checkpoint)") from None
     if not isinstance(config, dict):
         raise ValueError(f"{file}: must be a JSON object")
-    if config.get("quantization_config") is not None:
-        raise NotImplementedError(
-            f"{file}: quantization_config: quantized checkpoints (FP8/FP4) are not supported; dequantize "
-            "the weights (to bfloat16 or float32) first"
-        )
+    try:
+        quantization = read_quantization(config)
+    except ValueError as error:
+        raise ValueError(f"{file}: {error}") from None
     mtp_layers = config.get("num_nextn_predict_layers", 1)
     if not isinstance(mtp_layers, int) or isinstance(mtp_layers, bool) or mtp_layers < 0:
         raise ValueError(f"{file}: num_nextn_predict_layers: must be an int >= 0, got {mtp_layers!r}")
@@ -308,13 +368,38 @@ def _read_config(file: pathlib.Path) -> tuple[dict, int]:
         config = _from_deepseek(config, mtp_layers)
         if "rope_parameters" in config:
             _check_rope_parameters(config["rope_parameters"])
-        return config, mtp_layers
+        return config, mtp_layers, quantization
     except KeyError as error:
         raise ValueError(f"{file}: config: missing fields [{error.args[0]!r}]") from None
     except (TypeError, ValueError) as error:
         raise ValueError(f"{file}: {error}") from None
     except NotImplementedError as error:
         raise NotImplementedError(f"{file}: {error}") from None
+
+
+def read_quantization(config: dict) -> str | None:
+    """The routed experts' format (:data:`~jax_oc128.nn.quant.FP4` or ``FP8``) of a quantized checkpoint's
+    config, None for a float checkpoint (no ``quantization_config``). A quantized one must be DeepSeek's
+    released format: ``quantization_config`` :data:`QUANTIZATION_CONFIG` (FP8 e4m3 weights with ue8m0 scales
+    of 128 x 128 blocks) and ``expert_dtype`` ``"fp4"`` (the default) or ``"fp8"``; a ValueError naming the
+    field otherwise."""
+    quantization = config.get("quantization_config")
+    if quantization is None:
+        if config.get("expert_dtype") is not None:
+            raise ValueError("expert_dtype: given without a quantization_config")
+        return None
+    if not isinstance(quantization, dict):
+        raise ValueError(f"quantization_config: must be an object, got {quantization!r}")
+    for field, value in QUANTIZATION_CONFIG.items():
+        if quantization.get(field) != value:
+            raise ValueError(
+                f"quantization_config[{field!r}]: must be {value!r} (DeepSeek's released format), got "
+                f"{quantization.get(field)!r}"
+            )
+    expert_dtype = config.get("expert_dtype", "fp4")
+    if expert_dtype not in EXPERT_DTYPES:
+        raise ValueError(f"expert_dtype: must be one of {sorted(EXPERT_DTYPES)}, got {expert_dtype!r}")
+    return EXPERT_DTYPES[expert_dtype]
 
 
 def _list_field(config: dict, name: str) -> list:
@@ -430,7 +515,8 @@ def _open_shard(file: pathlib.Path):
 def _read_tensor(stored, name: str, header: tuple) -> np.ndarray:
     """The tensor ``name`` of the open shard ``stored``, whose header must still be ``header`` (file, shape,
     dtype) as it was when the headers were checked: a ValueError naming the tensor otherwise (the file
-    replaced since)."""
+    replaced since). A dtype of :data:`RAW_DTYPES` is read as its bytes (memory mapped), viewed as the
+    ml_dtypes type."""
     file, shape, dtype = header
     try:
         view = stored.get_slice(name)
@@ -440,9 +526,30 @@ def _read_tensor(stored, name: str, header: tuple) -> np.ndarray:
                 f"{file}: tensor {name}: now shape {now[0]} and dtype {now[1]}, checked as {shape} and "
                 f"{dtype} (the file changed while it was loaded)"
             )
+        if dtype in RAW_DTYPES:
+            status = os.stat(file)
+            start, offsets = _data_layout(file, status.st_mtime_ns, status.st_size)
+            begin, end = offsets[name]
+            if end - begin != math.prod(shape):  # one byte per element
+                raise ValueError(f"{file}: tensor {name}: {end - begin} bytes for shape {shape} of {dtype}")
+            data = np.memmap(file, dtype=np.uint8, mode="r", offset=start + begin, shape=(end - begin,))
+            return data.view(RAW_DTYPES[dtype]).reshape(shape)
         return stored.get_tensor(name)
     except SafetensorError as error:
         raise ValueError(f"{file}: tensor {name}: not readable ({error}; the file changed?)") from None
+
+
+@functools.lru_cache(maxsize=4)
+def _data_layout(file: pathlib.Path, mtime_ns: int, size: int) -> tuple[int, dict[str, tuple[int, int]]]:
+    """Where the tensors of the safetensors ``file`` lie (of this modification time and size): the data's
+    first byte and each tensor's ``data_offsets`` from it (the header, which safetensors has read)."""
+    with open(file, "rb") as stream:
+        length = int.from_bytes(stream.read(8), "little")
+        if not 0 < length <= size - 8:
+            raise ValueError(f"{file}: not a readable safetensors file (header of {length} bytes)")
+        header = json.loads(stream.read(length))
+    offsets = {name: tuple(entry["data_offsets"]) for name, entry in header.items() if name != "__metadata__"}
+    return 8 + length, offsets
 
 
 def _read_index(directory: pathlib.Path) -> dict[pathlib.Path, list[str]]:
@@ -463,7 +570,14 @@ def _read_index(directory: pathlib.Path) -> dict[pathlib.Path, list[str]]:
 
 
 def _part(name: str, layers: int) -> Part | None:
-    """Where the stored tensor ``name`` goes (see :class:`Part`), None for a name of neither naming."""
+    """Where the stored tensor ``name`` goes (see :class:`Part`), None for a name of neither naming. A
+    quantized weight's scale is its name with ``.scale`` for ``.weight`` (DeepSeek's)."""
+    if name.endswith(SCALE):
+        weight = _part(name.removesuffix(SCALE) + ".weight", layers)
+        if weight is not None and _layer_suffix(weight.param) in (*FP8_PARAMS, *OPTIONAL_FP8_PARAMS):
+            return dataclasses.replace(weight, scale=True)
+        if weight is not None and weight.expert is not None:  # an expert's (EXPERT_NAME)
+            return dataclasses.replace(weight, scale=True)
     bare = name.removeprefix("model.")
     if bare in DEEPSEEK_TOP_NAMES:
         return Part(DEEPSEEK_TOP_NAMES[bare])
@@ -479,6 +593,80 @@ def _part(name: str, layers: int) -> Part | None:
         param, half = DEEPSEEK_EXPERT[expert.group(2)]
         return Part(prefix + param, int(expert.group(1)), half)
     return Part(prefix + DEEPSEEK_LAYER_NAMES.get(suffix, suffix))
+
+
+def _layer_suffix(param: str) -> str | None:
+    """The name of the parameter ``param`` within its layer (``model.layers.{i}.``), None for a top-level
+    one."""
+    match = LAYER_PARAM.fullmatch(param)
+    return None if match is None else match.group(1)
+
+
+def _formats(headers: dict, parts: dict, params: dict, experts: str | None) -> dict[str, str]:
+    """The quantized parameters of a checkpoint and their formats (FP8 or FP4): none for a float checkpoint
+    (``experts`` None), else :data:`FP8_PARAMS` in FP8, :data:`EXPERT_PARAMS` in ``experts``' format and
+    :data:`OPTIONAL_FP8_PARAMS` in FP8 where stored as FP8 codes."""
+    if experts is None:
+        return {}
+    formats = {}
+    for param in params:
+        suffix = _layer_suffix(param)
+        if suffix in EXPERT_PARAMS:
+            formats[param] = experts
+        elif suffix in FP8_PARAMS:
+            formats[param] = FP8
+    for name, part in parts.items():
+        optional = part is not None and not part.scale and _layer_suffix(part.param) in OPTIONAL_FP8_PARAMS
+        if optional and part.param in params and headers[name][2] == WEIGHT_DTYPE[FP8]:
+            formats[part.param] = FP8
+    return formats
+
+
+def _stored_shape(fmt: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The stored shape of a quantized ``[..., out, in]`` weight: FP4 two codes a byte along ``in``."""
+    return (*shape[:-1], shape[-1] // 2) if fmt == FP4 else shape
+
+
+def _scale_shape(fmt: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The stored shape of the scale of a quantized ``[..., out, in]`` weight: FP8 one per 128 x 128 block,
+    FP4 one per 1 x 32 group."""
+    *lead, out, width = shape
+    if fmt == FP8:
+        return (*lead, -(-out // GROUP[FP8]), -(-width // GROUP[FP8]))
+    return (*lead, out, width // GROUP[FP4])
+
+
+def _scale_name(weight: str) -> str:
+    """The name of the scale of the stored weight ``weight``."""
+    return weight.removesuffix(".weight") + SCALE
+
+
+def _quantized_leaves(want, fmt: str, scale_dtype: str, dtype: str) -> QuantizedArray:
+    """The abstract :class:`QuantizedArray` of a parameter of abstract value ``want`` ``[..., out, in]`` in
+    ``fmt``, its scales stored as ``scale_dtype`` (F8_E8M0: uint8 exponents; F32: float32), dequantized to
+    ``dtype``."""
+    *lead, width = want.shape
+    codes = (
+        jax.ShapeDtypeStruct((*lead, width // 2), jnp.uint8)
+        if fmt == FP4
+        else jax.ShapeDtypeStruct(want.shape, jnp.float8_e4m3fn)
+    )
+    scales = jax.ShapeDtypeStruct(
+        (*lead, -(-width // GROUP[fmt])), jnp.float32 if scale_dtype == "F32" else jnp.uint8
+    )
+    return QuantizedArray(codes, scales, fmt, dtype)
+
+
+def _scale_rows(value: np.ndarray, fmt: str, rows: int, name: str) -> np.ndarray:
+    """A read scale as the device keeps it: e8m0 exponents as uint8, their range checked
+    (:func:`~jax_oc128.nn.quant.check_exponents`), float32 scales finite and > 0 (a ValueError naming the
+    tensor, ``name``, otherwise); FP8 block scales repeated over their ``rows``."""
+    if value.dtype == ml_dtypes.float8_e8m0fnu:
+        value = value.view(np.uint8)
+        check_exponents(value, fmt, name)
+    elif not np.all(np.isfinite(value) & (value > 0)):
+        raise ValueError(f"{name}: float32 scales must be finite and > 0")
+    return row_scales(value, rows) if fmt == FP8 else value
 
 
 def parameter_paths(model: SpeculativeModel) -> dict[str, tuple]:
@@ -516,28 +704,63 @@ def deepseek_name(part: Part, layers: int) -> str:
     return prefix + f"ffn.experts.{expert}.{projections[0]}.weight"
 
 
-def _check_tensors(directory, headers: dict, parts: dict, params: dict, layers: int) -> None:
+def _check_tensors(
+    directory, headers: dict, parts: dict, params: dict, layers: int, formats: dict | None = None
+) -> None:
     """Every parameter of ``params`` (name -> its abstract value) given exactly once (whole, or every
-    expert's part), no other tensor, each of its shape and of a dtype of its kind; raises one ValueError
-    listing every problem (``layers``: the decoder layers, for DeepSeek's names of missing tensors)."""
-    unexpected, problems, given = [], [], {}
+    expert's part), no other tensor, each of its shape and of a dtype of its kind; a quantized one's
+    (``formats``: parameter -> FP8 or FP4, :func:`_formats`) each part in its format's dtype and stored
+    shape, with its scale of the format's shape and dtype; raises one ValueError listing every problem
+    (``layers``: the decoder layers, for DeepSeek's names of missing tensors)."""
+    formats = formats or {}
+    unexpected, problems, given, scales = [], [], {}, {}
     for name, part in parts.items():
-        if part is None or part.param not in params:
-            unexpected.append(name)
+        if part is None or part.param not in params or (part.scale and part.param not in formats):
+            unexpected.append(name)  # (a scale of an unquantized weight too)
             continue
         want = params[part.param]
         if part.expert is not None and part.expert >= want.shape[0]:  # an expert the config has not
             unexpected.append(name)
             continue
-        given.setdefault(part.param, {}).setdefault((part.expert, part.half), []).append(name)
+        (scales if part.scale else given).setdefault(part.param, {}).setdefault(
+            (part.expert, part.half), []
+        ).append(name)
         _, shape, stored = headers[name]
-        if shape != _part_shape(part, want.shape):
-            problems.append(f"tensor {name}: shape {shape}, the config gives {_part_shape(part, want.shape)}")
+        logical, fmt = _part_shape(part, want.shape), formats.get(part.param)
+        if part.scale:
+            _check_scale(
+                problems, name, headers[name], fmt, logical, _layer_suffix(part.param) in EXPERT_PARAMS
+            )
+            continue
+        if fmt is not None:
+            _check_codes(problems, name, headers[name], fmt, logical)
+            continue
+        if shape != logical:
+            problems.append(f"tensor {name}: shape {shape}, the config gives {logical}")
         kinds = INT_DTYPES if jnp.issubdtype(want.dtype, jnp.integer) else FLOAT_DTYPES
         if stored not in kinds:
             kind = "an integer" if kinds is INT_DTYPES else "a floating-point"
-            note = " (quantized tensors are not supported)" if stored.startswith(("F8", "F6", "F4")) else ""
+            note = ""
+            if stored.startswith(("F8", "F6", "F4")) or (stored == "I8" and kinds is FLOAT_DTYPES):
+                where = "the format stores this tensor unquantized" if formats else "no quantization_config"
+                note = f" (quantized: {where})"
             problems.append(f"tensor {name}: dtype {stored}, expected {kind} dtype{note}")
+    unscaled = []  # the quantized weights given without their scales
+    for param, pieces in given.items():
+        have = scales.get(param, {}) if param in formats else None
+        if have is None:
+            continue
+        unscaled += [_scale_name(names[0]) for key, names in pieces.items() if key not in have]
+        for key, names in have.items():
+            if key not in pieces:
+                problems.append(f"tensor {names[0]}: a scale without its weight")
+            if len(names) > 1:
+                problems.append(f"tensors {', '.join(sorted(names))}: the same scale twice")
+        stored = {headers[name][2] for names in have.values() for name in names}
+        if len(stored) > 1:
+            problems.append(f"tensor {param}: scales of different dtypes ({', '.join(sorted(stored))})")
+    if unscaled:
+        problems.insert(0, f"missing scales ({len(unscaled)}): {_listed(sorted(unscaled), len(unscaled))}")
     missing, absent = [], 0  # the first MAX_LISTED names of the missing tensors, and how many are missing
     for param, want in params.items():
         pieces = given.get(param, {})
@@ -573,6 +796,34 @@ def _check_tensors(directory, headers: dict, parts: dict, params: dict, layers: 
         raise ValueError(f"{directory}: the checkpoint does not fit its config:\n  " + "\n  ".join(problems))
 
 
+def _check_scale(problems: list, name: str, header: tuple, fmt: str, logical: tuple, expert: bool) -> None:
+    """The scale ``name`` (``header``: file, shape, dtype) of a weight part of shape ``logical`` in
+    ``fmt`` (``expert``: a routed expert's) has the format's shape and dtype; each problem appended."""
+    _, shape, stored = header
+    if shape != _scale_shape(fmt, logical):
+        expected = _scale_shape(fmt, logical)
+        problems.append(f"tensor {name}: shape {shape}, the config gives {expected} (the {fmt} scales)")
+    allowed = (EXPERT_SCALE_DTYPES if expert else SCALE_DTYPES)[fmt]
+    if stored not in allowed:
+        problems.append(f"tensor {name}: dtype {stored}, expected {' or '.join(allowed)} ({fmt} scales)")
+
+
+def _check_codes(problems: list, name: str, header: tuple, fmt: str, logical: tuple) -> None:
+    """The quantized weight part ``name`` (``header``: file, shape, dtype) of shape ``logical`` in ``fmt``
+    has the format's stored shape and dtype; each problem appended."""
+    _, shape, stored = header
+    if fmt == FP4 and logical[-1] % GROUP[FP4]:
+        problems.append(f"tensor {name}: the config's {logical[-1]} columns are not FP4 groups of 32")
+    elif shape != _stored_shape(fmt, logical):
+        packed = ", two codes a byte" if fmt == FP4 else ""
+        expected = _stored_shape(fmt, logical)
+        problems.append(f"tensor {name}: shape {shape}, the config gives {expected} ({fmt}{packed})")
+    if stored != WEIGHT_DTYPE[fmt]:
+        problems.append(
+            f"tensor {name}: dtype {stored}, expected {WEIGHT_DTYPE[fmt]} ({fmt}: quantization_config)"
+        )
+
+
 def _halves(param: str) -> tuple[int | None, ...]:
     """The halves of the stacked expert parameter ``param`` that DeepSeek stores as tensors of their own
     (gate_up_proj: w1 and w3), ``(None,)`` for one whole."""
@@ -600,13 +851,23 @@ def _set_slice(param, value, expert, row):
 
 
 def _place(variable: nnx.Variable, part: Part, value: np.ndarray) -> None:
-    """Write ``value`` into its ``part`` of ``variable``, cast to the variable's dtype."""
+    """Write ``value`` into its ``part`` of ``variable``, cast to the variable's dtype: of a quantized
+    variable (a :class:`QuantizedArray`), into its scales (``part.scale``) or its codes."""
     current = variable.get_value()
+    if isinstance(current, QuantizedArray):
+        leaf = "scales" if part.scale else "codes"
+        placed = _placed(getattr(current, leaf), part, value)
+        variable.set_value(dataclasses.replace(current, **{leaf: placed}))
+    else:
+        variable.set_value(_placed(current, part, value))
+
+
+def _placed(current, part: Part, value: np.ndarray) -> jax.Array:
+    """The array ``current`` (or an abstract one) with ``value``, cast to its dtype, as its ``part``."""
     value = value.astype(current.dtype)
     if part.expert is None:
-        variable.set_value(jax.device_put(value))
-        return
+        return jax.device_put(value)
     if isinstance(current, jax.ShapeDtypeStruct):
         current = jnp.zeros(current.shape, current.dtype)
     row = 0 if part.half is None else part.half * (current.shape[1] // 2)
-    variable.set_value(_set_slice(current, value, part.expert, row))
+    return _set_slice(current, value, part.expert, row)

@@ -310,10 +310,10 @@ BAD_CONFIGS = {
         ValueError,
         r"mlp_layer_types\[1\]: must be",
     ),
-    "quantized": (
+    "quantized": (  # not DeepSeek's released format (tests/test_quantized.py loads that)
         {"quantization_config": {"quant_method": "fp8"}},
-        NotImplementedError,
-        r"config\.json: quantization_config: quantized checkpoints \(FP8/FP4\) are not supported",
+        ValueError,
+        r"config\.json: quantization_config\['fmt'\]: must be 'e4m3' \(DeepSeek's released format\)",
     ),
     "two-mtp-layers": (
         {"num_nextn_predict_layers": 2},

@@ -38,6 +38,7 @@ from jax_oc128.nn.csa import CSACompressor, IndexerConfig
 from jax_oc128.nn.functional import FULL, assign_weights, linear, normal_param, ones_param, rms_norm
 from jax_oc128.nn.hca import HCACompressor, batch_slots
 from jax_oc128.nn.kv_cache import CacheDtypes
+from jax_oc128.nn.quant import matrix
 from jax_oc128.nn.rope import RopeConfig
 from jax_oc128.rules import BLOCK, drop_index
 from jax_oc128.tree import Tree, check_tree
@@ -473,7 +474,7 @@ class DeepseekV4Attention(nnx.Module):
         out = c.rope.apply(out, positions, inverse=True)
 
         grouped = out.reshape(batch, tokens, c.o_groups, -1)
-        o_a = self.o_a_proj[...].reshape(c.o_groups, c.o_lora_rank, -1)
+        o_a = matrix(self.o_a_proj[...]).reshape(c.o_groups, c.o_lora_rank, -1)
         y = linear(
             jnp.einsum(
                 "btgi,goi->btgo",

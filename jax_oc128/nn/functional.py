@@ -6,7 +6,10 @@ by :func:`normal_param`) are stored in the model's dtype, float32 or bfloat16; e
 float32, as transformers keeps DeepSeek-V4's norms, hyper-connections, sinks, position biases
 and router biases in float32. A linear layer takes its input in the weight's dtype and accumulates in float32
 (:func:`linear`), so a bfloat16 model runs its matmuls on bfloat16 operands and everything else (norms,
-softmaxes, RoPE, the residual streams, routing, the compressors' pooling) in float32."""
+softmaxes, RoPE, the residual streams, routing, the compressors' pooling) in float32. A weight may also be
+quantized (a :class:`~jax_oc128.nn.quant.QuantizedArray`, a released checkpoint's FP8 or FP4 weight): it is
+dequantized to the model's dtype inside the computation (:func:`~jax_oc128.nn.quant.matrix`), and the matmul
+is the float one."""
 
 from __future__ import annotations
 
@@ -15,14 +18,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_oc128.nn.quant import matrix
+
 FULL = jax.lax.Precision.HIGHEST  # float32 matmuls stay float32 (on GPUs the default would allow TF32)
 #: the dtypes a model's weights may have, by name (``ModelConfig.dtype``)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def linear(x, weight):
-    """``x @ weight.T`` for a ``[out, in]`` weight (transformers' layout): ``x`` is taken in the weight's
-    dtype and the products are accumulated and returned in float32 (full float32 for a float32 weight)."""
+    """``x @ weight.T`` for a ``[out, in]`` weight (transformers' layout; a quantized one dequantized to its
+    dtype, fused into the matmul's operand by XLA): ``x`` is taken in the weight's dtype and the products are
+    accumulated and returned in float32 (full float32 for a float32 weight)."""
+    weight = matrix(weight)
     return jnp.matmul(x.astype(weight.dtype), weight.T, precision=FULL, preferred_element_type=jnp.float32)
 
 

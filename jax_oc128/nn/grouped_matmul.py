@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jax_oc128.nn.functional import FULL, linear
+from jax_oc128.nn.quant import QuantizedArray, matrix
 
 MIN_BLOCK_ROWS, MAX_BLOCK_ROWS = 16, 128  # 16: the smallest tensor-core matmul Triton emits
 BLOCKS_N = (128, 64, 32, 16)  # the kernel's blocks of output columns, preferred first
@@ -85,9 +86,9 @@ def group_pairs(expert_ids, num_experts: int) -> Groups:
 
 def gmm_jnp(x, weights, groups: Groups):
     """``x`` ``[rows, K]`` (the padded layout, in the weights' dtype) by each tile's expert of ``weights``
-    ``[experts, N, K]`` (``[out, in]`` per expert) -> float32 ``[rows, N]``: a loop over the tiles, each one
-    matmul of its rows by its expert's weights (accumulated in float32; full float32 for float32 weights).
-    The rows of unused tiles are zero."""
+    ``[experts, N, K]`` (``[out, in]`` per expert; a quantized one's tile's expert dequantized, read once per
+    tile) -> float32 ``[rows, N]``: a loop over the tiles, each one matmul of its rows by its expert's weights
+    (accumulated in float32; full float32 for float32 weights). The rows of unused tiles are zero."""
     n = weights.shape[1]
     tiles = x.reshape(-1, groups.block_rows, x.shape[1])
 
@@ -105,7 +106,9 @@ def gmm_jnp(x, weights, groups: Groups):
 def gmm_ragged_dot(x, weights, groups: Groups):
     """:func:`gmm_jnp` by XLA's ``jax.lax.ragged_dot_general`` (each expert's group: its tiles' rows, padding
     included), however XLA lowers it (a grouped matmul on TPUs; on GPUs a dense matmul over group-masked
-    operands, every expert's FLOPs). The rows of unused tiles (past every group) are zero."""
+    operands, every expert's FLOPs; quantized weights dequantized whole). The rows of unused tiles (past every
+    group) are zero."""
+    weights = matrix(weights)
     used = jnp.where(groups.tile_expert >= 0, groups.tile_expert, weights.shape[0])
     group_sizes = jnp.bincount(used, length=weights.shape[0]) * groups.block_rows
     numbers = jax.lax.RaggedDotDimensionNumbers(
@@ -143,7 +146,10 @@ def gmm_pallas(x, weights, groups: Groups, *, interpret: bool = False, read=read
     ``t`` against columns ``j * block_n`` of tile ``t``'s expert, looping over K in ``block_k`` steps; the
     programs of unused tiles return at once (their rows are left unwritten: no pair maps to them). ``read``
     (default :func:`read_weight_tile`) loads one ``[block_n, block_k]`` weight tile from ``weights`` (a ref,
-    or a tuple of refs for a quantized format). N and K must be multiples of 16."""
+    or a tuple of refs for a quantized format). N and K must be multiples of 16. Quantized weights
+    (:class:`~jax_oc128.nn.quant.QuantizedArray`) have no reader yet: :func:`gmm_jnp` computes them."""
+    if isinstance(weights, QuantizedArray):
+        raise NotImplementedError("weights: the Pallas grouped matmul has no reader of quantized weights yet")
     weight_refs = weights if isinstance(weights, tuple) else (weights,)
     n, k = weight_refs[0].shape[1], x.shape[1]
     block_n = _block(n, BLOCKS_N, "N (the weights' output dimension)")
@@ -190,8 +196,8 @@ def _per_platform(x, weights, groups: Groups, cuda, default):
 
 def gmm(x, weights, groups: Groups):
     """The grouped matmul of the lowering platform: :func:`gmm_pallas` on CUDA (for the shapes it takes,
-    :func:`pallas_fits`), :func:`gmm_jnp` elsewhere."""
-    if not pallas_fits(x, weights):
+    :func:`pallas_fits`, and float weights), :func:`gmm_jnp` elsewhere."""
+    if isinstance(weights, QuantizedArray) or not pallas_fits(x, weights):
         return gmm_jnp(x, weights, groups)
     return _per_platform(x, weights, groups, gmm_pallas, gmm_jnp)
 

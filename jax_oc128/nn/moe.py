@@ -108,7 +108,8 @@ def dense(x, expert_ids, weights, gate_up, down, limit):
     Args:
       x: float32 ``[..., hidden]``; expert_ids: int32 ``[..., k]``; weights: float32 ``[..., k]``.
       gate_up: ``[experts, 2 * intermediate, hidden]``; down: ``[experts, hidden, intermediate]`` (float32
-        or bfloat16, ``[out, in]`` per expert); limit: the SwiGLU limit.
+        or bfloat16, or quantized: :class:`~jax_oc128.nn.quant.QuantizedArray`, each expert dequantized where
+        its matmul reads it; ``[out, in]`` per expert); limit: the SwiGLU limit.
     Returns: float32 ``[..., hidden]``.
     """
     i = down.shape[2]

@@ -1,0 +1,392 @@
+"""DeepSeek's released FP8/FP4 format: dequantization against its formula (computed here in float64, bit
+for bit), DeepSeek's quantization rules, and ``load_pretrained`` of a tiny checkpoint in the released format
+(``jax_oc128.released``: DeepSeek's names, shards, config.json with ``quantization_config``) keeping its
+weights quantized: its logits equal those of the float model of its dequantized weights over a prefill and
+40 cached decode steps, its MTP layer drafts and greedy speculative decoding equals plain greedy; every bad
+quantized tensor or config is refused, naming it."""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+from oracle import rel_err
+from safetensors.numpy import save_file
+
+from jax_oc128 import load_pretrained, pretrained, released
+from jax_oc128.engine import Engine
+from jax_oc128.nn import ModelConfig, SpeculativeModel, moe, quant
+from jax_oc128.nn.quant import FP4, FP8, QuantizedArray
+
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "v4_small_window.npz"
+TOL = 1e-4  # float32 logits against the float model of the dequantized weights (the issue's bar)
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def formula(codes: np.ndarray, exponents: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """The released format's value of float ``codes`` ``[out, in]`` with e8m0 ``exponents`` per ``block``
+    (rows, columns): code * 2^(e - 127), in float64, rounded once to float32."""
+    per_element = np.repeat(np.repeat(exponents.astype(np.int64), block[0], 0), block[1], 1)
+    return (codes * np.exp2(per_element[: codes.shape[0], : codes.shape[1]] - 127.0)).astype(np.float32)
+
+
+def e2m1_codes(packed: np.ndarray) -> np.ndarray:
+    """float64 values of the e2m1 codes packed in ``packed`` ``[out, in / 2]`` (element 2j the low nibble)."""
+    table = np.array(E2M1 + [-v for v in E2M1])
+    nibbles = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
+    return table[nibbles]
+
+
+def device_dequantized(codes, scales, fmt, dtype="float32") -> np.ndarray:
+    """``quant.dequantize`` of stored codes and scales (FP8 block scales made per row, as the loader does)."""
+    scales = np.asarray(scales).view(np.uint8)
+    if fmt == FP8:
+        scales = quant.row_scales(scales, codes.shape[0])
+    array = QuantizedArray(jnp.asarray(codes), jnp.asarray(scales), fmt, dtype)
+    return np.asarray(jax.jit(quant.dequantize)(array))
+
+
+def test_fp8_dequantization_is_the_formula():
+    """Every e4m3 code (but NaN) in a [300, 260] weight (2 whole and 1 partial block each way) with the
+    exponents at the ends of the accepted range among its 9 blocks: bit for bit the formula, in float32 and
+    (exactly the same values) bfloat16."""
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 256, (300, 260), dtype=np.uint8)
+    bits[:2, :128] = np.arange(256, dtype=np.uint8).reshape(2, 128)
+    bits[(bits & 0x7F) == 0x7F] = 0x38  # NaN -> 1.0
+    codes = bits.view(ml_dtypes.float8_e4m3fn)
+    exponents = rng.integers(*quant.EXPONENTS[FP8], (3, 3), endpoint=True).astype(np.uint8)
+    exponents[0, 0], exponents[2, 2], exponents[0, 2] = quant.EXPONENTS[FP8] + (127,)
+    want = formula(codes.astype(np.float64), exponents, (128, 128))
+    got = device_dequantized(codes, exponents, FP8)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.isfinite(got).all() and np.array_equal(
+        got == 0, codes.astype(np.float32) == 0
+    )  # nothing flushed
+    as_bf16 = device_dequantized(codes, exponents, FP8, "bfloat16")
+    assert np.array_equal(as_bf16.astype(np.float32), want)
+
+
+def test_fp4_nibble_order_and_formula():
+    """The low nibble is the even element: byte 0x21 holds 0.5 (code 1) then 1.0 (code 2); every byte's two
+    codes, and a [6, 96] weight with 1 x 32 group scales at both ends of the range: the formula's bits."""
+    array = QuantizedArray(
+        jnp.asarray([[0x21, 0xF8]], jnp.uint8), jnp.full((1, 1), 127, jnp.uint8), FP4, "float32"
+    )
+    assert np.asarray(quant.dequantize(array)).tolist() == [[0.5, 1.0, -0.0, -6.0]]
+    every = np.arange(256, dtype=np.uint8)
+    assert np.array_equal(np.asarray(quant.e2m1_values(every)), e2m1_codes(every[None])[0])
+    rng = np.random.default_rng(1)
+    packed = rng.integers(0, 256, (6, 48), dtype=np.uint8)
+    exponents = rng.integers(*quant.EXPONENTS[FP4], (6, 3), endpoint=True).astype(np.uint8)
+    exponents[0, 0], exponents[5, 2] = quant.EXPONENTS[FP4]
+    want = formula(e2m1_codes(packed), exponents, (1, 32))
+    got = device_dequantized(packed, exponents, FP4)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_e8m0_edge_exponents():
+    """e8m0 0 is 2^-127 (a float32 subnormal), 254 is 2^127, 255 NaN; the loader accepts the exponents at
+    which every code is a normal finite float32 (FP8 [10, 246], FP4 [2, 252]) and refuses the others, naming
+    the tensor: 255 (NaN), 0 (subnormal values, which XLA flushes to zero) and 254 (448 * 2^127 overflows)."""
+    values = np.asarray(quant.scale_values(np.array([0, 1, 127, 254, 255], np.uint8)))
+    assert values[:4].tolist() == [2.0**-127, 2.0**-126, 1.0, 2.0**127] and np.isnan(values[4])
+    for fmt, (low, high) in quant.EXPONENTS.items():
+        quant.check_exponents(np.array([low, high], np.uint8), fmt, "t")
+        assert np.isfinite(np.float32(quant.LARGEST[fmt]) * np.exp2(np.float32(high - 127)))
+        assert np.exp2(np.float64(low - 127)) * (2.0**-9 if fmt == FP8 else 0.5) >= 2.0**-126
+        for bad in (0, low - 1, high + 1, 254, 255):
+            with pytest.raises(
+                ValueError, match=rf"layers\.0\.w\.scale: e8m0 scale exponents must be in \[{low}"
+            ):
+                quant.check_exponents(np.array([127, bad], np.uint8), fmt, "layers.0.w.scale")
+
+
+@pytest.mark.parametrize("fmt", [FP8, FP4])
+def test_quantization_follows_deepseeks_rules(fmt):
+    """Each block's scale is its amax (at least 1e-4) over the largest code, rounded up to a power of two;
+    the codes are the values over it rounded to nearest (within half a code step); an all-zero block gets
+    2^ceil(log2(1e-4 / largest)); quantizing the dequantized weight gives the same values."""
+    rng = np.random.default_rng(2)
+    w = (rng.normal(size=(200, 160)) * np.exp2(rng.integers(-8, 8, (200, 1)))).astype(np.float32)
+    w[:, :32] = 0.0
+    quantize, block = (quant.quantize_fp8, (128, 128)) if fmt == FP8 else (quant.quantize_fp4, (1, 32))
+    codes, scales = quantize(w)
+    exponents = scales.view(np.uint8)
+    values = codes.astype(np.float64) if fmt == FP8 else e2m1_codes(codes.view(np.uint8))
+    rows, cols = -(-200 // block[0]), -(-160 // block[1])
+    padded = np.zeros((rows * block[0], cols * block[1]))
+    padded[:200, :160] = np.abs(w)
+    amax = np.maximum(padded.reshape(rows, block[0], cols, block[1]).max(axis=(1, 3)), 1e-4)
+    assert np.array_equal(exponents, np.ceil(np.log2(amax / quant.LARGEST[fmt])) + 127)
+    scale = np.exp2(np.repeat(np.repeat(exponents - 127.0, block[0], 0), block[1], 1)[:200, :160])
+    assert np.abs(values).max() <= quant.LARGEST[fmt]
+    step = 2.0 ** np.floor(np.log2(np.maximum(np.abs(w / scale), 2.0**-6 if fmt == FP8 else 1.0)))
+    assert np.all(np.abs(values - w / scale) <= step / (16 if fmt == FP8 else 4))  # half a code step
+    dequantized = formula(values, exponents, block)
+    again = quantize(dequantized)
+    again_values = again[0].astype(np.float64) if fmt == FP8 else e2m1_codes(again[0].view(np.uint8))
+    assert np.array_equal(formula(again_values, again[1].view(np.uint8), block), dequantized)
+
+
+def tiny_config() -> dict:
+    """The small-window fixture's config with 32-wide experts (FP4 groups of 32), a q_lora_rank of 136
+    (partial 128 x 128 blocks both ways) and one MTP layer."""
+    meta = json.loads(bytes(np.load(FIXTURE)["meta"]).decode())
+    return meta["config"] | {"moe_intermediate_size": 32, "q_lora_rank": 136, "num_nextn_predict_layers": 1}
+
+
+def dequantized_tensors(tensors: dict) -> dict[str, np.ndarray]:
+    """The float checkpoint of a released one: every quantized weight as the formula's float32 values
+    (its scale dropped), every other tensor as stored."""
+    floats = {}
+    for name, value in tensors.items():
+        scale = tensors.get(pretrained._scale_name(name)) if name.endswith(".weight") else None
+        if scale is None:
+            if not name.endswith(pretrained.SCALE):
+                floats[name] = value
+        elif value.dtype == ml_dtypes.float8_e4m3fn:
+            floats[name] = formula(value.astype(np.float64), scale.view(np.uint8), (128, 128))
+        else:
+            floats[name] = formula(e2m1_codes(value.view(np.uint8)), scale.view(np.uint8), (1, 32))
+    return floats
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A tiny random DeepSeek-V4 with an MTP layer (:func:`tiny_config`) in the released format
+    (3 shards, FP4 experts, ``expert_dtype`` absent: the default), its released tensors, and the float
+    checkpoint of its dequantized weights."""
+    config = tiny_config()
+    model = SpeculativeModel(ModelConfig.from_hf(config, max_len=512, max_draft=4), rngs=nnx.Rngs(3))
+    tensors = released.released_tensors(model)
+    ours = released.released_config(config, expert_dtype=None)
+    root = tmp_path_factory.mktemp("released")
+    directory = released.write_released(root / "released", ours, tensors, shards=3)
+    floats = root / "float"
+    floats.mkdir()
+    (floats / pretrained.CONFIG).write_text(
+        json.dumps({k: v for k, v in ours.items() if k != "quantization_config"})
+    )
+    save_file(dequantized_tensors(tensors), floats / pretrained.SINGLE)
+    return directory, tensors, floats
+
+
+@functools.partial(jax.jit, static_argnames="graphdef", donate_argnames="cache")
+def forward(graphdef, params, tokens, positions, cache):
+    logits, _, cache = nnx.merge(graphdef, params)(tokens, positions, cache)
+    return logits, cache
+
+
+def prefill_and_decode(model, prompt, steps: int) -> np.ndarray:
+    """The logits of a prefill of ``prompt`` and ``steps`` cached greedy decode steps, ``[batch, T + steps,
+    vocab]``."""
+    graphdef, params = nnx.split(model.target)
+    batch, length = prompt.shape
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    logits, cache = forward(graphdef, params, jnp.asarray(prompt), positions, model.target.init_cache(batch))
+    out = [logits]
+    for step in range(steps):
+        token = jnp.argmax(out[-1][:, -1:], axis=-1).astype(jnp.int32)
+        position = jnp.full((batch, 1), length + step, jnp.int32)
+        logits, cache = forward(graphdef, params, token, position, cache)
+        out.append(logits)
+    return np.concatenate([np.asarray(x) for x in out], axis=1)
+
+
+def parameter_bytes(model) -> int:
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model)))
+
+
+def test_quantized_checkpoint_matches_float_model(checkpoints):
+    """The released checkpoint loads with its weights quantized (FP8 codes and uint8 scales for the linears,
+    packed FP4 for the experts, the MTP layer's too, float for the rest) and with dtype float32 gives the
+    logits of the float model of its dequantized weights, < 1e-4 relative over a prefill and 40 cached decode
+    steps; bfloat16's agreement is printed (and bounded as the float checkpoints' is, 5%)."""
+    directory, _, floats = checkpoints
+    model = load_pretrained(directory, dtype="float32", max_len=512, max_draft=4)
+    reference = load_pretrained(floats, dtype="float32", max_len=512, max_draft=4)
+    block = model.target.blocks[1]
+    for weight, fmt in (
+        (block.attn.q_b_proj, FP8),
+        (block.moe.shared_down, FP8),
+        (block.moe.experts_down, FP4),
+    ):
+        assert isinstance(weight[...], QuantizedArray) and weight[...].fmt == fmt
+    assert weight[...].codes.dtype == jnp.uint8 and block.attn.q_b_proj[...].codes.dtype == jnp.float8_e4m3fn
+    assert isinstance(model.mtp.embed_proj[...], QuantizedArray)
+    assert not isinstance(block.moe.router_weight[...], QuantizedArray)
+    quantized, full = parameter_bytes(model), parameter_bytes(reference)
+    prompt = np.load(FIXTURE)["prompt"][:, :64]
+    got, want = prefill_and_decode(model, prompt, 40), prefill_and_decode(reference, prompt, 40)
+    error = rel_err(got, want)
+    bf16 = [load_pretrained(d, dtype="bfloat16", max_len=512, max_draft=4) for d in (directory, floats)]
+    got16, want16 = (prefill_and_decode(m, prompt, 0) for m in bf16)
+    error16, against32 = rel_err(got16, want16), rel_err(got16, want[:, :64])
+    print(
+        f"\nquantized vs dequantized float model: float32 logits rel. error {error:.2e} (prefill, 40 steps); "
+        f"bfloat16 {error16:.2e} (prefill), bfloat16 vs float32 {against32:.4f}; parameter bytes {quantized} "
+        f"vs {full} float32"
+    )
+    assert error < TOL
+    assert error16 < TOL
+    assert quantized < full / 2
+
+
+def test_mtp_drafts_from_the_quantized_checkpoint(checkpoints):
+    """The quantized checkpoint's MTP layer is the engine's draft head: greedy speculative decoding (N = 2)
+    gives the plain greedy tokens, which are the dequantized float model's."""
+    directory, _, floats = checkpoints
+    model = load_pretrained(directory, dtype="float32", max_len=512, max_draft=4)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
+    engine = Engine(model, slots=2)
+    plain = engine.generate(prompts, 24)
+    speculative = engine.generate(prompts, 24, num_tokens=2)
+    print(f"\nquantized MTP drafts: mean accepted length {speculative.mean_accepted:.3f} (N = 2)")
+    assert speculative.tokens == plain.tokens
+    assert speculative.mean_accepted >= 1.0
+    reference = load_pretrained(floats, dtype="float32", max_len=512, max_draft=4)
+    assert Engine(reference, slots=2).generate(prompts, 24).tokens == plain.tokens
+
+
+def test_fp8_experts_with_float32_scales(tmp_path, checkpoints):
+    """``expert_dtype: fp8`` (the Base checkpoints): FP8 experts with float32 block scales load as FP8
+    QuantizedArrays whose dequantized experts are the formula's."""
+    _, tensors, _ = checkpoints
+    config = tiny_config()
+    base = {}
+    for name, value in tensors.items():
+        match = pretrained.EXPERT_NAME.search(name.removesuffix(pretrained.SCALE) + ".weight")
+        if match is None:
+            base[name] = value
+        elif name.endswith(".weight"):
+            floats = dequantized_tensors(
+                {name: value, pretrained._scale_name(name): tensors[pretrained._scale_name(name)]}
+            )
+            codes, scales = quant.quantize_fp8(floats[name])
+            base[name] = codes
+            base[pretrained._scale_name(name)] = np.exp2(scales.view(np.uint8) - 127.0).astype(np.float32)
+    directory = released.write_released(tmp_path / "base", released.released_config(config, "fp8"), base)
+    model = load_pretrained(directory, dtype="float32", max_len=512, max_draft=4)
+    experts = model.target.blocks[2].moe.experts_down[...]
+    assert experts.fmt == FP8 and experts.scales.dtype == jnp.float32
+    for expert in range(experts.shape[0]):
+        name = f"layers.2.ffn.experts.{expert}.w2"
+        scale = np.log2(base[name + ".scale"]).astype(np.int64) + 127
+        want = formula(base[name + ".weight"].astype(np.float64), scale, (128, 128))
+        assert np.array_equal(np.asarray(quant.dequantize(experts[expert])), want)
+
+
+BAD_CONFIGS = {
+    "fmt": ({"fmt": "e5m2"}, r"quantization_config\['fmt'\]: must be 'e4m3'"),
+    "scale_fmt": ({"scale_fmt": "fp32"}, r"quantization_config\['scale_fmt'\]: must be 'ue8m0'"),
+    "block": (
+        {"weight_block_size": [64, 128]},
+        r"quantization_config\['weight_block_size'\]: must be \[128, 128\]",
+    ),
+    "method": ({"quant_method": "awq"}, r"quantization_config\['quant_method'\]: must be 'fp8'"),
+    "expert_dtype": ({"expert_dtype": "int4"}, r"expert_dtype: must be one of \['fp4', 'fp8'\], got 'int4'"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CONFIGS)
+def test_bad_quantization_configs_are_named(tmp_path, checkpoints, nothing_placed, case):
+    """An unknown fmt, scale_fmt, block size, method or expert_dtype: a ValueError naming config.json's field,
+    before any tensor is read."""
+    directory, _, _ = checkpoints
+    change, match = BAD_CONFIGS[case]
+    config = json.loads((directory / pretrained.CONFIG).read_text())
+    if case == "expert_dtype":
+        config |= change
+    else:
+        config["quantization_config"] = config["quantization_config"] | change
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for file in directory.iterdir():
+        (bad / file.name).symlink_to(file)
+    (bad / pretrained.CONFIG).unlink()
+    (bad / pretrained.CONFIG).write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config\.json: " + match):
+        load_pretrained(bad, max_len=512)
+
+
+def test_bad_quantized_tensors_in_one_error(tmp_path, checkpoints, nothing_placed):
+    """Every problem of a released checkpoint in one ValueError naming each tensor, before any is placed: a
+    scale of the wrong shape, one of the wrong dtype, a missing scale (of a linear and of an expert), FP4
+    codes of the wrong dtype and of an unpacked shape, a scale of a weight the format has unquantized, and
+    quantized tensors where the format has float ones (the router, the embedding)."""
+    _, tensors, _ = checkpoints
+    config = tiny_config()
+    bad = dict(tensors)
+    bad["layers.0.attn.wq_a.scale"] = bad["layers.0.attn.wq_a.scale"][:1]
+    bad["layers.1.attn.wq_b.scale"] = np.ones((1, 2), np.float32)
+    del bad["layers.1.attn.wo_b.scale"], bad["layers.2.ffn.experts.1.w2.scale"]
+    bad["layers.3.ffn.experts.0.w1.weight"] = bad["layers.3.ffn.experts.0.w1.weight"].view(np.uint8)
+    bad["layers.3.ffn.experts.1.w3.weight"] = np.zeros((32, 32), ml_dtypes.float8_e4m3fn)
+    bad["layers.0.ffn.gate.weight"] = np.zeros((4, 32), np.int8)
+    bad["embed.weight"], _ = quant.quantize_fp8(tensors["embed.weight"].astype(np.float32))
+    bad["layers.0.ffn.gate.scale"] = np.ones((1, 1), ml_dtypes.float8_e8m0fnu)
+    directory = released.write_released(tmp_path / "bad", released.released_config(config), bad)
+    with pytest.raises(ValueError) as raised:
+        load_pretrained(directory, max_len=512, max_draft=4)
+    message = str(raised.value)
+    for problem in (
+        r"missing scales \(2\): layers\.1\.attn\.wo_b\.scale, layers\.2\.ffn\.experts\.1\.w2\.scale",
+        r"unexpected tensors \(1\): layers\.0\.ffn\.gate\.scale",
+        r"tensor layers\.0\.attn\.wq_a\.scale: shape \(1, 1\), the config gives \(2, 1\) \(the fp8 scales\)",
+        r"tensor layers\.1\.attn\.wq_b\.scale: dtype F32, expected F8_E8M0 \(fp8 scales\)",
+        r"tensor layers\.3\.ffn\.experts\.0\.w1\.weight: dtype U8, expected I8 \(fp4: quantization_config\)",
+        r"tensor layers\.3\.ffn\.experts\.1\.w3\.weight: shape \(32, 32\), the config gives \(32, 16\) \(fp4",
+        r"tensor layers\.3\.ffn\.experts\.1\.w3\.weight: dtype F8_E4M3, expected I8",
+        r"tensor layers\.0\.ffn\.gate\.weight: dtype I8, expected a floating-point dtype \(quantized: the",
+        r"tensor embed\.weight: dtype F8_E4M3, expected a floating-point dtype \(quantized: the format",
+    ):
+        assert re.search(problem, message), (problem, message)
+
+
+def test_scale_exponents_out_of_range_are_named(tmp_path, checkpoints):
+    """An e8m0 exponent of 255 (NaN) in a scale: a ValueError naming the tensor when it is read."""
+    _, tensors, _ = checkpoints
+    config = tiny_config()
+    bad = dict(tensors)
+    scale = bad["layers.2.ffn.experts.3.w1.scale"].view(np.uint8).copy()
+    scale[0, 0] = 255
+    bad["layers.2.ffn.experts.3.w1.scale"] = scale.view(ml_dtypes.float8_e8m0fnu)
+    directory = released.write_released(tmp_path / "nan", released.released_config(config), bad)
+    with pytest.raises(
+        ValueError, match=r"tensor layers\.2\.ffn\.experts\.3\.w1\.scale: e8m0 scale exponents must"
+    ):
+        load_pretrained(directory, max_len=512, max_draft=4)
+
+
+@pytest.mark.parametrize("fmt", [FP4, FP8])
+@pytest.mark.parametrize("dispatch", ["dense", "grouped_jnp", "grouped_ragged_dot"])
+def test_expert_dispatch_takes_quantized_experts(fmt, dispatch):
+    """Each expert dispatch on quantized experts (4 experts, 32 x 64) gives its result on the dequantized
+    experts, float32 to rounding."""
+    rng = np.random.default_rng(4)
+    quantize = quant.quantize_fp8 if fmt == FP8 else quant.quantize_fp4
+
+    def experts(out, width):
+        pieces = [quantize(rng.normal(size=(out, width)).astype(np.float32)) for _ in range(4)]
+        codes = np.stack([c.view(np.uint8) if fmt == FP4 else c for c, _ in pieces])
+        scales = np.stack([s.view(np.uint8) for _, s in pieces])
+        scales = quant.row_scales(scales, out) if fmt == FP8 else scales
+        return QuantizedArray(jnp.asarray(codes), jnp.asarray(scales), fmt, "float32")
+
+    gate_up, down = experts(64, 32), experts(32, 32)
+    x = jnp.asarray(rng.normal(size=(2, 5, 32)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 4, (2, 5, 2)), jnp.int32)
+    weights = jnp.asarray(rng.uniform(size=(2, 5, 2)), jnp.float32)
+    run = jax.jit(moe.DISPATCHES[dispatch], static_argnums=5)
+    got = run(x, ids, weights, gate_up, down, 10.0)
+    want = run(x, ids, weights, quant.dequantize(gate_up), quant.dequantize(down), 10.0)
+    assert rel_err(got, want) < 1e-6
