@@ -17,6 +17,7 @@ from jax_oc128.checks import check_int, is_int
 from jax_oc128.controller import ONLINE
 from jax_oc128.engine.state import DecodeState
 from jax_oc128.nn import HCA, SpeculativeModel, sharding
+from jax_oc128.rules import BLOCK
 from jax_oc128.tree import Tree, check_parents
 
 #: stop token ids per call (padded with -1 to this size, so their number never recompiles)
@@ -223,3 +224,55 @@ def check_state_is_this_engines(state, layout: DecodeState) -> None:
         )
     if any(leaf.is_deleted() for _, leaf in leaves):
         raise ValueError("state: already donated to an earlier call; use the state it returned")
+
+
+def check_pages(pages, page_size, config, mesh) -> tuple[int | None, int]:
+    """An engine's paging: ``pages`` None (dense) or a count (:func:`check_count`), a multiple of the data
+    axis of ``mesh``; ``page_size`` a multiple of 128 (the HCA block) dividing ``max_len``."""
+    page_size = check_count("page_size", page_size)
+    if pages is None:
+        return None, page_size
+    pages = check_count("pages", pages)
+    devices = 1 if mesh is None else mesh.shape[sharding.DATA]
+    if pages % devices:
+        raise ValueError(f"pages: must be a multiple of the mesh's data axis ({devices}), got {pages}")
+    if page_size % BLOCK or config.max_len % page_size:
+        raise ValueError(
+            f"page_size: must be a multiple of {BLOCK} dividing max_len ({config.max_len}), got {page_size}"
+        )
+    return pages, page_size
+
+
+def check_page_table(page_table, layout, pages, mesh) -> np.ndarray:
+    """A paged engine's page table: an integer array of the decode state's page table shape, each entry -1
+    or a page of its slot's device's pool, no page held by two slots; as int32."""
+    expected = layout.cache.page_table
+    if expected is None:
+        raise ValueError("page_table: this engine's caches are dense (Engine(..., pages=None))")
+    table = np.asarray(page_table)
+    if table.shape != expected.shape or not np.issubdtype(table.dtype, np.integer):
+        raise ValueError(
+            f"page_table: must be integers of shape {expected.shape}, got {table.dtype} {table.shape}"
+        )
+    devices = 1 if mesh is None else mesh.shape[sharding.DATA]
+    per_device = pages // devices
+    if np.any((table < -1) | (table >= per_device)):
+        raise ValueError(f"page_table: entries must be -1 or pages in [0, {per_device}) of the slot's device")
+    for device, rows in enumerate(np.split(table, devices)):
+        held = rows[rows >= 0]
+        if len(np.unique(held)) != len(held):
+            raise ValueError(f"page_table: a page is held twice (the slots of device {device})")
+    return table.astype(np.int32)
+
+
+def check_requests_fit(tokens, pool) -> None:
+    """Every request (``tokens[i]`` the most tokens request i writes: prompt + max_new_tokens + N) fits in a
+    device's pool of ``pool`` (a :class:`~jax_oc128.engine.pages.PagePool`), else ValueError naming the
+    first that does not."""
+    for i, n in enumerate(tokens):
+        if pool.pages_for(n) > pool.per_shard:
+            raise ValueError(
+                f"prompts[{i}]: needs {pool.pages_for(n)} pages of {pool.page_size} tokens (prompt + "
+                f"max_new_tokens + N = {n} tokens), more than the {pool.per_shard} of a device's pool "
+                f"(Engine(..., pages=))"
+            )

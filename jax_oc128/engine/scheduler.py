@@ -18,7 +18,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jax_oc128.engine import arguments, placement
-from jax_oc128.engine.state import DecodeOutput, DecodeState, Result, init_state, restart
+from jax_oc128.engine.pages import PagePool
+from jax_oc128.engine.state import DecodeOutput, DecodeState, Result, init_state, restart, set_page_table
 from jax_oc128.nn import SpeculativeModel, sharding
 
 #: numbers the engines of this process (:attr:`Engine.number`)
@@ -83,10 +84,23 @@ class Engine:
         communicating only the loop's condition and counts; the parameters are split over ``"model"`` by
         :mod:`jax_oc128.nn.sharding` (tensor parallel). The jitted steps take and return the decode state
         in that layout. Greedy tokens are those of one device; sampling draws per device.
+      pages: None (dense caches: every slot holds ``max_len`` tokens of entries), or an int >= 1 (a
+        multiple of the mesh's data axis): paged caches, the entries and indexer keys of every compressed
+        layer in a pool of ``pages`` pages of ``page_size`` tokens shared by the slots
+        (``[pages, page_size // rate, ...]`` per layer; a page table ``[slots, max_len // page_size]``
+        int32 in the decode state, :class:`~jax_oc128.nn.ModelCache`). :meth:`generate` reserves for a
+        request the pages of its prompt + ``max_new_tokens`` + N tokens when it admits it (a request waits
+        while too few are unreserved), assigns them as the dispatches can write them (K x N tokens ahead)
+        and frees them when the request ends (:class:`~jax_oc128.engine.pages.PagePool`); with
+        :meth:`prefill` and :meth:`decode` the caller sets the page table (:meth:`set_page_table`). Tokens
+        are the dense layout's.
+      page_size: tokens per page, a multiple of 128 dividing ``max_len`` (paged only).
 
     Attributes:
       number: this engine's number in the process (from 1), carried by its decode states
         (:attr:`DecodeState.engine`): another engine's state is refused, even one of the same layout.
+      page_pool: paged, the last :meth:`generate` call's :class:`~jax_oc128.engine.pages.PagePool` (None
+        before, and for dense caches).
     """
 
     def __init__(
@@ -97,21 +111,27 @@ class Engine:
         prompt_bucket: int = 128,
         steps_per_dispatch: int = STEPS_PER_DISPATCH,
         mesh: Mesh | None = None,
+        pages: int | None = None,
+        page_size: int = 256,
     ):
         self.model = arguments.check_model(model)
         self.mesh = None if mesh is None else sharding.check_mesh(mesh)
         self.slots = arguments.check_slots(slots, self.mesh)
         self.prompt_bucket = arguments.check_count("prompt_bucket", prompt_bucket)
         self.steps_per_dispatch = arguments.check_count("steps_per_dispatch", steps_per_dispatch)
+        self.pages, self.page_size = arguments.check_pages(pages, page_size, model.config, self.mesh)
         graphdef, params = nnx.split(model)
         self.number = next(_ENGINE_NUMBERS)  # the decode states it makes carry it
-        new_state = functools.partial(init_state, model, self.slots, self.number)
+        new_state = functools.partial(
+            init_state, model, self.slots, self.number, pages=self.pages, page_size=self.page_size
+        )
         # the decode state's tree, shapes and dtypes (traced, not compiled), what prefill and decode accept
         self._state_layout = jax.eval_shape(new_state, np.uint32(0))
         self._placement = where = placement.Placement(self.mesh, params, self._state_layout)
         self.params = where.put_params(params)
         self._init_state = jax.jit(new_state, **where.state_options())
         self._restart = jax.jit(restart, donate_argnames="state", **where.state_options())
+        self._set_page_table = jax.jit(set_page_table, donate_argnames="state", **where.state_options())
         self._prefill = jax.jit(
             functools.partial(placement.prefill, graphdef, where),
             static_argnames="temperature",
@@ -126,11 +146,21 @@ class Engine:
             **where.jit_options(*where.decode_specs),
         )
         self._idle_state = None  # generate's state between calls (its buffers reused, their slots cleared)
+        self.page_pool = None  # paged: the last generate call's PagePool
 
     def init_state(self, seed: int = 0) -> DecodeState:
         """An empty decode state (no active slot), its PRNG key ``jax.random.key(seed)`` (``seed`` an int in
         [0, 2**32)); one dispatch, every leaf its own buffer (the state is donated)."""
         return self._init_state(arguments.check_seed(seed))
+
+    def set_page_table(self, state: DecodeState, page_table) -> DecodeState:
+        """A paged engine's ``state`` (donated) with the page table ``page_table``, ``[slots, max_len //
+        page_size]`` integers: slot s's tokens ``[k * page_size, (k + 1) * page_size)`` in page
+        ``page_table[s, k]`` of its device's pool (in [0, pages / data devices); -1: none, what a forward
+        would write there is dropped). No two slots may share a page."""
+        arguments.check_state_is_this_engines(state, self._state_layout)
+        table = arguments.check_page_table(page_table, self._state_layout, self.pages, self.mesh)
+        return self._set_page_table(state, self._placement.host_rows(table))
 
     def prefill(
         self,
@@ -258,6 +288,14 @@ class Engine:
         prompts = arguments.check_prompts(prompts, config, longest_prompt)
         if not prompts:
             return Result([], steps=0, dispatches=0, seconds=0.0, mean_accepted=0.0)
+        width = 1 if tree is None else tree.size  # the tokens a step writes
+        pool = None
+        if self.pages is not None:
+            shards = 1 if self.mesh is None else self.mesh.shape[sharding.DATA]
+            pool = PagePool(self.pages, self.page_size, self.slots, config.max_len // self.page_size, shards)
+            needs = [len(prompt) + max_new_tokens + width for prompt in prompts]
+            arguments.check_requests_fit(needs, pool)
+            self.page_pool = pool
         start = time.perf_counter()
         # the last call's state, its slots made idle (a slot is cleared when a request takes it): no
         # allocation, and the decode loop's CUDA graph sees the same buffers as before; the first call
@@ -268,14 +306,34 @@ class Engine:
         waiting = collections.deque(range(len(prompts)))
         unread = collections.deque()  # dispatched, not yet read: (owner of its slots, its output)
         options = dict(tree=tree, temperature=temperature, stop_tokens=stop_tokens)
+        written = np.zeros(self.slots, np.int64)  # paged: the tokens each slot may have written
         while waiting or requests.owner:
             free = [slot for slot in range(self.slots) if slot not in requests.owner]
-            if waiting and free:
-                admitted = {slot: waiting.popleft() for slot in free[: len(waiting)]}
+            admitted = {}
+            changed = pool is not None and any([pool.release(slot) for slot in free if pool.holds(slot)])
+            for slot in free:
+                if not waiting:
+                    break
+                if pool is not None:  # the next request waits until its device has its pages
+                    if not pool.can_reserve(slot, needs[waiting[0]]):
+                        pool.waits += 1
+                        continue
+                    pool.reserve(slot, needs[waiting[0]])
+                    written[slot] = len(prompts[waiting[0]])
+                admitted[slot] = waiting.popleft()
+            if pool is not None:  # the pages of what the next dispatch can write
+                for slot in [*requests.owner, *admitted]:
+                    written[slot] += self.steps_per_dispatch * width
+                    changed |= pool.grow(slot, int(written[slot]))
+                if changed:
+                    state = self._set_page_table(state, self._placement.host_rows(pool.table))
+            if admitted:
                 assignments = {slot: prompts[request] for slot, request in admitted.items()}
                 state, output = self.prefill(state, assignments, max_new_tokens, **options)
                 requests.owner.update(admitted)
                 unread.append((admitted, output))
+            if not requests.owner:  # paged: every slot is free and the next request still has no pages
+                raise RuntimeError("paged engine: no request runs and none can be admitted (a bug)")
             state, output = self.decode(state, waiting=bool(waiting), **options)
             requests.dispatches += 1
             for leaf in jax.tree.leaves(output):

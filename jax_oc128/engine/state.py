@@ -83,12 +83,13 @@ class Result:
     mean_accepted: float
 
 
-def init_state(model, slots: int, engine: int, seed) -> DecodeState:
+def init_state(model, slots: int, engine: int, seed, pages=None, page_size: int = 0) -> DecodeState:
     """An empty decode state of ``slots`` slots for ``model`` (a
     :class:`~jax_oc128.nn.SpeculativeModel`) made by the engine numbered ``engine``, its PRNG key
-    ``jax.random.key(seed)``: the caches' layout comes from the config, no parameter is read."""
+    ``jax.random.key(seed)``, its caches paged with ``pages`` pages of ``page_size`` tokens (None: dense):
+    the caches' layout comes from the config, no parameter is read."""
     return DecodeState(
-        model.target.init_cache(slots),
+        model.target.init_cache(slots, pages, page_size),
         None if model.mtp is None else model.mtp.init_cache(slots),
         token=jnp.zeros((slots,), jnp.int32),
         position=jnp.zeros((slots,), jnp.int32),
@@ -98,6 +99,11 @@ def init_state(model, slots: int, engine: int, seed) -> DecodeState:
         key=jax.random.key(seed),
         engine=engine,
     )
+
+
+def set_page_table(state: DecodeState, page_table) -> DecodeState:
+    """``state`` with the target's page table ``page_table`` ``[slots, max_pages]`` int32."""
+    return dataclasses.replace(state, cache=dataclasses.replace(state.cache, page_table=page_table))
 
 
 def restart(state: DecodeState, seed) -> DecodeState:

@@ -89,9 +89,10 @@ class AttentionCache:
         window still needs.
       window_positions: ``[batch, R]`` int32: the position held by each ring row, -1 for none.
       entries: ``[batch, max_entries, D]``: normed, rotated compressed entries by block index (HCA and CSA;
-        zero-sized for sliding layers).
-      index_keys: ``[batch, max_entries, index_head_dim]``: the CSA indexer's keys by window index
-        (zero-sized for other layers).
+        zero-sized for sliding layers); paged: a pool ``[pages, per_page, D]`` shared by the slots, a slot's
+        entries in the pages of its row of the model's page table (:mod:`~jax_oc128.nn.kv_cache`).
+      index_keys: ``[batch, max_entries, index_head_dim]`` (paged: ``[pages, per_page, index_head_dim]``):
+        the CSA indexer's keys by window index (zero-sized for other layers).
       rows: ``[batch, ring, row_width]``: the CSA compressor's raw rows by position
         (:mod:`~jax_oc128.nn.csa`; zero-sized for other layers).
       tree_entries: ``[batch, max_draft, D]``: an HCA or CSA layer's entries of the last tree verify by node
@@ -111,23 +112,34 @@ class AttentionCache:
 
     @classmethod
     def create(
-        cls, config: AttentionConfig, max_draft: int, batch: int, max_len: int | None = None
+        cls,
+        config: AttentionConfig,
+        max_draft: int,
+        batch: int,
+        max_len: int | None = None,
+        pages: int | None = None,
+        page_size: int | None = None,
     ) -> AttentionCache:
         """An empty cache of a layer of ``config`` (verifies of up to ``max_draft`` tokens) for ``batch`` rows
         and sequences up to ``max_len`` tokens (default: the config's ``max_position_embeddings``), stored as
-        its ``cache_dtypes`` say; nothing but the config is read (``jax.eval_shape`` of it is free)."""
+        its ``cache_dtypes`` say; nothing but the config is read (``jax.eval_shape`` of it is free). With
+        ``pages``, the entries and indexer keys of a compressed layer are a pool of ``pages`` pages of
+        ``page_size`` tokens (a multiple of the layer's compress rate), ``[pages, page_size // rate, ...]``,
+        addressed through the model's page table (:mod:`~jax_oc128.nn.kv_cache`)."""
         c, dtypes = config, config.cache_dtypes
         max_len = c.max_position_embeddings if max_len is None else max_len
         rows = c.sliding_window + max_draft
         is_csa = c.layer_type == CSA
-        max_entries = max_len // c.compress_rate if c.compress_rate else 0
+        lead, max_entries = batch, max_len // c.compress_rate if c.compress_rate else 0
+        if pages is not None and c.compress_rate:
+            lead, max_entries = pages, page_size // c.compress_rate
         index_dim = c.indexer.head_dim if is_csa else 0
         tree_entries = max_draft if c.layer_type != SLIDING else 0
         return cls(
             window=jnp.zeros((batch, rows, c.head_dim), dtypes.rows),
             window_positions=jnp.full((batch, rows), -1, jnp.int32),
-            entries=kv_cache.zeros((batch, max_entries, c.head_dim), dtypes.entries, c.rope.dim),
-            index_keys=kv_cache.zeros((batch, max_entries if is_csa else 0, index_dim), dtypes.entries),
+            entries=kv_cache.zeros((lead, max_entries, c.head_dim), dtypes.entries, c.rope.dim),
+            index_keys=kv_cache.zeros((lead, max_entries if is_csa else 0, index_dim), dtypes.entries),
             rows=jnp.zeros(
                 (batch, csa.ring_rows(max_draft), csa.row_width(c.head_dim, index_dim))
                 if is_csa
@@ -138,7 +150,7 @@ class AttentionCache:
             tree_index_keys=kv_cache.zeros((batch, max_draft if is_csa else 0, index_dim), dtypes.entries),
         )
 
-    def keep_path(self, tree: Tree, first_positions, nodes, written=None) -> AttentionCache:
+    def keep_path(self, tree: Tree, first_positions, nodes, written=None, page_table=None) -> AttentionCache:
         """After a tree verify or draft (``__call__(..., tree=tree)``) at ``first_positions`` ``[batch]``
         int32 (the root's position), keep the path from the root to ``nodes`` ``[batch]`` int32 (the
         accepted node; -1 leaves the row untouched): its window rows move to where a chain of the path puts
@@ -146,7 +158,7 @@ class AttentionCache:
         branches leave no trace. ``written``: the static nodes the tree wrote (default: all); a path node
         not among them leaves its position empty. A chain (:attr:`Tree.is_chain`) was written as the chain
         is, by position: the cache is returned as it is (the positions past the path are rewritten before
-        any query reads them)."""
+        any query reads them). ``page_table``: the model's (None: the dense layout)."""
         if check_tree(tree).is_chain:
             return self
         window, batch = self.window.shape[1], nodes.shape[0]
@@ -174,13 +186,18 @@ class AttentionCache:
         # raw rows, by position
         rate = csa.RATE if self.rows.shape[1] else BLOCK
         at = base + depth  # the path's positions
-        index = jnp.where(on_path & ((at + 1) % rate == 0), at // rate, self.entries.shape[1])
+        count = kv_cache.slot_entries(self.entries, page_table)
+        index = jnp.where(on_path & ((at + 1) % rate == 0), at // rate, count)
         node = jnp.maximum(path, 0)
-        entries = kv_cache.put(self.entries, (rows, index), kv_cache.take(self.tree_entries, (rows, node)))
+        node_entries = kv_cache.take(self.tree_entries, (rows, node))
+        entries = kv_cache.put(
+            self.entries, kv_cache.locate(self.entries, page_table, rows, index), node_entries
+        )
         kept_cache = dataclasses.replace(kept_cache, entries=entries)
         if self.rows.shape[1]:
             node_keys = kv_cache.take(self.tree_index_keys, (rows, node))
-            keys = kv_cache.put(self.index_keys, (rows, index), node_keys)
+            at_keys = kv_cache.locate(self.index_keys, page_table, rows, index)
+            keys = kv_cache.put(self.index_keys, at_keys, node_keys)
             ring_rows = self.rows.shape[1]
             raw = self.rows[rows, (base + node) % ring_rows]
             target = jnp.where(on_path, at % ring_rows, ring_rows)
@@ -188,14 +205,16 @@ class AttentionCache:
             kept_cache = dataclasses.replace(kept_cache, index_keys=keys, rows=raw)
         return kept_cache
 
-    def clear(self, rows) -> AttentionCache:
-        """Empty ``rows`` ([n] int32, -1 ignored) for new sequences."""
+    def clear(self, rows, paged: bool = False) -> AttentionCache:
+        """Empty ``rows`` ([n] int32, -1 ignored) for new sequences; ``paged``: the entries and indexer keys
+        are a pool of pages, which are not cleared (:mod:`~jax_oc128.nn.kv_cache`)."""
         index = drop_index(rows, self.window.shape[0])
+        pooled = (lambda stored: stored) if paged else (lambda stored: kv_cache.clear(stored, index))
         return AttentionCache(
             self.window.at[index].set(0, mode="drop"),
             self.window_positions.at[index].set(-1, mode="drop"),
-            kv_cache.clear(self.entries, index),
-            kv_cache.clear(self.index_keys, index),
+            pooled(self.entries),
+            pooled(self.index_keys),
             self.rows.at[index].set(0, mode="drop"),
             kv_cache.clear(self.tree_entries, index),
             kv_cache.clear(self.tree_index_keys, index),
@@ -249,6 +268,12 @@ def _window_visibility(tree, nodes, base, window_positions, positions, key_posit
     )
     t, k = positions[:, :, None], key_positions[:, None, :]
     return seen & (k >= 0) & (k <= t) & (k > t - sliding_window)
+
+
+def _valid(lengths, x):
+    """``[batch, T, 1]`` bool: the valid tokens of ``x`` ``[batch, T, ...]``, the first ``lengths`` of each
+    row. Padding sees no entry (its entries could be ones no valid token wrote: a page's earlier contents)."""
+    return (jnp.arange(x.shape[1])[None] < lengths[:, None])[..., None]
 
 
 def _entries_visibility(tree, positions, base, stored: int, rate: int, closed):
@@ -400,6 +425,7 @@ class DeepseekV4Attention(nnx.Module):
         mode=ForwardMode.EXTEND,
         tree: Tree | None = None,
         nodes: tuple[int, ...] | None = None,
+        page_table=None,
     ):
         """Attention over the window, the new tokens (causal) and the visible compressed entries.
 
@@ -425,6 +451,9 @@ class DeepseekV4Attention(nnx.Module):
             causal).
           nodes: static, the tree's nodes the T tokens are: every node (the default, a verify) or distinct
             nodes of one depth (a draft level).
+          page_table: None (the dense layout), or ``[batch, max_pages]`` int32: the pages of the pool
+            (``cache.entries``, ``cache.index_keys``) holding each row's entries (-1: none; writes there are
+            dropped), :mod:`~jax_oc128.nn.kv_cache`.
 
         Returns:
           ``(y [batch, T, hidden], cache, compressed)``.
@@ -453,7 +482,7 @@ class DeepseekV4Attention(nnx.Module):
         )
         if c.layer_type == HCA:
             cache, compressed, entries, seen_entries = self._compress(
-                x, positions, lengths, cache, compressed, mode, tree, base
+                x, positions, lengths, cache, compressed, mode, tree, base, page_table
             )
             keys = jnp.concatenate([keys, entries], axis=1)
             visible = jnp.concatenate([visible, seen_entries], axis=2)
@@ -461,7 +490,9 @@ class DeepseekV4Attention(nnx.Module):
         logits = jnp.einsum("bthd,bkd->bhtk", q, keys, precision=FULL) * scale
         logits = jnp.where(visible[:, None], logits, -jnp.inf)
         if c.layer_type == CSA:  # the indexer's picks, per query
-            cache, selected, picked = self._compress_sparse(x, q_res, positions, lengths, cache, tree, base)
+            cache, selected, picked = self._compress_sparse(
+                x, q_res, positions, lengths, cache, tree, base, page_table
+            )
             picked_logits = jnp.einsum("bthd,btkd->bhtk", q, selected, precision=FULL) * scale
             logits = jnp.concatenate([logits, jnp.where(picked[:, None], picked_logits, -jnp.inf)], axis=-1)
         sink = self.sinks[...][None, :, None]
@@ -502,39 +533,43 @@ class DeepseekV4Attention(nnx.Module):
             window_positions=cache.window_positions.at[rows, index].set(positions, mode="drop"),
         )
 
-    def _compress(self, x, positions, lengths, cache, compressed, mode, tree, base):
+    def _compress(self, x, positions, lengths, cache, compressed, mode, tree, base, page_table):
         """An HCA layer's compressor (:class:`~jax_oc128.nn.hca.HCACompressor`) on its layer of the
         prepared state; the entries it closed stored (a tree verify's by node in ``tree_entries``, until
         :meth:`AttentionCache.keep_path`). Returns ``(cache, compressed, entries [batch, E, D], visible
-        [batch, T, E])``: the entries the tokens may attend to and which of them each sees
-        (:func:`_entries_visibility`)."""
+        [batch, T, E])``: the entries the tokens may attend to (zero where no token sees them: a page's
+        earlier contents never reach the output) and which of them each sees (:func:`_entries_visibility`)."""
         if compressed is None:
             compressed = self.init_compressed(x.shape[0])
         compressed, closed, blocks = self.compressor(x, positions, lengths, compressed, mode, tree)
-        stored = cache.entries.shape[1]
+        stored = kv_cache.slot_entries(cache.entries, page_table)
         if tree is None:  # the chain's kernels give the entries by block index
             index = jnp.where(blocks >= 0, blocks, stored)
-            cache = dataclasses.replace(
-                cache, entries=kv_cache.store(cache.entries, (jnp.arange(x.shape[0])[:, None], index), closed)
-            )
-            entries = kv_cache.decode(cache.entries)
+            at = kv_cache.locate(cache.entries, page_table, jnp.arange(x.shape[0])[:, None], index)
+            cache = dataclasses.replace(cache, entries=kv_cache.store(cache.entries, at, closed))
+            entries = kv_cache.decode(kv_cache.slot_view(cache.entries, page_table))
         else:  # a tree verify's by node
             closed = kv_cache.encode(closed, cache.tree_entries)
             cache = dataclasses.replace(cache, tree_entries=kv_cache.put_nodes(cache.tree_entries, closed))
-            entries = jnp.concatenate([kv_cache.decode(cache.entries), kv_cache.decode(closed)], axis=1)
-        return cache, compressed, entries, _entries_visibility(tree, positions, base, stored, BLOCK, blocks)
+            view = kv_cache.slot_view(cache.entries, page_table)
+            entries = jnp.concatenate([kv_cache.decode(view), kv_cache.decode(closed)], axis=1)
+        visible = _entries_visibility(tree, positions, base, stored, BLOCK, blocks) & _valid(lengths, x)
+        entries = jnp.where(jnp.any(visible, axis=1)[..., None], entries, 0.0)
+        return cache, compressed, entries, visible
 
-    def _compress_sparse(self, x, q_res, positions, lengths, cache, tree, base):
+    def _compress_sparse(self, x, q_res, positions, lengths, cache, tree, base, page_table):
         """A CSA layer's compressor and indexer (:mod:`~jax_oc128.nn.csa`): fold the new tokens into the
         cache (a tree verify's windows by node in ``tree_entries``, ``tree_index_keys``), then pick each
         query's entries among those it sees (:func:`_entries_visibility`). Returns ``(cache, selected
         [batch, T, k, D], picked [batch, T, k] bool)``."""
-        compressor, stored = self.compressor, cache.entries.shape[1]
+        compressor, stored = self.compressor, kv_cache.slot_entries(cache.entries, page_table)
         if tree is None:
             rows, entries, keys = compressor.compress(
-                x, positions, lengths, cache.rows, cache.entries, cache.index_keys
+                x, positions, lengths, cache.rows, cache.entries, cache.index_keys, page_table
             )
             cache = dataclasses.replace(cache, rows=rows, entries=entries, index_keys=keys)
+            entries = kv_cache.slot_view(entries, page_table)
+            keys = kv_cache.slot_view(keys, page_table)
             windows = None
         else:
             rows, node_entries, node_keys, windows = compressor.compress_tree(
@@ -548,9 +583,11 @@ class DeepseekV4Attention(nnx.Module):
                 tree_entries=kv_cache.put_nodes(cache.tree_entries, node_entries),
                 tree_index_keys=kv_cache.put_nodes(cache.tree_index_keys, node_keys),
             )
-            entries = kv_cache.concatenate(cache.entries, node_entries, axis=1)
-            keys = kv_cache.concatenate(cache.index_keys, node_keys, axis=1)
-        visible = _entries_visibility(tree, positions, base, stored, csa.RATE, windows)
+            entries = kv_cache.concatenate(
+                kv_cache.slot_view(cache.entries, page_table), node_entries, axis=1
+            )
+            keys = kv_cache.concatenate(kv_cache.slot_view(cache.index_keys, page_table), node_keys, axis=1)
+        visible = _entries_visibility(tree, positions, base, stored, csa.RATE, windows) & _valid(lengths, x)
         selected, picked = compressor.select(x, q_res, positions, entries, keys, visible)
         return cache, selected, picked
 

@@ -109,14 +109,15 @@ class CSACompressor(nnx.Module):
         gate = self._by_half(linear(x, self.gate_proj[...]), linear(x, self.indexer_gate_proj[...]))
         return kv_cache.round_trip(jnp.concatenate([kv, gate], axis=-1), ring)
 
-    def compress(self, x, positions, lengths, rows, entries, keys):
+    def compress(self, x, positions, lengths, rows, entries, keys, page_table=None):
         """Fold the new tokens into the state: pool every window they close, then write their raw rows.
 
         Args:
           x: ``[batch, T, hidden]``; positions: ``[batch, T]`` int32, consecutive; lengths: ``[batch]``.
           rows: ``[batch, ring, row_width]``; entries: ``[batch, E, head_dim]``; keys: ``[batch, E,
             index_head_dim]``, by window index; each stored in its cache format
-            (:mod:`~jax_oc128.nn.kv_cache`).
+            (:mod:`~jax_oc128.nn.kv_cache`). Paged (``page_table`` ``[batch, max_pages]`` int32): the entries
+            and keys are pools of pages, written through the page table.
 
         Returns:
           ``(rows, entries, keys)`` updated.
@@ -134,9 +135,10 @@ class CSACompressor(nnx.Module):
             new, jnp.clip(slot_pos - seq_lens[:, None, None], 0, tokens - 1).reshape(batch, -1, 1), axis=1
         ).reshape(*slot_pos.shape, -1)
         main, index = self._pool(rows, from_new, is_new, slot_pos)
-        at = (jnp.arange(batch)[:, None], jnp.where(closed, windows, entries.shape[1]))
-        entries = kv_cache.store(entries, at, main)
-        keys = kv_cache.store(keys, at, index)
+        index_at = jnp.where(closed, windows, kv_cache.slot_entries(entries, page_table))
+        slots = jnp.arange(batch)[:, None]
+        entries = kv_cache.store(entries, kv_cache.locate(entries, page_table, slots, index_at), main)
+        keys = kv_cache.store(keys, kv_cache.locate(keys, page_table, slots, index_at), index)
 
         t = jnp.arange(tokens)[None]
         write = (t < lengths[:, None]) & (t >= lengths[:, None] - ring)
@@ -199,9 +201,9 @@ class CSACompressor(nnx.Module):
     def select(self, x, q_res, positions, entries, keys, visible):
         """The indexer's picks: ``(selected [batch, T, k, head_dim], valid [batch, T, k] bool)``, the top
         ``k = min(index_topk, E)`` entries each query may see (``visible`` ``[batch, T, E]`` bool; ``valid``
-        False for picks past the visible ones, where fewer than k are visible). ``entries`` ``[batch, E,
-        head_dim]`` and ``keys`` ``[batch, E, index_head_dim]`` are stored caches, read in float32;
-        ``selected`` is float32."""
+        False for picks past the visible ones, where fewer than k are visible: those are zeros). ``entries``
+        ``[batch, E, head_dim]`` and ``keys`` ``[batch, E, index_head_dim]`` are stored caches, read in
+        float32; ``selected`` is float32."""
         c = self.indexer
         batch, tokens, _ = x.shape
         q = linear(q_res, self.indexer_q_b_proj[...]).reshape(batch, tokens, c.num_heads, c.head_dim)
@@ -212,7 +214,8 @@ class CSACompressor(nnx.Module):
         scores = jnp.einsum("bth,bthe->bte", head_weights, relu, precision=FULL)
         top, picks = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), min(c.topk, keys.shape[1]))
         selected = kv_cache.decode(kv_cache.take(entries, (jnp.arange(batch)[:, None, None], picks)))
-        return selected, top > -jnp.inf
+        valid = top > -jnp.inf
+        return jnp.where(valid[..., None], selected, 0.0), valid
 
 
 # transformers state-dict name (within the layer's self_attn) -> attribute of the CSA compressor: the HCA

@@ -16,6 +16,14 @@ then the row or entry index): :func:`take`, :func:`put` and :func:`concatenate` 
 value is rounded to its cache's format (:func:`round_trip`) before any query reads it, stored or not, so a
 verify of N tokens computes from what N decodes read. float32 caches store values as they are: the exact
 path, the oracle of the others.
+
+**Pages.** The caches that grow with the context (the CSA and HCA entries, the indexer keys) are stored per
+slot, ``[batch, max_entries, ...]`` (dense, the oracle), or in a pool of pages shared by all slots,
+``[pages, per_page, ...]`` (``per_page`` entries of ``page_size`` tokens), addressed through a page table
+``[batch, max_pages]`` int32 of page indices (-1: no page). :func:`slot_view` reads a slot's entries in
+order and :func:`locate` gives where an entry goes; with the page table None both are the dense layout's
+own indexing, so one code path serves both. A page is never cleared: a stored value no query sees is read
+as zero (attention masks what it reads), so whatever a page held before does not leak.
 """
 
 from __future__ import annotations
@@ -162,6 +170,44 @@ def store(stored, index, x):
 def clear(stored, index):
     """``stored`` with ``stored[index]`` zeroed (out-of-range indices dropped)."""
     return put(stored, index, jax.tree.map(lambda leaf: jnp.zeros((), leaf.dtype), stored))
+
+
+def slot_view(stored, page_table):
+    """A stored cache's entries per slot in order: ``stored`` itself (``[batch, E, ...]``) for the dense
+    layout (``page_table`` None), else the pool ``[pages, per_page, ...]`` gathered through ``page_table``
+    ``[batch, max_pages]`` int32 into ``[batch, max_pages * per_page, ...]``, zeros where a slot has no page
+    (-1)."""
+    if page_table is None:
+        return stored
+
+    def gather(leaf):
+        index = jnp.where(page_table >= 0, page_table, leaf.shape[0])
+        pages = jnp.take(leaf, index, axis=0, mode="fill", fill_value=0)
+        return pages.reshape(page_table.shape[0], -1, *leaf.shape[2:])
+
+    return jax.tree.map(gather, stored)
+
+
+def slot_entries(stored, page_table) -> int:
+    """How many entries a slot addresses in ``stored``: ``E`` of the dense ``[batch, E, ...]``, else
+    ``max_pages * per_page`` (static)."""
+    per_slot = jax.tree.leaves(stored)[0].shape[1]
+    return per_slot if page_table is None else page_table.shape[1] * per_slot
+
+
+def locate(stored, page_table, rows, index):
+    """Where entry ``index`` of slot ``rows`` goes in ``stored`` (broadcastable int32 arrays; an index past
+    the slot's entries, or in a page it has no page for, is out of range: a :func:`put` there is dropped,
+    never another slot's page): ``(rows, index)`` for the dense layout (``page_table`` None), else the page
+    from ``page_table`` ``[batch, max_pages]`` and the entry within it."""
+    if page_table is None:
+        return rows, index
+    pages, per_page = jax.tree.leaves(stored)[0].shape[:2]
+    max_pages = page_table.shape[1]
+    slot_page = index // per_page
+    page = page_table[rows, jnp.clip(slot_page, 0, max_pages - 1)]
+    inside = (index >= 0) & (slot_page < max_pages) & (page >= 0)
+    return jnp.where(inside, page, pages), index % per_page
 
 
 def concatenate(stored, more, axis: int):

@@ -526,30 +526,46 @@ class ModelCache:
       compressed: the C128 compressor state of all C128 layers, layer-stacked
         (:class:`~jax_oc128.CompressState` or :class:`~jax_oc128.OfflineState` with ``compressed_layers``
         layers), or None for a model without C128 layers.
+      page_table: None (the dense layout: every slot holds ``max_len`` tokens of entries), or ``[batch,
+        max_pages]`` int32: paged, the pages of every compressed layer's pool holding slot b's tokens
+        ``[k * page_size, (k + 1) * page_size)`` at ``page_table[b, k]`` (-1: none), one table for all
+        layers (:mod:`~jax_oc128.nn.kv_cache`); set by the host between forwards.
     """
 
     layers: tuple[AttentionCache, ...]
     compressed: object
+    page_table: jax.Array | None = None
 
     @classmethod
-    def create(cls, config: ModelConfig, backend: Backend, batch: int) -> ModelCache:
+    def create(
+        cls, config: ModelConfig, backend: Backend, batch: int, pages: int | None = None, page_size: int = 0
+    ) -> ModelCache:
         """An empty cache of a model of ``config`` with the C128 ``backend`` for ``batch`` rows (slots):
         each layer's :meth:`~jax_oc128.nn.AttentionCache.create` up to ``max_len`` tokens, and the C128 state
-        (float32); nothing but the config is read."""
+        (float32); nothing but the config is read. With ``pages``: paged, a pool of ``pages`` pages of
+        ``page_size`` tokens (a multiple of 128 dividing ``max_len``) per compressed layer and a page table
+        of ``max_len // page_size`` pages per slot, none assigned."""
         compressed = None
         if config.compressed_layers:
             compressed = backend.create(config.compressed_layers, batch, config.head_dim, config.max_draft)
         layers = tuple(
-            AttentionCache.create(config.attention(t), config.max_draft, batch, config.max_len)
+            AttentionCache.create(
+                config.attention(t), config.max_draft, batch, config.max_len, pages, page_size
+            )
             for t in config.layer_types
         )
-        return cls(layers, compressed)
+        if pages is None:
+            return cls(layers, compressed)
+        return cls(layers, compressed, jnp.full((batch, config.max_len // page_size), -1, jnp.int32))
 
     def clear(self, rows) -> ModelCache:
-        """Empty ``rows`` ([n] int32, -1 ignored) for new sequences, in every layer and the compressor."""
+        """Empty ``rows`` ([n] int32, -1 ignored) for new sequences, in every layer and the compressor (a
+        paged cache's pages are not cleared, nor its page table: the host's)."""
+        paged = self.page_table is not None
         return ModelCache(
-            tuple(layer.clear(rows) for layer in self.layers),
+            tuple(layer.clear(rows, paged) for layer in self.layers),
             None if self.compressed is None else self.compressed.alloc(rows),
+            self.page_table,
         )
 
 
@@ -587,10 +603,12 @@ class Block(nnx.Module):
             self.attn_hc = HyperConnection(*hc, rngs=rngs)
             self.ffn_hc = HyperConnection(*hc, rngs=rngs)
 
-    def __call__(self, h, tokens, positions, cache, compressed, lengths, mode, tree=None, nodes=None):
+    def __call__(
+        self, h, tokens, positions, cache, compressed, lengths, mode, tree=None, nodes=None, page_table=None
+    ):
         """``h`` the residual ``[batch, T, hidden]`` (or the streams ``[batch, T, hc_mult, hidden]``) of
-        ``tokens`` ``[batch, T]`` -> ``(h, cache, compressed)``; ``tree``, ``nodes``: a tree verify or draft
-        (:class:`~jax_oc128.nn.DeepseekV4Attention`)."""
+        ``tokens`` ``[batch, T]`` -> ``(h, cache, compressed)``; ``tree``, ``nodes``: a tree verify or draft;
+        ``page_table``: the model's (:class:`~jax_oc128.nn.DeepseekV4Attention`)."""
 
         def attention(x):
             nonlocal cache, compressed
@@ -603,6 +621,7 @@ class Block(nnx.Module):
                 mode=mode,
                 tree=tree,
                 nodes=nodes,
+                page_table=page_table,
             )
             return y
 
@@ -713,9 +732,10 @@ class DeepseekV4Model(nnx.Module):
             }
         return paths
 
-    def init_cache(self, batch: int) -> ModelCache:
-        """An empty cache for ``batch`` rows (slots): :meth:`ModelCache.create`."""
-        return ModelCache.create(self.config, self.backend, batch)
+    def init_cache(self, batch: int, pages: int | None = None, page_size: int = 0) -> ModelCache:
+        """An empty cache for ``batch`` rows (slots), paged with ``pages`` pages of ``page_size`` tokens:
+        :meth:`ModelCache.create`."""
+        return ModelCache.create(self.config, self.backend, batch, pages, page_size)
 
     def logits(self, hidden):
         """``[..., hidden]`` -> ``[..., vocab]`` (final norm and LM head)."""
@@ -739,11 +759,14 @@ class DeepseekV4Model(nnx.Module):
             h = jnp.broadcast_to(h[..., None, :], (*h.shape[:-1], self.config.hc_mult, h.shape[-1]))
         layers = []
         for block, layer in zip(self.blocks, cache.layers, strict=True):
-            h, layer, compressed = block(h, tokens, positions, layer, compressed, lengths, mode, tree)
+            h, layer, compressed = block(
+                h, tokens, positions, layer, compressed, lengths, mode, tree, page_table=cache.page_table
+            )
             layers.append(layer)
+        cache = ModelCache(tuple(layers), compressed, cache.page_table)
         if self.config.hyper_connections:
-            return self.logits(self.hc_head(h)), flatten_streams(h), ModelCache(tuple(layers), compressed)
-        return self.logits(h), h, ModelCache(tuple(layers), compressed)
+            return self.logits(self.hc_head(h)), flatten_streams(h), cache
+        return self.logits(h), h, cache
 
     def keep_path(self, cache: ModelCache, tree, first_positions, nodes) -> ModelCache:
         """After a verify of ``tree`` at ``first_positions`` ``[batch]`` (the root's positions), keep each
@@ -754,7 +777,10 @@ class DeepseekV4Model(nnx.Module):
         forward to commit."""
         if check_tree(tree).is_chain:
             return cache
-        layers = tuple(layer.keep_path(tree, first_positions, nodes) for layer in cache.layers)
+        layers = tuple(
+            layer.keep_path(tree, first_positions, nodes, page_table=cache.page_table)
+            for layer in cache.layers
+        )
         cache = dataclasses.replace(cache, layers=layers)
         if cache.compressed is None:
             return cache
