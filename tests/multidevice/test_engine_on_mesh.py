@@ -42,6 +42,20 @@ def test_same_greedy_tokens_as_one_device(shape):
     assert q_b_proj.sharding.is_equivalent_to(NamedSharding(mesh, P("model")), 2)
 
 
+def test_paged_on_a_2x2_mesh_same_greedy_tokens_as_one_device():
+    """Paged caches on a 2x2 mesh (6 pages of 128 tokens, 3 per data device; requests of 45 to 244 tokens,
+    so requests wait for their device's pages): the dense engine's tokens on one device, plain and
+    speculative; each device's slots use its own pages (the pool split over "data" like the slots)."""
+    mesh = sharding.make_mesh(2, 2)
+    paged = Engine(model(), SLOTS, prompt_bucket=256, mesh=mesh, pages=6, page_size=128)
+    for num_tokens in (None, N):
+        tokens = paged.generate(prompts(), NEW_TOKENS, num_tokens=num_tokens).tokens
+        assert tokens == one_device(num_tokens), f"N = {num_tokens}"
+    assert paged.page_pool.waits > 0 and {shard for shard, _ in paged.page_pool.handed_out} == {0, 1}
+    entries = paged._idle_state.cache.layers[1].entries
+    assert entries.shape[0] == 6 and entries.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 3)
+
+
 COLLECTIVE = re.compile(r"= (\S+) (all-gather|all-to-all|collective-permute|reduce-scatter|all-reduce)\(")
 
 
