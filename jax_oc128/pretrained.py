@@ -24,9 +24,10 @@ own, each expert of a per-expert checkpoint its own), then every tensor is check
 config (its shapes traced once, :func:`flax.nnx.eval_shape`): missing and unexpected tensors, shapes and
 dtypes, all problems in one :class:`ValueError` that names each tensor; then the hash layers' token ->
 expert tables (small, any integer dtype) are read and their ids checked. Then the tensors are read one at a
-time (a shard is memory mapped), each header checked again (a shard replaced since is refused, naming the
-tensor), each cast to its parameter's dtype and placed on the device, DeepSeek's per-expert tensors written
-into their stacked parameter in place.
+time, memory mapped, each header checked again (a shard replaced since is refused, naming the tensor), and
+placed straight into the parameter's final layout (:class:`_Shards`): on one device, or split over a mesh as
+an :class:`~jax_oc128.engine.Engine` on it places it, each device given only its shard (read from the mapped
+tensor), DeepSeek's per-expert tensors written into their expert's slice of the stacked parameter in place.
 
 A quantized checkpoint (DeepSeek's released format: ``quantization_config`` and ``expert_dtype``,
 :func:`read_quantization`) keeps its weights quantized on the device (:mod:`jax_oc128.nn.quant`): the FP8
@@ -56,11 +57,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 
 from jax_oc128.checks import check_int
 from jax_oc128.controller import ONLINE, Backend
-from jax_oc128.nn import CSA, HCA, SLIDING, ModelConfig, SpeculativeModel
+from jax_oc128.nn import CSA, HCA, SLIDING, ModelConfig, SpeculativeModel, sharding
 from jax_oc128.nn.functional import DTYPES, variable_at
 from jax_oc128.nn.moe import HASH_MOE, MOE, check_expert_ids
 from jax_oc128.nn.quant import FP4, FP8, GROUP, QuantizedArray, check_exponents, row_scales
@@ -135,8 +137,20 @@ RATIO_LAYER_TYPES = {0: SLIDING, 4: CSA, 128: HCA}
 #: safetensors dtypes a floating / an integer parameter may be stored in (cast on load)
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 INT_DTYPES = {"I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8"}
-#: the safetensors dtypes numpy cannot read by name (safetensors' numpy reader), read as their bytes
-RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E8M0": ml_dtypes.float8_e8m0fnu}
+#: the numpy dtype of each safetensors dtype read (a tensor is memory mapped as it is stored: little-endian)
+NUMPY_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E8M0": ml_dtypes.float8_e8m0fnu,
+    **{
+        f"{kind}{bits}": np.dtype(f"{kind.lower()}{bits // 8}")
+        for kind in ("I", "U")
+        for bits in (8, 16, 32, 64)
+    },
+}
 #: DeepSeek's ``quantization_config`` as released, the only one read (each field checked)
 QUANTIZATION_CONFIG = {
     "quant_method": "fp8",
@@ -200,7 +214,13 @@ class Part:
 
 
 def load_pretrained(
-    path, *, dtype=None, backend: Backend = ONLINE, max_len: int | None = None, max_draft: int = 8
+    path,
+    *,
+    dtype=None,
+    backend: Backend = ONLINE,
+    max_len: int | None = None,
+    max_draft: int = 8,
+    mesh: Mesh | None = None,
 ) -> SpeculativeModel:
     """The DeepSeek-V4 model of the Hugging Face-format checkpoint directory ``path``, with its MTP layer
     as the draft head when the checkpoint has one (else ``model.mtp`` is None: plain decoding only).
@@ -215,6 +235,10 @@ def load_pretrained(
       max_len: the longest sequence the caches hold (default: ``max_position_embeddings``, a million
         tokens for DeepSeek-V4: pass less).
       max_draft: the most tokens a verify may take (N of speculative decoding).
+      mesh: None (one device), or a :class:`jax.sharding.Mesh` of the axes ``("data", "model")``: each
+        parameter is placed in the layout an :class:`~jax_oc128.engine.Engine` on ``mesh`` gives it
+        (:func:`jax_oc128.nn.sharding.param_specs`: split over ``"model"``, replicated over ``"data"``),
+        each device given only its shard, read from the memory-mapped tensor (:class:`_Shards`).
 
     Raises ValueError (naming the file, and the field or every tensor at fault) for a directory that is
     not such a checkpoint or that does not fit its config, NotImplementedError for what the config asks
@@ -229,6 +253,7 @@ def load_pretrained(
     if max_len is not None:
         check_int("max_len", max_len, 1)  # (the config bounds it by 2**31)
     check_int("max_draft", max_draft, 1, MAX_DRAFT)
+    mesh = None if mesh is None else sharding.check_mesh(mesh)
     config, mtp_layers, quantization = _read_config(directory / CONFIG)
     try:
         model_config = ModelConfig.from_hf(config, max_len=max_len, max_draft=max_draft, dtype=dtype)
@@ -255,9 +280,10 @@ def load_pretrained(
     formats = _formats(headers, parts, abstract, quantization)
     _check_tensors(directory, headers, parts, abstract, layers, formats)
     scale_dtypes = {parts[name].param: header[2] for name, header in headers.items() if parts[name].scale}
-    for param, fmt in formats.items():  # the quantized parameters' leaves, placed as read
+    for param, fmt in formats.items():  # the quantized parameters' leaves
         leaves = _quantized_leaves(abstract[param], fmt, scale_dtypes[param], model_config.dtype)
         variables[param].set_value(leaves)
+    placing = {name: _placing(params[name], variables[name].get_value(), mesh) for name in params}
     tables = {}  # the hash layers' (small): read once, checked, and placed as checked
     hashes = {n: h for n, h in headers.items() if jnp.issubdtype(abstract[parts[n].param].dtype, jnp.integer)}
     for file, names in _by_file(hashes).items():
@@ -275,7 +301,9 @@ def load_pretrained(
                     value = _scale_rows(value, fmt, rows, f"{file}: tensor {name}")
                 elif fmt == FP4:
                     value = value.view(np.uint8)  # the packed codes' bytes
-                _place(variables[part.param], part, value)
+                _place(placing[part.param], part, value)
+    for name, placed in placing.items():
+        variables[name].set_value(jax.tree.map(_Shards.array, placed))
     return model
 
 
@@ -513,30 +541,30 @@ def _open_shard(file: pathlib.Path):
 
 
 def _read_tensor(stored, name: str, header: tuple) -> np.ndarray:
-    """The tensor ``name`` of the open shard ``stored``, whose header must still be ``header`` (file, shape,
-    dtype) as it was when the headers were checked: a ValueError naming the tensor otherwise (the file
-    replaced since). A dtype of :data:`RAW_DTYPES` is read as its bytes (memory mapped), viewed as the
-    ml_dtypes type."""
+    """The tensor ``name`` of the open shard ``stored``, memory mapped (:data:`NUMPY_DTYPES`: nothing is read
+    until it is indexed), whose header must still be ``header`` (file, shape, dtype) as it was when the
+    headers were checked: a ValueError naming the tensor otherwise (the file replaced since)."""
     file, shape, dtype = header
     try:
         view = stored.get_slice(name)
         now = tuple(view.get_shape()), view.get_dtype()
-        if now != (shape, dtype):
-            raise ValueError(
-                f"{file}: tensor {name}: now shape {now[0]} and dtype {now[1]}, checked as {shape} and "
-                f"{dtype} (the file changed while it was loaded)"
-            )
-        if dtype in RAW_DTYPES:
-            status = os.stat(file)
-            start, offsets = _data_layout(file, status.st_mtime_ns, status.st_size)
-            begin, end = offsets[name]
-            if end - begin != math.prod(shape):  # one byte per element
-                raise ValueError(f"{file}: tensor {name}: {end - begin} bytes for shape {shape} of {dtype}")
-            data = np.memmap(file, dtype=np.uint8, mode="r", offset=start + begin, shape=(end - begin,))
-            return data.view(RAW_DTYPES[dtype]).reshape(shape)
-        return stored.get_tensor(name)
     except SafetensorError as error:
         raise ValueError(f"{file}: tensor {name}: not readable ({error}; the file changed?)") from None
+    if now != (shape, dtype):
+        raise ValueError(
+            f"{file}: tensor {name}: now shape {now[0]} and dtype {now[1]}, checked as {shape} and "
+            f"{dtype} (the file changed while it was loaded)"
+        )
+    status = os.stat(file)
+    start, offsets = _data_layout(file, status.st_mtime_ns, status.st_size)
+    begin, end = offsets[name]
+    numpy_dtype = np.dtype(NUMPY_DTYPES[dtype])
+    if end - begin != math.prod(shape) * numpy_dtype.itemsize:
+        raise ValueError(f"{file}: tensor {name}: {end - begin} bytes for shape {shape} of {dtype}")
+    if begin == end:  # (np.memmap maps no empty range)
+        return np.zeros(shape, numpy_dtype)
+    data = np.memmap(file, dtype=np.uint8, mode="r", offset=start + begin, shape=(end - begin,))
+    return data.view(numpy_dtype).reshape(shape)
 
 
 @functools.lru_cache(maxsize=4)
@@ -844,30 +872,81 @@ def _by_file(headers: dict) -> dict[pathlib.Path, list[str]]:
     return files
 
 
+def _placing(path: tuple, value, mesh: Mesh | None):
+    """The :class:`_Shards` of the parameter at ``path`` of abstract ``value`` (a :class:`QuantizedArray`:
+    one of its codes' and of its scales'), split as the engine places it on ``mesh``
+    (:func:`~jax_oc128.nn.sharding.param_spec`), or on the default device (``mesh`` None)."""
+    if mesh is None:
+        return jax.tree.map(lambda leaf: _Shards(leaf, None), value)
+    specs = sharding.param_spec(tuple(str(step) for step in path), value, mesh)
+    return jax.tree.map(_Shards, value, sharding.named(specs, mesh))
+
+
+class _Shards:
+    """An array of the abstract value ``abstract`` (shape and dtype) written part by part straight into its
+    shards of ``placement`` (a sharding; None: the default device, uncommitted): each distinct shard's piece
+    of a part is cut from the part once (from a memory-mapped tensor only that piece is read), cast to the
+    dtype and put on each device holding that shard; a shard made of several parts (DeepSeek's per-expert
+    tensors) is a zero buffer of the shard's shape on its device, the parts written into it in place. No
+    device holds more than its shard, the host no more than one piece beyond what it has placed.
+    """
+
+    def __init__(self, abstract, placement: jax.sharding.Sharding | None):
+        self.shape, self.dtype, self.placement = abstract.shape, abstract.dtype, placement
+        whole = (slice(None),) * len(self.shape)
+        indices = (
+            {None: whole} if placement is None else placement.addressable_devices_indices_map(self.shape)
+        )
+        self.devices = {}  # each shard's bounds, per axis (start, stop) -> the devices holding it
+        for device, index in indices.items():
+            bounds = tuple(axis.indices(size)[:2] for axis, size in zip(index, self.shape, strict=True))
+            self.devices.setdefault(bounds, []).append(device)
+        self.buffers = {}  # device -> its shard as written so far
+
+    def write(self, region: tuple[tuple[int, int], ...], value: np.ndarray) -> None:
+        """Write ``value`` (a host array: a memory-mapped tensor, or one made from it) as ``region`` (per
+        axis (start, stop)) of the array."""
+        for bounds, devices in self.devices.items():
+            overlap = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(region, bounds, strict=True))
+            if any(start >= stop for start, stop in overlap):
+                continue
+            cut = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(overlap, region, strict=True))
+            piece = np.array(value[cut], dtype=self.dtype)  # read, cast, owned
+            starts = tuple(np.int32(lo - c) for (lo, _), (c, _) in zip(overlap, bounds, strict=True))
+            for device in devices:
+                if overlap == bounds:
+                    self.buffers[device] = jax.device_put(piece, device)
+                    continue
+                if device not in self.buffers:
+                    shape = tuple(stop - start for start, stop in bounds)
+                    self.buffers[device] = jnp.zeros(shape, self.dtype, device=device)
+                self.buffers[device] = _set_slice(self.buffers[device], piece, starts)
+
+    def array(self) -> jax.Array:
+        """The array of the parts written (every shard must be whole)."""
+        if self.placement is None:
+            return self.buffers[None]
+        devices = self.placement.addressable_devices_indices_map(self.shape)
+        return jax.make_array_from_single_device_arrays(
+            self.shape, self.placement, [self.buffers[device] for device in devices]
+        )
+
+
 @functools.partial(jax.jit, donate_argnums=0)
-def _set_slice(param, value, expert, row):
-    """``param`` with ``value`` written at ``param[expert, row:row + len(value)]``."""
-    return jax.lax.dynamic_update_slice(param, value[None].astype(param.dtype), (expert, row, 0))
+def _set_slice(buffer, value, starts):
+    """``buffer`` with ``value`` written at ``starts`` (one index per axis)."""
+    return jax.lax.dynamic_update_slice(buffer, value, starts)
 
 
-def _place(variable: nnx.Variable, part: Part, value: np.ndarray) -> None:
-    """Write ``value`` into its ``part`` of ``variable``, cast to the variable's dtype: of a quantized
-    variable (a :class:`QuantizedArray`), into its scales (``part.scale``) or its codes."""
-    current = variable.get_value()
-    if isinstance(current, QuantizedArray):
-        leaf = "scales" if part.scale else "codes"
-        placed = _placed(getattr(current, leaf), part, value)
-        variable.set_value(dataclasses.replace(current, **{leaf: placed}))
-    else:
-        variable.set_value(_placed(current, part, value))
-
-
-def _placed(current, part: Part, value: np.ndarray) -> jax.Array:
-    """The array ``current`` (or an abstract one) with ``value``, cast to its dtype, as its ``part``."""
-    value = value.astype(current.dtype)
+def _place(placing, part: Part, value: np.ndarray) -> None:
+    """Write ``value`` into its ``part`` of the parameter being placed by ``placing`` (its :class:`_Shards`,
+    or a :class:`QuantizedArray` of its codes' and its scales': ``part.scale`` picks)."""
+    if isinstance(placing, QuantizedArray):
+        placing = placing.scales if part.scale else placing.codes
     if part.expert is None:
-        return jax.device_put(value)
-    if isinstance(current, jax.ShapeDtypeStruct):
-        current = jnp.zeros(current.shape, current.dtype)
-    row = 0 if part.half is None else part.half * (current.shape[1] // 2)
-    return _set_slice(current, value, part.expert, row)
+        placing.write(tuple((0, size) for size in placing.shape), value)
+        return
+    rows = placing.shape[1] if part.half is None else placing.shape[1] // 2
+    row = 0 if part.half is None else part.half * rows
+    rest = tuple((0, size) for size in placing.shape[2:])
+    placing.write(((part.expert, part.expert + 1), (row, row + rows), *rest), value[None])

@@ -138,10 +138,18 @@ def test_quantization_follows_deepseeks_rules(fmt):
 
 
 def tiny_config() -> dict:
-    """The small-window fixture's config with 32-wide experts (FP4 groups of 32), a q_lora_rank of 136
-    (partial 128 x 128 blocks both ways) and one MTP layer."""
-    meta = json.loads(bytes(np.load(FIXTURE)["meta"]).decode())
-    return meta["config"] | {"moe_intermediate_size": 32, "q_lora_rank": 136, "num_nextn_predict_layers": 1}
+    """The small-window fixture's config in its first 3 layers (sliding, CSA, HCA; hash routing in the first
+    two) with 32-wide experts (FP4 groups of 32), a q_lora_rank of 136 (partial 128 x 128 blocks both ways)
+    and one MTP layer."""
+    config = json.loads(bytes(np.load(FIXTURE)["meta"]).decode())["config"]
+    return config | {
+        "num_hidden_layers": 3,
+        "layer_types": config["layer_types"][:3],
+        "mlp_layer_types": config["mlp_layer_types"][:3],
+        "moe_intermediate_size": 32,
+        "q_lora_rank": 136,
+        "num_nextn_predict_layers": 1,
+    }
 
 
 def dequantized_tensors(tensors: dict) -> dict[str, np.ndarray]:
@@ -180,7 +188,11 @@ def checkpoints(tmp_path_factory):
     return directory, tensors, floats
 
 
-@functools.partial(jax.jit, static_argnames="graphdef", donate_argnames="cache")
+# compiled quickly (the models this file compares are all compiled alike)
+QUICK = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+@functools.partial(jax.jit, static_argnames="graphdef", donate_argnames="cache", compiler_options=QUICK)
 def forward(graphdef, params, tokens, positions, cache):
     logits, _, cache = nnx.merge(graphdef, params)(tokens, positions, cache)
     return logits, cache
@@ -206,14 +218,36 @@ def parameter_bytes(model) -> int:
     return sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model)))
 
 
-def test_quantized_checkpoint_matches_float_model(checkpoints):
+@pytest.fixture(scope="module")
+def load(checkpoints):
+    """``load(kind, dtype)``: the released checkpoint (``kind`` "released") or its dequantized float one
+    ("float") loaded with ``dtype``, once per module."""
+    directory, _, floats = checkpoints
+    paths = {"released": directory, "float": floats}
+    return functools.cache(
+        lambda kind, dtype: load_pretrained(paths[kind], dtype=dtype, max_len=512, max_draft=4)
+    )
+
+
+PROMPT_LENGTH, DECODE_STEPS = 64, 40
+
+
+@pytest.fixture(scope="module")
+def float32_logits(load):
+    """The float32 logits ``[2, 64 + 40, vocab]`` of the quantized model and of the dequantized float model
+    over a prefill of the fixture's prompts (64 tokens) and 40 cached greedy decode steps."""
+    prompt = np.load(FIXTURE)["prompt"][:, :PROMPT_LENGTH]
+    return tuple(
+        prefill_and_decode(load(kind, "float32"), prompt, DECODE_STEPS) for kind in ("released", "float")
+    )
+
+
+def test_quantized_checkpoint_matches_float_model(load, float32_logits):
     """The released checkpoint loads with its weights quantized (FP8 codes and uint8 scales for the linears,
     packed FP4 for the experts, the MTP layer's too, float for the rest) and with dtype float32 gives the
     logits of the float model of its dequantized weights, < 1e-4 relative over a prefill and 40 cached decode
     steps; bfloat16's agreement is printed (and bounded as the float checkpoints' is, 5%)."""
-    directory, _, floats = checkpoints
-    model = load_pretrained(directory, dtype="float32", max_len=512, max_draft=4)
-    reference = load_pretrained(floats, dtype="float32", max_len=512, max_draft=4)
+    model, reference = load("released", "float32"), load("float", "float32")
     block = model.target.blocks[1]
     for weight, fmt in (
         (block.attn.q_b_proj, FP8),
@@ -225,12 +259,11 @@ def test_quantized_checkpoint_matches_float_model(checkpoints):
     assert isinstance(model.mtp.embed_proj[...], QuantizedArray)
     assert not isinstance(block.moe.router_weight[...], QuantizedArray)
     quantized, full = parameter_bytes(model), parameter_bytes(reference)
-    prompt = np.load(FIXTURE)["prompt"][:, :64]
-    got, want = prefill_and_decode(model, prompt, 40), prefill_and_decode(reference, prompt, 40)
+    prompt = np.load(FIXTURE)["prompt"][:, :PROMPT_LENGTH]
+    got, want = float32_logits
     error = rel_err(got, want)
-    bf16 = [load_pretrained(d, dtype="bfloat16", max_len=512, max_draft=4) for d in (directory, floats)]
-    got16, want16 = (prefill_and_decode(m, prompt, 0) for m in bf16)
-    error16, against32 = rel_err(got16, want16), rel_err(got16, want[:, :64])
+    got16, want16 = (prefill_and_decode(load(kind, "bfloat16"), prompt, 0) for kind in ("released", "float"))
+    error16, against32 = rel_err(got16, want16), rel_err(got16, want[:, :PROMPT_LENGTH])
     print(
         f"\nquantized vs dequantized float model: float32 logits rel. error {error:.2e} (prefill, 40 steps); "
         f"bfloat16 {error16:.2e} (prefill), bfloat16 vs float32 {against32:.4f}; parameter bytes {quantized} "
@@ -241,20 +274,20 @@ def test_quantized_checkpoint_matches_float_model(checkpoints):
     assert quantized < full / 2
 
 
-def test_mtp_drafts_from_the_quantized_checkpoint(checkpoints):
+def test_mtp_drafts_from_the_quantized_checkpoint(load, float32_logits):
     """The quantized checkpoint's MTP layer is the engine's draft head: greedy speculative decoding (N = 2)
-    gives the plain greedy tokens, which are the dequantized float model's."""
-    directory, _, floats = checkpoints
-    model = load_pretrained(directory, dtype="float32", max_len=512, max_draft=4)
-    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
-    engine = Engine(model, slots=2)
+    gives the plain greedy tokens, which are the dequantized float model's (its greedy decode steps of
+    :func:`float32_logits`, from the same prompts)."""
+    prompts = np.load(FIXTURE)["prompt"][:, :PROMPT_LENGTH].tolist()
+    engine = Engine(load("released", "float32"), slots=2)
     plain = engine.generate(prompts, 24)
     speculative = engine.generate(prompts, 24, num_tokens=2)
     print(f"\nquantized MTP drafts: mean accepted length {speculative.mean_accepted:.3f} (N = 2)")
     assert speculative.tokens == plain.tokens
     assert speculative.mean_accepted >= 1.0
-    reference = load_pretrained(floats, dtype="float32", max_len=512, max_draft=4)
-    assert Engine(reference, slots=2).generate(prompts, 24).tokens == plain.tokens
+    _, want = float32_logits
+    greedy = np.argmax(want[:, PROMPT_LENGTH - 1 : PROMPT_LENGTH - 1 + 24], axis=-1)
+    assert plain.tokens == greedy.tolist()
 
 
 def test_fp8_experts_with_float32_scales(tmp_path, checkpoints):
@@ -329,8 +362,8 @@ def test_bad_quantized_tensors_in_one_error(tmp_path, checkpoints, nothing_place
     bad["layers.0.attn.wq_a.scale"] = bad["layers.0.attn.wq_a.scale"][:1]
     bad["layers.1.attn.wq_b.scale"] = np.ones((1, 2), np.float32)
     del bad["layers.1.attn.wo_b.scale"], bad["layers.2.ffn.experts.1.w2.scale"]
-    bad["layers.3.ffn.experts.0.w1.weight"] = bad["layers.3.ffn.experts.0.w1.weight"].view(np.uint8)
-    bad["layers.3.ffn.experts.1.w3.weight"] = np.zeros((32, 32), ml_dtypes.float8_e4m3fn)
+    bad["layers.0.ffn.experts.0.w1.weight"] = bad["layers.0.ffn.experts.0.w1.weight"].view(np.uint8)
+    bad["layers.0.ffn.experts.1.w3.weight"] = np.zeros((32, 32), ml_dtypes.float8_e4m3fn)
     bad["layers.0.ffn.gate.weight"] = np.zeros((4, 32), np.int8)
     bad["embed.weight"], _ = quant.quantize_fp8(tensors["embed.weight"].astype(np.float32))
     bad["layers.0.ffn.gate.scale"] = np.ones((1, 1), ml_dtypes.float8_e8m0fnu)
@@ -343,9 +376,9 @@ def test_bad_quantized_tensors_in_one_error(tmp_path, checkpoints, nothing_place
         r"unexpected tensors \(1\): layers\.0\.ffn\.gate\.scale",
         r"tensor layers\.0\.attn\.wq_a\.scale: shape \(1, 1\), the config gives \(2, 1\) \(the fp8 scales\)",
         r"tensor layers\.1\.attn\.wq_b\.scale: dtype F32, expected F8_E8M0 \(fp8 scales\)",
-        r"tensor layers\.3\.ffn\.experts\.0\.w1\.weight: dtype U8, expected I8 \(fp4: quantization_config\)",
-        r"tensor layers\.3\.ffn\.experts\.1\.w3\.weight: shape \(32, 32\), the config gives \(32, 16\) \(fp4",
-        r"tensor layers\.3\.ffn\.experts\.1\.w3\.weight: dtype F8_E4M3, expected I8",
+        r"tensor layers\.0\.ffn\.experts\.0\.w1\.weight: dtype U8, expected I8 \(fp4: quantization_config\)",
+        r"tensor layers\.0\.ffn\.experts\.1\.w3\.weight: shape \(32, 32\), the config gives \(32, 16\) \(fp4",
+        r"tensor layers\.0\.ffn\.experts\.1\.w3\.weight: dtype F8_E4M3, expected I8",
         r"tensor layers\.0\.ffn\.gate\.weight: dtype I8, expected a floating-point dtype \(quantized: the",
         r"tensor embed\.weight: dtype F8_E4M3, expected a floating-point dtype \(quantized: the format",
     ):

@@ -4,12 +4,14 @@ and its MTP head, shapes only: what the model axis splits, what stays whole."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from hf_fixtures import fixture
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from jax_oc128.nn import ModelConfig, SpeculativeModel, sharding
+from jax_oc128.nn.quant import FP4, FP8, QuantizedArray
 
 
 def specs(model_size):
@@ -49,3 +51,31 @@ def test_a_dimension_the_model_axis_does_not_divide_stays_whole():
     by_path = specs(3)  # 4 heads, 4 experts: not divisible by 3
     assert by_path[("target", "blocks", "1", "attn", "sinks")] == P(None)
     assert by_path[("target", "blocks", "1", "moe", "experts_gate_up")] == P(None, None, None)
+
+
+def test_quantized_parameters_split_their_scales_with_their_codes():
+    """A QuantizedArray's codes split by its rule, its per-row scales alike along rows and leading axes, and
+    along columns only where each device's columns are whole scale groups (else whole); its path names drop
+    the codes' and scales' own."""
+    mesh = AbstractMesh((1, 4), ("data", "model"))
+
+    def spec(names, codes, scales, fmt, codes_dtype=jnp.float8_e4m3fn):
+        x = QuantizedArray(
+            jax.ShapeDtypeStruct(codes, codes_dtype), jax.ShapeDtypeStruct(scales, jnp.uint8), fmt, "float32"
+        )
+        got = sharding.param_spec(names, x, mesh)
+        return got.codes, got.scales
+
+    attn = ("target", "blocks", "1", "attn")
+    assert spec((*attn, "q_b_proj"), (128, 136), (128, 2), FP8) == (P("model", None), P("model", None))
+    assert spec((*attn, "o_b_proj"), (32, 512), (32, 4), FP8) == (P(None, "model"), P(None, "model"))
+    assert spec((*attn, "o_b_proj"), (32, 64), (32, 1), FP8) == (P(None, "model"), P(None, None))
+    experts = ("target", "blocks", "1", "moe", "experts_down")
+    fp4 = spec(experts, (4, 32, 16), (4, 32, 1), FP4, jnp.uint8)
+    assert fp4 == (P("model", None, None), P("model", None, None))
+    path = (
+        jax.tree_util.DictKey("o_b_proj"),
+        jax.tree_util.GetAttrKey("value"),
+        jax.tree_util.GetAttrKey("scales"),
+    )
+    assert sharding.path_names(path) == ("o_b_proj",)

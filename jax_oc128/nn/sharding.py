@@ -8,7 +8,10 @@
   o-groups, the MLP's hidden units, the experts and the LM head's vocabulary (tensor parallel; XLA adds the
   all-reduces of the contractions). The caches, of one KV head, and the C128 state are replicated over it.
 
-Parameters that no rule names are replicated, and so is a dimension the mesh axis does not divide.
+Parameters that no rule names are replicated, and so is a dimension the mesh axis does not divide. A quantized
+parameter (:class:`~jax_oc128.nn.quant.QuantizedArray`) splits its codes by its rule and its per-row scales
+like them: along the same leading axes and rows, and along the columns only where each device's columns are
+whole scale groups (else the scales, 1/32 or 1/128 of the codes, are whole on every device).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_oc128.checks import check_int
+from jax_oc128.nn.quant import FP4, GROUP, QuantizedArray
 from jax_oc128.state import CompressState, OfflineState
 
 DATA, MODEL = "data", "model"
@@ -68,14 +72,28 @@ def check_mesh(mesh) -> Mesh:
 
 def param_specs(params, mesh: Mesh):
     """A :class:`~jax.sharding.PartitionSpec` per array of ``params`` (a model's ``nnx.State``, or any pytree
-    of arrays whose paths end in a module's attribute names) by :data:`PARAM_RULES`, on ``mesh``."""
+    of arrays whose paths end in a module's attribute names) by :data:`PARAM_RULES`, on ``mesh``: a
+    :class:`~jax_oc128.nn.quant.QuantizedArray` of the specs of its codes and scales for a quantized one
+    (:func:`param_spec`)."""
 
     def spec(path, x):
-        names = path_names(path)
-        rule = next((spec for tail, spec in PARAM_RULES if names[-len(tail) :] == tail), P())
-        return _divisible(rule, x.shape, mesh)
+        return param_spec(path_names(path), x, mesh)
 
-    return jax.tree_util.tree_map_with_path(spec, params)
+    return jax.tree_util.tree_map_with_path(spec, params, is_leaf=lambda x: isinstance(x, QuantizedArray))
+
+
+def param_spec(names: tuple[str, ...], x, mesh: Mesh):
+    """The spec of the parameter ``x`` (an array, or a :class:`~jax_oc128.nn.quant.QuantizedArray`: one
+    of the same kind of the specs of its codes and scales) at the path ``names`` (:func:`path_names`), by
+    the first rule of :data:`PARAM_RULES` whose names end ``names`` (none: replicated), on ``mesh``."""
+    rule = next((spec for tail, spec in PARAM_RULES if names[-len(tail) :] == tail), P())
+    if not isinstance(x, QuantizedArray):
+        return _divisible(rule, x.shape, mesh)
+    codes = _divisible(rule, x.codes.shape, mesh)
+    *lead, columns = tuple(codes) + (None,) * (x.ndim - len(codes))
+    groups = x.codes.shape[-1] * (2 if x.fmt == FP4 else 1) // GROUP[x.fmt]  # whole groups per column split
+    whole = columns is not None and groups % mesh.shape[columns] == 0 and x.shape[-1] % GROUP[x.fmt] == 0
+    return dataclasses.replace(x, codes=codes, scales=P(*lead, columns if whole else None))
 
 
 def slot_specs(tree):
@@ -105,7 +123,8 @@ def named(specs, mesh: Mesh):
 
 def path_names(path) -> tuple[str, ...]:
     """The names of a pytree path (dict keys, attributes, sequence indices as strings), without the final
-    ``value`` of an ``nnx.Variable``'s array: the path the rules match."""
+    ``value`` of an ``nnx.Variable``'s array and a quantized array's ``codes`` or ``scales``: the path the
+    rules match."""
 
     def name(key):
         for field in ("key", "name", "idx"):
@@ -114,6 +133,8 @@ def path_names(path) -> tuple[str, ...]:
         return str(key)
 
     names = tuple(name(key) for key in path)
+    if names[-2:] in (("value", "codes"), ("value", "scales")):
+        names = names[:-1]
     return names[:-1] if names and names[-1] == "value" else names
 
 
