@@ -15,10 +15,12 @@ preset.
   16 routed experts, bfloat16), less its weights as this library stores them.
 * ``tiny``: ``ModelConfig.tiny`` with a CSA layer, on 1 GB (the test's).
 
-Every slot holds ``max_len`` tokens' worth of entries (the dense layout), so a slot's bytes are its request's
+In the dense layout every slot holds ``max_len`` tokens' worth of entries, so a slot's bytes are its request's
 whatever its length, and the budget holds ``budget // per_slot`` requests of up to ``max_len`` tokens. "Per
 token of context" is a full request's bytes over ``max_len``; "growth" is what one more token of ``max_len``
-adds (the entries and indexer keys), the bytes per token a paged layout would approach.
+adds (the entries and indexer keys). The paged layout (``Engine(pages=...)``: the entries in pages of
+:data:`PAGE_SIZE` tokens from a pool the slots share) is compared at a mix of request lengths
+(:data:`LENGTH_MIX`): a request holds its slot's fixed part and the pages of its length.
 
 Usage: python bench/capacity.py [--presets v4-flash v4-pro v4-flash-slice] [--max-lens 4096 32768 131072]
 [--max-draft 4] [--out capacity.json]
@@ -50,8 +52,11 @@ FORMATS = {
     "bfloat16": dict(kv_cache_dtype="bfloat16"),
     "fp8": dict(kv_cache_dtype="fp8", dtype="bfloat16"),
 }
-#: the layouts of the growing caches; paging (a pool of pages shared by the slots, issue 25) comes next
-LAYOUTS = ("dense",)
+#: the engine's default page size (``Engine(pages=..., page_size=256)``), in tokens
+PAGE_SIZE = 256
+#: the mix of request lengths, as fractions of ``max_len``: log-uniform over 1/16 .. 1 (serving traffic is
+#: skewed short); a dense slot holds ``max_len`` whatever its request's length, a paged request its pages
+LENGTH_MIX = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1)
 #: the cache kinds reported, in order
 KINDS = ("window", "CSA entries", "indexer keys", "HCA entries", "CSA raw rows", "C128 state", "per slot")
 #: the attention projections, the indexer's query projection, the shared experts and the MTP layer's
@@ -159,7 +164,7 @@ def rows(names, max_lens, max_draft):
             for max_len in max_lens:
                 config = dataclasses.replace(base, max_len=max_len, **FORMATS[fmt])
                 online, offline = slot_bytes(config, ONLINE, per_slot), slot_bytes(config, OFFLINE, per_slot)
-                row = dict(preset=name, format=fmt, max_len=max_len, layout=LAYOUTS[0], kinds=online)
+                row = dict(preset=name, format=fmt, max_len=max_len, kinds=online)
                 row |= dict(c128_offline=offline["C128 state"], weights=weights, budget=budget)
                 for backend, kinds in (("online", online), ("offline", offline)):
                     total = sum(kinds.values())
@@ -172,7 +177,27 @@ def rows(names, max_lens, max_draft):
                         sum(slot_bytes(longer, ONLINE, per_slot).values()) - row["online_bytes"]
                     ) / max_len
                 row["growth_per_token"] = growth
+                row |= mix_capacity(row, max_len)
                 out.append(row)
+    return out
+
+
+def mix_capacity(row: dict, max_len: int) -> dict:
+    """Concurrent requests of :data:`LENGTH_MIX` that fit the budget, dense and paged, online and offline
+    C128 state: a dense slot costs its ``max_len`` request's bytes; a paged request its slot's fixed part
+    (window, raw rows, C128 state, per-slot vectors: the request's bytes less ``growth * max_len``) and its
+    length rounded up to whole pages of entries."""
+    free = row["budget"] - row["weights"]
+    lengths = [fraction * max_len for fraction in LENGTH_MIX]
+    pages = sum(math.ceil(n / PAGE_SIZE) * PAGE_SIZE * row["growth_per_token"] for n in lengths) / len(
+        lengths
+    )
+    out = {}
+    for backend in ("online", "offline"):
+        fixed = row[f"{backend}_bytes"] - row["growth_per_token"] * max_len
+        out[f"mix_dense_{backend}"] = max(int(free // row[f"{backend}_bytes"]), 0)
+        out[f"mix_paged_{backend}"] = max(int(free // (fixed + pages)), 0)
+    out["mix_mean_length"] = sum(lengths) / len(lengths)
     return out
 
 
@@ -212,6 +237,26 @@ def print_tables(out):
         )
 
 
+def print_mix(out):
+    mix = ", ".join(f"{f:g}" for f in LENGTH_MIX)
+    print(f"\n## Concurrent requests at a mix of lengths (max_len x {mix}); pages of {PAGE_SIZE} tokens\n")
+    print(
+        "| preset | caches | max_len | dense online / offline | paged online / offline | "
+        "paged / dense (online) | paged online / dense offline |"
+    )
+    print("|---" * 7 + "|")
+    for r in out:
+        dense, paged = (
+            (r["mix_dense_online"], r["mix_dense_offline"]),
+            (r["mix_paged_online"], r["mix_paged_offline"]),
+        )
+        print(
+            f"| {r['preset']} | {r['format']} | {r['max_len']} | {dense[0]} / {dense[1]} | "
+            f"{paged[0]} / {paged[1]} | "
+            f"{paged[0] / max(dense[0], 1):.2f} | {paged[0] / max(dense[1], 1):.2f} |"
+        )
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -223,6 +268,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     out = rows(args.presets, args.max_lens, args.max_draft)
     print_tables(out)
+    print_mix(out)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(rows=out), f, indent=1)

@@ -177,3 +177,6 @@ def test_capacity_bench_runs_tiny(capsys):
     assert growth["float32"] == 2 * growth["bfloat16"] == 4 * (d + di) / 4 + 4 * d / 128
     assert growth["fp8"] == (d - r + 2 * r + 4) / 4 + (di + 4) / 4 + (d - r + 2 * r + 4) / 128
     assert all(row["online_tokens"] > row["offline_tokens"] > 0 for row in rows)
+    # paged: a request of the mix holds pages for its length, a dense slot max_len's entries
+    assert all(row["mix_paged_online"] > row["mix_dense_online"] > 0 for row in rows)
+    assert all(row["mix_paged_online"] > row["mix_paged_offline"] > 0 for row in rows)
