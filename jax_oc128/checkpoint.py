@@ -162,8 +162,7 @@ def _config(meta: dict, tensors: int, path) -> ModelConfig:
     DeepSeek-V4 layout, :data:`~jax_oc128.nn.model.V4_FIELDS`, may be absent: the shipped model's values,
     :meth:`~jax_oc128.nn.ModelConfig.tiny`),
     each checked by the config itself; no more layers than the file has ``tensors`` (each layer has
-    parameters: a small file claiming a huge number of layers is refused before the model's shapes are
-    traced)."""
+    parameters: a small file claiming a huge number of layers is refused before the model is built)."""
     raw = meta["config"]
     fields = {field.name for field in dataclasses.fields(ModelConfig)}
     for problem, names in (

@@ -27,7 +27,7 @@ from jax_oc128.nn.quant import matrix
 FULL = jax.lax.Precision.HIGHEST  # float32 matmuls stay float32 (on GPUs the default would allow TF32)
 #: the dtypes a model's weights may have, by name (``ModelConfig.dtype``)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-T = TypeVar("T")
+_Built = TypeVar("_Built")
 
 
 def linear(x, weight):
@@ -47,7 +47,7 @@ def rms_norm(x, weight, eps):
 _ABSTRACT = contextvars.ContextVar("jax_oc128.nn.functional abstract parameters", default=False)
 
 
-def build_abstract(build: Callable[[nnx.Rngs], T]) -> T:
+def build_abstract(build: Callable[[nnx.Rngs], _Built]) -> _Built:
     """``build(rngs)`` (a module's construction) with every parameter a :class:`jax.ShapeDtypeStruct`: the
     module's structure, shapes and dtypes as :func:`flax.nnx.eval_shape` gives them, with nothing computed
     or traced (tracing the construction costs a few ms per parameter: 61 layers, seconds). The modules
