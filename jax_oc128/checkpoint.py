@@ -25,6 +25,7 @@ from flax import nnx
 
 from jax_oc128.controller import ONLINE, Backend
 from jax_oc128.nn import ModelConfig, SpeculativeModel
+from jax_oc128.nn.functional import build_abstract
 from jax_oc128.nn.model import V4_FIELDS
 
 DEFAULT_MODEL = pathlib.Path(__file__).parent / "assets" / "default_model.npz"
@@ -94,7 +95,7 @@ def load(path=DEFAULT_MODEL, *, backend: Backend = ONLINE) -> tuple[SpeculativeM
         meta = _metadata(archive, headers, path)
         config = _config(meta, len(headers) - 1, path)
         graphdef, abstract = nnx.split(
-            nnx.eval_shape(lambda: SpeculativeModel(config, backend=backend, rngs=nnx.Rngs(0)))
+            build_abstract(lambda rngs: SpeculativeModel(config, backend=backend, rngs=rngs))
         )
         expected = dict(_named_leaves(abstract))
         _check_tensors(headers, expected, path)
@@ -161,8 +162,7 @@ def _config(meta: dict, tensors: int, path) -> ModelConfig:
     DeepSeek-V4 layout, :data:`~jax_oc128.nn.model.V4_FIELDS`, may be absent: the shipped model's values,
     :meth:`~jax_oc128.nn.ModelConfig.tiny`),
     each checked by the config itself; no more layers than the file has ``tensors`` (each layer has
-    parameters: a small file claiming a huge number of layers is refused before the model's shapes are
-    traced)."""
+    parameters: a small file claiming a huge number of layers is refused before the model is built)."""
     raw = meta["config"]
     fields = {field.name for field in dataclasses.fields(ModelConfig)}
     for problem, names in (

@@ -21,7 +21,7 @@ followed; a FIFO, a device or a socket is refused, never opened), ``config.json`
 to :data:`MAX_CONFIG_BYTES` and :data:`MAX_INDEX_BYTES`; then every file's header (names, shapes, dtypes);
 then the config's layers and tensors are counted against the headers' tensors (each layer has tensors of its
 own, each expert of a per-expert checkpoint its own), then every tensor is checked against the model of the
-config (its shapes traced once, :func:`flax.nnx.eval_shape`): missing and unexpected tensors, shapes and
+config (shapes only, not traced: ``functional.build_abstract``): missing and unexpected tensors, shapes and
 dtypes, all problems in one :class:`ValueError` that names each tensor; then the hash layers' token ->
 expert tables (small, any integer dtype) are read and their ids checked. Then the tensors are read one at a
 time, memory mapped, each header checked again (a shard replaced since is refused, naming the tensor), and
@@ -56,14 +56,13 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 
 from jax_oc128.checks import check_int
 from jax_oc128.controller import ONLINE, Backend
 from jax_oc128.nn import CSA, HCA, SLIDING, ModelConfig, SpeculativeModel, sharding
-from jax_oc128.nn.functional import DTYPES, variable_at
+from jax_oc128.nn.functional import DTYPES, build_abstract, variable_at
 from jax_oc128.nn.moe import HASH_MOE, MOE, check_expert_ids
 from jax_oc128.nn.quant import FP4, FP8, GROUP, QuantizedArray, check_exponents, row_scales
 from jax_oc128.rules import MAX_DRAFT
@@ -263,7 +262,7 @@ def load_pretrained(
         raise NotImplementedError(f"{directory / CONFIG}: {error}") from None
     headers = _read_headers(directory)
     layers = len(model_config.layer_types)
-    if layers > len(headers):  # before the model's shapes are traced (work linear in the layers)
+    if layers > len(headers):  # before the model is built (work linear in the layers)
         raise ValueError(
             f"{directory}: the config has {layers} layers, the checkpoint {len(headers)} tensors (each layer "
             "has tensors of its own)"
@@ -273,7 +272,7 @@ def load_pretrained(
         part is not None and part.param.startswith(f"model.layers.{layers}.") for part in parts.values()
     )
     model_config = dataclasses.replace(model_config, mtp=has_mtp)
-    model = nnx.eval_shape(lambda: SpeculativeModel(model_config, backend=backend, rngs=_OneKey()))
+    model = build_abstract(lambda rngs: SpeculativeModel(model_config, backend=backend, rngs=rngs))
     params = parameter_paths(model)
     variables = {name: variable_at(model, path) for name, path in params.items()}
     abstract = {name: v.get_value() for name, v in variables.items()}
@@ -305,18 +304,6 @@ def load_pretrained(
     for name, placed in placing.items():
         variables[name].set_value(jax.tree.map(_Shards.array, placed))
     return model
-
-
-class _OneKey:
-    """The parameters' keys where only their shapes are wanted (the model built under
-    :func:`flax.nnx.eval_shape`): one key for every draw. An :class:`flax.nnx.Rngs` would derive each key
-    from a count its last draw updated, and updating a traced variable builds an error text that walks
-    the whole chain of earlier draws back: tracing would be quadratic in the parameters (61 layers:
-    about a minute)."""
-
-    @staticmethod
-    def params() -> jax.Array:
-        return jax.random.key(0)
 
 
 def _check_dtype(dtype) -> str:

@@ -219,6 +219,29 @@ def check_tree(tree) -> Tree:
     return tree
 
 
+#: The cap of 1 / temperature: a temperature below 2**-100 (~7.9e-31) samples as 2**-100, which in float32 is
+#: already one-hot unless two logits are within ~1e-28; the cap keeps logit gaps up to ~2.7e8 finite once
+#: scaled, so that a tree's later draws without replacement still see the next most probable tokens.
+MAX_INVERSE_TEMPERATURE = 2.0**100
+
+
+def tempered(logits, temperature: float):
+    """``logits`` ``[..., V]`` (any float dtype) / ``temperature`` (> 0, static) less their maximum, in
+    float32: the log-probabilities of softmax(logits / temperature) up to a constant, all <= 0 and 0 at
+    the maximum (rows of -inf only stay -inf). The maximum is subtracted before scaling by 1 /
+    ``temperature`` (computed on the host, at most :data:`MAX_INVERSE_TEMPERATURE`): scaling first (XLA
+    compiles ``logits / temperature`` as a product with 1 / temperature) makes the maximum's entry a
+    rounding difference of huge numbers at a tiny temperature, whose exp overflows to inf and then NaN.
+    This way nothing overflows at any temperature > 0, and otherwise the values are softmax's own shift
+    of logits / temperature."""
+    if not temperature > 0:
+        raise ValueError(f"temperature: must be > 0, got {temperature}")
+    logits = logits.astype(jnp.float32)
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    scale = min(1.0 / temperature, MAX_INVERSE_TEMPERATURE)
+    return (logits - jnp.where(jnp.isfinite(top), top, 0.0)) * scale
+
+
 def draft_children(logits, width: int, key=None, temperature: float = 0.0):
     """Each node's ``width`` children tokens from its draft ``logits`` ``[bs, n, V]`` (any float dtype):
     the top-``width`` tokens, best first (``temperature`` 0, static), or ``width`` draws without
@@ -230,7 +253,7 @@ def draft_children(logits, width: int, key=None, temperature: float = 0.0):
         raise ValueError(f"key: a PRNG key is needed to sample (temperature {temperature})")
     scores = logits.astype(jnp.float32)
     if temperature != 0:
-        scores = scores / temperature + jax.random.gumbel(key, scores.shape, jnp.float32)
+        scores = tempered(scores, temperature) + jax.random.gumbel(key, scores.shape, jnp.float32)
     if width == 1:  # the same token (of ties, the first), without top_k's sort (a chain drafts this way)
         return jnp.argmax(scores, axis=-1, keepdims=True).astype(jnp.int32)
     return jax.lax.top_k(scores, width)[1].astype(jnp.int32)
@@ -379,8 +402,8 @@ def accept_sampled(tree: Tree, target_logits, draft_logits, tokens, key, tempera
     done = jnp.zeros(bs, bool)
     residual = jnp.zeros((bs, vocab), jnp.float32)
     for level, width in enumerate(tree.widths):
-        r = _softmax(target_logits[rows, node].astype(jnp.float32) / temperature)
-        q_logits = draft_logits[rows, node].astype(jnp.float32) / temperature
+        r = _softmax(tempered(target_logits[rows, node], temperature))
+        q_logits = tempered(draft_logits[rows, node], temperature)
         kids = children[node]  # [bs, W], -1 past the node's children
         drafts = jnp.take_along_axis(tokens, jnp.maximum(kids, 0), axis=1)
         chosen = jnp.full(bs, -1, jnp.int32)
@@ -400,7 +423,7 @@ def accept_sampled(tree: Tree, target_logits, draft_logits, tokens, key, tempera
         residual = jnp.where(stops[:, None], r, residual)
         done = done | stops
         node = jnp.where(chosen >= 0, chosen, node)
-    at_leaf = _softmax(target_logits[rows, node].astype(jnp.float32) / temperature)
+    at_leaf = _softmax(tempered(target_logits[rows, node], temperature))
     residual = jnp.where(done[:, None], residual, at_leaf)
     bonus = jax.random.categorical(bonus_key, jnp.log(residual)).astype(jnp.int32)
     return _acceptance(tree, tokens, node, bonus)

@@ -406,3 +406,15 @@ def test_numpy_scalars_and_bytes_reach_the_device_as_checked(engine, monkeypatch
     np.testing.assert_array_equal(stops, [0, *[-1] * (MAX_STOP_TOKENS - 1)])
     assert waiting and steps == 2 and type(steps) is int
     assert tree == Tree.chain(2)
+
+
+def test_a_vanishing_temperature_samples_the_greedy_tokens(engine):
+    """At temperature 1e-10 or 1e-40 (accepted: any finite number > 0) sampling is greedy in float32, plain,
+    speculative (N = 3) and on a tree: the greedy tokens, never a NaN's token 0 (softmax(logits / T) once
+    overflowed under jit: plain sampling at 1e-40, speculative at 1e-10). tests/test_tree.py checks each
+    of the sampling functions at both temperatures."""
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    greedy = engine.generate(prompts, 8).tokens
+    for temperature, how in ((1e-40, {}), (1e-10, {"num_tokens": 3}), (1e-40, {"tree": Tree.default(4)})):
+        got = engine.generate(prompts, 8, temperature=temperature, **how).tokens
+        assert got == greedy, (temperature, how)

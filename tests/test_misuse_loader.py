@@ -14,6 +14,8 @@ import pathlib
 import threading
 import time
 
+import jax
+import jax.extend
 import numpy as np
 import pytest
 from hf_fixtures import deepseek_named, fixture, target_tensors, tensors_of, write
@@ -145,7 +147,7 @@ def test_experts_counted_not_listed(tmp_path, small_window):
 @pytest.mark.usefixtures("nothing_placed")
 def test_layers_counted_before_the_model_is_traced(tmp_path, small_window, monkeypatch):
     """A config of 200000 layers (DeepSeek's compress_ratios, 400 KB) on a checkpoint of 100 tensors: refused
-    from the count, before the model's shapes are traced (tracing them is linear in the layers)."""
+    from the count, before the model is built (linear in the layers)."""
     config, weights = small_window
     layers = 200_000
     theirs = {k: v for k, v in config.items() if k not in ("layer_types", "mlp_layer_types")}
@@ -153,31 +155,36 @@ def test_layers_counted_before_the_model_is_traced(tmp_path, small_window, monke
     directory = write(tmp_path / "ckpt", theirs, weights)
 
     def refuse(*args, **kwargs):
-        raise AssertionError("the model was traced before its layers were counted")
+        raise AssertionError("the model was built before its layers were counted")
 
-    monkeypatch.setattr(pretrained.nnx, "eval_shape", refuse)
+    monkeypatch.setattr(pretrained, "build_abstract", refuse)
     with pytest.raises(ValueError, match=rf"the config has {layers} layers, the checkpoint {len(weights)} "):
         load_pretrained(directory, max_len=512)
 
 
-def test_shapes_traced_without_walking_the_trace(tmp_path, small_window, monkeypatch):
-    """The model's shapes are traced once and every parameter's key is drawn without updating a traced
-    variable: no tracer's origin is searched while tracing (each search walks the trace back, which made the
-    checks quadratic in the layers: 24 layers 7 s, 61 layers about a minute). Counted over the load of the
-    fixture: zero searches (before: two per parameter)."""
-    from jax._src.interpreters import partial_eval
+def test_the_model_is_built_without_tracing(tmp_path, small_window, monkeypatch):
+    """The model the tensors are checked against is built with shapes only: no primitive is bound (tracing
+    the construction cost a few ms per parameter, and searching the tracers' origins made it quadratic in
+    the layers: 24 layers 7 s, 61 layers about a minute; tests/test_model.py has the 61-layer timings)."""
+    binds, built = [], []
+    original_bind, original_build = jax.extend.core.Primitive.bind, pretrained.build_abstract
 
-    searches = []
-    original = partial_eval.DynamicJaxprTracer._origin_msg
+    def counted(self, *args, **params):
+        binds.append(self.name)
+        return original_bind(self, *args, **params)
 
-    def counted(self):
-        searches.append(1)
-        return original(self)
+    def build(make):
+        monkeypatch.setattr(jax.extend.core.Primitive, "bind", counted)
+        try:
+            built.append(original_build(make))
+        finally:
+            monkeypatch.setattr(jax.extend.core.Primitive, "bind", original_bind)
+        return built[-1]
 
-    monkeypatch.setattr(partial_eval.DynamicJaxprTracer, "_origin_msg", counted)
+    monkeypatch.setattr(pretrained, "build_abstract", build)
     config, weights = small_window
-    load_pretrained(write(tmp_path / "ckpt", config, weights), max_len=512)
-    assert not searches
+    model = load_pretrained(write(tmp_path / "ckpt", config, weights), max_len=512)
+    assert built == [model] and not binds
 
 
 #: (change to the fixture's config, the field the message names); each a ValueError naming config.json

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_oc128.engine.steps import pick
 from jax_oc128.tree import (
     DEFAULT_CHOICES,
     Tree,
@@ -21,6 +22,7 @@ from jax_oc128.tree import (
     check_parents,
     draft_children,
     draft_tree,
+    tempered,
 )
 
 #: survival function of chi-square at these values, per degrees of freedom, is 1e-3 (the threshold of
@@ -224,6 +226,22 @@ def test_draft_children_samples_without_replacement():
     assert ok, detail
 
 
+@pytest.mark.parametrize("temperature", [1e-10, 1e-40])
+def test_sampling_at_a_vanishing_temperature_is_greedy_under_jit(temperature):
+    """At 1e-10 and 1e-40 the tempered logits are finite, 0 at the argmax (no NaN: scaling before
+    subtracting the maximum overflowed under jit); a sample (the engine's pick) is the argmax, a draft of two
+    children the top 2."""
+    key = jax.random.key(0)
+    logits = jax.random.normal(jax.random.key(1), (64, 1, 32)) * 4
+    order = np.argsort(-np.asarray(logits), axis=-1)
+    scaled = np.asarray(jax.jit(tempered, static_argnums=1)(logits, temperature))
+    assert np.isfinite(scaled).all() and np.all(scaled <= 0)
+    assert np.array_equal(np.take_along_axis(scaled, order[..., :1], -1), np.zeros((64, 1, 1)))
+    assert np.array_equal(jax.jit(pick, static_argnums=2)(logits, key, temperature), order[..., 0])
+    drafts = jax.jit(draft_children, static_argnums=(1, 3))(logits, 2, key, temperature)
+    assert np.array_equal(drafts, order[..., :2])
+
+
 def test_draft_children_bad_arguments():
     with pytest.raises(ValueError, match=r"^width: must be in \[1, 10\]"):
         draft_children(jnp.zeros((1, 1, 10)), 11)
@@ -364,12 +382,14 @@ def test_sampled_acceptance_bad_arguments():
         accept_greedy(EXAMPLE, logits, tokens)
 
 
+@pytest.mark.parametrize("temperature", [0.001, 1e-10, 1e-40])
 @pytest.mark.parametrize("parents", [EXAMPLE, Tree.default(16).parents])
-def test_sampled_acceptance_at_a_vanishing_temperature_is_greedy(parents):
+def test_sampled_acceptance_at_a_vanishing_temperature_is_greedy(parents, temperature):
     """Greedy drafting (the top-k: Gumbel-top-k's limit at temperature 0) and target logits a permutation
-    of 0..V-1 at every node: at temperature 0.001 the target's softmax is exactly one-hot in float32 and
-    each draft the most probable token left to its draw, so the sampled walk accepts exactly the drafts
-    equal to the target's argmax: the greedy walk's path and bonus."""
+    of 0..V-1 at every node: at temperature 0.001 and below the target's softmax is exactly one-hot in
+    float32 and each draft the most probable token left to its draw, so the sampled walk accepts exactly
+    the drafts equal to the target's argmax: the greedy walk's path and bonus (at 1e-10 and 1e-40 no NaN
+    either: softmax(logits / T) once overflowed under jit)."""
     t, rows, vocab = Tree(parents), 256, 4
     keys = jax.random.split(jax.random.key(3), 3)
     order = jax.vmap(lambda k: jax.random.permutation(k, vocab))(jax.random.split(keys[0], rows * t.size))
@@ -383,7 +403,7 @@ def test_sampled_acceptance_at_a_vanishing_temperature_is_greedy(parents):
 
         tokens, logits, _ = draft_tree(t, jnp.zeros(rows, jnp.int32), draft_fn, None)
         greedy = accept_greedy(t, target_logits, tokens)
-        return greedy, accept_sampled(t, target_logits, logits, tokens, key, 0.001)
+        return greedy, accept_sampled(t, target_logits, logits, tokens, key, temperature)
 
     greedy, sampled = both(target_logits, draft_logits, keys[2])
     for name, want in vars(greedy).items():

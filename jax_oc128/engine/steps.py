@@ -26,15 +26,15 @@ import jax.numpy as jnp
 from jax_oc128.controller import ForwardMode
 from jax_oc128.engine.state import DecodeOutput, DecodeState
 from jax_oc128.nn import batch_slots
-from jax_oc128.tree import Tree, accept_greedy, accept_sampled, draft_tree
+from jax_oc128.tree import Tree, accept_greedy, accept_sampled, draft_tree, tempered
 
 
 def pick(logits, key, temperature: float):
-    """Greedy (``temperature`` 0, static) or a sample of softmax(logits / temperature): ``logits``
-    ``[..., V]`` -> ``[...]`` int32."""
+    """Greedy (``temperature`` 0, static) or a sample of softmax(logits / temperature) (computed stably at
+    any temperature > 0: :func:`~jax_oc128.tree.tempered`): ``logits`` ``[..., V]`` -> ``[...]`` int32."""
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
+    return jax.random.categorical(key, tempered(logits, temperature)).astype(jnp.int32)
 
 
 def stop_rule(tokens, counts, remaining, stop_tokens):

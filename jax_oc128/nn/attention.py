@@ -35,7 +35,15 @@ from flax import nnx
 from jax_oc128.controller import ONLINE, Backend, ForwardMode
 from jax_oc128.nn import csa, hca, kv_cache
 from jax_oc128.nn.csa import CSACompressor, IndexerConfig
-from jax_oc128.nn.functional import FULL, assign_weights, linear, normal_param, ones_param, rms_norm
+from jax_oc128.nn.functional import (
+    FULL,
+    assign_weights,
+    linear,
+    normal_param,
+    ones_param,
+    rms_norm,
+    zeros_param,
+)
 from jax_oc128.nn.hca import HCACompressor, batch_slots
 from jax_oc128.nn.kv_cache import CacheDtypes
 from jax_oc128.nn.quant import matrix
@@ -354,7 +362,7 @@ class DeepseekV4Attention(nnx.Module):
             rngs, c.o_groups * c.o_lora_rank, c.num_heads * c.head_dim // c.o_groups, dtype=c.dtype
         )
         self.o_b_proj = normal_param(rngs, c.hidden_size, c.o_groups * c.o_lora_rank, dtype=c.dtype)
-        self.sinks = nnx.Param(jnp.zeros((c.num_heads,), jnp.float32))
+        self.sinks = zeros_param(c.num_heads)
         if c.layer_type == HCA:
             self.compressor = HCACompressor(
                 c.hidden_size,

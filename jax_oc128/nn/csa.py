@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_oc128.nn import hca, kv_cache
-from jax_oc128.nn.functional import FULL, linear, normal_param, ones_param, rms_norm
+from jax_oc128.nn.functional import FULL, linear, normal_param, ones_param, rms_norm, zeros_param
 from jax_oc128.reference import pool
 
 #: tokens per CSA window (transformers' ``compress_rates["compressed_sparse_attention"]``)
@@ -83,11 +83,11 @@ class CSACompressor(nnx.Module):
         index_dim = indexer.head_dim
         self.kv_proj = normal_param(rngs, 2 * head_dim, hidden_size, dtype=dtype)
         self.gate_proj = normal_param(rngs, 2 * head_dim, hidden_size, dtype=dtype)
-        self.ape = nnx.Param(jnp.zeros((RATE, 2 * head_dim), jnp.float32))
+        self.ape = zeros_param(RATE, 2 * head_dim)
         self.kv_norm = ones_param(head_dim)
         self.indexer_kv_proj = normal_param(rngs, 2 * index_dim, hidden_size, dtype=dtype)
         self.indexer_gate_proj = normal_param(rngs, 2 * index_dim, hidden_size, dtype=dtype)
-        self.indexer_ape = nnx.Param(jnp.zeros((RATE, 2 * index_dim), jnp.float32))
+        self.indexer_ape = zeros_param(RATE, 2 * index_dim)
         self.indexer_kv_norm = ones_param(index_dim)
         self.indexer_q_b_proj = normal_param(rngs, indexer.num_heads * index_dim, q_lora_rank, dtype=dtype)
         self.indexer_weights_proj = normal_param(rngs, indexer.num_heads, hidden_size, dtype=dtype)

@@ -13,6 +13,10 @@ is the float one."""
 
 from __future__ import annotations
 
+import contextvars
+from collections.abc import Callable
+from typing import TypeVar
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +27,7 @@ from jax_oc128.nn.quant import matrix
 FULL = jax.lax.Precision.HIGHEST  # float32 matmuls stay float32 (on GPUs the default would allow TF32)
 #: the dtypes a model's weights may have, by name (``ModelConfig.dtype``)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_Built = TypeVar("_Built")
 
 
 def linear(x, weight):
@@ -38,16 +43,58 @@ def rms_norm(x, weight, eps):
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
 
+#: Whether the parameter helpers make shapes only (:func:`build_abstract`).
+_ABSTRACT = contextvars.ContextVar("jax_oc128.nn.functional abstract parameters", default=False)
+
+
+def build_abstract(build: Callable[[nnx.Rngs], _Built]) -> _Built:
+    """``build(rngs)`` (a module's construction) with every parameter a :class:`jax.ShapeDtypeStruct`: the
+    module's structure, shapes and dtypes as :func:`flax.nnx.eval_shape` gives them, with nothing computed
+    or traced (tracing the construction costs a few ms per parameter: 61 layers, seconds). The modules
+    make their parameters by :func:`param` (or its helpers below), which then compute nothing; ``rngs``
+    refuses to draw a key."""
+    token = _ABSTRACT.set(True)
+    try:
+        return build(_NoDraws())
+    finally:
+        _ABSTRACT.reset(token)
+
+
+class _NoDraws:
+    """The ``rngs`` of :func:`build_abstract`: a parameter made with shapes only draws no key."""
+
+    @staticmethod
+    def params():
+        raise RuntimeError("build_abstract: a parameter drew a key instead of being made by functional.param")
+
+
+def param(shape: tuple[int, ...], dtype, init: Callable[[], jax.Array], kind=nnx.Param) -> nnx.Variable:
+    """A ``kind`` variable (a parameter by default) of ``shape`` and ``dtype``, valued ``init()``; within
+    :func:`build_abstract`, a :class:`jax.ShapeDtypeStruct` and ``init`` is not called."""
+    if _ABSTRACT.get():
+        return kind(jax.ShapeDtypeStruct(shape, dtype))
+    return kind(init())
+
+
 def normal_param(rngs: nnx.Rngs, *shape, scale=None, dtype: str = "float32") -> nnx.Param:
     """A parameter ~ N(0, scale^2), by default ``scale = 1 / sqrt(shape[-1])`` (fan-in), drawn in float32
     and stored as ``dtype`` (a name in :data:`DTYPES`)."""
     scale = shape[-1] ** -0.5 if scale is None else scale
-    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(DTYPES[dtype]))
+    return param(
+        shape,
+        DTYPES[dtype],
+        lambda: (jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(DTYPES[dtype]),
+    )
 
 
-def ones_param(size: int) -> nnx.Param:
-    """A float32 ``[size]`` parameter of ones (a norm's weight)."""
-    return nnx.Param(jnp.ones((size,), jnp.float32))
+def zeros_param(*shape) -> nnx.Param:
+    """A float32 parameter of zeros."""
+    return param(shape, jnp.float32, lambda: jnp.zeros(shape, jnp.float32))
+
+
+def ones_param(*shape) -> nnx.Param:
+    """A float32 parameter of ones (e.g. a norm's weight)."""
+    return param(shape, jnp.float32, lambda: jnp.ones(shape, jnp.float32))
 
 
 def swiglu(x, gate, up, down, limit=None):

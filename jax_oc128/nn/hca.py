@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_oc128.controller import Backend, ForwardMode
-from jax_oc128.nn.functional import linear, normal_param, ones_param, rms_norm
+from jax_oc128.nn.functional import linear, normal_param, ones_param, rms_norm, zeros_param
 from jax_oc128.rules import BLOCK
 
 
@@ -57,7 +57,7 @@ class HCACompressor(nnx.Module):
         self.backend, self.layer, self.max_draft = backend, layer, max_draft
         self.kv_proj = normal_param(rngs, head_dim, hidden_size, dtype=dtype)
         self.gate_proj = normal_param(rngs, head_dim, hidden_size, dtype=dtype)
-        self.ape = nnx.Param(jnp.zeros((BLOCK, head_dim), jnp.float32))
+        self.ape = zeros_param(BLOCK, head_dim)
         self.kv_norm = ones_param(head_dim)
 
     def init_state(self, batch: int):

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_oc128.nn.functional import FULL, linear, normal_param, rms_norm
+from jax_oc128.nn.functional import FULL, linear, normal_param, ones_param, rms_norm, zeros_param
 
 
 def _mixes(streams, fn, eps):
@@ -51,8 +51,8 @@ class HyperConnection(nnx.Module):
         )
         width = (2 + hc_mult) * hc_mult
         self.fn = normal_param(rngs, width, hc_mult * hidden_size)
-        self.base = nnx.Param(jnp.zeros((width,), jnp.float32))
-        self.scale = nnx.Param(jnp.ones((3,), jnp.float32))
+        self.base = zeros_param(width)
+        self.scale = ones_param(3)
 
     def __call__(self, streams):
         """``streams`` ``[batch, T, n, hidden]`` -> ``(post [batch, T, n], comb [batch, T, n, n],
@@ -88,8 +88,8 @@ class HyperHead(nnx.Module):
     def __init__(self, hc_mult: int, hidden_size: int, hc_eps: float, norm_eps: float, *, rngs):
         self.hc_eps, self.norm_eps = hc_eps, norm_eps
         self.fn = normal_param(rngs, hc_mult, hc_mult * hidden_size)
-        self.base = nnx.Param(jnp.zeros((hc_mult,), jnp.float32))
-        self.scale = nnx.Param(jnp.ones((1,), jnp.float32))
+        self.base = zeros_param(hc_mult)
+        self.scale = ones_param(1)
 
     def __call__(self, streams):
         mixes = _mixes(streams, self.fn[...], self.norm_eps)

@@ -25,6 +25,7 @@ accumulated in float32: :mod:`~jax_oc128.nn.functional`), the caches as ``ModelC
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import jax
@@ -47,6 +48,7 @@ from jax_oc128.nn.csa import IndexerConfig
 from jax_oc128.nn.functional import (
     DTYPES,
     assign_weights,
+    build_abstract,
     linear,
     normal_param,
     ones_param,
@@ -681,7 +683,8 @@ class DeepseekV4Model(nnx.Module):
     def __init__(self, config: ModelConfig, *, backend: Backend = ONLINE, rngs: nnx.Rngs):
         self.config, self.backend = config, backend
         self.embed = normal_param(rngs, config.vocab_size, config.hidden_size, scale=0.5, dtype=config.dtype)
-        compress_layers = [config.layer_types[:i].count(HCA) for i in range(len(config.layer_types))]
+        # each layer's index among the C128 layers (the layers before it of type HCA)
+        compress_layers = itertools.accumulate((t == HCA for t in config.layer_types[:-1]), initial=0)
         self.blocks = nnx.List(
             [Block(config, layer, backend, index, rngs=rngs) for layer, index in enumerate(compress_layers)]
         )
@@ -700,7 +703,7 @@ class DeepseekV4Model(nnx.Module):
         any is set, each error naming it; ``kwargs``: ``max_len``, ``max_draft``, ``dtype`` of
         :meth:`ModelConfig.from_hf`."""
         model_config = ModelConfig.from_hf(config, **kwargs)
-        model = nnx.eval_shape(lambda: cls(model_config, backend=backend, rngs=nnx.Rngs(0)))
+        model = build_abstract(lambda rngs: cls(model_config, backend=backend, rngs=rngs))
         paths = model.hf_weight_paths()
         graphdef, abstract = nnx.split(model)
         model = nnx.merge(graphdef, jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), abstract))

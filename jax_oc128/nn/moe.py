@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jax_oc128.nn import grouped_matmul
-from jax_oc128.nn.functional import FULL, linear, normal_param, swiglu, swiglu_gate
+from jax_oc128.nn.functional import FULL, linear, normal_param, param, swiglu, swiglu_gate, zeros_param
 from jax_oc128.nn.sharding import MODEL
 
 MOE, HASH_MOE = "moe", "hash_moe"
@@ -61,12 +61,15 @@ class MoE(nnx.Module):
         self.config = c
         self.router_weight = normal_param(rngs, c.num_experts, c.hidden_size, dtype=c.dtype)
         if c.hash_routed:
-            self.tid2eid = nnx.Variable(
-                jnp.arange(c.vocab_size * c.num_experts_per_tok, dtype=jnp.int32).reshape(c.vocab_size, -1)
-                % c.num_experts
+            shape = (c.vocab_size, c.num_experts_per_tok)
+            self.tid2eid = param(
+                shape,
+                jnp.int32,
+                lambda: jnp.arange(np.prod(shape), dtype=jnp.int32).reshape(shape) % c.num_experts,
+                kind=nnx.Variable,
             )
         else:
-            self.e_score_correction_bias = nnx.Param(jnp.zeros((c.num_experts,), jnp.float32))
+            self.e_score_correction_bias = zeros_param(c.num_experts)
         self.experts_gate_up = normal_param(
             rngs, c.num_experts, 2 * c.intermediate_size, c.hidden_size, dtype=c.dtype
         )

@@ -20,7 +20,7 @@ import dataclasses
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_oc128.checks import check_int
@@ -62,12 +62,15 @@ def make_mesh(data: int, model: int = 1, devices=None) -> Mesh:
 
 
 def check_mesh(mesh) -> Mesh:
-    """``mesh`` must be a :class:`jax.sharding.Mesh` of the axes ``("data", "model")``."""
+    """``mesh`` must be a :class:`jax.sharding.Mesh` of the axes ``("data", "model")``, of any axis types
+    (``jax.make_mesh``'s are Explicit). Returns its devices and axes with Auto types: the engine gives every
+    array it places a sharding by these rules and splits its steps by ``shard_map``; Explicit axes would
+    also type each intermediate array by its sharding, which the model's reshapes of split heads refuse."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh: must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if tuple(mesh.axis_names) != (DATA, MODEL):
         raise ValueError(f"mesh: axes must be ('data', 'model'), got {tuple(mesh.axis_names)}")
-    return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
 def param_specs(params, mesh: Mesh):

@@ -13,7 +13,7 @@ import pytest
 from engines import NEW_TOKENS, SLOTS, N, engine, model, one_device
 from flax import nnx
 from hf_fixtures import fixture
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from models import prompts
 
@@ -134,6 +134,16 @@ def test_tensor_parallel_steps_move_no_cache_or_state():
     found = steps_collectives(on_mesh)
     assert {kind for kind, _ in found} == {"counts", "output", "tensor parallel"}, found
     assert not [c for kind, c in found if kind != "output" and c[1] in state_shapes], found
+
+
+def test_a_mesh_of_explicit_axes_gives_one_devices_tokens():
+    """jax.make_mesh's 2x2 mesh (Explicit axes, its default on jax >= 0.10; once a ShardingTypeError inside
+    attention) is taken as the same devices and axes with Auto types: one device's speculative tokens."""
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    on_mesh = Engine(model(), SLOTS, prompt_bucket=256, mesh=mesh)
+    assert np.array_equal(on_mesh.mesh.devices, mesh.devices) and on_mesh.mesh.axis_names == mesh.axis_names
+    assert on_mesh.mesh.axis_types == (AxisType.Auto,) * 2
+    assert on_mesh.generate(prompts(), NEW_TOKENS, num_tokens=N).tokens == one_device(N)
 
 
 def test_slots_must_split_evenly_over_the_data_axis():
