@@ -79,7 +79,8 @@ class Engine:
       steps_per_dispatch: K, the most decoding steps one dispatch runs on the device (1: a dispatch per
         step, the host reading each step's tokens), an int >= 1.
       mesh: None (one device), or a :class:`jax.sharding.Mesh` of the axes ``("data", "model")``
-        (:func:`jax_oc128.nn.sharding.make_mesh`). The slots are split over ``"data"`` (``slots`` a multiple
+        (:func:`jax_oc128.nn.sharding.make_mesh`, or ``jax.make_mesh``: Explicit axes are taken as Auto,
+        ``engine.mesh``). The slots are split over ``"data"`` (``slots`` a multiple
         of its size): each device runs the prefill and the decode loop on its own slots (``shard_map``),
         communicating only the loop's condition and counts; the parameters are split over ``"model"`` by
         :mod:`jax_oc128.nn.sharding` (tensor parallel). The jitted steps take and return the decode state

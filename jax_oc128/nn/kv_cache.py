@@ -34,10 +34,10 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jax_oc128.nn import quant
+
 #: the values of ``ModelConfig.kv_cache_dtype``
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8")
-#: the largest finite float8_e4m3fn
-E4M3_MAX = 448.0
 
 
 def check_kv_cache_dtype(value, name: str = "kv_cache_dtype") -> str:
@@ -107,7 +107,7 @@ class FP8Entries:
         to e4m3 (nearest even), the RoPE channels rounded to bfloat16."""
         nope, rope = x[..., : x.shape[-1] - rope_dim], x[..., x.shape[-1] - rope_dim :]
         amax = jnp.max(jnp.abs(nope), axis=-1, initial=0.0)
-        _, exponent = jnp.frexp(jnp.maximum(amax / E4M3_MAX, jnp.finfo(jnp.float32).tiny))
+        _, exponent = jnp.frexp(jnp.maximum(amax / quant.LARGEST[quant.FP8], jnp.finfo(jnp.float32).tiny))
         scale = jnp.ldexp(jnp.float32(1), exponent)
         return cls((nope / scale[..., None]).astype(jnp.float8_e4m3fn), scale, rope.astype(jnp.bfloat16))
 
