@@ -1,11 +1,14 @@
 """The transformers fixtures the test files share (tests/fixtures) and checkpoints written from their
 weights: tiny random DeepSeek-V4 models, their weights by transformers name and their logits
-(:func:`fixture`), a sliding and an HCA attention layer and their outputs (:data:`ATTENTION_FIXTURE`), and
-checkpoint directories as ``load_pretrained`` reads them (:func:`write`)."""
+(:func:`fixture`), a sliding and an HCA attention layer and their outputs (:data:`ATTENTION_FIXTURE`),
+checkpoint directories as ``load_pretrained`` reads them (:func:`write`), and the tiny checkpoint in
+DeepSeek's released format whose transformers logits are :data:`QUANTIZED_FIXTURE`
+(:func:`quantized_checkpoint`)."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import pathlib
 
@@ -15,7 +18,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from jax_oc128 import pretrained
+from jax_oc128 import pretrained, released
 from jax_oc128.controller import ONLINE
 from jax_oc128.nn import DeepseekV4Attention, ModelConfig, SpeculativeModel
 from jax_oc128.nn.functional import variable_at
@@ -120,3 +123,57 @@ def target_tensors(name: str) -> dict[str, np.ndarray]:
     config, weights, _ = fixture(name)
     model = SpeculativeModel.from_hf(config, weights, rngs=nnx.Rngs(0))
     return {name: value for name, value in tensors_of(model).items() if name in weights}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The released format: tests/fixtures/v4_quantized.npz (scripts/make_quantized_fixture.py)
+
+#: transformers' float32 logits of :func:`quantized_checkpoint`'s dequantized weights over a prefill of
+#: ``prompt`` [2, 64] (``prefill_logits``) and 40 cached greedy decode steps (``decode_tokens``,
+#: ``decode_logits``); its ``meta`` holds the :func:`checksum` of those weights
+QUANTIZED_FIXTURE = FIXTURES / "v4_quantized.npz"
+QUANTIZED_PROMPT, QUANTIZED_STEPS = 64, 40
+
+
+def quantized_config() -> dict:
+    """The small-window fixture's config in its first 3 layers (sliding, CSA, HCA; hash routing in the first
+    two) with 32-wide experts (FP4 groups of 32), a q_lora_rank of 136 (partial 128 x 128 blocks both ways)
+    and one MTP layer."""
+    config, _, _ = fixture("small_window")
+    return config | {
+        "num_hidden_layers": 3,
+        "layer_types": config["layer_types"][:3],
+        "mlp_layer_types": config["mlp_layer_types"][:3],
+        "moe_intermediate_size": 32,
+        "q_lora_rank": 136,
+        "num_nextn_predict_layers": 1,
+    }
+
+
+def quantized_checkpoint() -> tuple[dict, dict[str, np.ndarray]]:
+    """A tiny random DeepSeek-V4 with an MTP layer (:func:`quantized_config`, seeded) in the released format:
+    its ``config.json`` (``expert_dtype`` absent: FP4 experts, the default) and its tensors by DeepSeek's
+    names (:func:`jax_oc128.released.released_tensors`)."""
+    config = quantized_config()
+    model = SpeculativeModel(ModelConfig.from_hf(config, max_len=512, max_draft=4), rngs=nnx.Rngs(3))
+    return released.released_config(config, expert_dtype=None), released.released_tensors(model)
+
+
+def write_dequantized(directory: pathlib.Path, config: dict, floats: dict[str, np.ndarray]) -> pathlib.Path:
+    """The float checkpoint of a released one: ``config`` (:func:`quantized_checkpoint`'s) without its
+    ``quantization_config`` and ``floats`` (its dequantized tensors, DeepSeek's names) in one file."""
+    directory.mkdir(parents=True)
+    float_config = {k: v for k, v in config.items() if k != "quantization_config"}
+    (directory / pretrained.CONFIG).write_text(json.dumps(float_config))
+    save_file({name: np.ascontiguousarray(v) for name, v in floats.items()}, directory / pretrained.SINGLE)
+    return directory
+
+
+def checksum(floats: dict[str, np.ndarray]) -> str:
+    """The sha256 of ``floats``' names, dtypes, shapes and bytes (a checkpoint's identity)."""
+    digest = hashlib.sha256()
+    for name in sorted(floats):
+        value = np.ascontiguousarray(floats[name])
+        digest.update(f"{name} {value.dtype} {value.shape}\n".encode())
+        digest.update(value.tobytes())
+    return digest.hexdigest()

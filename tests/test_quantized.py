@@ -1,15 +1,15 @@
 """DeepSeek's released FP8/FP4 format: dequantization against its formula (computed here in float64, bit
 for bit), DeepSeek's quantization rules, and ``load_pretrained`` of a tiny checkpoint in the released format
 (``jax_oc128.released``: DeepSeek's names, shards, config.json with ``quantization_config``) keeping its
-weights quantized: its logits equal those of the float model of its dequantized weights over a prefill and
-40 cached decode steps, its MTP layer drafts and greedy speculative decoding equals plain greedy; every bad
+weights quantized: its float32 logits equal transformers' on its dequantized weights
+(tests/fixtures/v4_quantized.npz) and those of our float model of them over a prefill and 40 cached decode
+steps, its MTP layer drafts and greedy speculative decoding equals plain greedy; every bad
 quantized tensor or config is refused, naming it."""
 
 from __future__ import annotations
 
 import functools
 import json
-import pathlib
 import re
 
 import jax
@@ -18,16 +18,25 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from hf_fixtures import (
+    QUANTIZED_FIXTURE,
+    QUANTIZED_PROMPT,
+    QUANTIZED_STEPS,
+    checksum,
+    quantized_checkpoint,
+    quantized_config,
+    write_dequantized,
+)
 from oracle import rel_err
-from safetensors.numpy import save_file
 
 from jax_oc128 import load_pretrained, pretrained, released
 from jax_oc128.engine import Engine
-from jax_oc128.nn import ModelConfig, SpeculativeModel, moe, quant
+from jax_oc128.nn import moe, quant
 from jax_oc128.nn.quant import FP4, FP8, QuantizedArray
 
-FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "v4_small_window.npz"
-TOL = 1e-4  # float32 logits against the float model of the dequantized weights (the issue's bar)
+TOL = 1e-4  # float32 logits against transformers' and the float model's on the dequantized weights (the bar)
+REFERENCE = dict(np.load(QUANTIZED_FIXTURE))  # transformers' logits (scripts/make_quantized_fixture.py)
+PROMPT = REFERENCE["prompt"]  # [2, 64] int32
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
 
@@ -137,21 +146,6 @@ def test_quantization_follows_deepseeks_rules(fmt):
     assert np.array_equal(formula(again_values, again[1].view(np.uint8), block), dequantized)
 
 
-def tiny_config() -> dict:
-    """The small-window fixture's config in its first 3 layers (sliding, CSA, HCA; hash routing in the first
-    two) with 32-wide experts (FP4 groups of 32), a q_lora_rank of 136 (partial 128 x 128 blocks both ways)
-    and one MTP layer."""
-    config = json.loads(bytes(np.load(FIXTURE)["meta"]).decode())["config"]
-    return config | {
-        "num_hidden_layers": 3,
-        "layer_types": config["layer_types"][:3],
-        "mlp_layer_types": config["mlp_layer_types"][:3],
-        "moe_intermediate_size": 32,
-        "q_lora_rank": 136,
-        "num_nextn_predict_layers": 1,
-    }
-
-
 def dequantized_tensors(tensors: dict) -> dict[str, np.ndarray]:
     """The float checkpoint of a released one: every quantized weight as the formula's float32 values
     (its scale dropped), every other tensor as stored."""
@@ -170,21 +164,13 @@ def dequantized_tensors(tensors: dict) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """A tiny random DeepSeek-V4 with an MTP layer (:func:`tiny_config`) in the released format
-    (3 shards, FP4 experts, ``expert_dtype`` absent: the default), its released tensors, and the float
-    checkpoint of its dequantized weights."""
-    config = tiny_config()
-    model = SpeculativeModel(ModelConfig.from_hf(config, max_len=512, max_draft=4), rngs=nnx.Rngs(3))
-    tensors = released.released_tensors(model)
-    ours = released.released_config(config, expert_dtype=None)
+    """The tiny random DeepSeek-V4 with an MTP layer in the released format
+    (:func:`hf_fixtures.quantized_checkpoint`; 3 shards, FP4 experts, ``expert_dtype`` absent: the default),
+    its released tensors, and the float checkpoint of its dequantized weights."""
+    config, tensors = quantized_checkpoint()
     root = tmp_path_factory.mktemp("released")
-    directory = released.write_released(root / "released", ours, tensors, shards=3)
-    floats = root / "float"
-    floats.mkdir()
-    (floats / pretrained.CONFIG).write_text(
-        json.dumps({k: v for k, v in ours.items() if k != "quantization_config"})
-    )
-    save_file(dequantized_tensors(tensors), floats / pretrained.SINGLE)
+    directory = released.write_released(root / "released", config, tensors, shards=3)
+    floats = write_dequantized(root / "float", config, dequantized_tensors(tensors))
     return directory, tensors, floats
 
 
@@ -229,16 +215,12 @@ def load(checkpoints):
     )
 
 
-PROMPT_LENGTH, DECODE_STEPS = 64, 40
-
-
 @pytest.fixture(scope="module")
 def float32_logits(load):
     """The float32 logits ``[2, 64 + 40, vocab]`` of the quantized model and of the dequantized float model
-    over a prefill of the fixture's prompts (64 tokens) and 40 cached greedy decode steps."""
-    prompt = np.load(FIXTURE)["prompt"][:, :PROMPT_LENGTH]
+    over a prefill of :data:`PROMPT` (64 tokens) and 40 cached greedy decode steps."""
     return tuple(
-        prefill_and_decode(load(kind, "float32"), prompt, DECODE_STEPS) for kind in ("released", "float")
+        prefill_and_decode(load(kind, "float32"), PROMPT, QUANTIZED_STEPS) for kind in ("released", "float")
     )
 
 
@@ -259,11 +241,10 @@ def test_quantized_checkpoint_matches_float_model(load, float32_logits):
     assert isinstance(model.mtp.embed_proj[...], QuantizedArray)
     assert not isinstance(block.moe.router_weight[...], QuantizedArray)
     quantized, full = parameter_bytes(model), parameter_bytes(reference)
-    prompt = np.load(FIXTURE)["prompt"][:, :PROMPT_LENGTH]
     got, want = float32_logits
     error = rel_err(got, want)
-    got16, want16 = (prefill_and_decode(load(kind, "bfloat16"), prompt, 0) for kind in ("released", "float"))
-    error16, against32 = rel_err(got16, want16), rel_err(got16, want[:, :PROMPT_LENGTH])
+    got16, want16 = (prefill_and_decode(load(kind, "bfloat16"), PROMPT, 0) for kind in ("released", "float"))
+    error16, against32 = rel_err(got16, want16), rel_err(got16, want[:, :QUANTIZED_PROMPT])
     print(
         f"\nquantized vs dequantized float model: float32 logits rel. error {error:.2e} (prefill, 40 steps); "
         f"bfloat16 {error16:.2e} (prefill), bfloat16 vs float32 {against32:.4f}; parameter bytes {quantized} "
@@ -274,11 +255,34 @@ def test_quantized_checkpoint_matches_float_model(load, float32_logits):
     assert quantized < full / 2
 
 
+def test_quantized_checkpoint_matches_transformers(checkpoints, float32_logits):
+    """With dtype float32 the quantized checkpoint's logits are transformers' (``DeepseekV4ForCausalLM`` on
+    its dequantized weights, :data:`REFERENCE`), < 1e-4 relative over the prefill and over 40 cached greedy
+    decode steps, with the same greedy tokens; the fixture was made from these very weights (their
+    checksum)."""
+    _, tensors, _ = checkpoints
+    meta = json.loads(bytes(REFERENCE["meta"]).decode())
+    assert checksum(dequantized_tensors(tensors)) == meta["checksum"], (
+        "the released checkpoint's dequantized weights are not those of tests/fixtures/v4_quantized.npz: "
+        "rerun scripts/make_quantized_fixture.py"
+    )
+    got, _ = float32_logits
+    prefill, decode = got[:, :QUANTIZED_PROMPT], got[:, QUANTIZED_PROMPT:]
+    tokens = np.argmax(got[:, QUANTIZED_PROMPT - 1 : -1], axis=-1)
+    errors = rel_err(prefill, REFERENCE["prefill_logits"]), rel_err(decode, REFERENCE["decode_logits"])
+    print(
+        f"\nquantized vs transformers on the dequantized weights: float32 logits rel. error {errors[0]:.2e} "
+        f"(prefill), {errors[1]:.2e} (40 decode steps)"
+    )
+    assert np.array_equal(tokens, REFERENCE["decode_tokens"])
+    assert max(errors) < TOL
+
+
 def test_mtp_drafts_from_the_quantized_checkpoint(load, float32_logits):
     """The quantized checkpoint's MTP layer is the engine's draft head: greedy speculative decoding (N = 2)
     gives the plain greedy tokens, which are the dequantized float model's (its greedy decode steps of
     :func:`float32_logits`, from the same prompts)."""
-    prompts = np.load(FIXTURE)["prompt"][:, :PROMPT_LENGTH].tolist()
+    prompts = PROMPT.tolist()
     engine = Engine(load("released", "float32"), slots=2)
     plain = engine.generate(prompts, 24)
     speculative = engine.generate(prompts, 24, num_tokens=2)
@@ -286,7 +290,7 @@ def test_mtp_drafts_from_the_quantized_checkpoint(load, float32_logits):
     assert speculative.tokens == plain.tokens
     assert speculative.mean_accepted >= 1.0
     _, want = float32_logits
-    greedy = np.argmax(want[:, PROMPT_LENGTH - 1 : PROMPT_LENGTH - 1 + 24], axis=-1)
+    greedy = np.argmax(want[:, QUANTIZED_PROMPT - 1 : QUANTIZED_PROMPT - 1 + 24], axis=-1)
     assert plain.tokens == greedy.tolist()
 
 
@@ -294,7 +298,7 @@ def test_fp8_experts_with_float32_scales(tmp_path, checkpoints):
     """``expert_dtype: fp8`` (the Base checkpoints): FP8 experts with float32 block scales load as FP8
     QuantizedArrays whose dequantized experts are the formula's."""
     _, tensors, _ = checkpoints
-    config = tiny_config()
+    config = quantized_config()
     base = {}
     for name, value in tensors.items():
         match = pretrained.EXPERT_NAME.search(name.removesuffix(pretrained.SCALE) + ".weight")
@@ -357,7 +361,7 @@ def test_bad_quantized_tensors_in_one_error(tmp_path, checkpoints, nothing_place
     codes of the wrong dtype and of an unpacked shape, a scale of a weight the format has unquantized, and
     quantized tensors where the format has float ones (the router, the embedding)."""
     _, tensors, _ = checkpoints
-    config = tiny_config()
+    config = quantized_config()
     bad = dict(tensors)
     bad["layers.0.attn.wq_a.scale"] = bad["layers.0.attn.wq_a.scale"][:1]
     bad["layers.1.attn.wq_b.scale"] = np.ones((1, 2), np.float32)
@@ -388,7 +392,7 @@ def test_bad_quantized_tensors_in_one_error(tmp_path, checkpoints, nothing_place
 def test_scale_exponents_out_of_range_are_named(tmp_path, checkpoints):
     """An e8m0 exponent of 255 (NaN) in a scale: a ValueError naming the tensor when it is read."""
     _, tensors, _ = checkpoints
-    config = tiny_config()
+    config = quantized_config()
     bad = dict(tensors)
     scale = bad["layers.2.ffn.experts.3.w1.scale"].view(np.uint8).copy()
     scale[0, 0] = 255
