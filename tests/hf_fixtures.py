@@ -12,6 +12,7 @@ import hashlib
 import json
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -155,7 +156,9 @@ def quantized_checkpoint() -> tuple[dict, dict[str, np.ndarray]]:
     its ``config.json`` (``expert_dtype`` absent: FP4 experts, the default) and its tensors by DeepSeek's
     names (:func:`jax_oc128.released.released_tensors`)."""
     config = quantized_config()
-    model = SpeculativeModel(ModelConfig.from_hf(config, max_len=512, max_draft=4), rngs=nnx.Rngs(3))
+    # drawn on the CPU: a GPU's random normals may round otherwise (the fixture's checksum is of these bytes)
+    with jax.default_device(jax.devices("cpu")[0]):
+        model = SpeculativeModel(ModelConfig.from_hf(config, max_len=512, max_draft=4), rngs=nnx.Rngs(3))
     return released.released_config(config, expert_dtype=None), released.released_tensors(model)
 
 
