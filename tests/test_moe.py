@@ -123,13 +123,19 @@ def test_grouped_equals_dense_and_float64(case, dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("fmt", [None, FP8, FP4])
 @pytest.mark.parametrize("case", ["random", "skewed"])
-def test_default_dispatch_runs_the_triton_kernel_on_gpu(case):
-    """On a GPU the default dispatch is the Triton kernel, and it equals the float64 computation."""
+def test_default_dispatch_runs_the_triton_kernel_on_gpu(case, fmt):
+    """On a GPU the default dispatch is the Triton kernel, and it equals the float64 computation (on the
+    dequantized experts for quantized ones)."""
     rng = np.random.default_rng(11)
     x, ids, weights = routing(rng, case)
-    gate_up, down = experts(rng, "bfloat16")
-    oracle = routed_f64(x, ids, weights, gate_up, down, LIMIT)
+    if fmt is None:
+        gate_up, down = experts(rng, "bfloat16")
+        oracle = routed_f64(x, ids, weights, gate_up, down, LIMIT)
+    else:
+        gate_up, down = (quantized(w, fmt, "e8m0", "bfloat16") for w in experts(rng, "float32"))
+        oracle = routed_f64(x, ids, weights, quant.dequantize(gate_up), quant.dequantize(down), LIMIT)
     fn = jax.jit(moe.DISPATCHES["grouped"], static_argnums=5)
     assert "__gpu$xla.gpu.triton" in fn.lower(x, ids, weights, gate_up, down, LIMIT).as_text()
     out = np.asarray(fn(x, ids, weights, gate_up, down, LIMIT))
@@ -169,12 +175,15 @@ def test_layout(pairs):
 WEIGHT_FORMATS = [(None, None), (FP8, "e8m0"), (FP8, "float32"), (FP4, "e8m0"), (FP4, "float32")]
 
 
+@pytest.mark.parametrize(
+    "interpret", [True, pytest.param(False, marks=pytest.mark.cuda)], ids=["interpret", "triton"]
+)
 @pytest.mark.parametrize("fmt, scales", WEIGHT_FORMATS, ids=lambda v: str(v))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_pallas_kernel_equals_jnp_loop(fmt, scales, dtype):
-    """The kernel (interpret mode) and the jnp loop on one layout with several column and K blocks, float or
-    quantized weights (K = 192: FP8's last 128-column scale group partial, FP4's six 32-column groups read
-    two per K step); the rows of unused tiles poisoned with NaN."""
+def test_pallas_kernel_equals_jnp_loop(fmt, scales, dtype, interpret):
+    """The kernel (interpret mode; on a GPU also compiled by Triton) and the jnp loop on one layout with
+    several column and K blocks, float or quantized weights (K = 192: FP8's last 128-column scale group
+    partial, FP4's six 32-column groups read two per K step); the rows of unused tiles poisoned with NaN."""
     rng = np.random.default_rng(7)
     ids = jnp.asarray(rng.integers(0, EXPERTS, 40), jnp.int32)
     groups = grouped_matmul.group_pairs(ids, EXPERTS)
@@ -184,7 +193,7 @@ def test_pallas_kernel_equals_jnp_loop(fmt, scales, dtype):
     weights = rng.standard_normal((EXPERTS, 320, 192)) / 14
     weights = jnp.asarray(weights, dtype) if fmt is None else quantized(weights, fmt, scales, dtype)
     want = np.asarray(grouped_matmul.gmm_jnp(x, weights, groups))
-    got = np.asarray(grouped_matmul.gmm_pallas(x, weights, groups, interpret=True))
+    got = np.asarray(grouped_matmul.gmm_pallas(x, weights, groups, interpret=interpret))
     np.testing.assert_allclose(got[used], want[used], rtol=0, atol=2e-5)
 
 
@@ -274,15 +283,23 @@ def test_model_layer_dispatches_agree(hash_routed):
     np.testing.assert_allclose(grouped, dense, rtol=0, atol=TOL["float32"] * np.abs(dense).max())
 
 
-def test_bench_moe_runs_tiny(tmp_path):
-    """bench/bench_moe.py end to end at toy shapes on this platform: a JSON row per token count."""
+@pytest.mark.parametrize("experts_format", ["float", FP4])
+def test_bench_moe_runs_tiny(tmp_path, experts_format):
+    """bench/bench_moe.py end to end at toy shapes on this platform: a JSON row per token count; FP4 experts
+    (of hidden and intermediate 32) floored by their codes' and scales' bytes."""
     out = tmp_path / "bench_moe.json"
     bench = pathlib.Path(__file__).resolve().parent.parent / "bench" / "bench_moe.py"
     tiny = "--experts 8 --hidden 32 --intermediate 16 --top-k 2 --iters 1 --rounds 1 --bandwidth-iters 1"
     command = [sys.executable, str(bench), *tiny.split(), "--tokens", "1", "5", "--copy-mib", "1"]
     command += ["--dispatches", "dense", "grouped", "--dense-max-tokens", "1", "--out", str(out)]
+    if experts_format == FP4:
+        command += ["--experts-format", FP4, "--intermediate", "32"]
     subprocess.run(command, check=True, capture_output=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    rows = json.loads(out.read_text())["rows"]
+    results = json.loads(out.read_text())
+    rows = results["rows"]
     assert [row["tokens"] for row in rows] == [1, 5]
     assert rows[0]["dense_ms"] > 0 and rows[1]["grouped_ms"] > 0 and "dense_ms" not in rows[1]
     assert all(row["floor_ms"] > 0 and 1 <= row["distinct_experts"] <= 8 for row in rows)
+    float_bytes = 3 * 32 * 16 * 2  # gate, up and down of hidden 32, intermediate 16, bfloat16
+    fp4_bytes = 3 * 32 * 32 // 2 + 3 * 32 * 32 // 32  # half a byte a parameter, a scale byte per 32
+    assert results["expert_bytes"] == (fp4_bytes if experts_format == FP4 else float_bytes)
