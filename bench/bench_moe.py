@@ -10,15 +10,25 @@ dot on the same layout). ``grouped`` (the default dispatch) is ``grouped_pallas`
 elsewhere. ``dense`` and ``grouped_ragged_dot`` (which XLA lowers on GPUs as a dense masked matmul) hold
 O(tokens x experts) intermediates: they are skipped above ``--dense-max-tokens``.
 
-Floor: the larger of the bytes the layer must read (the distinct experts the tokens picked, the shared
-expert, the router) over the device's copy bandwidth (measured in the same run, bench_ops.copy_bandwidth)
-and the FLOPs of the picked experts and the shared expert at ``--tflops`` (790: the H200's dense bf16 peak).
+``--experts-format fp4`` or ``fp8`` makes the routed experts quantized
+(:class:`~jax_oc128.nn.quant.QuantizedArray`, e8m0 scales, as the released checkpoints hold them; random
+codes and exponents, timing data only): FP4 packed e2m1 codes (half a byte a parameter plus a scale per 32),
+FP8 e4m3 codes (a byte plus a scale per 128 of a row); ``--dtype`` is then the dtype they are dequantized to.
+``grouped_pallas`` dequantizes each weight tile in registers, ``grouped_jnp`` one picked expert per tile,
+``dense`` and ``grouped_ragged_dot`` every expert.
+
+Floor: the larger of the bytes the layer must read (the distinct experts the tokens picked, in their format:
+codes and scales when quantized; the shared expert, the router) over the device's copy bandwidth (measured in
+the same run, bench_ops.copy_bandwidth) and the FLOPs of the picked experts and the shared expert at
+``--tflops`` (790: the H200's dense bf16 peak).
 
 Timing as in bench_ops.py: each (tokens, dispatch) executable compiled once, then ``--rounds`` rounds with
 the dispatches interleaved, each round the median of ``--iters`` calls; the table gives the median over
 rounds, the JSON every round's.
 
 Usage (H200): python bench/bench_moe.py --out bench/results/bench_moe.json
+FP4 experts (H200): python bench/bench_moe.py --experts-format fp4 --tokens 1 8 64 512 \\
+    --dispatches grouped_jnp grouped_pallas --out bench/results/bench_moe_fp4.json
 CPU smoke test: python bench/bench_moe.py --tokens 1 8 --experts 8 --hidden 64 --intermediate 32 --top-k 2 \\
     --iters 2 --rounds 1 --copy-mib 8 --out /tmp/bench_moe.json
 """
@@ -39,7 +49,7 @@ from flax import nnx
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_ops import copy_bandwidth, timed
 
-from jax_oc128.nn import ModelConfig
+from jax_oc128.nn import ModelConfig, quant
 from jax_oc128.nn.moe import DISPATCHES, MOE, MoE, MoEConfig
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "bench_moe.json"
@@ -49,11 +59,36 @@ V4_FLASH = ModelConfig.deepseek_v4_flash(dtype="bfloat16")
 V4_FLASH_MOE = V4_FLASH.moe(V4_FLASH.mlp_layer_types.index(MOE))
 
 
-def floor_seconds(config: MoEConfig, distinct: int, tokens: int, bandwidth: float, flops_per_s: float):
-    """``(floor, bytes, flops)`` of one layer call: ``distinct`` experts picked by ``tokens`` tokens."""
+def random_quantized(key, fmt: str, shape: tuple[int, ...], dtype: str) -> quant.QuantizedArray:
+    """Random ``[experts, out, in]`` experts in ``fmt`` with e8m0 scales (2^-7 .. 2^-3), dequantized to
+    ``dtype``: FP4 random bytes, FP8 random bytes with the top exponent bit cleared (no NaN code)."""
+    *lead, width = shape
+    codes_key, scales_key = jax.random.split(key)
+    if fmt == quant.FP4:
+        codes = jax.random.bits(codes_key, (*lead, width // 2), jnp.uint8)
+    else:
+        codes = jax.lax.bitcast_convert_type(
+            jax.random.bits(codes_key, shape, jnp.uint8) & 0xBF, jnp.float8_e4m3fn
+        )
+    scales_shape = (*lead, -(-width // quant.GROUP[fmt]))
+    scales = jax.random.randint(scales_key, scales_shape, 120, 125).astype(jnp.uint8)
+    return quant.QuantizedArray(codes, scales, fmt, dtype)
+
+
+def bytes_per_expert(layer: MoE) -> int:
+    """Bytes of one routed expert's weights (gate, up and down; a quantized one's codes and scales)."""
+    leaves = jax.tree.leaves((layer.experts_gate_up[...], layer.experts_down[...]))
+    return sum(leaf.nbytes // leaf.shape[0] for leaf in leaves)
+
+
+def floor_seconds(
+    config: MoEConfig, expert_bytes: int, distinct: int, tokens: int, bandwidth: float, flops_per_s: float
+):
+    """``(floor, bytes, flops)`` of one layer call: ``distinct`` experts (``expert_bytes`` each) picked by
+    ``tokens`` tokens."""
     expert = 3 * config.intermediate_size * config.hidden_size  # gate, up and down, elements
     itemsize = jnp.dtype(config.dtype).itemsize
-    read = ((distinct + 1) * expert + config.num_experts * config.hidden_size) * itemsize
+    read = distinct * expert_bytes + (expert + config.num_experts * config.hidden_size) * itemsize
     flops = 2 * tokens * (config.num_experts_per_tok + 1) * expert
     return max(read / bandwidth, flops / flops_per_s), read, flops
 
@@ -69,6 +104,12 @@ def main():
     parser.add_argument("--intermediate", type=int, default=V4_FLASH_MOE.intermediate_size)
     parser.add_argument("--top-k", type=int, default=V4_FLASH_MOE.num_experts_per_tok)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=V4_FLASH_MOE.dtype)
+    parser.add_argument(
+        "--experts-format",
+        choices=["float", quant.FP8, quant.FP4],
+        default="float",
+        help="the routed experts'",
+    )
     parser.add_argument("--dense-max-tokens", type=int, default=2048, help="dense and ragged_dot: at most")
     parser.add_argument("--tflops", type=float, default=790.0, help="the FLOPs floor's rate (TFLOP/s)")
     parser.add_argument("--iters", type=int, default=10, help="timed calls per round (median)")
@@ -89,11 +130,18 @@ def main():
     device = jax.devices()[0].device_kind
     bandwidth = copy_bandwidth(args.bandwidth_iters, args.copy_mib)
     layer = MoE(config, rngs=nnx.Rngs(0))
+    if args.experts_format != "float":
+        weights = (layer.experts_gate_up, layer.experts_down)
+        for key, weight in zip(jax.random.split(jax.random.key(1)), weights, strict=True):
+            weight.set_value(random_quantized(key, args.experts_format, weight.shape, config.dtype))
     state = nnx.state(layer)
+    expert_bytes = bytes_per_expert(layer)
     print(f"device: {device}, copy bandwidth {bandwidth / 1e9:.0f} GB/s, {config}")
+    print(f"routed experts: {args.experts_format}, {expert_bytes / 2**20:.2f} MiB each")
     print("ms per MoE layer call (x the floor)")
     print("tokens experts | " + " | ".join(f"{d:>20s}" for d in args.dispatches) + " |    floor")
     results = dict(device=device, copy_bandwidth=bandwidth, config=dataclasses.asdict(config), rows=[])
+    results.update(experts_format=args.experts_format, expert_bytes=expert_bytes)
     results.update(iters=args.iters, rounds=args.rounds, tflops=args.tflops)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -122,7 +170,9 @@ def main():
             for dispatch, fn in runs.items():
                 seconds[dispatch].append(timed(fn, None, (state, x, token_ids), args.iters)[0])
         ms = {dispatch: float(np.median(s)) * 1e3 for dispatch, s in seconds.items()}
-        floor, read, flops = floor_seconds(config, distinct, tokens, bandwidth, args.tflops * 1e12)
+        floor, read, flops = floor_seconds(
+            config, expert_bytes, distinct, tokens, bandwidth, args.tflops * 1e12
+        )
         floor_ms = floor * 1e3
         row = dict(tokens=tokens, distinct_experts=distinct, floor_ms=floor_ms, bytes=read, flops=flops)
         row.update(

@@ -1,6 +1,7 @@
 """The MoE's dispatch functions (jax_oc128.nn.moe) and its grouped matmul (jax_oc128.nn.grouped_matmul):
 the grouped dispatches (jnp and the Pallas kernel, in interpret mode on CPU) against the dense one and an
-independent float64 computation, on random, skewed, single-token, ragged and padded routings."""
+independent float64 computation, on random, skewed, single-token, ragged and padded routings; float and
+quantized (FP8, FP4; e8m0 and float32 scales) experts."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import pytest
 from flax import nnx
 from jax import export
 
-from jax_oc128.nn import ModelConfig, grouped_matmul, moe
+from jax_oc128.nn import ModelConfig, grouped_matmul, moe, quant
+from jax_oc128.nn.quant import FP4, FP8, QuantizedArray
 
 EXPERTS, HIDDEN, INTERMEDIATE, K, LIMIT = 8, 64, 32, 3, 10.0
 GROUPED = ("grouped_jnp", "grouped_pallas", "grouped_ragged_dot")
@@ -30,6 +32,31 @@ def experts(rng, dtype, num_experts=EXPERTS):
     gate_up = rng.standard_normal((num_experts, 2 * INTERMEDIATE, HIDDEN)) * HIDDEN**-0.5 * 3
     down = rng.standard_normal((num_experts, HIDDEN, INTERMEDIATE)) * INTERMEDIATE**-0.5
     return jnp.asarray(gate_up, dtype), jnp.asarray(down, dtype)
+
+
+def quantized(w, fmt, scales, dtype):
+    """Float ``w`` ``[experts, out, in]`` quantized expert by expert by DeepSeek's rules (FP8 ``[128, 128]``
+    blocks, FP4 ``[1, 32]`` groups) into the :class:`QuantizedArray` the loader makes: per-row scales as
+    uint8 e8m0 exponents (``scales`` ``"e8m0"``) or their float32 values (``"float32"``), dequantized to
+    ``dtype``."""
+    quantize = quant.quantize_fp8 if fmt == FP8 else quant.quantize_fp4
+    pieces = [quantize(np.asarray(expert, np.float32)) for expert in w]
+    codes = np.stack([c.view(np.uint8) if fmt == FP4 else c for c, _ in pieces])
+    exponents = np.stack([e.view(np.uint8) for _, e in pieces])
+    exponents = quant.row_scales(exponents, w.shape[1]) if fmt == FP8 else exponents
+    values = np.exp2(exponents.astype(np.float64) - quant.E8M0_BIAS).astype(np.float32)
+    return QuantizedArray(
+        jnp.asarray(codes), jnp.asarray(exponents if scales == "e8m0" else values), fmt, dtype
+    )
+
+
+def abstract_quantized(fmt, shape, dtype):
+    """The abstract :class:`QuantizedArray` (e8m0 scales) of a ``[experts, out, in]`` weight in ``fmt``."""
+    *lead, width = shape
+    stored = (*lead, width // 2) if fmt == FP4 else shape
+    codes = jax.ShapeDtypeStruct(stored, jnp.uint8 if fmt == FP4 else jnp.float8_e4m3fn)
+    scales = jax.ShapeDtypeStruct((*lead, -(-width // quant.GROUP[fmt])), jnp.uint8)
+    return QuantizedArray(codes, scales, fmt, dtype)
 
 
 def layer_config(**fields):
@@ -96,13 +123,19 @@ def test_grouped_equals_dense_and_float64(case, dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("fmt", [None, FP8, FP4])
 @pytest.mark.parametrize("case", ["random", "skewed"])
-def test_default_dispatch_runs_the_triton_kernel_on_gpu(case):
-    """On a GPU the default dispatch is the Triton kernel, and it equals the float64 computation."""
+def test_default_dispatch_runs_the_triton_kernel_on_gpu(case, fmt):
+    """On a GPU the default dispatch is the Triton kernel, and it equals the float64 computation (on the
+    dequantized experts for quantized ones)."""
     rng = np.random.default_rng(11)
     x, ids, weights = routing(rng, case)
-    gate_up, down = experts(rng, "bfloat16")
-    oracle = routed_f64(x, ids, weights, gate_up, down, LIMIT)
+    if fmt is None:
+        gate_up, down = experts(rng, "bfloat16")
+        oracle = routed_f64(x, ids, weights, gate_up, down, LIMIT)
+    else:
+        gate_up, down = (quantized(w, fmt, "e8m0", "bfloat16") for w in experts(rng, "float32"))
+        oracle = routed_f64(x, ids, weights, quant.dequantize(gate_up), quant.dequantize(down), LIMIT)
     fn = jax.jit(moe.DISPATCHES["grouped"], static_argnums=5)
     assert "__gpu$xla.gpu.triton" in fn.lower(x, ids, weights, gate_up, down, LIMIT).as_text()
     out = np.asarray(fn(x, ids, weights, gate_up, down, LIMIT))
@@ -139,18 +172,47 @@ def test_layout(pairs):
     assert not used[used.argmin() :].any() or used.all()
 
 
+WEIGHT_FORMATS = [(None, None), (FP8, "e8m0"), (FP8, "float32"), (FP4, "e8m0"), (FP4, "float32")]
+
+
+@pytest.mark.parametrize(
+    "interpret", [True, pytest.param(False, marks=pytest.mark.cuda)], ids=["interpret", "triton"]
+)
+@pytest.mark.parametrize("fmt, scales", WEIGHT_FORMATS, ids=lambda v: str(v))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_pallas_kernel_equals_jnp_loop(dtype):
-    """The kernel (interpret mode) and the jnp loop on one layout with several column and K blocks."""
+def test_pallas_kernel_equals_jnp_loop(fmt, scales, dtype, interpret):
+    """The kernel (interpret mode; on a GPU also compiled by Triton) and the jnp loop on one layout with
+    several column and K blocks, float or quantized weights (K = 192: FP8's last 128-column scale group
+    partial, FP4's six 32-column groups read two per K step); the rows of unused tiles poisoned with NaN."""
     rng = np.random.default_rng(7)
     ids = jnp.asarray(rng.integers(0, EXPERTS, 40), jnp.int32)
     groups = grouped_matmul.group_pairs(ids, EXPERTS)
-    x = jnp.asarray(rng.standard_normal((groups.num_rows, 192)), dtype)
-    weights = jnp.asarray(rng.standard_normal((EXPERTS, 320, 192)) / 14, dtype)
-    want = np.asarray(grouped_matmul.gmm_jnp(x, weights, groups))
-    got = np.asarray(grouped_matmul.gmm_pallas(x, weights, groups, interpret=True))
     used = np.repeat(np.asarray(groups.tile_expert) >= 0, groups.block_rows)
+    x = np.where(used[:, None], rng.standard_normal((groups.num_rows, 192)), np.nan)
+    x = jnp.asarray(x, dtype)
+    weights = rng.standard_normal((EXPERTS, 320, 192)) / 14
+    weights = jnp.asarray(weights, dtype) if fmt is None else quantized(weights, fmt, scales, dtype)
+    want = np.asarray(grouped_matmul.gmm_jnp(x, weights, groups))
+    got = np.asarray(grouped_matmul.gmm_pallas(x, weights, groups, interpret=interpret))
     np.testing.assert_allclose(got[used], want[used], rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("fmt, scales", WEIGHT_FORMATS[1:], ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_on_quantized_experts_equals_dense(fmt, scales, dtype):
+    """Quantized experts: each grouped dispatch (the Pallas kernel in interpret mode) gives the dense
+    dispatch's result on the same experts and the float64 computation on their dequantized values."""
+    rng = np.random.default_rng(abs(hash((fmt, scales, dtype))) % 2**32)
+    x, ids, weights = routing(rng, "random")
+    gate_up, down = (quantized(w, fmt, scales, dtype) for w in experts(rng, "float32"))
+    oracle = routed_f64(x, ids, weights, quant.dequantize(gate_up), quant.dequantize(down), LIMIT)
+    scale = np.abs(oracle).max()
+    dense = np.asarray(run("dense", x, ids, weights, gate_up, down))
+    assert np.abs(dense - oracle).max() < TOL[dtype] * scale
+    for dispatch in GROUPED:
+        out = np.asarray(run(dispatch, x, ids, weights, gate_up, down))
+        assert np.abs(out - oracle).max() < TOL[dtype] * scale, dispatch
+        assert np.abs(out - dense).max() < TOL[dtype] * scale, dispatch
 
 
 def test_pallas_kernel_refuses_shapes_it_cannot_tile():
@@ -159,22 +221,41 @@ def test_pallas_kernel_refuses_shapes_it_cannot_tile():
         grouped_matmul.gmm_pallas(jnp.zeros((groups.num_rows, 64)), jnp.zeros((EXPERTS, 24, 64)), groups)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_grouped_lowers_to_triton_for_cuda(dtype):
-    """The default dispatch, lowered for CUDA here (no GPU needed), runs its two matmuls as Triton kernels."""
-    shapes = [
-        (5, HIDDEN),
-        (5, K),
-        (5, K),
-        (EXPERTS, 2 * INTERMEDIATE, HIDDEN),
-        (EXPERTS, HIDDEN, INTERMEDIATE),
+def lowers_to_triton(tokens, k, gate_up, down):
+    """How many Triton kernels the default dispatch of ``tokens`` tokens of ``k`` picks each on the
+    (abstract) experts ``gate_up`` and ``down`` runs, lowered for CUDA here (no GPU needed)."""
+    hidden = down.shape[1]
+    args = [
+        jax.ShapeDtypeStruct(s, d) for s, d in [((tokens, hidden), jnp.float32), ((tokens, k), jnp.int32)]
     ]
-    dtypes = [jnp.float32, jnp.int32, jnp.float32, dtype, dtype]
-    args = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes, strict=True)]
+    args += [jax.ShapeDtypeStruct((tokens, k), jnp.float32), gate_up, down]
     triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     fn = jax.jit(functools.partial(moe.grouped, limit=LIMIT))
     exported = export.export(fn, platforms=["cuda"], disabled_checks=[triton])(*args)
-    assert exported.mlir_module().count("@__gpu$xla.gpu.triton") == 2
+    return exported.mlir_module().count("@__gpu$xla.gpu.triton")
+
+
+@pytest.mark.parametrize("fmt", [None, FP8, FP4])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_lowers_to_triton_for_cuda(fmt, dtype):
+    """The default dispatch, lowered for CUDA here, runs its two matmuls as Triton kernels (float experts
+    and quantized ones, dequantized in the kernel)."""
+    shapes = [(EXPERTS, 2 * INTERMEDIATE, HIDDEN), (EXPERTS, HIDDEN, INTERMEDIATE)]
+    if fmt is None:
+        gate_up, down = (jax.ShapeDtypeStruct(shape, dtype) for shape in shapes)
+    else:
+        gate_up, down = (abstract_quantized(fmt, shape, dtype) for shape in shapes)
+    assert lowers_to_triton(5, K, gate_up, down) == 2
+
+
+@pytest.mark.parametrize("fmt", [FP8, FP4])
+def test_quantized_experts_lower_to_triton_at_v4_flash_shapes(fmt):
+    """DeepSeek-V4-Flash's released experts (256 of hidden 4096, intermediate 2048; FP4: gate_up codes
+    uint8 [256, 4096, 2048], down [256, 4096, 1024]) lower to the two Triton kernels, 64 tokens of 6 picks."""
+    experts, hidden, intermediate = 256, 4096, 2048
+    gate_up = abstract_quantized(fmt, (experts, 2 * intermediate, hidden), "bfloat16")
+    down = abstract_quantized(fmt, (experts, hidden, intermediate), "bfloat16")
+    assert lowers_to_triton(64, 6, gate_up, down) == 2
 
 
 def test_unknown_dispatch_is_named():
@@ -202,15 +283,23 @@ def test_model_layer_dispatches_agree(hash_routed):
     np.testing.assert_allclose(grouped, dense, rtol=0, atol=TOL["float32"] * np.abs(dense).max())
 
 
-def test_bench_moe_runs_tiny(tmp_path):
-    """bench/bench_moe.py end to end at toy shapes on this platform: a JSON row per token count."""
+@pytest.mark.parametrize("experts_format", ["float", FP4])
+def test_bench_moe_runs_tiny(tmp_path, experts_format):
+    """bench/bench_moe.py end to end at toy shapes on this platform: a JSON row per token count; FP4 experts
+    (of hidden and intermediate 32) floored by their codes' and scales' bytes."""
     out = tmp_path / "bench_moe.json"
     bench = pathlib.Path(__file__).resolve().parent.parent / "bench" / "bench_moe.py"
     tiny = "--experts 8 --hidden 32 --intermediate 16 --top-k 2 --iters 1 --rounds 1 --bandwidth-iters 1"
     command = [sys.executable, str(bench), *tiny.split(), "--tokens", "1", "5", "--copy-mib", "1"]
     command += ["--dispatches", "dense", "grouped", "--dense-max-tokens", "1", "--out", str(out)]
+    if experts_format == FP4:
+        command += ["--experts-format", FP4, "--intermediate", "32"]
     subprocess.run(command, check=True, capture_output=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    rows = json.loads(out.read_text())["rows"]
+    results = json.loads(out.read_text())
+    rows = results["rows"]
     assert [row["tokens"] for row in rows] == [1, 5]
     assert rows[0]["dense_ms"] > 0 and rows[1]["grouped_ms"] > 0 and "dense_ms" not in rows[1]
     assert all(row["floor_ms"] > 0 and 1 <= row["distinct_experts"] <= 8 for row in rows)
+    float_bytes = 3 * 32 * 16 * 2  # gate, up and down of hidden 32, intermediate 16, bfloat16
+    fp4_bytes = 3 * 32 * 32 // 2 + 3 * 32 * 32 // 32  # half a byte a parameter, a scale byte per 32
+    assert results["expert_bytes"] == (fp4_bytes if experts_format == FP4 else float_bytes)

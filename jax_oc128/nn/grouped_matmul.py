@@ -10,10 +10,14 @@ O(tokens x experts), and no capacity (every token may pick the same expert).
 
 Implementations of one computation: :func:`gmm_jnp` (a loop over tiles, every platform), :func:`gmm_pallas`
 (a Pallas kernel, Triton on GPUs, interpret mode elsewhere), a grid over (tiles, output column blocks) in
-which each program reads only its tile's expert's weights, through a weight reader (:func:`read_weight_tile`)
-that a quantized format replaces by one that dequantizes the tile in registers; and :func:`gmm_ragged_dot`
-(XLA's ragged dot, for comparison and for TPUs). :func:`gmm` picks the kernel on CUDA and the jnp loop
-elsewhere, per lowering platform.
+which each program reads only its tile's expert's weights, through a weight reader per format: float
+weights as they are (:func:`read_weight_tile`), quantized ones (:class:`~jax_oc128.nn.quant.QuantizedArray`:
+FP8 codes, FP4 packed codes, their per-row e8m0 or float32 scales) dequantized in registers
+(:func:`read_fp8_tile`, :func:`read_fp4_tiles`, by :mod:`~jax_oc128.nn.quant`'s own elementwise decoders),
+so that only the codes and scales are read from memory; and :func:`gmm_ragged_dot` (XLA's ragged dot, for
+comparison and for TPUs). :func:`gmm` picks the kernel on CUDA and the jnp loop elsewhere, per lowering
+platform. The dequantized values are exact (a code times a power of two), so every implementation computes
+the matmul of the same float matrices and they differ by float32 rounding of the accumulation order.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jax_oc128.nn import quant
 from jax_oc128.nn.functional import FULL, linear
 from jax_oc128.nn.quant import QuantizedArray, matrix
 
@@ -120,10 +125,42 @@ def gmm_ragged_dot(x, weights, groups: Groups):
 
 
 def read_weight_tile(weights_ref, expert, rows, cols):
-    """The weight reader of unquantized (float32 / bfloat16) weights: the ``[block_n, block_k]`` tile
-    ``weights[expert, rows, cols]`` of an ``[experts, N, K]`` ref. A quantized format (codes and scales) has a
-    reader of the same signature over its refs that returns the tile dequantized."""
-    return weights_ref[expert, rows, cols]
+    """The weight reader of unquantized (float32 / bfloat16) weights: ``(tile,)``, the ``[block_n, block_k]``
+    tile ``weights[expert, rows, cols]`` of an ``[experts, N, K]`` ref."""
+    return (weights_ref[expert, rows, cols],)
+
+
+def read_fp8_tile(codes_ref, scales_ref, expert, rows, cols):
+    """The weight reader of FP8 weights (codes float8_e4m3fn ``[experts, N, K]``, scales ``[experts, N,
+    ceil(K / 128)]``): ``(tile,)``, float32 ``[block_n, block_k]``, each code times its row's scale (exact).
+    ``cols`` lies within one 128-column scale group."""
+    group = jax.lax.div(cols.start, quant.GROUP[quant.FP8])
+    scales = quant.scale_values(scales_ref[expert, rows, pl.ds(group, 1)])  # [block_n, 1]
+    return (codes_ref[expert, rows, cols].astype(jnp.float32) * scales,)
+
+
+def read_fp4_tiles(codes_ref, scales_ref, expert, rows, cols):
+    """The weight reader of FP4 weights (packed codes uint8 ``[experts, N, K / 2]``, scales ``[experts, N,
+    K / 32]``): ``(even, odd)``, float32 ``[block_n, block_k]`` each, the low and the high nibbles of the
+    packed columns ``cols`` (the weights' even and odd columns) times their row's scale (exact), against x's
+    even and odd columns. ``cols`` lies within one 16-byte (32-column) scale group."""
+    group = jax.lax.div(cols.start, quant.GROUP[quant.FP4] // 2)
+    scales = quant.scale_values(scales_ref[expert, rows, pl.ds(group, 1)])  # [block_n, 1]
+    low, high = quant.nibbles(codes_ref[expert, rows, cols])
+    return quant.e2m1_code_values(low) * scales, quant.e2m1_code_values(high) * scales
+
+
+def _operands(x, weights):
+    """``(x_parts, arrays, read, span)`` of :func:`gmm_pallas`: the ``[rows, width]`` parts of ``x``
+    that ``read``'s tiles multiply (``x`` itself; FP4: its even and its odd columns, so that the kernel never
+    interleaves the nibbles), the arrays ``read`` reads and the most columns one read covers (its scale
+    group; None: any)."""
+    if not isinstance(weights, QuantizedArray):
+        return (x,), (weights,), read_weight_tile, None
+    arrays = (weights.codes, weights.scales)
+    if weights.fmt == quant.FP8:
+        return (x,), arrays, read_fp8_tile, quant.GROUP[quant.FP8]
+    return (x[:, 0::2], x[:, 1::2]), arrays, read_fp4_tiles, quant.GROUP[quant.FP4] // 2
 
 
 def _block(size: int, candidates: tuple[int, ...], name: str) -> int:
@@ -134,43 +171,56 @@ def _block(size: int, candidates: tuple[int, ...], name: str) -> int:
     raise ValueError(f"{name}: the Pallas grouped matmul needs a multiple of {candidates[-1]}, got {size}")
 
 
+def _stored_width(weights) -> int:
+    """The width of the weights' stored rows (K; FP4: K / 2 bytes), the width of :func:`_operands`' parts."""
+    return (weights.codes if isinstance(weights, QuantizedArray) else weights).shape[-1]
+
+
 def pallas_fits(x, weights) -> bool:
-    """Whether :func:`gmm_pallas` takes these shapes (N and K multiples of 16)."""
-    return weights.shape[1] % BLOCKS_N[-1] == 0 and x.shape[1] % BLOCKS_K[-1] == 0
+    """Whether :func:`gmm_pallas` takes these shapes (N and K multiples of 16; FP4: K of 32)."""
+    return weights.shape[1] % BLOCKS_N[-1] == 0 and _stored_width(weights) % BLOCKS_K[-1] == 0
 
 
-def gmm_pallas(x, weights, groups: Groups, *, interpret: bool = False, read=read_weight_tile):
+def gmm_pallas(x, weights, groups: Groups, *, interpret: bool = False):
     """:func:`gmm_jnp` as a Pallas kernel (Triton on GPUs; ``interpret=True`` runs it anywhere).
 
     A grid over (tiles, N / block_n): program ``(t, j)`` computes the ``[block_rows, block_n]`` block of tile
     ``t`` against columns ``j * block_n`` of tile ``t``'s expert, looping over K in ``block_k`` steps; the
-    programs of unused tiles return at once (their rows are left unwritten: no pair maps to them). ``read``
-    (default :func:`read_weight_tile`) loads one ``[block_n, block_k]`` weight tile from ``weights`` (a ref,
-    or a tuple of refs for a quantized format). N and K must be multiples of 16. Quantized weights
-    (:class:`~jax_oc128.nn.quant.QuantizedArray`) have no reader yet: :func:`gmm_jnp` computes them."""
-    if isinstance(weights, QuantizedArray):
-        raise NotImplementedError("weights: the Pallas grouped matmul has no reader of quantized weights yet")
-    weight_refs = weights if isinstance(weights, tuple) else (weights,)
-    n, k = weight_refs[0].shape[1], x.shape[1]
+    programs of unused tiles return at once (their rows are left unwritten: no pair maps to them). A weight
+    reader loads the step's weight tiles, ``[block_n, block_k]``, in reads of at most one scale group:
+    :func:`read_weight_tile` (float weights), :func:`read_fp8_tile` and :func:`read_fp4_tiles` (a
+    :class:`~jax_oc128.nn.quant.QuantizedArray`, the tile dequantized in registers by
+    :mod:`~jax_oc128.nn.quant`'s elementwise decoders, exactly, then cast to x's dtype: only the codes and
+    scales are read from memory). FP4 steps over the packed bytes (``block_k`` of the K / 2), multiplying
+    x's even columns by the low nibbles and its odd columns by the high ones (x split outside the kernel),
+    in ``block_k / 16`` reads of one 32-column scale group each. N and the stored width (K; FP4: K / 2
+    bytes) must be multiples of 16."""
+    x_parts, arrays, read, span = _operands(x, weights)
+    n, width = weights.shape[1], x_parts[0].shape[1]
     block_n = _block(n, BLOCKS_N, "N (the weights' output dimension)")
-    block_k = _block(k, BLOCKS_K, "K (the rows' width)")
-    block_rows, num_k = groups.block_rows, k // block_k
+    block_k = _block(width, BLOCKS_K, "K (the rows' width; FP4: K / 2)")
+    read_k = min(block_k, span or block_k)  # BLOCKS_K and the scale groups are powers of two
+    block_rows, num_k, parts = groups.block_rows, width // block_k, len(x_parts)
 
-    def kernel(tile_expert_ref, x_ref, *refs):
-        *in_refs, out_ref = refs
+    def kernel(tile_expert_ref, *refs):
+        x_refs, weight_refs, out_ref = refs[:parts], refs[parts:-1], refs[-1]
         tile, col = pl.program_id(0), pl.program_id(1)
         expert = tile_expert_ref[tile]
+        rows = pl.ds(tile * block_rows, block_rows)
+        dims = (((1,), (1,)), ((), ()))  # x @ weights.T
 
         @pl.when(expert >= 0)
         def _():
             def step(kb, acc):
-                cols = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
-                xs = x_ref[pl.ds(tile * block_rows, block_rows), cols]
-                ws = read(*in_refs, expert, pl.ds(col * block_n, block_n), cols).astype(xs.dtype)
-                dims = (((1,), (1,)), ((), ()))
-                return acc + jax.lax.dot_general(
-                    xs, ws, dims, precision=FULL, preferred_element_type=jnp.float32
-                )
+                for r in range(block_k // read_k):
+                    cols = pl.ds(pl.multiple_of(kb * block_k + r * read_k, read_k), read_k)
+                    tiles = read(*weight_refs, expert, pl.ds(col * block_n, block_n), cols)
+                    for x_ref, ws in zip(x_refs, tiles, strict=True):
+                        xs = x_ref[rows, cols]
+                        acc += jax.lax.dot_general(
+                            xs, ws.astype(xs.dtype), dims, precision=FULL, preferred_element_type=jnp.float32
+                        )
+                return acc
 
             zero = jnp.zeros((block_rows, block_n), jnp.float32)
             out_ref[...] = jax.lax.fori_loop(0, num_k, step, zero)
@@ -179,12 +229,12 @@ def gmm_pallas(x, weights, groups: Groups, *, interpret: bool = False, read=read
     return pl.pallas_call(
         kernel,
         grid=(groups.tile_expert.shape[0], n // block_n),
-        in_specs=[whole, whole] + [whole] * len(weight_refs),
+        in_specs=[whole] * (1 + parts + len(arrays)),
         out_specs=pl.BlockSpec((block_rows, block_n), lambda tile, col: (tile, col)),
         out_shape=jax.ShapeDtypeStruct((groups.num_rows, n), jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret,
-    )(groups.tile_expert, x, *weight_refs)
+    )(groups.tile_expert, *x_parts, *arrays)
 
 
 def _per_platform(x, weights, groups: Groups, cuda, default):
@@ -195,9 +245,9 @@ def _per_platform(x, weights, groups: Groups, cuda, default):
 
 
 def gmm(x, weights, groups: Groups):
-    """The grouped matmul of the lowering platform: :func:`gmm_pallas` on CUDA (for the shapes it takes,
-    :func:`pallas_fits`, and float weights), :func:`gmm_jnp` elsewhere."""
-    if isinstance(weights, QuantizedArray) or not pallas_fits(x, weights):
+    """The grouped matmul of the lowering platform: :func:`gmm_pallas` on CUDA (float or quantized weights,
+    for the shapes it takes, :func:`pallas_fits`), :func:`gmm_jnp` elsewhere."""
+    if not pallas_fits(x, weights):
         return gmm_jnp(x, weights, groups)
     return _per_platform(x, weights, groups, gmm_pallas, gmm_jnp)
 

@@ -109,10 +109,23 @@ def dequantize(weight: QuantizedArray) -> jax.Array:
 
 def e2m1_values(packed) -> jax.Array:
     """float32 ``[..., 2n]`` of the e2m1 codes packed in uint8 ``[..., n]`` (element ``2j`` the low nibble
-    of byte ``j``): sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0; codes 0..7 are 0, 0.5, 1, 1.5,
-    2, 3, 4, 6 and 8..15 their negatives. Built as float32 bits (exact)."""
+    of byte ``j``, :func:`nibbles`), each decoded by :func:`e2m1_code_values`."""
+    packed = jnp.asarray(packed)
+    codes = jnp.stack(nibbles(packed), axis=-1).reshape(*packed.shape[:-1], -1)
+    return e2m1_code_values(codes)
+
+
+def nibbles(packed) -> tuple[jax.Array, jax.Array]:
+    """The e2m1 codes (uint32, 0..15) of packed bytes (uint8, any shape): ``(low, high)``, the low nibbles
+    the even elements, the high nibbles the odd ones."""
     packed = jnp.asarray(packed).astype(jnp.uint32)
-    codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+    return packed & 0xF, packed >> 4
+
+
+def e2m1_code_values(codes) -> jax.Array:
+    """float32 values of e2m1 codes (uint32, 0..15, any shape; elementwise, so a kernel decodes with it
+    too): sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0; codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6
+    and 8..15 their negatives. Built as float32 bits (exact)."""
     sign, exponent, mantissa = codes >> 3, (codes >> 1) & 3, codes & 1
     normal = ((exponent + 126) << 23) | (mantissa << 22)
     bits = (sign << 31) | jnp.where(exponent > 0, normal, mantissa * (126 << 23))  # subnormal: 0 or 0.5
@@ -120,8 +133,9 @@ def e2m1_values(packed) -> jax.Array:
 
 
 def scale_values(scales) -> jax.Array:
-    """float32 values of ``scales``: uint8 e8m0 exponents ``e`` -> 2^(e - 127) (0: 2^-127, a subnormal;
-    255: NaN), built as float32 bits; float32 scales as they are."""
+    """float32 values of ``scales`` (any shape; elementwise, so a kernel takes them with it too): uint8 e8m0
+    exponents ``e`` -> 2^(e - 127) (0: 2^-127, a subnormal; 255: NaN), built as float32 bits; float32
+    scales as they are."""
     scales = jnp.asarray(scales)
     if scales.dtype == jnp.float32:
         return scales
