@@ -50,7 +50,6 @@ import math
 import os
 import pathlib
 import re
-import stat
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +58,7 @@ import numpy as np
 from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 
+from jax_oc128 import files
 from jax_oc128.checks import check_int
 from jax_oc128.controller import ONLINE, Backend
 from jax_oc128.nn import CSA, HCA, SLIDING, ModelConfig, SpeculativeModel, sharding
@@ -319,53 +319,13 @@ def _check_dtype(dtype) -> str:
     return name
 
 
-def _regular_file(file: pathlib.Path, status: os.stat_result | None = None) -> os.stat_result:
-    """The status of ``file`` (``status``: one already taken, e.g. of an open descriptor), which must be a
-    regular file (symlinks followed): a ValueError naming it otherwise. A FIFO, a device or a socket is
-    never opened for its content (reading one can block forever or never end)."""
-    if status is None:
-        try:
-            status = os.stat(file)
-        except FileNotFoundError:
-            raise
-        except OSError as error:
-            raise ValueError(f"{file}: cannot be read ({error})") from None
-    if not stat.S_ISREG(status.st_mode):
-        raise ValueError(f"{file}: not a regular file (a FIFO, a device or a directory is not read)")
-    return status
-
-
-def _read_json(file: pathlib.Path, limit: int):
-    """The JSON value of ``file``, a regular file of at most ``limit`` bytes; a ValueError naming the file
-    for anything else (FileNotFoundError where it does not exist)."""
-    if _regular_file(file).st_size > limit:
-        raise ValueError(f"{file}: more than {limit} bytes (at most that is read)")
-    try:  # non-blocking: a FIFO swapped in since the stat is not waited on (its fstat refuses it)
-        descriptor = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise
-    except OSError as error:
-        raise ValueError(f"{file}: cannot be read ({error})") from None
-    with open(descriptor, "rb") as stream:
-        _regular_file(file, os.fstat(descriptor))
-        text = stream.read(limit + 1)
-    if len(text) > limit:
-        raise ValueError(f"{file}: more than {limit} bytes (at most that is read)")
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise ValueError(f"{file}: not a readable JSON file (nested too deeply)") from None
-    except ValueError as error:  # not JSON, not UTF-8, or an integer of more digits than Python converts
-        raise ValueError(f"{file}: not a readable JSON file ({error})") from None
-
-
 def _read_config(file: pathlib.Path) -> tuple[dict, int, str | None]:
     """The transformers config of ``config.json`` (DeepSeek's fields converted), its MTP layers and its
     quantization (:func:`read_quantization`); each field :func:`ModelConfig.from_hf
     <jax_oc128.nn.ModelConfig.from_hf>` does not check itself is checked here (a ValueError naming the file
     and the field)."""
     try:
-        config = _read_json(file, MAX_CONFIG_BYTES)
+        config = files.read_json(file, MAX_CONFIG_BYTES)
     except FileNotFoundError:
         raise ValueError(f"path: {file.parent} has no {CONFIG} (not a Hugging Face checkpoint)") from None
     if not isinstance(config, dict):
@@ -520,7 +480,7 @@ def _open_shard(file: pathlib.Path):
     """``file`` opened by safetensors (memory mapped), a regular file; a ValueError naming it if it is not
     one or its header cannot be read."""
     try:
-        _regular_file(file)
+        files.regular_file(file)
         with safe_open(file, framework="numpy") as stored:
             yield stored
     except (OSError, SafetensorError) as error:
@@ -570,7 +530,7 @@ def _data_layout(file: pathlib.Path, mtime_ns: int, size: int) -> tuple[int, dic
 def _read_index(directory: pathlib.Path) -> dict[pathlib.Path, list[str]]:
     """The shards of ``model.safetensors.index.json`` and the tensors each holds."""
     file = directory / INDEX
-    index = _read_json(file, MAX_INDEX_BYTES)
+    index = files.read_json(file, MAX_INDEX_BYTES)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise ValueError(f"{file}: not an index (a JSON object with a weight_map object {{tensor: file}})")

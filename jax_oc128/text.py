@@ -31,7 +31,7 @@ import pathlib
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
-from jax_oc128.pretrained import _read_json, _regular_file
+from jax_oc128 import files
 
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -164,7 +164,7 @@ def load_tokenizer(path) -> TextTokenizer:
     directory = pathlib.Path(path)
     file = directory / TOKENIZER
     try:
-        spec = _read_json(file, MAX_TOKENIZER_BYTES)
+        spec = files.read_json(file, MAX_TOKENIZER_BYTES)
     except FileNotFoundError:
         raise ValueError(f"path: {directory} has no {TOKENIZER} (the checkpoint's tokenizer)") from None
     try:
@@ -201,7 +201,7 @@ def load_tokenizer(path) -> TextTokenizer:
 def _optional_json(file: pathlib.Path):
     """The JSON value of ``file``, or ``{}`` where there is no such file."""
     try:
-        return _read_json(file, MAX_TEXT_BYTES)
+        return files.read_json(file, MAX_TEXT_BYTES)
     except FileNotFoundError:
         return {}
 
@@ -237,16 +237,9 @@ def _chat_template(directory: pathlib.Path, config: dict) -> tuple[str | None, p
     """The chat template's source and the file it is in (``(None, None)``: none shipped)."""
     file = directory / CHAT_TEMPLATE
     try:
-        status = _regular_file(file)
+        return files.read_text(file, MAX_TEXT_BYTES), file
     except FileNotFoundError:
-        status = None
-    if status is not None:
-        if status.st_size > MAX_TEXT_BYTES:
-            raise ValueError(f"{file}: more than {MAX_TEXT_BYTES} bytes (at most that is read)")
-        try:
-            return file.read_bytes().decode("utf-8"), file
-        except (OSError, UnicodeDecodeError) as error:
-            raise ValueError(f"{file}: cannot be read as UTF-8 text ({error})") from None
+        pass
     template, file = config.get("chat_template"), directory / TOKENIZER_CONFIG
     if isinstance(template, list):  # named templates: the default one
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
