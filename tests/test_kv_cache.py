@@ -17,6 +17,7 @@ from flax import nnx
 from hf_fixtures import fixture
 
 from jax_oc128 import checkpoint
+from jax_oc128.controller import ONLINE
 from jax_oc128.engine import Engine
 from jax_oc128.nn import CSA, HCA, SLIDING, DeepseekV4Model, ModelConfig, SpeculativeModel, kv_cache
 
@@ -180,3 +181,25 @@ def test_capacity_bench_runs_tiny(capsys):
     # paged: a request of the mix holds pages for its length, a dense slot max_len's entries
     assert all(row["mix_paged_online"] > row["mix_dense_online"] > 0 for row in rows)
     assert all(row["mix_paged_online"] > row["mix_paged_offline"] > 0 for row in rows)
+
+
+def test_serve_capacity_counts_are_the_engines_allocations():
+    """bench/serve_capacity.py's counts at a small scale: the decode states that the engines allocate, paged
+    at its slots and pages within the budget, dense at its dense slots within it, dense at the paged slots
+    past it."""
+    bench = runpy.run_path(str(pathlib.Path(__file__).parents[1] / "bench" / "serve_capacity.py"))
+    config = bench["serve_config"](4, 2048, "bfloat16", 1, 1, 16, 64)
+    model = SpeculativeModel(config, backend=ONLINE, rngs=nnx.Rngs(0))
+    budget = 10 * 2**20
+    count = bench["counts"](model, budget)
+    assert count["paged_slots"] > count["dense_slots"] > 0 and count["pages"] >= count["pages_needed"]
+    sizes = {
+        "paged_state_bytes": Engine(model, count["paged_slots"], pages=count["pages"]),
+        "dense_state_bytes": Engine(model, count["dense_slots"]),
+        "dense_at_paged_slots_bytes": Engine(model, count["paged_slots"]),
+    }
+    for name, engine in sizes.items():
+        state = engine.init_state()
+        assert kv_cache.nbytes(dataclasses.replace(state, key=None)) == count[name], name
+    assert count["paged_state_bytes"] <= budget and count["dense_state_bytes"] <= budget
+    assert count["dense_at_paged_slots_bytes"] > budget
