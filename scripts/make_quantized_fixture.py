@@ -20,44 +20,19 @@ import sys
 import tempfile
 
 import jax
-import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import torch
 import transformers
 from transformers import DeepseekV4ForCausalLM
 from transformers.cache_utils import DynamicCache
 
-from jax_oc128 import pretrained
-from jax_oc128.nn import quant
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 import hf_fixtures
 
 
-def dequantized(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Every quantized weight of released ``tensors`` as its float32 values (its scale dropped), every other
-    tensor as stored."""
-    floats = {}
-    for name, value in tensors.items():
-        scale = tensors.get(pretrained._scale_name(name)) if name.endswith(".weight") else None
-        if scale is None:
-            if not name.endswith(pretrained.SCALE):
-                floats[name] = value
-            continue
-        exponents = scale.view(np.uint8)
-        if value.dtype == ml_dtypes.float8_e4m3fn:
-            codes, scales, fmt = value, quant.row_scales(exponents, value.shape[0]), quant.FP8
-        else:
-            codes, scales, fmt = value.view(np.uint8), exponents, quant.FP4
-        array = quant.QuantizedArray(jnp.asarray(codes), jnp.asarray(scales), fmt, "float32")
-        floats[name] = np.asarray(jax.jit(quant.dequantize)(array))
-    return floats
-
-
 def main():
     config, tensors = hf_fixtures.quantized_checkpoint()
-    floats = dequantized(tensors)
+    floats = hf_fixtures.dequantized_tensors(tensors)
     with tempfile.TemporaryDirectory() as root:
         directory = hf_fixtures.write_dequantized(pathlib.Path(root) / "float", config, floats)
         model, info = DeepseekV4ForCausalLM.from_pretrained(

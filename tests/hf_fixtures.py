@@ -180,3 +180,37 @@ def checksum(floats: dict[str, np.ndarray]) -> str:
         digest.update(f"{name} {value.dtype} {value.shape}\n".encode())
         digest.update(value.tobytes())
     return digest.hexdigest()
+
+
+#: the e2m1 codes' values 0..7 (8..15: their negatives)
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def formula(codes: np.ndarray, exponents: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """The released format's value of float ``codes`` ``[out, in]`` with e8m0 ``exponents`` per ``block``
+    (rows, columns): code * 2^(e - 127), in float64, rounded once to float32."""
+    per_element = np.repeat(np.repeat(exponents.astype(np.int64), block[0], 0), block[1], 1)
+    return (codes * np.exp2(per_element[: codes.shape[0], : codes.shape[1]] - 127.0)).astype(np.float32)
+
+
+def e2m1_codes(packed: np.ndarray) -> np.ndarray:
+    """float64 values of the e2m1 codes packed in ``packed`` ``[out, in / 2]`` (element 2j the low nibble)."""
+    table = np.array(E2M1 + [-v for v in E2M1])
+    nibbles = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
+    return table[nibbles]
+
+
+def dequantized_tensors(tensors: dict) -> dict[str, np.ndarray]:
+    """The float checkpoint of a released one: every quantized weight as the formula's float32 values
+    (its scale dropped), every other tensor as stored."""
+    floats = {}
+    for name, value in tensors.items():
+        scale = tensors.get(pretrained._scale_name(name)) if name.endswith(".weight") else None
+        if scale is None:
+            if not name.endswith(pretrained.SCALE):
+                floats[name] = value
+        elif value.dtype == ml_dtypes.float8_e4m3fn:
+            floats[name] = formula(value.astype(np.float64), scale.view(np.uint8), (128, 128))
+        else:
+            floats[name] = formula(e2m1_codes(value.view(np.uint8)), scale.view(np.uint8), (1, 32))
+    return floats
