@@ -31,8 +31,9 @@ Measured:
    memory, which the budget does not cover: see above; compilation's scratch included).
 2. the budget (GPU only: on the CPU no allocator limit exists): every free byte of the device but the budget
    (+ ``--margin-mib``) taken by a ballast of arrays (the last ones small, into the holes), then
-   ``init_state`` of the paged engine (fits), of the dense engine at R slots (RESOURCE_EXHAUSTED, caught:
-   the expected outcome) and of the dense engine at R_d slots (fits).
+   ``init_state`` of the dense engine at R_d slots (fits), of the paged engine (fits) and of the dense
+   engine at R slots (RESOURCE_EXHAUSTED, caught: the expected outcome; last, so that nothing a failed call
+   leaves behind decides another's outcome).
 
 The allocator's pool is 95% of the device (``XLA_PYTHON_CLIENT_MEM_FRACTION``, unless set).
 
@@ -186,9 +187,13 @@ def allocation(engine: Engine) -> dict:
     except jax.errors.JaxRuntimeError as error:
         if "RESOURCE_EXHAUSTED" not in str(error):
             raise
-        return dict(outcome="out of memory", error=str(error).splitlines()[0][:300])
+        message = str(error).splitlines()[0][:300]
+        del error
+        gc.collect()  # the failed call's partial buffers, held by its traceback's frames
+        return dict(outcome="out of memory", error=message)
     size = kv.nbytes(dataclasses.replace(state, key=None))
     del state
+    gc.collect()
     return dict(outcome="fits", bytes=size)
 
 
@@ -198,12 +203,13 @@ def budget_check(model: SpeculativeModel, count: dict, budget: int, margin: int)
     if "bytes_limit" not in (device.memory_stats() or {}):
         return None
     gc.collect()  # the serving engine's state freed
+    # the expected failure last, so that nothing it leaves behind can decide another's outcome
     engines = {
+        f"dense, {count['dense_slots']} slots": Engine(model, count["dense_slots"]),
         f"paged, {count['paged_slots']} slots, {count['pages']} pages": Engine(
             model, count["paged_slots"], pages=count["pages"], page_size=PAGE_SIZE
         ),
         f"dense, {count['paged_slots']} slots": Engine(model, count["paged_slots"]),
-        f"dense, {count['dense_slots']} slots": Engine(model, count["dense_slots"]),
     }
     ballast = []
     while True:
