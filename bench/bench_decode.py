@@ -15,21 +15,31 @@ Configs:
   drafts are almost never accepted (mean accepted length about 1), which does not matter for the time per
   step.
 * ``v4flash-slice``: DeepSeek-V4-Flash as released (``ModelConfig.deepseek_v4_flash``: its config.json), its
-  first 6 layers (sliding, sliding, CSA, HCA, CSA, HCA; hash-routed MoE in the first 3, top-k in the others):
-  hidden 4096, 64 heads x 512, q and o LoRA rank 1024, 8 o-groups, rope_dim 64 (compress RoPE YaRN x16 from
-  65536), window 128, the CSA indexer's 64 heads x 128 and top-512, MoE experts of 2048 with 6 routed per
-  token and a shared one, routed scaling 1.5, SwiGLU limit 10, hyper-connections of 4 streams with 20
-  Sinkhorn iterations, the vocabulary of 129280, and DeepSeek-V4's MTP layer as the draft head; but 16 routed
-  experts instead of 256 (the MoE computes every expert for every token) so that it fits one GPU: 4.9 billion
-  parameters, 9.8 GB in bfloat16 (the matrices; norms, hyper-connections and biases float32). Random weights
-  made one at a time (each drawn in float32, stored in bfloat16; the constructor under ``jit`` would hold
-  every float32 draw at once, 39 GB), ``max_len`` 4096, ``max_draft`` 4; random prompts.
+  first ``--layers`` (6: sliding, sliding, CSA, HCA, CSA, HCA; hash-routed MoE in the first 3, top-k in the
+  others): hidden 4096, 64 heads x 512, q and o LoRA rank 1024, 8 o-groups, rope_dim 64 (compress RoPE YaRN
+  x16 from 65536), window 128, the CSA indexer's 64 heads x 128 and top-512, MoE experts of 2048 with 6
+  routed per token and a shared one, routed scaling 1.5, SwiGLU limit 10, hyper-connections of 4 streams
+  with 20 Sinkhorn iterations, the vocabulary of 129280, and DeepSeek-V4's MTP layer as the draft head; but
+  ``--experts`` (16; V4-Flash has 256) routed experts, run by the grouped dispatch (``MoEConfig.dispatch``'s
+  default: each picked expert once). ``max_len`` 4096, ``max_draft`` 4; random prompts. ``--weights``:
+
+  - ``bf16`` (default): the matrices bfloat16 (norms, hyper-connections and biases float32), random, made
+    one at a time (each drawn in float32, stored in bfloat16; the constructor under ``jit`` would hold every
+    float32 draw at once). 6 layers, 16 experts: 9.8 GB; 256 experts: 13.2 GB per layer, 15.3 GB for the
+    MTP layer, embedding and LM head.
+  - ``released``: DeepSeek's released precision, as ``load_pretrained`` holds a released checkpoint
+    (:func:`released_model`): FP8 (e4m3 codes, e8m0 128 x 128 block scales kept per row) for the tensors the
+    checkpoint stores FP8 (the attention's, the indexer's query and the shared experts' projections, the MTP
+    layer's ``e_proj`` / ``h_proj``), FP4 (packed e2m1, e8m0 1 x 32 scales) for the routed experts, the rest
+    as the bfloat16 model has it; the quantized weights made random in that form on the device, one tensor
+    at a time. 256 experts: 3.6 GB per layer, 5.7 GB for the MTP layer, embedding and LM head.
 
 Modes (``--modes``): ``plain``; ``N``, speculative steps verifying a chain of N tokens (the bonus token and
 N - 1 drafts); ``treeN``, tree speculation at the same verify width: the default draft tree of N nodes
 (:meth:`jax_oc128.tree.Tree.default`), drafted level by level by the MTP head and verified in one forward.
 
-Per (config, backend, mode, slots), with one engine of ``slots`` slots and K steps per dispatch:
+Per row (config, weights, backend, caches, layout, mode, slots), with one engine of ``slots`` slots and K
+steps per dispatch:
 
 * *device*: every slot prefilled with a ``--prompt-len`` (200) token prompt (so the C128 state crosses a
   128-token block) and a budget no row can spend; then two warm-up dispatches (the first compiles, the
@@ -45,6 +55,27 @@ Per (config, backend, mode, slots), with one engine of ``slots`` slots and K ste
   time per step = seconds / result.steps, ratio = e2e / device time per step. ``generate``'s seconds include
   its prefill, which the per-step ratio charges to the steps; the table also gives e2e against the device
   time of the same work: seconds / (prefill + result.steps * device time per step).
+
+Caches (``--kv-cache-dtype``, each in turn; default the config's own, ``auto``: the model's dtype):
+``float32``, ``bfloat16`` or ``fp8`` (``ModelConfig.kv_cache_dtype``: DeepSeek's FP8 entries and indexer keys
+beside a window in the model's dtype), the parameters shared, not rebuilt. Layout (``--pages``, each in turn):
+``dense`` (the default: every slot holds ``max_len`` tokens of entries) or paged (``Engine(pages=P)``, pages
+of 256 tokens): ``auto`` (the flag alone: P = every slot's pages of the most tokens it holds in this run, the
+device-only dispatches' or ``generate``'s prompt + ``--tokens``) or a count P (at least that many). The
+device-only timing gives the slots the pool in equal parts (``Engine.set_page_table``); ``generate`` reserves
+its own.
+
+Floor (:func:`step_read_bytes`, per row): the weight bytes a decode step must read whatever its kernels, over
+the device's copy bandwidth (``bench_ops.copy_bandwidth``, measured at the start of the run, ``--copy-mib``):
+the target's parameters once per step (all but the routed experts and the tables read at their tokens' rows,
+the embedding and the hash layers' token -> experts), and per MoE layer the expected number of distinct
+experts its ``slots x N`` tokens pick (top-k of E at random: ``E (1 - (1 - k / E)^tokens)``; hash routing of
+random tokens likewise) times one expert's bytes (the shared expert is in the target's parameters); a
+speculative step's draft head once per level of its draft tree (N - 1 for the chain of N), each forward
+reading the head and the LM head whole and the experts its ``slots`` x the level's nodes tokens pick in the
+head's MoE layer. "x floor" is the device time per step over that floor. Per model the run prints and records
+(``weights`` in the JSON) the weights' bytes on the device by kind (routed experts, other matrices, the rest)
+and the same model's in bfloat16.
 
 Targets (the issue): e2e time per step <= 1.1x the device time per step at 8 slots, plain and N = 4; the
 online C128 state never slower per step than the offline one at the V4-Flash config. Both are checked and
@@ -62,30 +93,51 @@ Usage (from a directory other than the repository root, or with jax_oc128 instal
 
     python bench/bench_decode.py [--configs shipped v4flash-attn v4flash-slice] [--backends online offline]
         [--modes plain 2 4 tree8] [--slots 1 8 64] [--steps-per-dispatch K] [--tokens 256]
-        [--out bench/results/YYYY-MM-DD/bench_decode.json]
+        [--kv-cache-dtype float32 bfloat16 fp8] [--pages [dense auto P]] [--weights bf16 released]
+        [--layers 6] [--experts 16] [--copy-mib 2048] [--out bench/results/YYYY-MM-DD/bench_decode.json]
     python bench/bench_decode.py --configs shipped --sweep-k 1 4 16 64 --modes plain 4 --slots 8
     python bench/bench_decode.py --configs shipped --backends online --modes 8 tree8 --slots 1 8
     python bench/bench_decode.py --configs v4flash-attn --backends online --mesh data=2,model=1 --slots 8 16
+    python bench/bench_decode.py --configs v4flash-attn --modes plain 4 --slots 8 64 \\
+        --kv-cache-dtype float32 bfloat16 fp8 --pages dense auto
+    python bench/bench_decode.py --configs v4flash-slice --experts 256 --layers 6 --weights released bf16 \\
+        --modes plain 4 --slots 8 64
+CPU smoke test: python bench/bench_decode.py --configs v4flash-attn --backends online --modes plain \\
+    --slots 1 --tokens 8 --device-steps 8 --steps-per-dispatch 4 --kv-cache-dtype float32 fp8 \\
+    --pages dense auto --copy-mib 64 --out /tmp/bd.json
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import gc
 import json
 import math
 import pathlib
+import sys
 import time
 
 import jax
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from jax_oc128 import checkpoint
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_ops import copy_bandwidth
+from capacity import PAGE_SIZE
+
+from jax_oc128 import checkpoint, pretrained
 from jax_oc128.controller import BACKENDS
 from jax_oc128.engine import STEPS_PER_DISPATCH, Engine
 from jax_oc128.nn import ModelConfig, SpeculativeModel, sharding
+from jax_oc128.nn import kv_cache as kv
 from jax_oc128.nn.attention import HCA, SLIDING
+from jax_oc128.nn.functional import build_abstract, variable_at
+from jax_oc128.nn.quant import E8M0_BIAS, FP4, FP8, GROUP, QuantizedArray
+from jax_oc128.nn.sharding import path_names
 from jax_oc128.tree import Tree
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "bench_decode.json"
@@ -98,10 +150,32 @@ V4FLASH_ATTN = dataclasses.replace(
     mlp_layer_types=None,
     hc_mult=None,
 )
-#: DeepSeek-V4-Flash's first 6 layers with 16 experts, in bfloat16 (see the module doc)
-V4FLASH_SLICE = ModelConfig.deepseek_v4_flash(
-    num_layers=6, num_experts=16, max_len=4096, max_draft=4, dtype="bfloat16"
-)
+
+
+def slice_config(layers: int, experts: int) -> ModelConfig:
+    """DeepSeek-V4-Flash's first ``layers`` layers with ``experts`` routed experts, in bfloat16 (see the
+    module doc)."""
+    return ModelConfig.deepseek_v4_flash(
+        num_layers=layers, num_experts=experts, max_len=4096, max_draft=4, dtype="bfloat16"
+    )
+
+
+#: the default slice: 6 layers, 16 experts
+V4FLASH_SLICE = slice_config(6, 16)
+#: what a row of the table names (with its slots)
+ROW_KEYS = ("config", "weights", "backend", "kv_cache_dtype", "layout", "mode")
+#: the table's columns
+COLUMNS = (*ROW_KEYS, "slots", "device us/step", "floor us", "x floor", "e2e us/step", "ratio")
+COLUMNS += ("e2e / device, same work", "tokens/s", "mean accepted")
+#: ``--weights``: the slice's matrices in bfloat16, or in DeepSeek's released precision (see the module doc)
+WEIGHTS = ("bf16", "released")
+#: the routed experts' parameters, by their attribute names (one expert per index of the leading axis)
+EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")
+#: the tables a forward reads at its tokens' rows only (the embedding, the hash layers' token -> experts)
+GATHERED = ("embed", "tid2eid")
+#: the e4m3 codes of random FP8 weights: a random sign and mantissa, exponent field 6 or 7 (values +-[0.5,
+#: 1.875]: no NaN, no subnormal); FP4's random bytes are any two e2m1 codes
+FP8_CODE_BITS = (0x8F, 0x30)  # (bits kept of a random byte, bits set)
 #: the demo's prompts (byte-level text for the shipped model)
 TEXT = (
     "Return a new list containing all items from the iterable in ascending order. A custom key function "
@@ -113,14 +187,174 @@ TEXT = (
 )
 
 
-def build_model(config: str, backend: str) -> SpeculativeModel:
+def build_model(config: str, backend: str, weights: str = "bf16", slice_: ModelConfig = V4FLASH_SLICE):
+    """The model of ``config`` with the C128 ``backend``; the slice's (``slice_``) in ``weights``
+    (:data:`WEIGHTS`)."""
     if config == "shipped":
         return checkpoint.load(backend=BACKENDS[backend])[0]
     if config == "v4flash-attn":
         return SpeculativeModel(V4FLASH_ATTN, backend=BACKENDS[backend], rngs=nnx.Rngs(0))
+    if config == "v4flash-slice" and weights == "released":
+        return released_model(slice_, backend)
     if config == "v4flash-slice":
-        return SpeculativeModel(V4FLASH_SLICE, backend=BACKENDS[backend], rngs=nnx.Rngs(0))
+        return SpeculativeModel(slice_, backend=BACKENDS[backend], rngs=nnx.Rngs(0))
     raise ValueError(f"unknown config {config!r}")
+
+
+def released_model(config: ModelConfig, backend: str, seed: int = 0) -> SpeculativeModel:
+    """The model of ``config`` (with hyper-connections and MoE layers: a DeepSeek-V4) with its matrices in
+    DeepSeek's released precision, as :func:`~jax_oc128.load_pretrained` holds a released checkpoint: the
+    model built with shapes only, the quantized parameters (:func:`~jax_oc128.pretrained.released_formats`:
+    the attention's, the indexer's query and the shared experts' projections and the MTP layer's ``e_proj``
+    and ``h_proj`` FP8, the routed experts FP4) made :class:`~jax_oc128.nn.quant.QuantizedArray` s
+    (:func:`~jax_oc128.pretrained.quantized_leaves`), each filled with random codes and scales on the device
+    one tensor at a time (:func:`random_quantized`); every other parameter as the float model of ``config``
+    has it (the constructor under ``jit`` returning those alone: the draws of the quantized ones are dead
+    code, never computed)."""
+    build = functools.partial(SpeculativeModel, config, backend=BACKENDS[backend])
+    model = build_abstract(lambda rngs: build(rngs=rngs))
+    paths = pretrained.parameter_paths(model)
+    formats = pretrained.released_formats(paths, FP4, optional=True)
+    rest = {name: path for name, path in paths.items() if name not in formats}
+
+    @jax.jit
+    def rest_values():
+        built = build(rngs=nnx.Rngs(seed))
+        return {name: variable_at(built, path)[...] for name, path in rest.items()}
+
+    for name, value in rest_values().items():
+        variable_at(model, paths[name]).set_value(value)
+    key = jax.random.key(seed)
+    for i, (name, fmt) in enumerate(formats.items()):
+        variable = variable_at(model, paths[name])
+        want = pretrained.quantized_leaves(variable.get_value(), fmt, "F8_E8M0", config.dtype)
+        value = random_quantized(jax.random.fold_in(key, i), fmt=fmt, shape=want.shape, dtype=config.dtype)
+        if kv.nbytes(value) != kv.nbytes(want) or jax.tree.structure(value) != jax.tree.structure(want):
+            raise AssertionError(f"{name}: the random {fmt} weight is not in the loader's layout")
+        variable.set_value(value)
+    return model
+
+
+@functools.cache
+def code_rms(fmt: str) -> float:
+    """The root mean square of the values of :func:`random_quantized`'s codes of ``fmt`` (uniform over
+    them)."""
+    if fmt == FP4:
+        values = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn)
+    else:
+        kept, set_ = FP8_CODE_BITS
+        values = (np.arange(256) & kept | set_).astype(np.uint8).view(ml_dtypes.float8_e4m3fn)
+    return float(np.sqrt(np.mean(values.astype(np.float64) ** 2)))
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "shape", "dtype"))
+def random_quantized(key, *, fmt: str, shape: tuple[int, ...], dtype: str) -> QuantizedArray:
+    """A random ``[..., out, in]`` weight of ``shape`` in ``fmt`` as :class:`QuantizedArray` holds it (codes
+    and per-row uint8 e8m0 scales; dequantized to ``dtype``), made in that form: random codes (FP8:
+    :data:`FP8_CODE_BITS`; FP4: random bytes) and random scales (FP8 one per 128 x 128 block, repeated over
+    its rows; FP4 one per 1 x 32 group), each the power of two at or just below the one that gives the
+    values the standard deviation of the float model's init, ``1 / sqrt(in)``
+    (:func:`~jax_oc128.nn.functional.normal_param`), or twice it: the values' standard deviation within a
+    factor 2 of the init's."""
+    *lead, out, width = shape
+    code_key, scale_key = jax.random.split(key)
+    exponent = E8M0_BIAS + math.floor(math.log2(width**-0.5 / code_rms(fmt)))
+    if fmt == FP8:
+        kept, set_ = FP8_CODE_BITS
+        bits = jax.random.bits(code_key, tuple(shape), jnp.uint8) & kept | set_
+        codes = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn)
+        blocks = (*lead, -(-out // GROUP[FP8]), -(-width // GROUP[FP8]))
+    else:
+        codes = jax.random.bits(code_key, (*lead, out, width // 2), jnp.uint8)
+        blocks = (*lead, out, width // GROUP[FP4])
+    scales = jax.random.randint(scale_key, blocks, exponent, exponent + 2).astype(jnp.uint8)
+    if fmt == FP8:
+        scales = jnp.repeat(scales, GROUP[FP8], axis=-2)[..., :out, :]
+    return QuantizedArray(codes, scales, fmt, dtype)
+
+
+def with_kv_cache_dtype(
+    model: SpeculativeModel, backend: str, kv_cache_dtype: str | None
+) -> SpeculativeModel:
+    """``model`` with its caches stored as ``kv_cache_dtype`` (None: as its config says): its parameters
+    (not copied) in the module of that config."""
+    if kv_cache_dtype is None or kv_cache_dtype == model.config.kv_cache_dtype:
+        return model
+    config = dataclasses.replace(model.config, kv_cache_dtype=kv_cache_dtype)
+    abstract = build_abstract(lambda rngs: SpeculativeModel(config, backend=BACKENDS[backend], rngs=rngs))
+    return nnx.merge(nnx.graphdef(abstract), nnx.state(model))
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightReads:
+    """A model's parameter bytes on the device, by kind and by what a decode step reads of them.
+
+    Attributes:
+      kinds: bytes of the routed experts (``experts``), of the other matrices (``matrices``: every float or
+        quantized parameter of two or more axes) and of the rest (``rest``: norms, biases, sinks, hash
+        tables).
+      target: what a target forward reads whole: every parameter of the target but its routed experts and
+        the tables read at their tokens' rows (:data:`GATHERED`), the LM head included.
+      draft: what a forward of the draft head reads whole: its own parameters (the same exclusions) and the
+        LM head it shares with the target (0 without a draft head).
+      moe: per MoE layer ``(owner, experts, bytes of one expert)``, owner ``"target"`` or ``"mtp"``.
+    """
+
+    kinds: dict
+    target: int
+    draft: int
+    moe: tuple[tuple[str, int, int], ...]
+
+
+def weight_reads(model) -> WeightReads:
+    """The :class:`WeightReads` of ``model`` (a model or its :func:`build_abstract`)."""
+    kinds, reads, experts = dict(experts=0, matrices=0, rest=0), dict(target=0, mtp=0), {}
+    leaves = jax.tree_util.tree_leaves_with_path(
+        nnx.state(model), is_leaf=lambda x: isinstance(x, QuantizedArray)
+    )
+    for path, leaf in leaves:
+        names, size = path_names(path), kv.nbytes(leaf)
+        matrix = isinstance(leaf, QuantizedArray) or (
+            jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.ndim > 1
+        )
+        if names[-1] in EXPERT_WEIGHTS:
+            kinds["experts"] += size
+            owner, count, one = experts.get(names[:-1], (names[0], leaf.shape[0], 0))
+            experts[names[:-1]] = owner, count, one + size // count
+            continue
+        kinds["matrices" if matrix else "rest"] += size
+        if names[-1] == "lm_head":  # (shared by the draft head: under its path where it has one)
+            reads["target"] += size
+            reads["mtp"] += size if model.mtp is not None else 0
+        elif names[-1] not in GATHERED:
+            reads[names[0]] += size
+    return WeightReads(kinds, reads["target"], reads["mtp"], tuple(experts.values()))
+
+
+def expected_experts(experts: int, top_k: int, tokens: int) -> float:
+    """The expected number of distinct experts ``tokens`` tokens pick, each ``top_k`` of ``experts`` at
+    random: ``E (1 - (1 - k / E)^tokens)`` (hash routing of random tokens likewise)."""
+    return experts * (1 - (1 - top_k / experts) ** tokens)
+
+
+def step_read_bytes(reads: WeightReads, mode: dict, slots: int, top_k: int) -> float:
+    """The weight bytes a decode step of ``mode`` over ``slots`` slots must read at least, whatever its
+    kernels: the target's forward of ``slots x N`` tokens reads its parameters whole once (``reads.target``:
+    all but the routed experts and the embedding and hash tables, which it reads at its tokens' rows) and,
+    per MoE layer, each expert its tokens pick once (:func:`expected_experts` of the layer's experts, top-k
+    of ``slots x N`` tokens, times one expert's bytes; the shared expert is in ``reads.target``); a
+    speculative step's draft head runs once per level of its draft tree (N - 1 for the chain of N) on
+    ``slots`` x the level's nodes tokens, each forward reading the head and the LM head whole
+    (``reads.draft``) and the experts its tokens pick in the head's MoE layer."""
+    width = mode_width(mode)
+    tree = mode.get("tree") or (Tree.chain(width) if width > 1 else None)
+    forwards = [("target", slots * width)]
+    forwards += [("mtp", slots * len(level)) for level in (tree.expanded if tree is not None else ())]
+    total = 0.0
+    for owner, tokens in forwards:
+        total += reads.target if owner == "target" else reads.draft
+        total += sum(expected_experts(e, top_k, tokens) * one for o, e, one in reads.moe if o == owner)
+    return total
 
 
 def make_prompts(model_config: ModelConfig, count: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -134,19 +368,43 @@ def make_prompts(model_config: ModelConfig, count: int, length: int, seed: int =
     return [rng.integers(0, model_config.vocab_size, length).tolist() for _ in range(count)]
 
 
+def timed_dispatches(
+    max_len: int, prompt_len: int, width: int, steps: int, device_steps: int
+) -> tuple[int, int]:
+    """``(D, budget)`` of :func:`device_time`: the dispatches of ``steps`` steps timed (at least
+    ``device_steps`` steps where ``max_len`` has room) and the budget each prompt of ``prompt_len`` tokens is
+    given, the most it may be (no row ends: its first token and 2 warm-up + D dispatches stay below it)."""
+    budget = max_len - prompt_len - width
+    room = (budget - 2) // (width * steps) - 2
+    if room < 1:
+        raise ValueError(f"max_len {max_len}: no room for a dispatch of {steps} steps of N = {width}")
+    return min(max(2, math.ceil(device_steps / steps)), room), budget
+
+
+def tokens_per_slot(args, max_len: int, steps: int) -> int:
+    """The most tokens a slot's caches hold in this run (:func:`device_time` and :func:`e2e` at every mode):
+    what a paged engine's pool must hold per slot."""
+    most = 0
+    for mode in args.modes:
+        width = mode_width(mode)
+        dispatches, _ = timed_dispatches(max_len, args.prompt_len, width, steps, args.device_steps)
+        most = max(most, args.prompt_len + 1 + (2 + dispatches) * steps * width + width)
+        most = max(most, args.prompt_len + args.tokens + width)  # what generate reserves
+    return most
+
+
 def device_time(engine: Engine, prompts, mode: dict, steps: int, device_steps: int) -> dict:
     """Device-only time per step of ``engine.decode`` (see the module doc), the prefill's time and the
-    first calls' (compile) times."""
+    first calls' (compile) times. A paged engine's slots are given its pool in equal parts, in order."""
     n, max_len = mode_width(mode), engine.model.config.max_len
-    dispatches = max(2, math.ceil(device_steps / steps))
-    budget = max_len - len(prompts[0]) - n  # the most a prompt of this length may be given
-    # no row may end: its first token (from the prefill) and 2 warm-up + D dispatches of K steps stay below
-    room = (budget - 2) // (n * steps) - 2
-    if room < 1:
-        raise ValueError(f"max_len {max_len}: no room for a dispatch of {steps} steps of N = {n}")
-    dispatches = min(dispatches, room)
+    dispatches, budget = timed_dispatches(max_len, len(prompts[0]), n, steps, device_steps)
     assignments = dict(enumerate(prompts))
     state, prefill = engine.init_state(0), []
+    if engine.pages is not None:
+        each = min(engine.pages // engine.slots, max_len // engine.page_size)
+        table = np.full((engine.slots, max_len // engine.page_size), -1, np.int32)
+        table[:, :each] = np.arange(engine.slots)[:, None] * each + np.arange(each)
+        state = engine.set_page_table(state, table)
     for _ in range(2):  # the first compiles; the second is the prefill's time
         start = time.perf_counter()
         state, _ = engine.prefill(state, assignments, budget, **mode)
@@ -213,38 +471,126 @@ def mode_name(mode: dict) -> str:
     return f"N={mode['num_tokens']}" if mode else "plain"
 
 
-def measure(args) -> list[dict]:
-    rows = []
-    print(
-        "| config | backend | mode | slots | device us/step | e2e us/step | ratio | e2e / device, same work "
-        "| tokens/s | mean accepted |"
+def page_count(spec: str, slots: int, per_slot: int, page_size: int) -> int | None:
+    """An engine's ``pages`` for a ``--pages`` entry: None for ``dense``; ``auto``: every slot's
+    ``per_slot`` tokens in whole pages; a count as given, which must hold as much (a ValueError
+    otherwise)."""
+    if spec == "dense":
+        return None
+    need = slots * -(-per_slot // page_size)
+    if spec == "auto":
+        return need
+    if int(spec) < need:
+        raise ValueError(
+            f"--pages: {spec} pages of {page_size} tokens hold less than {slots} slots x {per_slot}"
+        )
+    return int(spec)
+
+
+def gigabytes(kinds: dict) -> str:
+    """Bytes by kind, and their total, in GB (for a line of text)."""
+    total = sum(kinds.values())
+    return (
+        ", ".join(f"{kind} {size / 1e9:.3f}" for kind, size in kinds.items()) + f" (total {total / 1e9:.3f})"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+
+
+def weights_summary(config: str, weights: str, model) -> tuple[dict, WeightReads]:
+    """The weights' bytes on the device by kind and the same model's in bfloat16 (printed, and as a dict),
+    and the :class:`WeightReads` of the floor."""
+    reads = weight_reads(model)
+    bf16_config = dataclasses.replace(model.config, dtype="bfloat16")
+    bf16 = weight_reads(build_abstract(lambda rngs: SpeculativeModel(bf16_config, rngs=rngs))).kinds
+    print(
+        f"{config} {weights}: weights GB on the device: {gigabytes(reads.kinds)}; "
+        f"in bfloat16: {gigabytes(bf16)}"
+    )
+    experts = sorted({f"{one / 1e6:.2f} MB" for _, _, one in reads.moe})
+    moe = f"; {len(reads.moe)} MoE layers, one expert {' / '.join(experts)}" if experts else ""
+    print(
+        f"  read whole per forward: target {reads.target / 1e9:.3f} GB, draft head and LM head "
+        f"{reads.draft / 1e9:.3f} GB{moe}",
+        flush=True,
+    )
+    summary = dict(config=config, weights=weights, kinds=reads.kinds, bf16_kinds=bf16)
+    summary |= dict(target_bytes=reads.target, draft_bytes=reads.draft)
+    summary["moe"] = [dict(owner=o, experts=e, expert_bytes=one) for o, e, one in reads.moe]
+    return summary, reads
+
+
+def measure(args, bandwidth: float) -> tuple[list[dict], list[dict]]:
+    """The rows of every (config, weights, backend, caches, layout, slots, mode), and each model's weights
+    (:func:`weights_summary`)."""
+    rows, summaries = [], []
     for config in args.configs:
-        for backend in args.backends:
-            model = build_model(config, backend)
-            for slots in args.slots:
-                engine = Engine(model, slots, steps_per_dispatch=args.steps_per_dispatch, mesh=args.mesh)
-                prompts = make_prompts(model.config, slots, args.prompt_len)
-                for mode in args.modes:
-                    row = dict(config=config, backend=backend, mode=mode_name(mode), slots=slots)
-                    row.update(
-                        device_time(engine, prompts, mode, engine.steps_per_dispatch, args.device_steps)
-                    )
-                    row.update(e2e(engine, prompts, mode, args.tokens))
-                    floor_s = row["prefill_ms"] / 1e3 + row["steps"] * row["device_us"] / 1e6
-                    row.update(
-                        ratio=row["e2e_us"] / row["device_us"], ratio_same_work=row["seconds"] / floor_s
-                    )
-                    rows.append(row)
-                    print(
-                        f"| {config} | {backend} | {row['mode']} | {slots} | {row['device_us']:.1f} | "
-                        f"{row['e2e_us']:.1f} | {row['ratio']:.2f} | {row['ratio_same_work']:.2f} | "
-                        f"{row['tokens_per_s']:.0f} | {row['mean_accepted']:.2f} |",
-                        flush=True,
-                    )
-                del engine
-            del model
+        for weights in args.weights if config == "v4flash-slice" else [None]:
+            reads = None
+            for backend in args.backends:
+                base = build_model(config, backend, weights, args.slice)
+                weights_name = weights or base.config.dtype
+                if reads is None:
+                    summary, reads = weights_summary(config, weights_name, base)
+                    summaries.append(summary)
+                    print(f"\n| {' | '.join(COLUMNS)} |\n" + "|---" * len(COLUMNS) + "|")
+                for kv_cache_dtype in args.kv_cache_dtype:
+                    model = with_kv_cache_dtype(base, backend, kv_cache_dtype)
+                    cache = model.config.cache_dtypes
+                    kv_name = model.config.kv_cache_dtype
+                    kv_name += f" ({cache.entries})" if kv_name == "auto" else ""
+                    for layout in args.pages:
+                        rows += measure_model(
+                            args,
+                            model,
+                            bandwidth,
+                            reads,
+                            dict(
+                                config=config,
+                                weights=weights_name,
+                                backend=backend,
+                                kv_cache_dtype=kv_name,
+                                cache_dtypes=dataclasses.asdict(cache),
+                                layout="dense" if layout == "dense" else "paged",
+                            ),
+                            layout,
+                        )
+                    del model
+                del base
+                gc.collect()  # the models' buffers before the next is built (tens of GB for the slice)
+    return rows, summaries
+
+
+def measure_model(args, model, bandwidth: float, reads: WeightReads, keys: dict, layout: str) -> list[dict]:
+    """The rows of ``model`` (``keys``: what the rows record of it) at every slots and mode, its engines
+    paged as ``layout`` (a ``--pages`` entry) says."""
+    rows, steps = [], args.steps_per_dispatch
+    per_slot = tokens_per_slot(args, model.config.max_len, steps)
+    for slots in args.slots:
+        pages = page_count(layout, slots, per_slot, PAGE_SIZE)
+        engine = Engine(
+            model, slots, steps_per_dispatch=steps, mesh=args.mesh, pages=pages, page_size=PAGE_SIZE
+        )
+        prompts = make_prompts(model.config, slots, args.prompt_len)
+        for mode in args.modes:
+            row = dict(keys, mode=mode_name(mode), slots=slots, pages=pages, page_size=PAGE_SIZE)
+            row.update(device_time(engine, prompts, mode, steps, args.device_steps))
+            row.update(e2e(engine, prompts, mode, args.tokens))
+            floor_s = row["prefill_ms"] / 1e3 + row["steps"] * row["device_us"] / 1e6
+            read = step_read_bytes(reads, mode, slots, model.config.num_experts_per_tok)
+            row.update(
+                ratio=row["e2e_us"] / row["device_us"],
+                ratio_same_work=row["seconds"] / floor_s,
+                read_bytes=read,
+                floor_us=read / bandwidth * 1e6,
+            )
+            row["x_floor"] = row["device_us"] / row["floor_us"]
+            rows.append(row)
+            numbers = (row["device_us"], row["floor_us"], row["x_floor"], row["e2e_us"], row["ratio"])
+            numbers += (row["ratio_same_work"], row["tokens_per_s"], row["mean_accepted"])
+            formats = (".1f", ".1f", ".2f", ".1f", ".2f", ".2f", ".0f", ".2f")
+            cells = [str(row[key]) for key in (*ROW_KEYS, "slots")]
+            cells += [format(x, f) for x, f in zip(numbers, formats, strict=True)]
+            print(f"| {' | '.join(cells)} |", flush=True)
+        del engine
     return rows
 
 
@@ -254,19 +600,21 @@ def check_targets(rows) -> list[str]:
     for row in rows:
         if row["slots"] == 8 and row["mode"] in ("plain", "N=4"):
             ok = row["ratio_same_work"] <= 1.1
+            what = " ".join(str(row[key]) for key in ROW_KEYS)
             lines.append(
-                f"e2e <= 1.1x device, {row['config']} {row['backend']} {row['mode']} 8 slots: "
-                f"{row['ratio_same_work']:.2f} for the same work (prefill + steps), {row['ratio']:.2f} per "
-                f"step with generate's prefill counted against steps alone: {'met' if ok else 'NOT met'}"
+                f"e2e <= 1.1x device, {what} 8 slots: {row['ratio_same_work']:.2f} for the same work "
+                f"(prefill + steps), {row['ratio']:.2f} per step with generate's prefill counted against "
+                f"steps alone: {'met' if ok else 'NOT met'}"
             )
-    by_key = {(r["config"], r["backend"], r["mode"], r["slots"]): r for r in rows}
-    for (config, backend, mode, slots), row in by_key.items():
-        other = by_key.get((config, "offline", mode, slots))
-        if config.startswith("v4flash") and backend == "online" and other is not None:
+    names = [key for key in (*ROW_KEYS, "slots") if key != "backend"]
+    by_key = {(row["backend"], *(row[name] for name in names)): row for row in rows}
+    for (backend, *key), row in by_key.items():
+        other = by_key.get(("offline", *key))
+        if key[0].startswith("v4flash") and backend == "online" and other is not None:
             x = row["device_us"] / other["device_us"]
             lines.append(
-                f"online <= offline per step, {config} {mode} {slots} slots: online/offline {x:.3f} "
-                f"{'met' if x <= 1.0 else 'NOT met'}"
+                f"online <= offline per step, {' '.join(map(str, key[:-1]))} {key[-1]} slots: online/offline "
+                f"{x:.3f} {'met' if x <= 1.0 else 'NOT met'}"
             )
     return lines
 
@@ -274,7 +622,7 @@ def check_targets(rows) -> list[str]:
 def sweep(args) -> list[dict]:
     """E2E tokens/s per K at the first config and backend."""
     config, backend = args.configs[0], args.backends[0]
-    model = build_model(config, backend)
+    model = build_model(config, backend, args.weights[0], args.slice)
     rows = []
     print(f"K sweep: {config}, {backend} state, {args.tokens} new tokens per request")
     print("| mode | slots | K | tokens/s | e2e us/step | dispatches | mean accepted | compile s |")
@@ -315,6 +663,17 @@ def parse_mesh(text: str, parser) -> dict[str, int]:
     return sizes
 
 
+def parse_pages(values, parser) -> list[str]:
+    """``--pages`` entries: ``dense``, ``auto`` or a page count (the flag alone: ``auto``; absent:
+    ``dense``)."""
+    if values is None:
+        return ["dense"]
+    for value in values:
+        if value not in ("dense", "auto") and not (value.isdigit() and int(value) >= 1):
+            parser.error(f"--pages: 'dense', 'auto' or page counts >= 1, got {value!r}")
+    return values or ["auto"]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
@@ -327,11 +686,38 @@ def main():
     )
     parser.add_argument("--slots", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        choices=["float32", "bfloat16", "fp8"],
+        default=[None],
+        help="the caches' storage (ModelConfig.kv_cache_dtype), each in turn (default: the config's own)",
+    )
+    parser.add_argument(
+        "--pages",
+        nargs="*",
+        default=None,
+        help="paged caches: 'auto' (the flag alone: a pool holding every slot's tokens of the run), a page "
+        f"count, or 'dense'; several in turn (default: dense); pages of {PAGE_SIZE} tokens",
+    )
+    parser.add_argument(
+        "--weights",
+        nargs="+",
+        choices=WEIGHTS,
+        default=["bf16"],
+        help="v4flash-slice's weights, each in turn",
+    )
+    parser.add_argument("--layers", type=int, default=6, help="v4flash-slice's layers (V4-Flash's first L)")
+    parser.add_argument(
+        "--experts", type=int, default=16, help="v4flash-slice's routed experts (V4-Flash: 256)"
+    )
+    parser.add_argument(
         "--steps-per-dispatch", type=int, default=STEPS_PER_DISPATCH, help="K: decoding steps per dispatch"
     )
     parser.add_argument("--tokens", type=int, default=256, help="new tokens per request (e2e)")
     parser.add_argument("--prompt-len", type=int, default=200, help="prompt tokens per slot")
     parser.add_argument("--device-steps", type=int, default=128, help="steps timed on the device, at least")
+    parser.add_argument("--copy-mib", type=int, default=2048, help="the copy bandwidth's array (MiB)")
+    parser.add_argument("--bandwidth-iters", type=int, default=20, help="timed copies (median)")
     parser.add_argument(
         "--sweep-k", type=int, nargs="+", default=None, help="measure e2e tokens/s per K only"
     )
@@ -344,6 +730,11 @@ def main():
         args.modes = [parse_mode(m) for m in args.modes]
     except ValueError:
         parser.error(f"--modes: 'plain', integers N >= 2 or treeN, got {args.modes}")
+    args.pages = parse_pages(args.pages, parser)
+    try:
+        args.slice = slice_config(args.layers, args.experts)
+    except (TypeError, ValueError) as error:
+        parser.error(f"--layers / --experts: {error}")
     mesh_shape = None if args.mesh is None else parse_mesh(args.mesh, parser)
     args.mesh = None if mesh_shape is None else sharding.make_mesh(mesh_shape["data"], mesh_shape["model"])
     if mesh_shape is not None and any(slots % mesh_shape["data"] for slots in args.slots):
@@ -362,16 +753,21 @@ def main():
         tokens=args.tokens,
         prompt_len=args.prompt_len,
         device_steps=args.device_steps,
+        kv_cache_dtypes=args.kv_cache_dtype,
+        pages=args.pages,
         configs={
             "shipped": "checkpoint.load() (the shipped model)",
             "v4flash-attn": dataclasses.asdict(V4FLASH_ATTN),
-            "v4flash-slice": dataclasses.asdict(V4FLASH_SLICE),
+            "v4flash-slice": dataclasses.asdict(args.slice),
         },
     )
     if args.sweep_k:
         results["sweep"] = sweep(args)
     else:
-        results["rows"] = rows = measure(args)
+        bandwidth = copy_bandwidth(args.bandwidth_iters, args.copy_mib)
+        print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (the floor's)")
+        results["copy_bandwidth"] = bandwidth
+        results["rows"], results["weights"] = rows, _ = measure(args, bandwidth)
         targets = check_targets(rows)
         results["targets"] = targets
         print("\n".join(targets))

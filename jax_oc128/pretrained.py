@@ -280,7 +280,7 @@ def load_pretrained(
     _check_tensors(directory, headers, parts, abstract, layers, formats)
     scale_dtypes = {parts[name].param: header[2] for name, header in headers.items() if parts[name].scale}
     for param, fmt in formats.items():  # the quantized parameters' leaves
-        leaves = _quantized_leaves(abstract[param], fmt, scale_dtypes[param], model_config.dtype)
+        leaves = quantized_leaves(abstract[param], fmt, scale_dtypes[param], model_config.dtype)
         variables[param].set_value(leaves)
     placing = {name: _placing(params[name], variables[name].get_value(), mesh) for name in params}
     tables = {}  # the hash layers' (small): read once, checked, and placed as checked
@@ -583,17 +583,26 @@ def _formats(headers: dict, parts: dict, params: dict, experts: str | None) -> d
     :data:`OPTIONAL_FP8_PARAMS` in FP8 where stored as FP8 codes."""
     if experts is None:
         return {}
+    formats = released_formats(params, experts)
+    for name, part in parts.items():
+        optional = part is not None and not part.scale and _layer_suffix(part.param) in OPTIONAL_FP8_PARAMS
+        if optional and part.param in params and headers[name][2] == WEIGHT_DTYPE[FP8]:
+            formats[part.param] = FP8
+    return formats
+
+
+def released_formats(params, experts: str, optional: bool = False) -> dict[str, str]:
+    """The quantized parameters among ``params`` (transformers-style names, :func:`parameter_paths`) in
+    DeepSeek's released format and their formats: :data:`FP8_PARAMS` FP8, :data:`EXPERT_PARAMS` ``experts``
+    (FP4 or FP8), and with ``optional`` :data:`OPTIONAL_FP8_PARAMS` FP8 too (as the released checkpoints and
+    :func:`jax_oc128.released.released_tensors` store them)."""
     formats = {}
     for param in params:
         suffix = _layer_suffix(param)
         if suffix in EXPERT_PARAMS:
             formats[param] = experts
-        elif suffix in FP8_PARAMS:
+        elif suffix in FP8_PARAMS or (optional and suffix in OPTIONAL_FP8_PARAMS):
             formats[param] = FP8
-    for name, part in parts.items():
-        optional = part is not None and not part.scale and _layer_suffix(part.param) in OPTIONAL_FP8_PARAMS
-        if optional and part.param in params and headers[name][2] == WEIGHT_DTYPE[FP8]:
-            formats[part.param] = FP8
     return formats
 
 
@@ -616,7 +625,7 @@ def _scale_name(weight: str) -> str:
     return weight.removesuffix(".weight") + SCALE
 
 
-def _quantized_leaves(want, fmt: str, scale_dtype: str, dtype: str) -> QuantizedArray:
+def quantized_leaves(want, fmt: str, scale_dtype: str, dtype: str) -> QuantizedArray:
     """The abstract :class:`QuantizedArray` of a parameter of abstract value ``want`` ``[..., out, in]`` in
     ``fmt``, its scales stored as ``scale_dtype`` (F8_E8M0: uint8 exponents; F32: float32), dequantized to
     ``dtype``."""

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import functools
 import json
+import pathlib
 import re
+import runpy
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +36,8 @@ from oracle import rel_err
 
 from jax_oc128 import load_pretrained, pretrained, released
 from jax_oc128.engine import Engine
-from jax_oc128.nn import moe, quant
+from jax_oc128.nn import ModelConfig, SpeculativeModel, moe, quant
+from jax_oc128.nn.functional import variable_at
 from jax_oc128.nn.quant import FP4, FP8, QuantizedArray
 
 TOL = 1e-4  # float32 logits against transformers' and the float model's on the dequantized weights (the bar)
@@ -399,3 +402,31 @@ def test_expert_dispatch_takes_quantized_experts(fmt, dispatch):
     got = run(x, ids, weights, gate_up, down, 10.0)
     want = run(x, ids, weights, quant.dequantize(gate_up), quant.dequantize(down), 10.0)
     assert rel_err(got, want) < 1e-6
+
+
+def test_bench_released_weights():
+    """bench/bench_decode.py's ``--weights released``: every parameter the released format quantizes is a
+    QuantizedArray in the loader's layout, made in that form, its values finite and of the float init's
+    size (std 1 / sqrt(in) within the scales' factor 2, and the sample's noise); every other parameter is
+    the float model's; a plain step of one token reads the target whole and top-k experts of each of its
+    MoE layers."""
+    bench = runpy.run_path(str(pathlib.Path(__file__).parents[1] / "bench" / "bench_decode.py"))
+    config = ModelConfig.from_hf(quantized_config(), max_len=256, max_draft=4, dtype="bfloat16")
+    model = bench["released_model"](config, "online")
+    float_model = SpeculativeModel(config, rngs=nnx.Rngs(0))
+    paths = pretrained.parameter_paths(model)
+    formats = pretrained.released_formats(paths, FP4, optional=True)
+    assert set(formats.values()) == {FP4, FP8}
+    for name, path in paths.items():
+        value, want = variable_at(model, path)[...], variable_at(float_model, path)[...]
+        if name not in formats:
+            np.testing.assert_array_equal(np.asarray(value), np.asarray(want), err_msg=name)
+            continue
+        assert isinstance(value, QuantizedArray) and value.fmt == formats[name], name
+        weights = np.asarray(quant.dequantize(value), np.float32)
+        assert weights.shape == want.shape and np.all(np.isfinite(weights)), name
+        assert 0.45 < weights.std() * np.sqrt(weights.shape[-1]) < 2.2, name
+    reads = bench["weight_reads"](model)
+    top_k = config.num_experts_per_tok
+    experts = sum(top_k * one for owner, _, one in reads.moe if owner == "target")
+    assert bench["step_read_bytes"](reads, {}, 1, top_k) == pytest.approx(reads.target + experts)
