@@ -8,12 +8,15 @@ import functools
 
 from models import make_model, prompts
 
+from jax_oc128 import load_pretrained
 from jax_oc128.controller import ONLINE
 from jax_oc128.engine import Engine
 from jax_oc128.nn import sharding
 
 # 5 prompts for 4 slots: a slot is reused; blocks of 128 close in prefill and in decoding
 SLOTS, NEW_TOKENS, N = 4, 40, 4
+#: ``load_pretrained``'s arguments for a checkpoint of :mod:`checkpoints`
+LOADED = dict(dtype="float32", max_len=512, max_draft=4)
 
 
 @functools.cache
@@ -32,3 +35,12 @@ def engine(shape=None):
 def one_device(num_tokens):
     """The prompts' greedy tokens on one device, speculative steps of ``num_tokens`` (None: plain steps)."""
     return engine().generate(prompts(), NEW_TOKENS, num_tokens=num_tokens).tokens
+
+
+def loaded_one_device(directory: str, num_tokens):
+    """The greedy tokens of the checkpoint at ``directory`` loaded onto one device, for the engine tests'
+    prompts (below its vocabulary), speculative steps of ``num_tokens``."""
+    model = load_pretrained(directory, **LOADED)
+    requests = prompts(vocab=model.config.vocab_size)
+    engine = Engine(model, SLOTS, prompt_bucket=256)
+    return engine.generate(requests, NEW_TOKENS, num_tokens=num_tokens).tokens
