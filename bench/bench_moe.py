@@ -12,8 +12,9 @@ O(tokens x experts) intermediates: they are skipped above ``--dense-max-tokens``
 
 ``--experts-format fp4`` or ``fp8`` makes the routed experts quantized
 (:class:`~jax_oc128.nn.quant.QuantizedArray`, e8m0 scales, as the released checkpoints hold them; random
-codes and exponents, timing data only): FP4 packed e2m1 codes (half a byte a parameter plus a scale per 32),
-FP8 e4m3 codes (a byte plus a scale per 128 of a row); ``--dtype`` is then the dtype they are dequantized to.
+codes and exponents, ``bench_decode.random_quantized``): FP4 packed e2m1 codes (half a byte a parameter plus
+a scale per 32), FP8 e4m3 codes (a byte plus a scale per 128 of a row); ``--dtype`` is then the dtype they
+are dequantized to.
 ``grouped_pallas`` dequantizes each weight tile in registers, ``grouped_jnp`` one picked expert per tile,
 ``dense`` and ``grouped_ragged_dot`` every expert.
 
@@ -47,6 +48,7 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_decode import random_quantized
 from bench_ops import copy_bandwidth, timed
 
 from jax_oc128.nn import ModelConfig, quant
@@ -57,22 +59,6 @@ DEFAULT_DISPATCHES = ("dense", "grouped_jnp", "grouped_pallas", "grouped_ragged_
 #: DeepSeek-V4-Flash's MoE layer (its preset's first top-k routed layer), in bfloat16
 V4_FLASH = ModelConfig.deepseek_v4_flash(dtype="bfloat16")
 V4_FLASH_MOE = V4_FLASH.moe(V4_FLASH.mlp_layer_types.index(MOE))
-
-
-def random_quantized(key, fmt: str, shape: tuple[int, ...], dtype: str) -> quant.QuantizedArray:
-    """Random ``[experts, out, in]`` experts in ``fmt`` with e8m0 scales (2^-7 .. 2^-3), dequantized to
-    ``dtype``: FP4 random bytes, FP8 random bytes with the top exponent bit cleared (no NaN code)."""
-    *lead, width = shape
-    codes_key, scales_key = jax.random.split(key)
-    if fmt == quant.FP4:
-        codes = jax.random.bits(codes_key, (*lead, width // 2), jnp.uint8)
-    else:
-        codes = jax.lax.bitcast_convert_type(
-            jax.random.bits(codes_key, shape, jnp.uint8) & 0xBF, jnp.float8_e4m3fn
-        )
-    scales_shape = (*lead, -(-width // quant.GROUP[fmt]))
-    scales = jax.random.randint(scales_key, scales_shape, 120, 125).astype(jnp.uint8)
-    return quant.QuantizedArray(codes, scales, fmt, dtype)
 
 
 def bytes_per_expert(layer: MoE) -> int:
@@ -133,7 +119,8 @@ def main():
     if args.experts_format != "float":
         weights = (layer.experts_gate_up, layer.experts_down)
         for key, weight in zip(jax.random.split(jax.random.key(1)), weights, strict=True):
-            weight.set_value(random_quantized(key, args.experts_format, weight.shape, config.dtype))
+            value = random_quantized(key, fmt=args.experts_format, shape=weight.shape, dtype=config.dtype)
+            weight.set_value(value)
     state = nnx.state(layer)
     expert_bytes = bytes_per_expert(layer)
     print(f"device: {device}, copy bandwidth {bandwidth / 1e9:.0f} GB/s, {config}")
