@@ -25,7 +25,7 @@ from jax_oc128 import pretrained
 from jax_oc128.nn import SpeculativeModel
 from jax_oc128.nn.functional import variable_at
 from jax_oc128.nn.quant import FP8, quantize_fp4, quantize_fp8
-from jax_oc128.pretrained import EXPERT_PARAMS, FP8_PARAMS, OPTIONAL_FP8_PARAMS, Part
+from jax_oc128.pretrained import EXPERT_PARAMS, Part
 
 #: the matrices stored in BF16 (within a layer, or top-level); every other float tensor is F32
 BF16_SUFFIXES = (
@@ -55,26 +55,26 @@ def _quantized(fmt: str, name: str, value: np.ndarray) -> dict[str, np.ndarray]:
 def released_tensors(model: SpeculativeModel, expert_dtype: str = "fp4") -> dict[str, np.ndarray]:
     """Every tensor of ``model`` (float32 or bfloat16 weights) in the released format, by DeepSeek's names
     (see the module; ``expert_dtype``: the routed experts' ``"fp4"`` or ``"fp8"``)."""
-    experts = pretrained.EXPERT_DTYPES[expert_dtype]
+    paths = pretrained.parameter_paths(model)
+    formats = pretrained.released_formats(paths, pretrained.EXPERT_DTYPES[expert_dtype], optional=True)
     layers = len(model.config.layer_types)
     tensors = {}
-    for param, path in pretrained.parameter_paths(model).items():
-        value = np.asarray(variable_at(model, path)[...]).astype(np.float32)
-        suffix = pretrained._layer_suffix(param)
-        if suffix in EXPERT_PARAMS:
+    for param, path in paths.items():
+        stored = np.asarray(variable_at(model, path)[...])
+        value = stored.astype(np.float32)
+        fmt = formats.get(param)
+        if fmt is None:
+            name = pretrained.deepseek_name(Part(param), layers)
+            tensors[name] = _stored_float(param, stored if np.issubdtype(stored.dtype, np.integer) else value)
+        elif pretrained._layer_suffix(param) in EXPERT_PARAMS:
             halves = pretrained._halves(param)
             for expert in range(value.shape[0]):
                 pieces = np.split(value[expert], len(halves))
                 for half, piece in zip(halves, pieces, strict=True):
                     name = pretrained.deepseek_name(Part(param, expert, half), layers)
-                    tensors |= _quantized(experts, name, piece)
-            continue
-        name = pretrained.deepseek_name(Part(param), layers)
-        if suffix in (*FP8_PARAMS, *OPTIONAL_FP8_PARAMS):
-            tensors |= _quantized(FP8, name, value)
+                    tensors |= _quantized(fmt, name, piece)
         else:
-            stored = np.asarray(variable_at(model, path)[...])
-            tensors[name] = _stored_float(param, stored if np.issubdtype(stored.dtype, np.integer) else value)
+            tensors |= _quantized(fmt, pretrained.deepseek_name(Part(param), layers), value)
     return tensors
 
 

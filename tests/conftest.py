@@ -1,3 +1,4 @@
+import gc
 import os
 import shutil
 import tempfile
@@ -39,6 +40,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_executables():
+    """Drops jax's compiled programs after each module. XLA's CPU backend maps every loaded executable's code
+    into memory with its own mappings and keeps them while the executable lives: a whole serial run of the
+    suite in one process (CI's) went past Linux's limit of 65530 mappings per process (vm.max_map_count) and
+    died of a segmentation fault where the next one was mapped. Programs a later module needs again come
+    back from the run's persistent compilation cache."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture
