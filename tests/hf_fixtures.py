@@ -20,7 +20,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from jax_oc128 import pretrained, released
-from jax_oc128.controller import ONLINE
+from jax_oc128.controller import ONLINE, ForwardMode
 from jax_oc128.nn import DeepseekV4Attention, ModelConfig, SpeculativeModel
 from jax_oc128.nn.functional import variable_at
 
@@ -45,6 +45,23 @@ def fixture(name):
 def positions(batch, start, stop):
     """Positions ``start .. stop - 1`` for every row, ``[batch, stop - start]`` int32."""
     return jnp.broadcast_to(jnp.arange(start, stop, dtype=jnp.int32), (batch, stop - start))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "mode"), donate_argnames="cache")
+def forward(graphdef, params, tokens, positions, cache, mode=ForwardMode.EXTEND):
+    """One jitted forward of the target model ``nnx.merge(graphdef, params)``: its logits ``[batch, T,
+    vocab]`` and the cache it returns (``cache`` donated)."""
+    logits, _, cache = nnx.merge(graphdef, params)(tokens, positions, cache, mode=mode)
+    return logits, cache
+
+
+def prefill_logits(model, prompt):
+    """The prompt logits ``[batch, length, vocab]`` of ``model`` (a :class:`SpeculativeModel`) for the
+    token ids ``prompt`` ``[batch, length]``, from a fresh cache."""
+    prompt = jnp.asarray(prompt)
+    batch, length = prompt.shape
+    graphdef, params = nnx.split(model.target)
+    return forward(graphdef, params, prompt, positions(batch, 0, length), model.target.init_cache(batch))[0]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from hf_fixtures import (
     HF_TOL,
     deepseek_named,
     fixture,
-    positions,
+    prefill_logits,
     target_tensors,
     tensors_of,
     write,
@@ -48,13 +48,6 @@ def small_window_with_mtp():
     config, weights, _ = fixture("small_window")
     model = SpeculativeModel.from_hf(config, weights, rngs=nnx.Rngs(1), max_len=512, max_draft=4)
     return config, model, tensors_of(model)
-
-
-def prefill_logits(model, prompt):
-    prompt = jnp.asarray(prompt)
-    batch, length = prompt.shape
-    logits, _, _ = model.target(prompt, positions(batch, 0, length), model.target.init_cache(batch))
-    return logits
 
 
 def test_transformers_save_pretrained_loads():

@@ -4,14 +4,12 @@ models' weights by transformers name, their prefill logits and the logits of 40 
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hf_fixtures import HF_TOL, fixture, positions
+from hf_fixtures import HF_TOL, fixture, forward, positions
 from oracle import rel_err
 
 from jax_oc128 import checkpoint
@@ -25,12 +23,6 @@ NAMES = ("small_window", "large_window")
 def load(name, backend=ONLINE, **kwargs):
     config, weights, _ = fixture(name)
     return DeepseekV4Model.from_hf(config, weights, backend=backend, max_len=512, **kwargs)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "mode"), donate_argnames="cache")
-def forward(graphdef, params, tokens, positions, cache, mode=ForwardMode.EXTEND):
-    logits, _, cache = nnx.merge(graphdef, params)(tokens, positions, cache, mode=mode)
-    return logits, cache
 
 
 def test_fixtures_cover_every_layer_and_mlp_type():

@@ -16,6 +16,7 @@ from harness import (
     assert_untouched,
     assert_wrote_nothing,
     ints,
+    jit_op,
     poisoned_state,
     record_entries,
     valid_args,
@@ -57,7 +58,7 @@ def test_case_matrix(offset, n, dtype=jnp.float32, tol=NATIVE_VS_REFERENCE_FP32,
     args = (kv, jnp.asarray(seq), jnp.asarray(slots), ape)
 
     verified = oc.verify(state, *args, layer=CALL_LAYER)
-    assert_outputs_match(verified, reference.verify(state, *args, layer=CALL_LAYER), tol)
+    assert_outputs_match(verified, jit_op(reference, "verify")(state, *args, layer=CALL_LAYER), tol)
     keep = np.ones(state.shape[:3], bool)  # verify writes banks 1..N of the rows' slots, in the call's layers
     keep[CALL_LAYER:, 1 : n + 1, slots] = False
     assert_untouched(state, verified[0], keep[..., None, None])
@@ -71,7 +72,9 @@ def test_case_matrix(offset, n, dtype=jnp.float32, tol=NATIVE_VS_REFERENCE_FP32,
 
     commit_args = (jnp.asarray(seq), jnp.asarray(accept), jnp.asarray(slots))
     committed = oc.commit(verified[0], *commit_args, layer=CALL_LAYER)
-    assert_state_close(committed, reference.commit(verified[0], *commit_args, layer=CALL_LAYER), tol)
+    assert_state_close(
+        committed, jit_op(reference, "commit")(verified[0], *commit_args, layer=CALL_LAYER), tol
+    )
     moved = (accept > 0) & ((seq + accept) % BLOCK != 0)
     keep = np.ones(state.shape[:3], bool)
     keep[CALL_LAYER:, 0, slots[moved]] = False
