@@ -51,6 +51,14 @@ def check_slots(slots, mesh) -> int:
     return slots
 
 
+def check_prefill_chunk(prefill_chunk) -> int | None:
+    """The prefill's chunk: None (one forward of the whole prompt bucket) or a count
+    (:func:`check_count`). Any size is right: a forward in EXTEND mode continues the caches at any position
+    (the sliding windows, the CSA windows of 4 and the C128 blocks are cut anywhere,
+    tests/test_v4_parity.py::test_chunked_prefill_matches_transformers), so nothing is aligned."""
+    return None if prefill_chunk is None else check_count("prefill_chunk", prefill_chunk)
+
+
 def check_seed(seed) -> np.uint32:
     """A PRNG seed, an int in [0, 2**32), as the uint32 the engine's jitted functions take."""
     return np.uint32(check_int("seed", seed, 0, MAX_SEED))

@@ -139,12 +139,22 @@ def _on_model(step, graphdef, params, *args, **static):
 
 
 def prefill(
-    graphdef, placement: Placement, params, state, tokens, lengths, budgets, stop_tokens, temperature
+    graphdef,
+    placement: Placement,
+    params,
+    state,
+    tokens,
+    lengths,
+    budgets,
+    stop_tokens,
+    temperature,
+    *,
+    chunk,
 ):
     """:func:`~jax_oc128.engine.steps.prefill` of the model ``graphdef`` with ``params``, on each device's
-    slots of ``placement``; ``temperature`` static."""
+    slots of ``placement``; ``temperature`` and ``chunk`` (None or the prefill's chunk) static."""
     step = functools.partial(
-        _on_model, step_fns.prefill, graphdef, temperature=temperature, axis=placement.axis
+        _on_model, step_fns.prefill, graphdef, temperature=temperature, chunk=chunk, axis=placement.axis
     )
     run = placement.per_slot_shard(step, *placement.prefill_specs)
     return run(params, state, tokens, lengths, budgets, stop_tokens)

@@ -76,6 +76,12 @@ class Engine:
       slots: requests decoded together, an int >= 1.
       prompt_bucket: prompts are padded to a multiple of this (fewer prefill shapes, fewer compilations),
         an int >= 1.
+      prefill_chunk: None (the prefill is one forward of the padded prompts), or an int >= 1: the prefill
+        feeds the padded prompts ``prefill_chunk`` positions at a time, one chunk after the other inside one
+        ``lax.scan`` (one compilation), so that its activations and logits are those of one chunk
+        (``[slots, prefill_chunk, vocab]`` logits, not ``[slots, P, vocab]``). The padded width is then
+        rounded up to a multiple of ``prefill_chunk`` too. No alignment is needed (a chunk may end inside a
+        CSA window or a C128 block); the tokens are those of one forward, up to float rounding.
       steps_per_dispatch: K, the most decoding steps one dispatch runs on the device (1: a dispatch per
         step, the host reading each step's tokens), an int >= 1.
       mesh: None (one device), or a :class:`jax.sharding.Mesh` of the axes ``("data", "model")``
@@ -110,6 +116,7 @@ class Engine:
         slots: int,
         *,
         prompt_bucket: int = 128,
+        prefill_chunk: int | None = None,
         steps_per_dispatch: int = STEPS_PER_DISPATCH,
         mesh: Mesh | None = None,
         pages: int | None = None,
@@ -119,6 +126,7 @@ class Engine:
         self.mesh = None if mesh is None else sharding.check_mesh(mesh)
         self.slots = arguments.check_slots(slots, self.mesh)
         self.prompt_bucket = arguments.check_count("prompt_bucket", prompt_bucket)
+        self.prefill_chunk = arguments.check_prefill_chunk(prefill_chunk)
         self.steps_per_dispatch = arguments.check_count("steps_per_dispatch", steps_per_dispatch)
         self.pages, self.page_size = arguments.check_pages(pages, page_size, model.config, self.mesh)
         graphdef, params = nnx.split(model)
@@ -134,7 +142,7 @@ class Engine:
         self._restart = jax.jit(restart, donate_argnames="state", **where.state_options())
         self._set_page_table = jax.jit(set_page_table, donate_argnames="state", **where.state_options())
         self._prefill = jax.jit(
-            functools.partial(placement.prefill, graphdef, where),
+            functools.partial(placement.prefill, graphdef, where, chunk=self.prefill_chunk),
             static_argnames="temperature",
             donate_argnames="state",
             **where.jit_options(*where.prefill_specs),
@@ -175,7 +183,8 @@ class Engine:
         temperature=0.0,
     ) -> tuple[DecodeState, DecodeOutput]:
         """Start the requests of ``assignments`` {slot: prompt}, each generating up to ``max_new_tokens``:
-        their slots are cleared and their prompts fed (padded to a multiple of ``prompt_bucket``). A slot
+        their slots are cleared and their prompts fed (padded to a multiple of ``prompt_bucket``, and of
+        ``prefill_chunk`` if set). A slot
         still active in ``state`` is not refused (that would need a device read): its request is dropped and
         the slot restarts with the new one.
 
@@ -202,6 +211,8 @@ class Engine:
         prompts = arguments.check_assignments(assignments, self.slots, config, longest_prompt)
         longest = max(map(len, prompts.values()))
         width = -(-longest // self.prompt_bucket) * self.prompt_bucket
+        if self.prefill_chunk is not None:  # whole chunks
+            width = -(-width // self.prefill_chunk) * self.prefill_chunk
         tokens = np.zeros((self.slots, width), np.int32)
         lengths = np.zeros(self.slots, np.int32)
         for slot, prompt in prompts.items():

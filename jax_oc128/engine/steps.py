@@ -72,23 +72,78 @@ def _total(x, axis):
     return total if axis is None else jax.lax.psum(total, axis)
 
 
-def prefill(model, state: DecodeState, tokens, lengths, budgets, stop_tokens, *, temperature, axis=None):
+def _prefill_segment(model, tokens, start, lengths, cache, mtp_cache, before):
+    """Feed the target (and the MTP head, if any) ``tokens`` ``[slots, T]`` int32 at positions ``start``
+    (an int32 scalar) + 0 .. T - 1, the first ``lengths`` ``[slots]`` int32 of each row valid (rows of
+    length 0 untouched); ``before`` ``[slots, H]`` float32 is the target's hidden state at ``start - 1``
+    (zeros at ``start`` 0), the MTP head's input at the segment's first position. Returns ``(logits
+    [slots, V], hidden [slots, H], end [slots, H], cache, mtp_cache)``: the logits and the target's hidden
+    state at each row's last valid token of the segment (the first position's for rows of length 0), its
+    hidden state at the segment's last position (the next segment's ``before``), the updated caches."""
+    rows, width = tokens.shape
+    positions = start + jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width))
+    logits, hidden, cache = model.target(tokens, positions, cache, lengths=lengths, mode=ForwardMode.EXTEND)
+    if model.mtp is not None:  # it sees token p with the target's hidden state at p - 1
+        prev = jnp.concatenate([before[:, None], hidden[:, :-1]], axis=1)
+        _, _, mtp_cache = model.mtp(tokens, prev, positions, mtp_cache, lengths=lengths)
+    last = jnp.maximum(lengths - 1, 0)[:, None, None]
+    at_last = (jnp.take_along_axis(x, last, axis=1)[:, 0] for x in (logits, hidden))
+    return *at_last, hidden[:, -1], cache, mtp_cache
+
+
+def _prefill_chunks(model, tokens, lengths, cache, mtp_cache, chunk: int, zeros):
+    """:func:`_prefill_segment` over the ``P // chunk`` chunks of ``tokens`` ``[slots, P]`` (``P`` a multiple
+    of ``chunk``) in one ``lax.scan``, the caches in its carry: chunk c holds positions ``c * chunk ..``,
+    ``clip(lengths - c * chunk, 0, chunk)`` of each row valid. The carry keeps the logits and the hidden
+    state of each row's last prompt token (taken in the chunk that holds it) and the target's hidden state at
+    the chunk's last position (the next chunk's MTP input); ``zeros`` ``[slots, H]`` float32. Returns
+    ``(logits [slots, V], hidden [slots, H], cache, mtp_cache)``."""
+    rows, width = tokens.shape
+    starts = jnp.arange(0, width, chunk, dtype=jnp.int32)
+
+    def step(carry, segment):
+        logits, hidden, before, cache, mtp_cache = carry
+        chunk_tokens, start = segment
+        seg_lengths = jnp.clip(lengths - start, 0, chunk)
+        seg_logits, seg_hidden, end, cache, mtp_cache = _prefill_segment(
+            model, chunk_tokens, start, seg_lengths, cache, mtp_cache, before
+        )
+        holds_last = ((seg_lengths > 0) & (lengths - start <= chunk))[:, None]
+        logits = jnp.where(holds_last, seg_logits, logits)
+        hidden = jnp.where(holds_last, seg_hidden, hidden)
+        return (logits, hidden, end, cache, mtp_cache), None
+
+    segments = (tokens.reshape(rows, -1, chunk).swapaxes(0, 1), starts)
+    no_logits = jnp.zeros((rows, model.config.vocab_size), jnp.float32)
+    carry = (no_logits, zeros, zeros, cache, mtp_cache)
+    (logits, hidden, _, cache, mtp_cache), _ = jax.lax.scan(step, carry, segments)
+    return logits, hidden, cache, mtp_cache
+
+
+def prefill(
+    model, state: DecodeState, tokens, lengths, budgets, stop_tokens, *, temperature, chunk=None, axis=None
+):
     """New requests: clear the slots of the rows with ``lengths`` ``[slots]`` > 0 and feed them right-padded
     prompts ``tokens`` ``[slots, P]`` int32 (``budgets`` ``[slots]`` their max new tokens); the first
-    generated token comes from the last prompt token. Returns ``(state, DecodeOutput)``, the output holding
-    the first tokens as one step with no steps counted."""
+    generated token comes from the last prompt token. ``chunk`` (static): None, one forward of all P
+    positions; an int dividing P, chunks of ``chunk`` positions one after the other in a ``lax.scan``
+    (:func:`_prefill_chunks`: the activations and logits of one chunk at a time). Returns ``(state,
+    DecodeOutput)``, the output holding the first tokens as one step with no steps counted."""
     slots = batch_slots(lengths)
     cache = state.cache.clear(slots)
-    rows, width = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width))
-    logits, hidden, cache = model.target(tokens, positions, cache, lengths=lengths, mode=ForwardMode.EXTEND)
-    last = jnp.maximum(lengths - 1, 0)[:, None]
+    mtp_cache = state.mtp_cache if model.mtp is None else state.mtp_cache.clear(slots)
+    zeros = jnp.zeros_like(state.hidden)
+    if chunk is None:
+        start = jnp.zeros((), jnp.int32)
+        logits, hidden, _, cache, mtp_cache = _prefill_segment(
+            model, tokens, start, lengths, cache, mtp_cache, zeros
+        )
+    else:
+        logits, hidden, cache, mtp_cache = _prefill_chunks(
+            model, tokens, lengths, cache, mtp_cache, chunk, zeros
+        )
     key, sub = _split_key(state.key, axis)
-    first = pick(jnp.take_along_axis(logits, last[..., None], axis=1)[:, 0], sub, temperature)
-    mtp_cache = state.mtp_cache
-    if model.mtp is not None:  # it sees token p with the target's hidden state at p - 1, p = 1 .. length - 1
-        prev = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
-        _, _, mtp_cache = model.mtp(tokens, prev, positions, mtp_cache.clear(slots), lengths=lengths)
+    first = pick(logits, sub, temperature)
     new = lengths > 0
     kept, done = stop_rule(first[:, None], new.astype(jnp.int32), budgets, stop_tokens)
     state = dataclasses.replace(
@@ -97,9 +152,7 @@ def prefill(model, state: DecodeState, tokens, lengths, budgets, stop_tokens, *,
         mtp_cache=mtp_cache,
         token=jnp.where(new, first, state.token),
         position=jnp.where(new, lengths, state.position),
-        hidden=jnp.where(
-            new[:, None], jnp.take_along_axis(hidden, last[..., None], axis=1)[:, 0], state.hidden
-        ),
+        hidden=jnp.where(new[:, None], hidden, state.hidden),
         active=jnp.where(new, ~done, state.active),
         remaining=jnp.where(new, budgets - kept, state.remaining),
         key=key,

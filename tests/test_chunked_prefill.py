@@ -1,0 +1,112 @@
+"""Chunked prefill (Engine(..., prefill_chunk=C)): the prompts fed C positions at a time in one lax.scan give
+the single forward's decode state and its greedy tokens (dense and paged caches, online and offline C128
+state; plain, chain and tree steps), and no array of the prefill holds the logits of every position."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.extend
+import numpy as np
+import pytest
+from models import DECODE_CONFIG, make_model, prompts
+
+from jax_oc128.controller import OFFLINE, ONLINE
+from jax_oc128.engine import MAX_STOP_TOKENS, Engine, steps
+from jax_oc128.nn import CSA, HCA, SLIDING
+from jax_oc128.tree import Tree
+
+# the engine tests' model with a CSA layer too (CSA windows of 4, C128 blocks, sliding windows of 16)
+CONFIG = dataclasses.replace(DECODE_CONFIG, layer_types=(SLIDING, HCA, CSA), mlp_layer_types=None)
+# chunks of 50 cut CSA windows and C128 blocks; a prompt ends inside the first chunk, one on a chunk's last
+# position, one past a C128 block with a chunk's first position in its last sliding window (the MTP head's
+# window entries there read the hidden state carried from the chunk before), one four chunks in (the bucket
+# of 256 rounded up to 300: six chunks)
+CHUNK = 50
+LENGTHS = (5, 100, 160, 200)
+SLOTS = len(LENGTHS)
+NEW_TOKENS = 30
+BACKENDS = [pytest.param(ONLINE, id="online"), pytest.param(OFFLINE, id="offline")]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def engines(request):
+    """``(single, chunked, paged)``: engines of one model on the backend, the first prefilling in one
+    forward, the others in chunks of :data:`CHUNK` (dense; paged caches of 8 pages of 128 tokens)."""
+    model = make_model(request.param, config=CONFIG)
+    options = dict(slots=SLOTS, steps_per_dispatch=8)
+    return (
+        Engine(model, **options),
+        Engine(model, prefill_chunk=CHUNK, **options),
+        Engine(model, prefill_chunk=CHUNK, pages=8, page_size=128, **options),
+    )
+
+
+def test_chunked_prefill_state_is_the_single_forwards(engines):
+    """engine.prefill of three of four slots (one stays idle through every chunk): the first tokens are the
+    single forward's, and every leaf of the decode state (the target's caches, the MTP head's cache, the
+    hidden state at the last prompt token) equals it to float32 rounding."""
+    single, chunked, _ = engines
+    assignments = dict(zip((0, 1, 3), prompts(lengths=LENGTHS[1:]), strict=True))
+    results = [engine.prefill(engine.init_state(), assignments, NEW_TOKENS) for engine in (single, chunked)]
+    (expected, expected_out), (state, out) = results
+    rows = list(assignments)  # an idle slot's output token is not output (its count is 0)
+    assert np.asarray(out.tokens)[0, rows].tolist() == np.asarray(expected_out.tokens)[0, rows].tolist()
+    assert np.asarray(out.counts).tolist() == np.asarray(expected_out.counts).tolist() == [[1, 1, 0, 1]]
+    assert np.asarray(state.active).tolist() == [True, True, False, True]
+    pairs = zip(jax.tree.leaves_with_path(state), jax.tree.leaves(expected), strict=True)
+    for (path, leaf), want in pairs:
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf, want = jax.random.key_data(leaf), jax.random.key_data(want)
+        np.testing.assert_allclose(
+            np.asarray(leaf, np.float32),
+            np.asarray(want, np.float32),
+            rtol=1e-5,
+            atol=1e-5,
+            err_msg=jax.tree_util.keystr(path),
+        )
+
+
+def test_chunked_prefill_tokens_are_the_single_forwards(engines):
+    """Greedy tokens after a chunked prefill, dense and paged, plain, chain (N = 4) and, on the online state,
+    a tree of 8 nodes: those of the single-forward engine's plain steps, token for token."""
+    single, chunked, paged = engines
+    expected = single.generate(prompts(lengths=LENGTHS), NEW_TOKENS).tokens
+    options = [dict(), dict(num_tokens=4)]
+    if single.model.target.backend is ONLINE:
+        options.append(dict(tree=Tree.default(8)))
+    for engine in (chunked, paged):
+        for option in options:
+            assert engine.generate(prompts(lengths=LENGTHS), NEW_TOKENS, **option).tokens == expected, option
+
+
+def _shapes(jaxpr):
+    """The shapes of every variable of ``jaxpr`` and of the jaxprs nested in it (a scan's body)."""
+    for eqn in jaxpr.eqns:
+        yield from (var.aval.shape for var in eqn.outvars)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _shapes(sub)
+
+
+def test_chunked_prefill_holds_one_chunks_logits():
+    """The traced chunked prefill of a bucket of 300 positions: one scan of 6 chunks, logits of one chunk
+    ``[slots, 50, vocab]`` inside it, and nowhere ``[slots, 300, vocab]`` (the single forward has them); a
+    vocabulary of 96, no other dimension's size."""
+    vocab = 96
+    engine = Engine(make_model(ONLINE, config=dataclasses.replace(CONFIG, vocab_size=vocab)), slots=SLOTS)
+    state = engine.init_state()
+    width = 6 * CHUNK
+    args = [np.zeros((SLOTS, width), np.int32), np.full(SLOTS, width, np.int32), np.ones(SLOTS, np.int32)]
+    stops = np.full(MAX_STOP_TOKENS, -1, np.int32)
+
+    def traced(chunk):
+        prefill = functools.partial(steps.prefill, engine.model, temperature=0.0, chunk=chunk)
+        jaxpr = jax.make_jaxpr(prefill)(state, *args, stops).jaxpr
+        return jaxpr, set(_shapes(jaxpr))
+
+    jaxpr, shapes = traced(CHUNK)
+    assert [eqn.params["length"] for eqn in jaxpr.eqns if eqn.primitive.name == "scan"] == [6]
+    assert (SLOTS, CHUNK, vocab) in shapes and (SLOTS, width, vocab) not in shapes
+    assert (SLOTS, width, vocab) in traced(None)[1]
