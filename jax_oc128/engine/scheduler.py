@@ -184,9 +184,8 @@ class Engine:
     ) -> tuple[DecodeState, DecodeOutput]:
         """Start the requests of ``assignments`` {slot: prompt}, each generating up to ``max_new_tokens``:
         their slots are cleared and their prompts fed (padded to a multiple of ``prompt_bucket``, and of
-        ``prefill_chunk`` if set). A slot
-        still active in ``state`` is not refused (that would need a device read): its request is dropped and
-        the slot restarts with the new one.
+        ``prefill_chunk`` if set). A slot still active in ``state`` is not refused (that would need a device
+        read): its request is dropped and the slot restarts with the new one.
 
         Args:
           state: this engine's :class:`DecodeState`, donated.
