@@ -156,10 +156,11 @@ def make_prompts(vocab: int, needs: list[int], new_tokens: int) -> list[list[int
     return [rng.integers(0, vocab, n - new_tokens - 1).tolist() for n in needs]
 
 
-def serve(model: SpeculativeModel, slots: int, pages: int, new_tokens: int) -> dict:
-    """The paged engine serving the requests of the mix (module doc, measurement 1)."""
+def serve(model: SpeculativeModel, slots: int, pages: int, new_tokens: int, prefill_chunk=None) -> dict:
+    """The paged engine serving the requests of the mix (module doc, measurement 1), its prompts prefilled
+    ``prefill_chunk`` positions at a time (None: in one forward)."""
     prompts = make_prompts(model.config.vocab_size, request_tokens(slots, model.config.max_len), new_tokens)
-    engine = Engine(model, slots, pages=pages, page_size=PAGE_SIZE)
+    engine = Engine(model, slots, pages=pages, page_size=PAGE_SIZE, prefill_chunk=prefill_chunk)
     start = time.perf_counter()
     engine.generate(prompts, new_tokens)
     compile_seconds = time.perf_counter() - start
@@ -292,6 +293,9 @@ def main(argv=None):
     parser.add_argument("--hidden-size", type=int, default=4096)
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--margin-mib", type=float, default=4.0, help="free bytes beyond the budget (GPU)")
+    parser.add_argument(
+        "--prefill-chunk", type=int, help="prefill the served prompts this many positions at a time"
+    )
     parser.add_argument("--out", help="also write the report as JSON here")
     args = parser.parse_args(argv)
     if args.budget_gib <= 0:
@@ -322,11 +326,12 @@ def main(argv=None):
             index_heads=args.index_heads,
             index_topk=args.index_topk,
             hidden_size=args.hidden_size,
+            prefill_chunk=args.prefill_chunk,
             device=str(jax.devices()[0]),
         ),
         budget_bytes=budget,
         counts=count,
-        serving=serve(model, count["paged_slots"], count["pages"], args.new_tokens),
+        serving=serve(model, count["paged_slots"], count["pages"], args.new_tokens, args.prefill_chunk),
         budget_check=budget_check(model, count, budget, int(args.margin_mib * 2**20)),
     )
     print_report(report)
