@@ -1,6 +1,7 @@
 """The engine on a 2x2 mesh of 4 CPU devices beyond the engine tests' dense caches (test_engine_on_mesh.py):
-paged caches, and the full DeepSeek-V4 of test_v4_parity with its experts split over the model axis; each
-gives one device's greedy tokens. A module of its own so that pytest-xdist runs it beside the other."""
+paged caches, a chunked prefill, and the full DeepSeek-V4 of test_v4_parity with its experts split over the
+model axis; each gives one device's greedy tokens. A module of its own so that pytest-xdist runs it beside
+the other."""
 
 from __future__ import annotations
 
@@ -27,6 +28,15 @@ def test_paged_on_a_2x2_mesh_same_greedy_tokens_as_one_device():
     assert paged.page_pool.waits > 0 and {shard for shard, _ in paged.page_pool.handed_out} == {0, 1}
     entries = paged._idle_state.cache.layers[1].entries
     assert entries.shape[0] == 6 and entries.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 3)
+
+
+def test_chunked_prefill_on_a_2x2_mesh_same_greedy_tokens_as_one_device():
+    """Prompts prefilled 48 positions at a time (chunks that cut the sliding windows and the C128 blocks) in
+    each data device's slots: the single-forward engine's tokens on one device, plain and speculative."""
+    on_mesh = Engine(model(), SLOTS, prompt_bucket=256, mesh=sharding.make_mesh(2, 2), prefill_chunk=48)
+    for num_tokens in (None, N):
+        tokens = on_mesh.generate(prompts(), NEW_TOKENS, num_tokens=num_tokens).tokens
+        assert tokens == one_device(num_tokens), f"N = {num_tokens}"
 
 
 def test_full_deepseek_v4_on_a_mesh():
