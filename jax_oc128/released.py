@@ -60,13 +60,12 @@ def released_tensors(model: SpeculativeModel, expert_dtype: str = "fp4") -> dict
     layers = len(model.config.layer_types)
     tensors = {}
     for param, path in paths.items():
-        stored = np.asarray(variable_at(model, path)[...])
-        value = stored.astype(np.float32)
+        value = np.asarray(variable_at(model, path)[...])
         fmt = formats.get(param)
         if fmt is None:
-            name = pretrained.deepseek_name(Part(param), layers)
-            tensors[name] = _stored_float(param, stored if np.issubdtype(stored.dtype, np.integer) else value)
-        elif pretrained._layer_suffix(param) in EXPERT_PARAMS:
+            tensors[pretrained.deepseek_name(Part(param), layers)] = _stored_float(param, value)
+            continue
+        if pretrained._layer_suffix(param) in EXPERT_PARAMS:
             halves = pretrained._halves(param)
             for expert in range(value.shape[0]):
                 pieces = np.split(value[expert], len(halves))
