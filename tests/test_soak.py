@@ -59,11 +59,14 @@ MAX_STOP_TOKENS = 3
 SEED = 13
 # The workloads before the memory baseline: the allocators' pools and Python's caches fill in them.
 WARM_UP_WORKLOADS = 2
-# Host RSS may grow less than this over the second half of the soak (from its middle sample to its last).
+# Host RSS at the end of the soak may exceed its highest sample over the first half by less than this.
 # Over the first half it climbs to a plateau while the allocators' arenas and pools fill (the 10,000-step
-# run: +32 MiB over its first ~25 workloads, then not a page over its last ~70); a leak keeps growing at
-# its rate: one of 4 KiB per decoding step fails the long run (5,000 steps in its second half). Leaked jax
-# arrays are caught exactly by the live-array count, compilations by the compile count.
+# run: +32 MiB over its first ~25 workloads, then not a page over its last ~70), and inside the whole
+# suite's process it also dips and comes back (a CI run: 745.9 MiB after the warm-up, 720.9 at the middle,
+# 746.0 at the end), so the reference is the first half's peak, not its last sample; a leak keeps growing
+# past every earlier peak at its rate: one of 4 KiB per decoding step fails the long run (5,000 steps in
+# its second half). Leaked jax arrays are caught exactly by the live-array count, compilations by the
+# compile count.
 HOST_GROWTH_BOUND = 16 * 2**20
 PROC_STATUS = Path("/proc/self/status")
 try:
@@ -264,10 +267,10 @@ def test_soak(record_property):
     every request the same tokens, each ending right; requests join others mid-generation and end both at
     stop tokens and at budgets; after the warm-up nothing compiles, the live jax arrays stay exactly the
     same (count and bytes: no array outlives its workload), the device's bytes in use grow by less than
-    one decode state (they are the live arrays; where the backend reports them), and host RSS grows by
-    less than HOST_GROWTH_BOUND over the second half. Reports the memory after the warm-up, at the middle
-    and at the end, and the peaks (host RSS over the soak, the process's high-water mark, the device's
-    peak bytes in use where reported)."""
+    one decode state (they are the live arrays; where the backend reports them), and host RSS ends less
+    than HOST_GROWTH_BOUND above its first half's peak. Reports the memory after the warm-up, at the
+    middle and at the end, and the peaks (host RSS over the soak, the process's high-water mark, the
+    device's peak bytes in use where reported)."""
     engines = {
         backend: Engine(
             make_model(backend),
@@ -338,7 +341,8 @@ def test_soak(record_property):
         state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(states[ONLINE]))
         growth = max(sample.device_in_use for sample in samples) - baseline.device_in_use
         assert growth < state_bytes, f"device bytes in use grew {growth} (a decode state is {state_bytes})"
-    assert end.host_rss - middle.host_rss < HOST_GROWTH_BOUND, (
-        f"host RSS grew {mib(end.host_rss - middle.host_rss)} over the second half: "
-        f"{mib(middle.host_rss)} to {mib(end.host_rss)}"
+    first_half_peak = max(sample.host_rss for sample in samples[: len(samples) // 2 + 1])
+    assert end.host_rss - first_half_peak < HOST_GROWTH_BOUND, (
+        f"host RSS grew {mib(end.host_rss - first_half_peak)} over the second half: "
+        f"from the first half's peak {mib(first_half_peak)} to {mib(end.host_rss)}"
     )
