@@ -57,13 +57,13 @@ steps per dispatch:
   time of the same work: seconds / (prefill + result.steps * device time per step).
 
 Caches (``--kv-cache-dtype``, each in turn; default the config's own, ``auto``: the model's dtype):
-``float32``, ``bfloat16`` or ``fp8`` (``ModelConfig.kv_cache_dtype``: DeepSeek's FP8 entries and indexer keys
-beside a window in the model's dtype), the parameters shared, not rebuilt. Layout (``--pages``, each in turn):
-``dense`` (the default: every slot holds ``max_len`` tokens of entries) or paged (``Engine(pages=P)``, pages
-of 256 tokens): ``auto`` (the flag alone: P = every slot's pages of the most tokens it holds in this run, the
-device-only dispatches' or ``generate``'s prompt + ``--tokens``) or a count P (at least that many). The
-device-only timing gives the slots the pool in equal parts (``Engine.set_page_table``); ``generate`` reserves
-its own.
+``float32``, ``bfloat16``, ``fp8`` or ``fp8_fp4`` (``ModelConfig.kv_cache_dtype``: DeepSeek's FP8 entries and
+FP8 or FP4 indexer keys beside a window in the model's dtype), the parameters shared, not rebuilt. Layout
+(``--pages``, each in turn): ``dense`` (the default: every slot holds ``max_len`` tokens of entries) or paged
+(``Engine(pages=P)``, pages of 256 tokens): ``auto`` (the flag alone: P = every slot's pages of the most
+tokens it holds in this run, the device-only dispatches' or ``generate``'s prompt + ``--tokens``) or a count P
+(at least that many). The device-only timing gives the slots the pool in equal parts
+(``Engine.set_page_table``); ``generate`` reserves its own.
 
 Floor (:func:`step_read_bytes`, per row): the weight bytes a decode step must read whatever its kernels, over
 the device's copy bandwidth (``bench_ops.copy_bandwidth``, measured at the start of the run, ``--copy-mib``):
@@ -688,7 +688,7 @@ def main():
     parser.add_argument(
         "--kv-cache-dtype",
         nargs="+",
-        choices=["float32", "bfloat16", "fp8"],
+        choices=["float32", "bfloat16", "fp8", "fp8_fp4"],
         default=[None],
         help="the caches' storage (ModelConfig.kv_cache_dtype), each in turn (default: the config's own)",
     )

@@ -1,6 +1,6 @@
 """Cache capacity from the cache shapes: bytes per request and per token of context by cache kind, and the
-tokens of context that fit in an HBM budget, for float32 / bfloat16 / FP8 caches and the online vs offline
-C128 state.
+tokens of context that fit in an HBM budget, for float32 / bfloat16 / FP8 caches (FP8 or FP4 indexer keys)
+and the online vs offline C128 state.
 
 Computed on the host, nothing allocated: the caches are ``jax.eval_shape`` of ``ModelCache.create`` (every
 layer's caches and the C128 state) and of the draft head's window (``AttentionCache.create`` of a sliding
@@ -46,11 +46,13 @@ from jax_oc128.nn.sharding import path_names
 #: one H200's memory (NVIDIA's 141 GB)
 H200_BYTES = 141e9
 #: the cache formats compared, by the config fields that select them: float32, bfloat16, and DeepSeek's FP8
-#: entries and indexer keys beside a bfloat16 window and raw rows (the weights are counted as the preset says)
+#: entries with FP8 or FP4 indexer keys beside a bfloat16 window and raw rows (the weights are counted as the
+#: preset says)
 FORMATS = {
     "float32": dict(kv_cache_dtype="float32"),
     "bfloat16": dict(kv_cache_dtype="bfloat16"),
     "fp8": dict(kv_cache_dtype="fp8", dtype="bfloat16"),
+    "fp8_fp4": dict(kv_cache_dtype="fp8_fp4", dtype="bfloat16"),
 }
 #: the engine's default page size (``Engine(pages=..., page_size=256)``), in tokens
 PAGE_SIZE = 256

@@ -5,6 +5,7 @@ against float32 caches' on the V4 parity fixture, of bf16 and FP8 caches on the 
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 import runpy
 
@@ -19,7 +20,7 @@ from hf_fixtures import fixture
 from jax_oc128 import checkpoint
 from jax_oc128.controller import ONLINE
 from jax_oc128.engine import Engine
-from jax_oc128.nn import CSA, HCA, SLIDING, DeepseekV4Model, ModelConfig, SpeculativeModel, kv_cache
+from jax_oc128.nn import CSA, HCA, SLIDING, DeepseekV4Model, ModelConfig, SpeculativeModel, kv_cache, quant
 
 CONFIG = ModelConfig.tiny(layer_types=(SLIDING, HCA, CSA), max_len=1024, max_draft=4)
 FLOAT_FIELDS = ("window", "entries", "index_keys", "rows", "tree_entries", "tree_index_keys")
@@ -68,9 +69,30 @@ def test_fp8_caches_store_entries_as_deepseek_does():
     assert kv_cache.nbytes(keys) == bf16.layers[2].index_keys.shape[1] * 2 * (di + 4)
 
 
+def test_fp4_index_keys_take_half_a_byte_a_channel():
+    """kv_cache_dtype "fp8_fp4": the caches of "fp8" but the indexer keys FP4, e2m1 codes two a byte and one
+    e8m0 exponent byte per 32 channels (the node keys of a tree verify too)."""
+    config = dataclasses.replace(CONFIG, dtype="bfloat16", kv_cache_dtype="fp8_fp4")
+    cache, fp8 = cache_shapes(config), cache_shapes(dataclasses.replace(config, kv_cache_dtype="fp8"))
+    di = config.index_head_dim
+    for layer, eight in zip(cache.layers, fp8.layers, strict=True):
+        assert dataclasses.replace(layer, index_keys=None, tree_index_keys=None) == dataclasses.replace(
+            eight, index_keys=None, tree_index_keys=None
+        )
+        for name in ("index_keys", "tree_index_keys"):
+            keys = getattr(layer, name)
+            assert isinstance(keys, kv_cache.FP4Keys) and keys.shape == getattr(eight, name).shape, name
+            assert keys.codes.dtype == keys.exponents.dtype == jnp.uint8
+            assert kv_cache.nbytes(keys) == math.prod(keys.shape[:-1]) * (di // 2 + di // 32), name
+    assert kv_cache.nbytes(cache.layers[2].index_keys) > 0
+
+
 def test_kv_cache_dtype_is_checked():
     with pytest.raises(ValueError, match=r"kv_cache_dtype: must be one of \['auto', 'float32', 'bfloat16'"):
         ModelConfig.tiny(kv_cache_dtype="float16")
+    with pytest.raises(ValueError, match="index_head_dim: must be a multiple of 32 with FP4 indexer keys"):
+        ModelConfig.tiny(layer_types=(CSA,), kv_cache_dtype="fp8_fp4", index_head_dim=48)
+    ModelConfig.tiny(layer_types=(HCA,), kv_cache_dtype="fp8_fp4", index_head_dim=48)  # no indexer keys
 
 
 def numpy_fp8(x, rope_dim):
@@ -102,6 +124,81 @@ def test_fp8_round_trip_against_numpy(rope_dim):
     bound[..., x.shape[-1] - rope_dim :] = 2.0**-8 * np.abs(x[..., x.shape[-1] - rope_dim :])
     assert np.all(np.abs(decoded - x) <= bound)
     assert np.all(decoded[1, 7] == 0)
+
+
+def test_e2m1_codes_round_as_ml_dtypes():
+    """quant.e2m1_codes: the e2m1 code of every float32 as ml_dtypes' float4_e2m1fn rounds it (nearest, ties
+    to the even code, past 6 to 6), on every value, every midpoint between values and its neighbouring
+    floats, signed zeros and random magnitudes up to 10; packed two a byte as nibbles() unpacks them."""
+    grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+    mids = (grid[1:] + grid[:-1]) / 2
+    edges = np.concatenate([grid, mids, np.nextafter(mids, 0), np.nextafter(mids, 10), [6.5, 1e30, np.inf]])
+    random = np.random.default_rng(0).uniform(0, 10, 4096).astype(np.float32)
+    values = np.concatenate([edges, -edges, random, -random, [0.0, -0.0]]).astype(np.float32)  # an even count
+    codes = np.asarray(quant.e2m1_codes(values))
+    expected = values.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
+    np.testing.assert_array_equal(codes, expected)
+    low, high = quant.nibbles(quant.pack_nibbles(codes))
+    np.testing.assert_array_equal(np.stack([low, high], -1).reshape(-1), codes)
+
+
+def numpy_fp4(x):
+    """FP4 keys in numpy: per 32 channels scale 2^(floor(log2(amax / 6)) + 1) (2^-125 for zeros), codes
+    ml_dtypes' e2m1 of x / scale; returns (codes [..., dim] uint8, exponents [..., dim / 32] uint8)."""
+    groups = x.reshape(*x.shape[:-1], -1, 32)
+    amax = np.abs(groups).max(-1)
+    exponent = np.where(amax > 0, np.floor(np.log2(np.where(amax > 0, amax, 1) / 6)) + 1, -125)
+    scaled = groups / np.ldexp(np.float32(1), exponent.astype(np.int32))[..., None]
+    codes = scaled.astype(ml_dtypes.float4_e2m1fn).view(np.uint8).reshape(x.shape) & 0xF
+    return codes, (exponent + 127).astype(np.uint8)
+
+
+def test_fp4_keys_round_trip_against_numpy():
+    """FP4Keys.encode bit for bit as the numpy formula (keys of magnitudes 1e-3 to 1e3 whose groups differ in
+    scale by up to 1e2, and a zero key), decode exact to its codes times scales, and within e2m1's rounding:
+    a quarter of a value, or a quarter of its group's scale (e2m1's subnormal step is half the scale)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 50, 128)) * 10.0 ** rng.uniform(-3, 3, size=(3, 50, 1))
+    x *= np.repeat(10.0 ** rng.uniform(-1, 1, size=(3, 50, 4)), 32, axis=-1)
+    x[1, 7] = 0
+    x = x.astype(np.float32)
+    stored = kv_cache.FP4Keys.encode(jnp.asarray(x))
+    codes, exponents = numpy_fp4(x)
+    np.testing.assert_array_equal(np.asarray(stored.exponents), exponents)
+    np.testing.assert_array_equal(np.asarray(stored.codes), codes[..., 0::2] | (codes[..., 1::2] << 4))
+    decoded = np.asarray(kv_cache.decode(stored))
+    scale = np.repeat(np.ldexp(np.float32(1), exponents.astype(np.int32) - 127), 32, axis=-1)
+    e2m1 = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    np.testing.assert_array_equal(decoded, e2m1 * scale)
+    assert np.all(np.abs(decoded - x) <= np.maximum(np.abs(x), scale) / 4)
+    assert np.all(decoded[1, 7] == 0)
+
+
+def test_fp4_keys_through_a_page_table():
+    """FP4 keys stored by entry index through a page table (3 slots, pages of 4 entries handed out out of
+    order, one slot with none, one with two of its three) land in the pool exactly where the table says, the
+    entries without a page dropped, every other byte of the pool (random earlier contents) unchanged; a
+    slot's view reads them back in order, zeros where it has no page."""
+    rng = np.random.default_rng(2)
+    like = kv_cache.FP4Keys.zeros((7, 4, 64))
+    pool = kv_cache.encode(jnp.asarray(rng.normal(size=(7, 4, 64)), jnp.float32), like)
+    table = jnp.array([[5, 0, 2], [-1, -1, -1], [3, 6, -1]], jnp.int32)
+    index = jnp.array([[0, 5, 11], [1, 2, 3], [4, 9, 8]], jnp.int32)
+    keys = jnp.asarray(rng.normal(size=(3, 3, 64)), jnp.float32)
+    paged = kv_cache.store(pool, kv_cache.locate(pool, table, jnp.arange(3)[:, None], index), keys)
+    encoded = kv_cache.encode(keys, like)
+    # (slot, key) -> (page, entry): slot 0's entries 0, 5, 11 in pages 5, 0, 2; slot 2's entry 4 in page 6
+    lands = {(0, 0): (5, 0), (0, 1): (0, 1), (0, 2): (2, 3), (2, 0): (6, 0)}
+    for leaf, before, new in zip(*map(jax.tree.leaves, (paged, pool, encoded)), strict=True):
+        expected = np.array(before)
+        for (slot, key), (page, entry) in lands.items():
+            expected[page, entry] = np.asarray(new)[slot, key]
+        np.testing.assert_array_equal(np.asarray(leaf), expected)
+    view = np.asarray(kv_cache.decode(kv_cache.slot_view(paged, table)))
+    decoded = np.asarray(kv_cache.decode(encoded))
+    np.testing.assert_array_equal(view[0, [0, 5, 11]], decoded[0])
+    np.testing.assert_array_equal(view[2, 4], decoded[2, 0])
+    assert np.all(view[1] == 0) and np.all(view[2, 8:] == 0)
 
 
 def with_kv_cache_dtype(model: SpeculativeModel, kv_cache_dtype: str) -> SpeculativeModel:
@@ -168,7 +265,8 @@ def test_greedy_tokens_of_bf16_and_fp8_caches_on_the_shipped_model(capsys):
 def test_capacity_bench_runs_tiny(capsys):
     """bench/capacity.py's main on the tiny preset: the growth per token of context is the entries' and
     indexer keys' bytes (float32 twice bfloat16; FP8: e4m3 non-RoPE channels + bf16 RoPE channels + a float32
-    scale per entry and per key), and the online C128 state holds more tokens than the offline one."""
+    scale per entry and per key; FP4 keys: half a byte a channel + a byte per 32), and the online C128 state
+    holds more tokens than the offline one."""
     bench = runpy.run_path(str(pathlib.Path(__file__).parents[1] / "bench" / "capacity.py"))
     rows = bench["main"](["--presets", "tiny", "--max-lens", "1024", "2048"])
     assert "| tiny | fp8 | 2048 |" in capsys.readouterr().out
@@ -177,6 +275,7 @@ def test_capacity_bench_runs_tiny(capsys):
     d, r, di = c.head_dim, c.rope_dim, c.index_head_dim
     assert growth["float32"] == 2 * growth["bfloat16"] == 4 * (d + di) / 4 + 4 * d / 128
     assert growth["fp8"] == (d - r + 2 * r + 4) / 4 + (di + 4) / 4 + (d - r + 2 * r + 4) / 128
+    assert growth["fp8_fp4"] == (d - r + 2 * r + 4) / 4 + (di / 2 + di / 32) / 4 + (d - r + 2 * r + 4) / 128
     assert all(row["online_tokens"] > row["offline_tokens"] > 0 for row in rows)
     # paged: a request of the mix holds pages for its length, a dense slot max_len's entries
     assert all(row["mix_paged_online"] > row["mix_dense_online"] > 0 for row in rows)

@@ -22,6 +22,12 @@ from jax_oc128.nn import CSA, HCA, SLIDING, kv_cache
 CONFIG = dataclasses.replace(DECODE_CONFIG, layer_types=(SLIDING, HCA, CSA), mlp_layer_types=None)
 
 
+@pytest.fixture(scope="module")
+def dense_engine():
+    """The dense engine of :data:`CONFIG`'s model (float32 caches), 3 slots, K = 8."""
+    return Engine(make_model(ONLINE, config=CONFIG), slots=3, steps_per_dispatch=8)
+
+
 def test_page_pool_reserves_assigns_and_frees():
     """A request reserves its most tokens' pages, takes them lowest first as it grows (never past its
     reservation), gives them back when it ends; each device's slots draw from that device's pages."""
@@ -59,7 +65,7 @@ def poisoned(state):
     return dataclasses.replace(state, cache=dataclasses.replace(state.cache, layers=tuple(layers)))
 
 
-def test_paged_tokens_are_the_dense_tokens():
+def test_paged_tokens_are_the_dense_tokens(dense_engine):
     """Greedy plain, chain (N = 4) and tree tokens of a paged engine (7 pages of 128 tokens for 3 slots,
     requests of 106 to 304 tokens) equal the dense engine's plain greedy tokens (speculative greedy is plain
     greedy on the dense layout: test_decode, test_tree_decode); with 300 new tokens (requests of 306 to 501
@@ -67,9 +73,8 @@ def test_paged_tokens_are_the_dense_tokens():
     starts NaN: the pages a slot is given hold earlier contents that no query may read, and the pages no
     slot was given are untouched bit for bit after the runs (a write through a missing page, -1, would land
     in the last one)."""
-    model = make_model(ONLINE, config=CONFIG)
-    dense = Engine(model, slots=3, steps_per_dispatch=8)
-    engine = Engine(model, slots=3, steps_per_dispatch=8, pages=7, page_size=128)
+    dense = dense_engine
+    engine = Engine(dense.model, slots=3, steps_per_dispatch=8, pages=7, page_size=128)
     engine._idle_state = poisoned(engine.init_state())  # generate's state: its first call runs on it
     expected = dense.generate(prompts(), 100).tokens
     handed_out = set()
@@ -83,6 +88,30 @@ def test_paged_tokens_are_the_dense_tokens():
             assert np.all(np.isnan(np.asarray(pool[np.asarray(never)], np.float32))), "a page was written"
     assert engine.generate(prompts(), 300).tokens == dense.generate(prompts(), 300).tokens
     assert engine.page_pool.waits > 0
+
+
+def test_paged_fp8_fp4_caches(dense_engine, capsys):
+    """DeepSeek's cache format (kv_cache_dtype "fp8_fp4": FP8 entries, FP4 indexer keys, in pages): greedy
+    chain (N = 4) and tree tokens of a paged engine equal the dense engine's plain greedy tokens under the
+    same caches (a verify reads the keys and entries as the decodes would); against float32 caches' tokens
+    the tokens before the first difference are printed and asserted at the measured level."""
+    model = make_model(ONLINE, config=dataclasses.replace(CONFIG, kv_cache_dtype="fp8_fp4"))
+    expected = Engine(model, slots=3, steps_per_dispatch=8).generate(prompts(), 100).tokens
+    engine = Engine(model, slots=3, steps_per_dispatch=8, pages=7, page_size=128)
+    for options in (dict(num_tokens=4), dict(tree=(-1, 0, 0, 1))):
+        assert engine.generate(prompts(), 100, **options).tokens == expected, options
+    float32 = dense_engine.generate(prompts(), 100).tokens
+    agree = [
+        next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
+        for x, y in zip(expected, float32, strict=True)
+    ]
+    with capsys.disabled():
+        print(
+            f"\nfp8_fp4 caches: tokens equal to float32 caches' before the first difference (of 100): {agree}"
+        )
+    # measured: a random tiny model with near-tied logits; its five requests part from float32 caches' at
+    # tokens 85, 72, 19, 15 and 30 (e4m3 entries round to 2^-4 relative, e2m1 keys to 2^-2)
+    assert agree == [85, 72, 19, 15, 30]
 
 
 def test_paged_engine_errors():

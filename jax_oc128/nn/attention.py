@@ -88,8 +88,9 @@ class AttentionCache:
     """One layer's cache for a batch, a pytree (the compressor state is the model's, see the module doc).
 
     The window and the raw rows are arrays of the config's ``cache_dtypes.rows`` (float32 or bfloat16); the
-    entries and indexer keys are stored in its ``cache_dtypes.entries`` (an array, or an
-    :class:`~jax_oc128.nn.kv_cache.FP8Entries` of that shape; :mod:`~jax_oc128.nn.kv_cache`).
+    entries are stored in its ``cache_dtypes.entries``, the indexer keys in its ``cache_dtypes.index_keys``
+    (an array, or an :class:`~jax_oc128.nn.kv_cache.FP8Entries` or
+    :class:`~jax_oc128.nn.kv_cache.FP4Keys` of that shape; :mod:`~jax_oc128.nn.kv_cache`).
 
     Attributes:
       window: ``[batch, R, D]``: a ring of the last rotated K=V rows, row ``p % R`` holding position p.
@@ -147,7 +148,7 @@ class AttentionCache:
             window=jnp.zeros((batch, rows, c.head_dim), dtypes.rows),
             window_positions=jnp.full((batch, rows), -1, jnp.int32),
             entries=kv_cache.zeros((lead, max_entries, c.head_dim), dtypes.entries, c.rope.dim),
-            index_keys=kv_cache.zeros((lead, max_entries if is_csa else 0, index_dim), dtypes.entries),
+            index_keys=kv_cache.zeros((lead, max_entries if is_csa else 0, index_dim), dtypes.index_keys),
             rows=jnp.zeros(
                 (batch, csa.ring_rows(max_draft), csa.row_width(c.head_dim, index_dim))
                 if is_csa
@@ -155,7 +156,7 @@ class AttentionCache:
                 dtypes.rows,
             ),
             tree_entries=kv_cache.zeros((batch, tree_entries, c.head_dim), dtypes.entries, c.rope.dim),
-            tree_index_keys=kv_cache.zeros((batch, max_draft if is_csa else 0, index_dim), dtypes.entries),
+            tree_index_keys=kv_cache.zeros((batch, max_draft if is_csa else 0, index_dim), dtypes.index_keys),
         )
 
     def keep_path(self, tree: Tree, first_positions, nodes, written=None, page_table=None) -> AttentionCache:

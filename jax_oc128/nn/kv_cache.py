@@ -1,6 +1,6 @@
 """How attention's caches are stored: the window ring and the CSA raw rows in float32 or bfloat16, the CSA and
-HCA entries and the indexer keys in float32, bfloat16 or DeepSeek's FP8 format; attention reads them back in
-float32 (:func:`decode`) and computes in float32 (:mod:`~jax_oc128.nn.functional`).
+HCA entries in float32, bfloat16 or DeepSeek's FP8 format, the indexer keys in those or FP4; attention reads
+them back in float32 (:func:`decode`) and computes in float32 (:mod:`~jax_oc128.nn.functional`).
 
 ``ModelConfig.kv_cache_dtype`` (:data:`KV_CACHE_DTYPES`) selects them, resolved once by
 :meth:`CacheDtypes.resolve`:
@@ -9,13 +9,15 @@ float32 (:func:`decode`) and computes in float32 (:mod:`~jax_oc128.nn.functional
 * ``"float32"``, ``"bfloat16"``: every cache in that dtype, whatever the model's;
 * ``"fp8"``: the window and raw rows in the model's dtype; the entries as :class:`FP8Entries` (the non-RoPE
   channels e4m3 with one power-of-two scale per entry, the RoPE channels bfloat16, as DeepSeek's inference
-  stores them) and the indexer keys as FP8 too (every channel e4m3, one scale per key).
+  stores them) and the indexer keys as FP8 too (every channel e4m3, one scale per key);
+* ``"fp8_fp4"``: as ``"fp8"`` but the indexer keys as :class:`FP4Keys` (e2m1, one power-of-two scale per 32
+  channels), DeepSeek's inference format: the indexer keys take half the bytes of FP8's.
 
-A stored cache is an array or an :class:`FP8Entries`, a pytree whose leaves share their leading axes (batch,
-then the row or entry index): :func:`take`, :func:`put` and :func:`concatenate` work on it leaf by leaf. A
-value is rounded to its cache's format (:func:`round_trip`) before any query reads it, stored or not, so a
-verify of N tokens computes from what N decodes read. float32 caches store values as they are: the exact
-path, the oracle of the others.
+A stored cache is an array, an :class:`FP8Entries` or an :class:`FP4Keys`, a pytree whose leaves share their
+leading axes (batch, then the row or entry index): :func:`take`, :func:`put` and :func:`concatenate` work on
+it leaf by leaf. A value is rounded to its cache's format (:func:`round_trip`) before any query reads it,
+stored or not, so a verify of N tokens computes from what N decodes read. float32 caches store values as they
+are: the exact path, the oracle of the others.
 
 **Pages.** The caches that grow with the context (the CSA and HCA entries, the indexer keys) are stored per
 slot, ``[batch, max_entries, ...]`` (dense, the oracle), or in a pool of pages shared by all slots,
@@ -37,7 +39,7 @@ import jax.numpy as jnp
 from jax_oc128.nn import quant
 
 #: the values of ``ModelConfig.kv_cache_dtype``
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8", "fp8_fp4")
 
 
 def check_kv_cache_dtype(value, name: str = "kv_cache_dtype") -> str:
@@ -53,20 +55,23 @@ class CacheDtypes:
 
     Attributes:
       rows: the window ring's and the CSA raw rows' dtype, ``"float32"`` or ``"bfloat16"``.
-      entries: the CSA and HCA entries' and the indexer keys' format, ``"float32"``, ``"bfloat16"`` or
-        ``"fp8"``.
+      entries: the CSA and HCA entries' format, ``"float32"``, ``"bfloat16"`` or ``"fp8"``.
+      index_keys: the indexer keys' format, one of ``entries``' or ``"fp4"``.
     """
 
     rows: str = "float32"
     entries: str = "float32"
+    index_keys: str = "float32"
 
     @classmethod
     def resolve(cls, kv_cache_dtype: str, model_dtype: str) -> CacheDtypes:
         """The rule: the caches of a model of ``model_dtype`` (``"float32"`` or ``"bfloat16"``) under
         ``kv_cache_dtype`` (see the module doc)."""
         check_kv_cache_dtype(kv_cache_dtype)
-        plain = model_dtype if kv_cache_dtype in ("auto", "fp8") else kv_cache_dtype
-        return cls(rows=plain, entries="fp8" if kv_cache_dtype == "fp8" else plain)
+        if kv_cache_dtype in ("fp8", "fp8_fp4"):
+            return cls(model_dtype, "fp8", "fp4" if kv_cache_dtype == "fp8_fp4" else "fp8")
+        plain = model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+        return cls(plain, plain, plain)
 
 
 @jax.tree_util.register_dataclass
@@ -117,11 +122,61 @@ class FP8Entries:
         return jnp.concatenate([nope, self.rope.astype(jnp.float32)], axis=-1)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FP4Keys:
+    """Vectors of ``dim`` channels (a multiple of 32) in FP4, a pytree: e2m1 codes and one power-of-two
+    scale per 32 channels, :mod:`~jax_oc128.nn.quant`'s FP4 format (the released checkpoints' experts'):
+    value = code's value * 2^(exponent - 127).
+
+    Attributes:
+      codes: ``[..., dim / 2]`` uint8, two e2m1 codes a byte (the even channel the low nibble).
+      exponents: ``[..., dim / 32]`` uint8 e8m0 exponents: ``max |x| / scale`` over a group is in [3, 6).
+    """
+
+    codes: jax.Array
+    exponents: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the vectors this holds, ``[..., dim]``."""
+        return (*self.codes.shape[:-1], 2 * self.codes.shape[-1])
+
+    @classmethod
+    def zeros(cls, shape) -> FP4Keys:
+        """Zeros of ``shape`` ``[..., dim]``."""
+        *lead, dim = shape
+        group = quant.GROUP[quant.FP4]
+        if dim % group:
+            raise ValueError(f"shape: FP4 keys need a multiple of {group} channels, got {tuple(shape)}")
+        return cls(jnp.zeros((*lead, dim // 2), jnp.uint8), jnp.zeros((*lead, dim // group), jnp.uint8))
+
+    @classmethod
+    def encode(cls, x) -> FP4Keys:
+        """``x`` ``[..., dim]`` float32 quantized: per group of 32 channels the scale is the power of two
+        ``2^e`` of ``frexp(max |x| / 6)`` (at least float32's smallest normal), the channels ``x / scale``
+        rounded to e2m1 (nearest even, :func:`~jax_oc128.nn.quant.e2m1_codes`)."""
+        groups = x.reshape(*x.shape[:-1], -1, quant.GROUP[quant.FP4])
+        amax = jnp.max(jnp.abs(groups), axis=-1)
+        _, exponent = jnp.frexp(jnp.maximum(amax / quant.LARGEST[quant.FP4], jnp.finfo(jnp.float32).tiny))
+        scaled = groups / jnp.ldexp(jnp.float32(1), exponent)[..., None]
+        codes = quant.pack_nibbles(quant.e2m1_codes(scaled).reshape(x.shape))
+        return cls(codes, (exponent + quant.E8M0_BIAS).astype(jnp.uint8))
+
+    def decode(self):
+        """``[..., dim]`` float32."""
+        values = quant.e2m1_values(self.codes)
+        groups = values.reshape(*values.shape[:-1], -1, quant.GROUP[quant.FP4])
+        return (groups * quant.scale_values(self.exponents)[..., None]).reshape(values.shape)
+
+
 def zeros(shape, fmt: str, rope_dim: int = 0):
-    """An empty cache of vectors ``shape`` ``[..., dim]`` in ``fmt`` (``"float32"``, ``"bfloat16"``, or
-    ``"fp8"``: :class:`FP8Entries` with ``rope_dim`` RoPE channels)."""
+    """An empty cache of vectors ``shape`` ``[..., dim]`` in ``fmt`` (``"float32"``, ``"bfloat16"``,
+    ``"fp8"``: :class:`FP8Entries` with ``rope_dim`` RoPE channels, or ``"fp4"``: :class:`FP4Keys`)."""
     if fmt == "fp8":
         return FP8Entries.zeros(shape, rope_dim)
+    if fmt == "fp4":
+        return FP4Keys.zeros(shape)
     return jnp.zeros(shape, jnp.dtype(fmt))
 
 
@@ -129,12 +184,14 @@ def encode(x, like):
     """``x`` ``[..., dim]`` float32 in the format of the stored cache ``like``."""
     if isinstance(like, FP8Entries):
         return FP8Entries.encode(x, like.rope.shape[-1])
+    if isinstance(like, FP4Keys):
+        return FP4Keys.encode(x)
     return x.astype(like.dtype)
 
 
 def decode(stored):
     """A stored cache's values, float32."""
-    return stored.decode() if isinstance(stored, FP8Entries) else stored.astype(jnp.float32)
+    return stored.decode() if isinstance(stored, FP8Entries | FP4Keys) else stored.astype(jnp.float32)
 
 
 def round_trip(x, like):

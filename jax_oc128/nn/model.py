@@ -34,7 +34,7 @@ from flax import nnx
 
 from jax_oc128.checks import check_int
 from jax_oc128.controller import ONLINE, Backend, ForwardMode
-from jax_oc128.nn import moe
+from jax_oc128.nn import moe, quant
 from jax_oc128.nn.attention import (
     CSA,
     HCA,
@@ -196,6 +196,16 @@ class ModelConfig:
             raise ValueError(
                 f"rope_dim: must be <= index_head_dim ({self.index_head_dim}) with CSA layers, "
                 f"got {self.rope_dim}"
+            )
+        fp4_group = quant.GROUP[quant.FP4]
+        if (
+            self.cache_dtypes.index_keys == quant.FP4
+            and CSA in self.layer_types
+            and self.index_head_dim % fp4_group
+        ):
+            raise ValueError(
+                f"index_head_dim: must be a multiple of {fp4_group} with FP4 indexer keys "
+                f"(kv_cache_dtype {self.kv_cache_dtype!r}), got {self.index_head_dim}"
             )
         if self.num_heads * self.head_dim % self.o_groups:
             raise ValueError(

@@ -132,6 +132,38 @@ def e2m1_code_values(codes) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
+#: the magnitudes halfway between consecutive e2m1 values (0, 0.5, 1, 1.5, 2, 3, 4, 6), each with whether a
+#: magnitude exactly there rounds up (to the even code above it) or down (to the even code below)
+E2M1_MIDPOINTS = (
+    (0.25, False),
+    (0.75, True),
+    (1.25, False),
+    (1.75, True),
+    (2.5, False),
+    (3.5, True),
+    (5.0, False),
+)
+
+
+def e2m1_codes(values) -> jax.Array:
+    """The e2m1 codes (uint32, 0..15) of float32 ``values`` (any shape), rounded to the nearest e2m1 value,
+    ties to the even code, magnitudes past 6 to 6 (ml_dtypes' ``float4_e2m1fn`` rounding; the inverse of
+    :func:`e2m1_code_values` on its values). Elementwise comparisons, so any backend computes it."""
+    values = jnp.asarray(values, jnp.float32)
+    magnitude = jnp.abs(values)
+    code = sum(
+        ((magnitude >= mid) if up else (magnitude > mid)).astype(jnp.uint32) for mid, up in E2M1_MIDPOINTS
+    )
+    return code | (jnp.signbit(values).astype(jnp.uint32) << 3)
+
+
+def pack_nibbles(codes) -> jax.Array:
+    """uint8 ``[..., n]`` of e2m1 codes ``[..., 2n]`` (uint32, 0..15): two a byte, the even element the low
+    nibble (the inverse of :func:`nibbles`)."""
+    codes = jnp.asarray(codes, jnp.uint32)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(jnp.uint8)
+
+
 def scale_values(scales) -> jax.Array:
     """float32 values of ``scales`` (any shape; elementwise, so a kernel takes them with it too): uint8 e8m0
     exponents ``e`` -> 2^(e - 127) (0: 2^-127, a subnormal; 255: NaN), built as float32 bits; float32
