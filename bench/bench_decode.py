@@ -93,13 +93,13 @@ Usage (from a directory other than the repository root, or with jax_oc128 instal
 
     python bench/bench_decode.py [--configs shipped v4flash-attn v4flash-slice] [--backends online offline]
         [--modes plain 2 4 tree8] [--slots 1 8 64] [--steps-per-dispatch K] [--tokens 256]
-        [--kv-cache-dtype float32 bfloat16 fp8] [--pages [dense auto P]] [--weights bf16 released]
+        [--kv-cache-dtype float32 bfloat16 fp8 fp8_fp4] [--pages [dense auto P]] [--weights bf16 released]
         [--layers 6] [--experts 16] [--copy-mib 2048] [--out bench/results/YYYY-MM-DD/bench_decode.json]
     python bench/bench_decode.py --configs shipped --sweep-k 1 4 16 64 --modes plain 4 --slots 8
     python bench/bench_decode.py --configs shipped --backends online --modes 8 tree8 --slots 1 8
     python bench/bench_decode.py --configs v4flash-attn --backends online --mesh data=2,model=1 --slots 8 16
     python bench/bench_decode.py --configs v4flash-attn --modes plain 4 --slots 8 64 \\
-        --kv-cache-dtype float32 bfloat16 fp8 --pages dense auto
+        --kv-cache-dtype float32 bfloat16 fp8 fp8_fp4 --pages dense auto
     python bench/bench_decode.py --configs v4flash-slice --experts 256 --layers 6 --weights released bf16 \\
         --modes plain 4 --slots 8 64
 CPU smoke test: python bench/bench_decode.py --configs v4flash-attn --backends online --modes plain \\
