@@ -13,6 +13,7 @@ import sys
 import time
 
 from jax_oc128.engine import STEPS_PER_DISPATCH
+from jax_oc128.nn.kv_cache import KV_CACHE_DTYPES
 from jax_oc128.rules import MAX_DRAFT
 
 
@@ -270,7 +271,12 @@ def generate(args, tokenizer, model, prompt: list[int], display: _GenerateDispla
     from jax_oc128.engine import Engine
     from jax_oc128.tree import Tree
 
-    engine = Engine(model, slots=1, steps_per_dispatch=min(args.steps_per_dispatch, args.max_new_tokens))
+    engine = Engine(
+        model,
+        slots=1,
+        steps_per_dispatch=min(args.steps_per_dispatch, args.max_new_tokens),
+        prefill_chunk=args.prefill_chunk,
+    )
     text = tokenizer.decode_stream()
     arrivals = []  # (seconds since the start, tokens generated so far)
     start = time.perf_counter()
@@ -329,7 +335,9 @@ def _generate_command(parser, args) -> int:
     try:
         display.phase(f"loading {args.path}")
         try:
-            model = load_pretrained(args.path, dtype=args.dtype, max_len=max_len, max_draft=n)
+            model = load_pretrained(
+                args.path, dtype=args.dtype, max_len=max_len, max_draft=n, kv_cache_dtype=args.kv_cache_dtype
+            )
         except (OSError, ValueError, NotImplementedError) as error:
             refuse(f"argument path: {error}")
         if n > 1 and model.mtp is None:
@@ -444,6 +452,21 @@ def _command(argv) -> int:
         choices=["float32", "bfloat16"],
         default=None,
         help="default: bfloat16 on a GPU, else float32",
+    )
+    text.add_argument(
+        "--kv-cache-dtype",
+        choices=list(KV_CACHE_DTYPES),
+        default="auto",
+        help="the caches' storage (auto: the model's dtype; fp8: DeepSeek's FP8 entries and indexer keys; "
+        "fp8_fp4: FP8 entries, FP4 indexer keys)",
+    )
+    text.add_argument(
+        "--prefill-chunk",
+        type=_int_in(1),
+        default=None,
+        metavar="C",
+        help="prefill the prompt C tokens at a time (default: in one forward; a long prompt's activations "
+        "grow with its length)",
     )
     text.add_argument(
         "--steps-per-dispatch",

@@ -63,6 +63,7 @@ from jax_oc128.checks import check_int
 from jax_oc128.controller import ONLINE, Backend
 from jax_oc128.nn import CSA, HCA, SLIDING, ModelConfig, SpeculativeModel, sharding
 from jax_oc128.nn.functional import DTYPES, build_abstract, variable_at
+from jax_oc128.nn.kv_cache import check_kv_cache_dtype
 from jax_oc128.nn.moe import HASH_MOE, MOE, check_expert_ids
 from jax_oc128.nn.quant import FP4, FP8, GROUP, QuantizedArray, check_exponents, row_scales
 from jax_oc128.rules import MAX_DRAFT
@@ -220,6 +221,7 @@ def load_pretrained(
     max_len: int | None = None,
     max_draft: int = 8,
     mesh: Mesh | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> SpeculativeModel:
     """The DeepSeek-V4 model of the Hugging Face-format checkpoint directory ``path``, with its MTP layer
     as the draft head when the checkpoint has one (else ``model.mtp`` is None: plain decoding only).
@@ -238,6 +240,10 @@ def load_pretrained(
         parameter is placed in the layout an :class:`~jax_oc128.engine.Engine` on ``mesh`` gives it
         (:func:`jax_oc128.nn.sharding.param_specs`: split over ``"model"``, replicated over ``"data"``),
         each device given only its shard, read from the memory-mapped tensor (:class:`_Shards`).
+      kv_cache_dtype: how the caches are stored (``ModelConfig.kv_cache_dtype``,
+        :mod:`jax_oc128.nn.kv_cache`): ``"auto"`` (the model's dtype), ``"float32"``, ``"bfloat16"``,
+        ``"fp8"`` (DeepSeek's FP8 entries and indexer keys) or ``"fp8_fp4"`` (FP8 entries, FP4 indexer keys:
+        DeepSeek's inference format).
 
     Raises ValueError (naming the file, and the field or every tensor at fault) for a directory that is
     not such a checkpoint or that does not fit its config, NotImplementedError for what the config asks
@@ -252,10 +258,13 @@ def load_pretrained(
     if max_len is not None:
         check_int("max_len", max_len, 1)  # (the config bounds it by 2**31)
     check_int("max_draft", max_draft, 1, MAX_DRAFT)
+    check_kv_cache_dtype(kv_cache_dtype)
     mesh = None if mesh is None else sharding.check_mesh(mesh)
     config, mtp_layers, quantization = _read_config(directory / CONFIG)
     try:
-        model_config = ModelConfig.from_hf(config, max_len=max_len, max_draft=max_draft, dtype=dtype)
+        model_config = ModelConfig.from_hf(
+            config, max_len=max_len, max_draft=max_draft, dtype=dtype, kv_cache_dtype=kv_cache_dtype
+        )
     except (TypeError, ValueError) as error:  # what the file says (the arguments are checked above)
         raise ValueError(f"{directory / CONFIG}: {error}") from None
     except NotImplementedError as error:

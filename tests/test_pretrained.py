@@ -29,7 +29,7 @@ from oracle import rel_err
 
 from jax_oc128 import load_pretrained, pretrained
 from jax_oc128.engine import Engine
-from jax_oc128.nn import ModelConfig, SpeculativeModel
+from jax_oc128.nn import SLIDING, ModelConfig, SpeculativeModel, kv_cache
 
 HF_CHECKPOINT = FIXTURES / "v4_small_window_hf"
 LAYERS = 4  # the small-window fixture's decoder layers
@@ -373,11 +373,26 @@ def test_bad_configs_are_named(tmp_path, nothing_placed, case):
         ({"max_len": 0}, ValueError, r"max_len: must be >= 1, got 0"),
         ({"max_draft": 17}, ValueError, r"max_draft: must be in \[1, 16\]"),
         ({"max_draft": 2.0}, TypeError, "max_draft: must be an int"),
+        ({"kv_cache_dtype": "float16"}, ValueError, r"kv_cache_dtype: must be one of \['auto'"),
+        # the fixture's indexer keys have 16 channels, less than one FP4 group
+        ({"kv_cache_dtype": "fp8_fp4"}, ValueError, "config.json: index_head_dim: must be a multiple of 32"),
     ],
 )
 def test_bad_arguments_are_named(nothing_placed, kwargs, error, match):
     with pytest.raises(error, match=match):
         load_pretrained(**{"path": HF_CHECKPOINT, **kwargs})
+
+
+def test_kv_cache_dtype_picks_the_caches():
+    """``load_pretrained(kv_cache_dtype=...)`` is the model's cache format: FP8 entries in every compressed
+    layer of the checkpoint's model."""
+    model = load_pretrained(HF_CHECKPOINT, max_len=512, kv_cache_dtype="fp8")
+    assert model.config.kv_cache_dtype == "fp8"
+    cache = jax.eval_shape(lambda: model.target.init_cache(1))
+    compressed = [
+        layer for layer, kind in zip(cache.layers, model.config.layer_types, strict=True) if kind != SLIDING
+    ]
+    assert compressed and all(isinstance(layer.entries, kv_cache.FP8Entries) for layer in compressed)
 
 
 def test_bad_directories_are_named(tmp_path, nothing_placed):

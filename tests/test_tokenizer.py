@@ -198,24 +198,26 @@ GENERATE = ["--prompt", PROMPT, "--max-new-tokens", "24", "--steps-per-dispatch"
 
 @pytest.fixture(scope="module")
 def generated(checkpoints):
-    """``generate`` in this process, plainly and with a chain (the tree runs in a process of its own): {mode:
-    (stdout, stderr, the tokens generate returned, the token lists streamed, generate's stop tokens)}."""
+    """``generate`` in this process, plainly and with a chain whose prompt is prefilled in chunks of 8 into
+    caches named float32 (the tree runs in a process of its own): {mode: (stdout, stderr, the tokens generate
+    returned, the token lists streamed, generate's stop tokens, the engine)}."""
     runs = {}
     original = Engine.generate
 
     def recording(engine, *args, stream, **kwargs):
         pieces = []
         result = original(engine, *args, stream=lambda i, t: (pieces.append(t), stream(i, t)), **kwargs)
-        recorded.append((result.tokens[0], pieces, kwargs["stop_tokens"]))
+        recorded.append((result.tokens[0], pieces, kwargs["stop_tokens"], engine))
         return result
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Engine, "generate", recording)
-        for mode, flags in (("plain", []), ("draft", ["--draft", "3"])):
+        chunked = ["--draft", "3", "--prefill-chunk", "8", "--kv-cache-dtype", "float32"]
+        for mode, flags in (("plain", []), ("draft", chunked)):
             recorded = []
             out, err = _run_in_process(["generate", str(checkpoints["mtp"]), *GENERATE, *flags])
-            [(tokens, pieces, stops)] = recorded
-            runs[mode] = (out, err, tokens, pieces, stops)
+            [(tokens, pieces, stops, engine)] = recorded
+            runs[mode] = (out, err, tokens, pieces, stops, engine)
     return runs
 
 
@@ -229,16 +231,19 @@ def _run_in_process(argv):
 
 def test_generate_streams_the_decode_of_its_tokens(checkpoints, generated):
     tokenizer = load_tokenizer(checkpoints["mtp"])
-    out, err, tokens, pieces, stops = generated["plain"]
+    out, err, tokens, pieces, stops, engine = generated["plain"]
     assert len(pieces) > 2 and [t for piece in pieces for t in piece] == tokens  # over several dispatches
     assert out == tokenizer.decode(tokens) + "\n" and "\ufffd" in out  # bytes of no character included
     assert stops == (EOS_ID,) and tokens.index(EOS_ID) == len(tokens) - 1 == 10  # EOS ends it
     assert f"{len(tokens)} tokens in " in err and "tokens/s; mean accepted length 1.00" in err
     assert err.count("\n") == 1  # the report alone: no progress display off a terminal
+    assert engine.prefill_chunk is None and engine.model.config.kv_cache_dtype == "auto"
 
 
 def test_generate_greedy_text_is_the_same_with_a_chain(generated):
-    out, err, tokens, _, _ = generated["draft"]
+    """... and with the prompt prefilled in chunks: --prefill-chunk and --kv-cache-dtype reach the engine."""
+    out, err, tokens, _, _, engine = generated["draft"]
+    assert engine.prefill_chunk == 8 and engine.model.config.kv_cache_dtype == "float32"
     assert (out, tokens) == (generated["plain"][0], generated["plain"][2])
     assert float(err.split("mean accepted length ")[1]) >= 1.0
 
@@ -268,6 +273,8 @@ BAD_GENERATE = [
     ("--tree", "{mtp}", ["--draft", "2", "--tree", "4"]),
     ("--max-new-tokens", "{mtp}", ["--max-new-tokens", "0"]),
     ("--prompt", "{mtp}", ["--prompt="]),
+    ("--prefill-chunk", "{mtp}", ["--prefill-chunk", "0"]),
+    ("--kv-cache-dtype", "{mtp}", ["--kv-cache-dtype", "float16"]),
 ]
 
 
