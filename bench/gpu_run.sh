@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session: build with CUDA, run the suite, the benchmark (C128 ops per speculative step in the model's
-# pattern, SGLang's and the launch floor), the decode loop's benchmark (device-only vs end-to-end, DECODE_ARGS),
-# the command-buffer-free GPU tests, compute-sanitizer's memcheck, racecheck, initcheck and synccheck of the CUDA
-# handlers and a kernel profile. Logs go to $OUT (the
+# pattern, SGLang's and the launch floor), the engine serving paged caches (CAPACITY_ARGS), the decode loop's
+# benchmark (device-only vs end-to-end, DECODE_ARGS), the command-buffer-free GPU tests, compute-sanitizer's
+# memcheck, racecheck, initcheck and synccheck of the CUDA handlers and a kernel profile. Logs go to $OUT (the
 # device tool) or ./gpu_out.
 # STAGES picks what runs (default: all), e.g. STAGES="lane demo": the GPU lane (pytest -m gpu) and the demo.
 set -uo pipefail
@@ -28,6 +28,10 @@ stage lane && suite pytest_gpu_lane "${LANE_TIMEOUT:-150}" -m gpu
 stage suite && suite pytest_gpu "${TEST_TIMEOUT:-400}" ${TEST_ARGS:-.}
 stage demo && (cd /tmp && timeout 90 python3 -m jax_oc128 demo 2>/dev/null) | tee "$out/demo_h200.txt"
 stage bench && timeout "${BENCH_TIMEOUT:-500}" python3 bench/bench_ops.py ${BENCH_ARGS:-} --out "$out/bench.json" 2>&1 | tee "$out/bench.log"
+# the engine serving the requests paged caches fit where per-slot caches run out (CAPACITY_ARGS: e.g. V4-Flash's
+# 64 query heads with the prompts prefilled in chunks)
+stage capacity && timeout "${CAPACITY_TIMEOUT:-300}" python3 bench/serve_capacity.py ${CAPACITY_ARGS:-} \
+  --out "$out/serve_capacity.json" 2>&1 | tee "$out/serve_capacity.log"
 stage decode && timeout "${DECODE_TIMEOUT:-500}" python3 bench/bench_decode.py ${DECODE_ARGS:-} --out "$out/bench_decode.json" 2>&1 \
   | tee "$out/bench_decode.log"
 stage nocmdbuf && (cd tests && XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 80 python3 -m pytest -q -p no:cacheprovider \
