@@ -74,6 +74,16 @@ class CacheDtypes:
         return cls(plain, plain, plain)
 
 
+def _scale_exponent(x, fmt: str):
+    """The exponent ``e`` (int32 ``[...]``) of the power-of-two scale ``2^e`` of each vector ``x`` ``[...,
+    n]`` float32 in format ``fmt`` (:data:`~jax_oc128.nn.quant.FP8` or ``FP4``): that of ``frexp(max |x| /
+    largest)`` (``largest`` the format's largest code, the quotient at least float32's smallest normal), so
+    that ``max |x| / 2^e`` is in [largest / 2, largest)."""
+    amax = jnp.max(jnp.abs(x), axis=-1, initial=0.0)
+    _, exponent = jnp.frexp(jnp.maximum(amax / quant.LARGEST[fmt], jnp.finfo(jnp.float32).tiny))
+    return exponent
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class FP8Entries:
@@ -111,9 +121,7 @@ class FP8Entries:
         |x_nope| / 448)`` (at least float32's smallest normal), the non-RoPE channels ``x / scale`` rounded
         to e4m3 (nearest even), the RoPE channels rounded to bfloat16."""
         nope, rope = x[..., : x.shape[-1] - rope_dim], x[..., x.shape[-1] - rope_dim :]
-        amax = jnp.max(jnp.abs(nope), axis=-1, initial=0.0)
-        _, exponent = jnp.frexp(jnp.maximum(amax / quant.LARGEST[quant.FP8], jnp.finfo(jnp.float32).tiny))
-        scale = jnp.ldexp(jnp.float32(1), exponent)
+        scale = jnp.ldexp(jnp.float32(1), _scale_exponent(nope, quant.FP8))
         return cls((nope / scale[..., None]).astype(jnp.float8_e4m3fn), scale, rope.astype(jnp.bfloat16))
 
     def decode(self):
@@ -157,8 +165,7 @@ class FP4Keys:
         ``2^e`` of ``frexp(max |x| / 6)`` (at least float32's smallest normal), the channels ``x / scale``
         rounded to e2m1 (nearest even, :func:`~jax_oc128.nn.quant.e2m1_codes`)."""
         groups = x.reshape(*x.shape[:-1], -1, quant.GROUP[quant.FP4])
-        amax = jnp.max(jnp.abs(groups), axis=-1)
-        _, exponent = jnp.frexp(jnp.maximum(amax / quant.LARGEST[quant.FP4], jnp.finfo(jnp.float32).tiny))
+        exponent = _scale_exponent(groups, quant.FP4)
         scaled = groups / jnp.ldexp(jnp.float32(1), exponent)[..., None]
         codes = quant.pack_nibbles(quant.e2m1_codes(scaled).reshape(x.shape))
         return cls(codes, (exponent + quant.E8M0_BIAS).astype(jnp.uint8))
