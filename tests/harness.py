@@ -1,6 +1,7 @@
 """The test machinery the test files share: tolerances and assertions, requests fed their true token streams
 (the ``kv_score`` batches of their calls, drafts with junk after the accepted prefix), valid arguments for
-the error tests, a tree copy and a compile counter. The float64 oracle is :mod:`oracle`."""
+the error tests, a tree copy, a compile counter and where two token outputs part. The float64 oracle is
+:mod:`oracle`."""
 
 from __future__ import annotations
 
@@ -287,6 +288,11 @@ def jit_op(impl, op):
     traced, so they reach the device unchecked (the on-device policies)."""
     static = ("layer", "num_layers") if op == "commit" else ("layer",)
     return jax.jit(getattr(impl, op), static_argnames=static)
+
+
+def first_difference(a: list, b: list) -> int:
+    """The index of the first token where two outputs of one length differ (their length if none)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
 
 def state_bits(state):

@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from harness import first_difference
 from hf_fixtures import fixture
 
 from jax_oc128 import checkpoint
@@ -209,10 +210,6 @@ def with_kv_cache_dtype(model: SpeculativeModel, kv_cache_dtype: str) -> Specula
     return new
 
 
-def common_prefix(a, b):
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-
-
 def test_greedy_tokens_of_fp8_caches_on_the_v4_fixture(capsys):
     """The float32 small-window V4 model (CSA with FP8 indexer keys, HCA, MoE, hyper-connections; 2 prompts
     of 280 tokens, 40 speculative greedy tokens, N = 4, a random draft head: mean accepted about 1), FP8
@@ -226,7 +223,7 @@ def test_greedy_tokens_of_fp8_caches_on_the_v4_fixture(capsys):
     prompts = [list(map(int, row)) for row in data["prompt"]]
     spec = Engine(with_kv_cache_dtype(model, "fp8"), slots=2).generate(prompts, 40, num_tokens=4)
     expected = data["decode_tokens"].tolist()
-    agree = [common_prefix(got, want) for got, want in zip(spec.tokens, expected, strict=True)]
+    agree = [first_difference(got, want) for got, want in zip(spec.tokens, expected, strict=True)]
     with capsys.disabled():
         print(f"\nfp8 caches, N = 4: tokens equal to float32 caches' before the first difference: {agree}")
         print(f"mean accepted {spec.mean_accepted:.3f}")
@@ -249,7 +246,7 @@ def test_greedy_tokens_of_bf16_and_fp8_caches_on_the_shipped_model(capsys):
         engines[kv] = Engine(with_kv_cache_dtype(model, kv), slots=4)
         spec[kv] = engines[kv].generate(prompts, 64, num_tokens=4)
     agree = {
-        kv: [common_prefix(a, b) for a, b in zip(spec[kv].tokens, spec["float32"].tokens, strict=True)]
+        kv: [first_difference(a, b) for a, b in zip(spec[kv].tokens, spec["float32"].tokens, strict=True)]
         for kv in ("bfloat16", "fp8")
     }
     accepted = {kv: round(result.mean_accepted, 3) for kv, result in spec.items()}

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import first_difference
 from models import DECODE_CONFIG, make_model, prompts
 
 from jax_oc128.controller import ONLINE
@@ -101,10 +102,7 @@ def test_paged_fp8_fp4_caches(dense_engine, capsys):
     for options in (dict(num_tokens=4), dict(tree=(-1, 0, 0, 1))):
         assert engine.generate(prompts(), 100, **options).tokens == expected, options
     float32 = dense_engine.generate(prompts(), 100).tokens
-    agree = [
-        next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
-        for x, y in zip(expected, float32, strict=True)
-    ]
+    agree = [first_difference(x, y) for x, y in zip(expected, float32, strict=True)]
     with capsys.disabled():
         print(
             f"\nfp8_fp4 caches: tokens equal to float32 caches' before the first difference (of 100): {agree}"

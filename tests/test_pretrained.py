@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from harness import first_difference
 from hf_fixtures import (
     FIXTURES,
     HF_TOL,
@@ -167,11 +168,6 @@ def test_mtp_layer_drafts_are_accepted(tmp_path):
     speculative = engine.generate(prompts, 40, num_tokens=4)
     assert speculative.tokens == plain.tokens
     assert speculative.mean_accepted > 2.5, speculative.mean_accepted
-
-
-def first_difference(a: list, b: list) -> int:
-    """The index of the first token where two outputs differ (their length if none)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
 
 def test_bfloat16_against_float32(tmp_path):
