@@ -42,6 +42,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (``-n``) without a ``--dist`` of the caller's: work stealing. The default ``load``
+    hands each worker its chunk of tests ahead, and a worker whose chunk holds the slow engine tests ran
+    alone at the end of a GPU run while the others idled; with work stealing an idle worker takes half of
+    the longest queue (each worker's tests stay contiguous, so module fixtures are built as rarely)."""
+    chosen = any(arg == "-d" or arg.startswith("--dist") for arg in config.invocation_params.args)
+    if chosen or config.getoption("dist") != "load":
+        return None
+    try:
+        from xdist.scheduler import WorkStealingScheduling  # pytest-xdist >= 3.2
+    except ImportError:
+        return None
+    return WorkStealingScheduling(config, log)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def release_executables():
     """Drops jax's compiled programs after each module. XLA's CPU backend maps every loaded executable's code
