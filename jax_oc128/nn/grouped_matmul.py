@@ -35,8 +35,31 @@ from jax_oc128.nn.functional import FULL, linear
 from jax_oc128.nn.quant import QuantizedArray, matrix
 
 MIN_BLOCK_ROWS, MAX_BLOCK_ROWS = 16, 128  # 16: the smallest tensor-core matmul Triton emits
-BLOCKS_N = (128, 64, 32, 16)  # the kernel's blocks of output columns, preferred first
-BLOCKS_K = (64, 32, 16)  # its blocks of the reduction
+MIN_BLOCK = 16  # the smallest block of output columns or of the stored reduction the kernel takes
+
+
+class Blocks(NamedTuple):
+    """The tiling of :func:`gmm_pallas`: each program's ``n`` output columns, ``k`` stored columns of the
+    reduction per step (FP4: bytes, two columns each), both powers of two (the largest power of two up to
+    them that divides the shape is taken), and Triton's ``num_warps`` and ``num_stages``."""
+
+    n: int = 128
+    k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+LARGE_TILE = 64  # tiles of at least these rows (prefill-sized batches) take the second tiling below
+#: the tiling by (weights' format: None for float weights, quant.FP8, quant.FP4; large tiles), measured on
+#: the H200 at DeepSeek-V4-Flash's expert shapes (bench/sweep_gmm.py, bench/RESULTS.md section 9)
+DEFAULT_BLOCKS = {
+    (None, False): Blocks(),
+    (None, True): Blocks(),
+    (quant.FP8, False): Blocks(),
+    (quant.FP8, True): Blocks(),
+    (quant.FP4, False): Blocks(k=128),
+    (quant.FP4, True): Blocks(k=128),
+}
 
 
 class Groups(NamedTuple):
@@ -142,10 +165,15 @@ def read_fp8_tile(codes_ref, scales_ref, expert, rows, cols):
 def read_fp4_tiles(codes_ref, scales_ref, expert, rows, cols):
     """The weight reader of FP4 weights (packed codes uint8 ``[experts, N, K / 2]``, scales ``[experts, N,
     K / 32]``): ``(even, odd)``, float32 ``[block_n, block_k]`` each, the low and the high nibbles of the
-    packed columns ``cols`` (the weights' even and odd columns) times their row's scale (exact), against x's
-    even and odd columns. ``cols`` lies within one 16-byte (32-column) scale group."""
-    group = jax.lax.div(cols.start, quant.GROUP[quant.FP4] // 2)
-    scales = quant.scale_values(scales_ref[expert, rows, pl.ds(group, 1)])  # [block_n, 1]
+    packed columns ``cols`` (the weights' even and odd columns) times their row's scales (exact), against x's
+    even and odd columns. ``cols`` spans whole 16-byte (32-column) scale groups: the codes and their
+    ``block_k / 16`` scales are read in one load each, the scales broadcast over their groups' bytes (a byte's
+    two codes share a group)."""
+    per_scale = quant.GROUP[quant.FP4] // 2  # bytes per scale
+    groups = cols.size // per_scale
+    scales = quant.scale_values(scales_ref[expert, rows, pl.ds(jax.lax.div(cols.start, per_scale), groups)])
+    block_n = scales.shape[0]
+    scales = jnp.broadcast_to(scales[:, :, None], (block_n, groups, per_scale)).reshape(block_n, cols.size)
     low, high = quant.nibbles(codes_ref[expert, rows, cols])
     return quant.e2m1_code_values(low) * scales, quant.e2m1_code_values(high) * scales
 
@@ -153,22 +181,32 @@ def read_fp4_tiles(codes_ref, scales_ref, expert, rows, cols):
 def _operands(x, weights):
     """``(x_parts, arrays, read, span)`` of :func:`gmm_pallas`: the ``[rows, width]`` parts of ``x``
     that ``read``'s tiles multiply (``x`` itself; FP4: its even and its odd columns, so that the kernel never
-    interleaves the nibbles), the arrays ``read`` reads and the most columns one read covers (its scale
-    group; None: any)."""
+    interleaves the nibbles), the arrays ``read`` reads and the most columns one read covers (FP8: its
+    128-column scale group; None: any)."""
     if not isinstance(weights, QuantizedArray):
         return (x,), (weights,), read_weight_tile, None
     arrays = (weights.codes, weights.scales)
     if weights.fmt == quant.FP8:
         return (x,), arrays, read_fp8_tile, quant.GROUP[quant.FP8]
-    return (x[:, 0::2], x[:, 1::2]), arrays, read_fp4_tiles, quant.GROUP[quant.FP4] // 2
+    return (x[:, 0::2], x[:, 1::2]), arrays, read_fp4_tiles, None
 
 
-def _block(size: int, candidates: tuple[int, ...], name: str) -> int:
-    """The first of ``candidates`` that divides ``size``; a ValueError naming the dimension otherwise."""
-    for block in candidates:
+def default_blocks(weights, block_rows: int) -> Blocks:
+    """The tiling :func:`gmm_pallas` takes for ``weights`` (float, or a
+    :class:`~jax_oc128.nn.quant.QuantizedArray`'s format) and tiles of ``block_rows`` rows."""
+    fmt = weights.fmt if isinstance(weights, QuantizedArray) else None
+    return DEFAULT_BLOCKS[fmt, block_rows >= LARGE_TILE]
+
+
+def _block(size: int, preferred: int, name: str) -> int:
+    """The largest power of two up to ``preferred`` that divides ``size``, at least :data:`MIN_BLOCK`; a
+    ValueError naming the dimension otherwise."""
+    block = preferred
+    while block >= MIN_BLOCK:
         if size % block == 0:
             return block
-    raise ValueError(f"{name}: the Pallas grouped matmul needs a multiple of {candidates[-1]}, got {size}")
+        block //= 2
+    raise ValueError(f"{name}: the Pallas grouped matmul needs a multiple of {MIN_BLOCK}, got {size}")
 
 
 def _stored_width(weights) -> int:
@@ -178,28 +216,29 @@ def _stored_width(weights) -> int:
 
 def pallas_fits(x, weights) -> bool:
     """Whether :func:`gmm_pallas` takes these shapes (N and K multiples of 16; FP4: K of 32)."""
-    return weights.shape[1] % BLOCKS_N[-1] == 0 and _stored_width(weights) % BLOCKS_K[-1] == 0
+    return weights.shape[1] % MIN_BLOCK == 0 and _stored_width(weights) % MIN_BLOCK == 0
 
 
-def gmm_pallas(x, weights, groups: Groups, *, interpret: bool = False):
+def gmm_pallas(x, weights, groups: Groups, *, blocks: Blocks | None = None, interpret: bool = False):
     """:func:`gmm_jnp` as a Pallas kernel (Triton on GPUs; ``interpret=True`` runs it anywhere).
 
     A grid over (tiles, N / block_n): program ``(t, j)`` computes the ``[block_rows, block_n]`` block of tile
     ``t`` against columns ``j * block_n`` of tile ``t``'s expert, looping over K in ``block_k`` steps; the
     programs of unused tiles return at once (their rows are left unwritten: no pair maps to them). A weight
-    reader loads the step's weight tiles, ``[block_n, block_k]``, in reads of at most one scale group:
-    :func:`read_weight_tile` (float weights), :func:`read_fp8_tile` and :func:`read_fp4_tiles` (a
+    reader loads the step's weight tiles, ``[block_n, block_k]`` (FP8: in reads of one 128-column scale group
+    at most): :func:`read_weight_tile` (float weights), :func:`read_fp8_tile` and :func:`read_fp4_tiles` (a
     :class:`~jax_oc128.nn.quant.QuantizedArray`, the tile dequantized in registers by
     :mod:`~jax_oc128.nn.quant`'s elementwise decoders, exactly, then cast to x's dtype: only the codes and
-    scales are read from memory). FP4 steps over the packed bytes (``block_k`` of the K / 2), multiplying
-    x's even columns by the low nibbles and its odd columns by the high ones (x split outside the kernel),
-    in ``block_k / 16`` reads of one 32-column scale group each. N and the stored width (K; FP4: K / 2
-    bytes) must be multiples of 16."""
+    scales are read from memory). FP4 steps over the packed bytes (``block_k`` of the K / 2), multiplying x's
+    even columns by the low nibbles and its odd columns by the high ones (x split outside the kernel).
+    ``blocks`` is the tiling (default :func:`default_blocks`). N and the stored width (K; FP4: K / 2 bytes)
+    must be multiples of 16."""
     x_parts, arrays, read, span = _operands(x, weights)
     n, width = weights.shape[1], x_parts[0].shape[1]
-    block_n = _block(n, BLOCKS_N, "N (the weights' output dimension)")
-    block_k = _block(width, BLOCKS_K, "K (the rows' width; FP4: K / 2)")
-    read_k = min(block_k, span or block_k)  # BLOCKS_K and the scale groups are powers of two
+    blocks = blocks or default_blocks(weights, groups.block_rows)
+    block_n = _block(n, blocks.n, "N (the weights' output dimension)")
+    block_k = _block(width, blocks.k, "K (the rows' width; FP4: K / 2)")
+    read_k = min(block_k, span or block_k)  # the blocks and the scale groups are powers of two
     block_rows, num_k, parts = groups.block_rows, width // block_k, len(x_parts)
 
     def kernel(tile_expert_ref, *refs):
@@ -232,7 +271,7 @@ def gmm_pallas(x, weights, groups: Groups, *, interpret: bool = False):
         in_specs=[whole] * (1 + parts + len(arrays)),
         out_specs=pl.BlockSpec((block_rows, block_n), lambda tile, col: (tile, col)),
         out_shape=jax.ShapeDtypeStruct((groups.num_rows, n), jnp.float32),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
+        compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
     )(groups.tile_expert, *x_parts, *arrays)
 

@@ -1,0 +1,144 @@
+"""The Pallas grouped matmul's tilings at DeepSeek-V4-Flash's expert shapes, each against its floor.
+
+For each weight format (``--formats``: ``bfloat16`` experts, ``fp4`` packed e2m1 codes with e8m0 scales as
+the released checkpoints hold them), each ``--tokens`` (top-6 of 256 experts, random routing) and each of
+the two matmuls of an expert (gate/up ``[4096, 4096]``, down ``[4096, 2048]``), times
+:func:`jax_oc128.nn.grouped_matmul.gmm_pallas` under each tiling of ``--blocks`` (``n,k,warps,stages``;
+``k`` counts stored columns: FP4 bytes) and prints the ms per call against the floor: the larger of the
+picked experts' bytes (in their format) over the copy bandwidth measured in the same run and their FLOPs
+at ``--tflops``. A tiling Triton cannot compile (shared memory) is reported as failed. The defaults the
+kernel takes (``grouped_matmul.DEFAULT_BLOCKS``) come from this sweep.
+
+Usage (H200): python bench/sweep_gmm.py --out bench/results/sweep_gmm.json
+CPU smoke test (interpret mode): python bench/sweep_gmm.py --tokens 8 --experts 8 --hidden 64
+    --intermediate 32 --blocks 16,16,4,3 --iters 1 --copy-mib 8 --interpret --out /tmp/sweep_gmm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_decode import random_quantized
+from bench_moe import V4_FLASH_MOE
+from bench_ops import copy_bandwidth, timed
+
+from jax_oc128.nn import grouped_matmul, quant
+
+DEFAULT_BLOCKS = [
+    "128,64,4,3",
+    "128,128,4,3",
+    "64,128,4,3",
+    "64,256,4,3",
+    "128,256,4,3",
+    "128,128,8,3",
+    "128,64,8,4",
+    "256,64,8,3",
+    "64,64,4,4",
+    "32,128,4,3",
+]
+
+
+def parse_blocks(text: str) -> grouped_matmul.Blocks:
+    n, k, warps, stages = (int(v) for v in text.split(","))
+    return grouped_matmul.Blocks(n, k, warps, stages)
+
+
+def expert_weights(key, fmt: str, shape):
+    """Random experts ``[experts, N, K]``: bfloat16 values, or FP4 codes and e8m0 scales."""
+    if fmt == "bfloat16":
+        return (jax.random.normal(key, shape, jnp.float32) / 64).astype(jnp.bfloat16)
+    return random_quantized(key, fmt=quant.FP4, shape=shape, dtype="bfloat16")
+
+
+def matrix_bytes(weights) -> int:
+    """Bytes of one expert's matrix (a quantized one's codes and scales)."""
+    return sum(leaf.nbytes // leaf.shape[0] for leaf in jax.tree.leaves(weights))
+
+
+def gmm(block_rows, blocks, interpret, x, weights, rows, tile_expert):
+    """:func:`~jax_oc128.nn.grouped_matmul.gmm_pallas` of the layout ``(rows, tile_expert)`` (``block_rows``,
+    ``blocks`` and ``interpret`` static)."""
+    groups = grouped_matmul.Groups(rows, tile_expert, block_rows)
+    return grouped_matmul.gmm_pallas(x, weights, groups, blocks=blocks, interpret=interpret)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--formats", nargs="+", choices=["bfloat16", "fp4"], default=["bfloat16", "fp4"])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8, 64, 512, 8192])
+    parser.add_argument("--blocks", nargs="+", default=DEFAULT_BLOCKS, help="n,k,warps,stages each")
+    parser.add_argument("--experts", type=int, default=V4_FLASH_MOE.num_experts)
+    parser.add_argument("--hidden", type=int, default=V4_FLASH_MOE.hidden_size)
+    parser.add_argument("--intermediate", type=int, default=V4_FLASH_MOE.intermediate_size)
+    parser.add_argument("--top-k", type=int, default=V4_FLASH_MOE.num_experts_per_tok)
+    parser.add_argument("--tflops", type=float, default=790.0)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--copy-mib", type=int, default=2048)
+    parser.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU smoke test)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    tilings = [parse_blocks(b) for b in args.blocks]
+    bandwidth = copy_bandwidth(10, args.copy_mib)
+    shapes = {
+        "gate_up": (args.experts, 2 * args.intermediate, args.hidden),
+        "down": (args.experts, args.hidden, args.intermediate),
+    }
+    print(f"device {jax.devices()[0].device_kind}, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    print("ms per call (x the floor); tilings n,k,warps,stages")
+    results = dict(copy_bandwidth=bandwidth, tflops=args.tflops, rows=[])
+    out = pathlib.Path(args.out)
+    for fmt in args.formats:
+        for name, shape in shapes.items():
+            weights = expert_weights(jax.random.key(len(name)), fmt, shape)
+            for tokens in args.tokens:
+                key = jax.random.key(tokens)
+                # random picks (a token's may repeat: the layout takes any ids)
+                ids = jax.random.randint(key, (tokens, args.top_k), 0, args.experts)
+                groups = grouped_matmul.group_pairs(ids, args.experts)
+                distinct = len(np.unique(np.asarray(ids)))
+                x = jax.random.normal(key, (groups.num_rows, shape[2]), jnp.float32).astype(jnp.bfloat16)
+                read = distinct * matrix_bytes(weights)
+                flops = 2 * tokens * args.top_k * shape[1] * shape[2]
+                floor_ms = 1e3 * max(read / bandwidth, flops / (args.tflops * 1e12))
+                cells = {}
+                for blocks in tilings:
+                    call = jax.jit(functools.partial(gmm, groups.block_rows, blocks, args.interpret))
+                    operands = (x, weights, groups.rows, groups.tile_expert)
+                    try:
+                        compiled = call.lower(*operands).compile()
+                        ms = 1e3 * timed(lambda _, c, f=compiled: f(*c), None, operands, args.iters)[0]
+                        cells[",".join(map(str, blocks))] = ms
+                    except Exception as error:  # a tiling past the shared memory: recorded, the sweep goes on
+                        failure = f"failed: {type(error).__name__}: {str(error)[:200]}"
+                        cells[",".join(map(str, blocks))] = failure
+                row = dict(fmt=fmt, matrix=name, tokens=tokens, distinct=distinct)
+                row.update(block_rows=groups.block_rows)
+                row.update(floor_ms=floor_ms, bytes=read, flops=flops, ms=cells)
+                results["rows"].append(row)
+                out.write_text(json.dumps(results, indent=1) + "\n")
+                timedout = {b: v for b, v in cells.items() if isinstance(v, float)}
+                best = min(timedout, key=timedout.get) if timedout else None
+                text = "  ".join(
+                    f"{b}: {v:.3f} ({v / floor_ms:.2f}x)" if isinstance(v, float) else f"{b}: failed"
+                    for b, v in cells.items()
+                )
+                print(
+                    f"{fmt:8s} {name:7s} tokens {tokens:5d} experts {distinct:3d} "
+                    f"rows/tile {groups.block_rows:3d} "
+                    f"floor {floor_ms:.3f} | best {best} | {text}",
+                    flush=True,
+                )
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
