@@ -1,13 +1,13 @@
 """The Pallas grouped matmul's tilings at DeepSeek-V4-Flash's expert shapes, each against its floor.
 
-For each weight format (``--formats``: ``bfloat16`` experts, ``fp4`` packed e2m1 codes with e8m0 scales as
-the released checkpoints hold them), each ``--tokens`` (top-6 of 256 experts, random routing) and each of
-the two matmuls of an expert (gate/up ``[4096, 4096]``, down ``[4096, 2048]``), times
-:func:`jax_oc128.nn.grouped_matmul.gmm_pallas` under each tiling of ``--blocks`` (``n,k,warps,stages``;
-``k`` counts stored columns: FP4 bytes) and prints the ms per call against the floor: the larger of the
-picked experts' bytes (in their format) over the copy bandwidth measured in the same run and their FLOPs
-at ``--tflops``. A tiling Triton cannot compile (shared memory) is reported as failed. The defaults the
-kernel takes (``grouped_matmul.DEFAULT_BLOCKS``) come from this sweep.
+For each weight format (``--formats``: ``bfloat16`` experts, ``fp4`` packed e2m1 codes with e8m0 scales as the
+released checkpoints hold them), each ``--tokens`` (top-6 of 256 experts, random routing) and each of the two
+matmuls of an expert (gate/up ``[4096, 4096]``, down ``[4096, 2048]``), times
+:func:`jax_oc128.nn.grouped_matmul.gmm_pallas` under each tiling of ``--blocks`` (``n,k,warps,stages``; ``k``
+counts stored columns: FP4 bytes; ``,swap``: the weights the left operand) and prints the ms per call against
+the floor: the larger of the picked experts' bytes (in their format) over the copy bandwidth measured in the
+same run and their FLOPs at ``--tflops``. A tiling Triton cannot compile (shared memory) is reported as
+failed. The defaults the kernel takes (``grouped_matmul.DEFAULT_BLOCKS``) come from this sweep.
 
 Usage (H200): python bench/sweep_gmm.py --out bench/results/sweep_gmm.json
 CPU smoke test (interpret mode): python bench/sweep_gmm.py --tokens 8 --experts 8 --hidden 64
@@ -48,8 +48,15 @@ DEFAULT_BLOCKS = [
 
 
 def parse_blocks(text: str) -> grouped_matmul.Blocks:
-    n, k, warps, stages = (int(v) for v in text.split(","))
-    return grouped_matmul.Blocks(n, k, warps, stages)
+    """``n,k,warps,stages`` or ``n,k,warps,stages,swap``."""
+    n, k, warps, stages, *swap = text.split(",")
+    if swap not in ([], ["swap"]):
+        raise ValueError(f"--blocks: n,k,warps,stages[,swap], got {text!r}")
+    return grouped_matmul.Blocks(int(n), int(k), int(warps), int(stages), swap=bool(swap))
+
+
+def tiling_name(blocks: grouped_matmul.Blocks) -> str:
+    return ",".join(map(str, blocks[:4])) + (",swap" if blocks.swap else "")
 
 
 def expert_weights(key, fmt: str, shape):
@@ -116,10 +123,10 @@ def main():
                     try:
                         compiled = call.lower(*operands).compile()
                         ms = 1e3 * timed(lambda _, c, f=compiled: f(*c), None, operands, args.iters)[0]
-                        cells[",".join(map(str, blocks))] = ms
+                        cells[tiling_name(blocks)] = ms
                     except Exception as error:  # a tiling past the shared memory: recorded, the sweep goes on
                         failure = f"failed: {type(error).__name__}: {str(error)[:200]}"
-                        cells[",".join(map(str, blocks))] = failure
+                        cells[tiling_name(blocks)] = failure
                 row = dict(fmt=fmt, matrix=name, tokens=tokens, distinct=distinct)
                 row.update(block_rows=groups.block_rows)
                 row.update(floor_ms=floor_ms, bytes=read, flops=flops, ms=cells)

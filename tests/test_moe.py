@@ -178,12 +178,14 @@ WEIGHT_FORMATS = [(None, None), (FP8, "e8m0"), (FP8, "float32"), (FP4, "e8m0"), 
 @pytest.mark.parametrize(
     "interpret", [True, pytest.param(False, marks=pytest.mark.cuda)], ids=["interpret", "triton"]
 )
+@pytest.mark.parametrize("swap", [False, True], ids=["x_left", "weights_left"])
 @pytest.mark.parametrize("fmt, scales", WEIGHT_FORMATS, ids=lambda v: str(v))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_pallas_kernel_equals_jnp_loop(fmt, scales, dtype, interpret):
+def test_pallas_kernel_equals_jnp_loop(fmt, scales, dtype, swap, interpret):
     """The kernel (interpret mode; on a GPU also compiled by Triton) and the jnp loop on one layout with
     several column and K blocks, float or quantized weights (K = 192: FP8's last 128-column scale group
-    partial, FP4's six 32-column groups read two per K step); the rows of unused tiles poisoned with NaN."""
+    partial, FP4's six 32-column groups read two per K step), the rows or the weight tile as the matmul's
+    left operand (``Blocks.swap``); the rows of unused tiles poisoned with NaN."""
     rng = np.random.default_rng(7)
     ids = jnp.asarray(rng.integers(0, EXPERTS, 40), jnp.int32)
     groups = grouped_matmul.group_pairs(ids, EXPERTS)
@@ -193,7 +195,8 @@ def test_pallas_kernel_equals_jnp_loop(fmt, scales, dtype, interpret):
     weights = rng.standard_normal((EXPERTS, 320, 192)) / 14
     weights = jnp.asarray(weights, dtype) if fmt is None else quantized(weights, fmt, scales, dtype)
     want = np.asarray(grouped_matmul.gmm_jnp(x, weights, groups))
-    got = np.asarray(grouped_matmul.gmm_pallas(x, weights, groups, interpret=interpret))
+    blocks = grouped_matmul.default_blocks(weights, groups.block_rows)._replace(swap=swap)
+    got = np.asarray(grouped_matmul.gmm_pallas(x, weights, groups, blocks=blocks, interpret=interpret))
     np.testing.assert_allclose(got[used], want[used], rtol=0, atol=2e-5)
 
 

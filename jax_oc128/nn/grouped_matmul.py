@@ -41,24 +41,28 @@ MIN_BLOCK = 16  # the smallest block of output columns or of the stored reductio
 class Blocks(NamedTuple):
     """The tiling of :func:`gmm_pallas`: each program's ``n`` output columns, ``k`` stored columns of the
     reduction per step (FP4: bytes, two columns each), both powers of two (the largest power of two up to
-    them that divides the shape is taken), and Triton's ``num_warps`` and ``num_stages``."""
+    them that divides the shape is taken), Triton's ``num_warps`` and ``num_stages``, and ``swap``: the
+    weight tile as the matmul's left operand (``[n, k] x [k, rows]``, the block transposed at its store),
+    so that a tile dequantized in registers enters the tensor cores from there and a tile of few rows is
+    the short side of the product."""
 
     n: int = 128
     k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    swap: bool = False
 
 
 LARGE_TILE = 64  # tiles of at least these rows (prefill-sized batches) take the second tiling below
 #: the tiling by (weights' format: None for float weights, quant.FP8, quant.FP4; large tiles), measured on
 #: the H200 at DeepSeek-V4-Flash's expert shapes (bench/sweep_gmm.py, bench/RESULTS.md section 9)
 DEFAULT_BLOCKS = {
-    (None, False): Blocks(),
-    (None, True): Blocks(),
-    (quant.FP8, False): Blocks(),
-    (quant.FP8, True): Blocks(),
-    (quant.FP4, False): Blocks(k=128),
-    (quant.FP4, True): Blocks(k=128),
+    (None, False): Blocks(128, 128, 8, 3),
+    (None, True): Blocks(256, 64, 8, 3),
+    (quant.FP8, False): Blocks(128, 128, 8, 3),
+    (quant.FP8, True): Blocks(256, 64, 8, 3),
+    (quant.FP4, False): Blocks(128, 64, 4, 3, swap=True),
+    (quant.FP4, True): Blocks(256, 64, 8, 3),
 }
 
 
@@ -246,7 +250,7 @@ def gmm_pallas(x, weights, groups: Groups, *, blocks: Blocks | None = None, inte
         tile, col = pl.program_id(0), pl.program_id(1)
         expert = tile_expert_ref[tile]
         rows = pl.ds(tile * block_rows, block_rows)
-        dims = (((1,), (1,)), ((), ()))  # x @ weights.T
+        dims = (((1,), (1,)), ((), ()))  # x @ weights.T (swapped: weights @ x.T)
 
         @pl.when(expert >= 0)
         def _():
@@ -256,13 +260,15 @@ def gmm_pallas(x, weights, groups: Groups, *, blocks: Blocks | None = None, inte
                     tiles = read(*weight_refs, expert, pl.ds(col * block_n, block_n), cols)
                     for x_ref, ws in zip(x_refs, tiles, strict=True):
                         xs = x_ref[rows, cols]
+                        pair = (ws.astype(xs.dtype), xs) if blocks.swap else (xs, ws.astype(xs.dtype))
                         acc += jax.lax.dot_general(
-                            xs, ws.astype(xs.dtype), dims, precision=FULL, preferred_element_type=jnp.float32
+                            *pair, dims, precision=FULL, preferred_element_type=jnp.float32
                         )
                 return acc
 
-            zero = jnp.zeros((block_rows, block_n), jnp.float32)
-            out_ref[...] = jax.lax.fori_loop(0, num_k, step, zero)
+            shape = (block_n, block_rows) if blocks.swap else (block_rows, block_n)
+            block = jax.lax.fori_loop(0, num_k, step, jnp.zeros(shape, jnp.float32))
+            out_ref[...] = block.T if blocks.swap else block
 
     whole = pl.BlockSpec()  # the whole array, indexed in the kernel
     return pl.pallas_call(
