@@ -172,6 +172,14 @@ def test_layout(pairs):
     assert not used[used.argmin() :].any() or used.all()
 
 
+def test_layout_runs_no_loop():
+    """The layout is straight-line code (sorts, scatters, comparisons): no while loop, whose condition a GPU
+    would copy to the host at every step of a decode-sized MoE layer."""
+    ids = jax.ShapeDtypeStruct((48,), jnp.int32)
+    layout = jax.jit(lambda ids: tuple(grouped_matmul.group_pairs(ids, EXPERTS)[:2]))
+    assert "stablehlo.while" not in layout.trace(ids).lower(lowering_platforms=("cuda",)).as_text()
+
+
 WEIGHT_FORMATS = [(None, None), (FP8, "e8m0"), (FP8, "float32"), (FP4, "e8m0"), (FP4, "float32")]
 
 

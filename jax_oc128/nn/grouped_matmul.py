@@ -114,7 +114,9 @@ def group_pairs(expert_ids, num_experts: int) -> Groups:
     sorted_rows = jnp.where(sorted_keys < num_experts, first_row[sorted_keys] + rank, tiles * block_rows)
     rows = jnp.zeros((pairs,), jnp.int32).at[order].set(sorted_rows.astype(jnp.int32))
     tile = jnp.arange(tiles)
-    tile_expert = jnp.searchsorted(tile_end, tile, side="right").astype(jnp.int32)
+    # each tile's expert: how many experts' tiles end at or before it, one comparison each (a fused reduction;
+    # searchsorted's default bisection is a while loop, whose condition a GPU hands to the host every step)
+    tile_expert = jnp.searchsorted(tile_end, tile, side="right", method="compare_all").astype(jnp.int32)
     return Groups(rows, jnp.where(tile < tile_end[-1], tile_expert, -1), block_rows)
 
 
