@@ -226,10 +226,14 @@ def test_grouped_on_quantized_experts_equals_dense(fmt, scales, dtype):
         assert np.abs(out - dense).max() < TOL[dtype] * scale, dispatch
 
 
-def test_pallas_kernel_refuses_shapes_it_cannot_tile():
+def test_pallas_kernel_refuses_shapes_and_tilings_it_cannot_take():
     groups = grouped_matmul.group_pairs(jnp.zeros((4,), jnp.int32), EXPERTS)
     with pytest.raises(ValueError, match="N \\(the weights' output dimension\\)"):
         grouped_matmul.gmm_pallas(jnp.zeros((groups.num_rows, 64)), jnp.zeros((EXPERTS, 24, 64)), groups)
+    x, weights = jnp.zeros((groups.num_rows, 64)), jnp.zeros((EXPERTS, 32, 64))
+    for blocks, name in [(grouped_matmul.Blocks(n=48), "blocks.n"), (grouped_matmul.Blocks(k=8), "blocks.k")]:
+        with pytest.raises(ValueError, match=f"{name}: must be a power of two of at least 16"):
+            grouped_matmul.gmm_pallas(x, weights, groups, blocks=blocks)
 
 
 def lowers_to_triton(tokens, k, gate_up, down):

@@ -244,6 +244,9 @@ def gmm_pallas(x, weights, groups: Groups, *, blocks: Blocks | None = None, inte
     x_parts, arrays, read, span = _operands(x, weights)
     n, width = weights.shape[1], x_parts[0].shape[1]
     blocks = blocks or default_blocks(weights, groups.block_rows)
+    for name, value in (("blocks.n", blocks.n), ("blocks.k", blocks.k)):
+        if value < MIN_BLOCK or value & (value - 1):
+            raise ValueError(f"{name}: must be a power of two of at least {MIN_BLOCK}, got {value}")
     block_n = _block(n, blocks.n, "N (the weights' output dimension)")
     block_k = _block(width, blocks.k, "K (the rows' width; FP4: K / 2)")
     read_k = min(block_k, span or block_k)  # the blocks and the scale groups are powers of two
