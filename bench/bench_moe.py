@@ -61,10 +61,10 @@ V4_FLASH = ModelConfig.deepseek_v4_flash(dtype="bfloat16")
 V4_FLASH_MOE = V4_FLASH.moe(V4_FLASH.mlp_layer_types.index(MOE))
 
 
-def bytes_per_expert(layer: MoE) -> int:
-    """Bytes of one routed expert's weights (gate, up and down; a quantized one's codes and scales)."""
-    leaves = jax.tree.leaves((layer.experts_gate_up[...], layer.experts_down[...]))
-    return sum(leaf.nbytes // leaf.shape[0] for leaf in leaves)
+def bytes_per_expert(*weights) -> int:
+    """Bytes of one expert's share of the stacked ``[experts, ...]`` ``weights`` (a quantized one's codes and
+    scales)."""
+    return sum(leaf.nbytes // leaf.shape[0] for leaf in jax.tree.leaves(weights))
 
 
 def floor_seconds(
@@ -122,7 +122,7 @@ def main():
             value = random_quantized(key, fmt=args.experts_format, shape=weight.shape, dtype=config.dtype)
             weight.set_value(value)
     state = nnx.state(layer)
-    expert_bytes = bytes_per_expert(layer)
+    expert_bytes = bytes_per_expert(layer.experts_gate_up[...], layer.experts_down[...])
     print(f"device: {device}, copy bandwidth {bandwidth / 1e9:.0f} GB/s, {config}")
     print(f"routed experts: {args.experts_format}, {expert_bytes / 2**20:.2f} MiB each")
     print("ms per MoE layer call (x the floor)")

@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_decode import random_quantized
-from bench_moe import V4_FLASH_MOE
+from bench_moe import V4_FLASH_MOE, bytes_per_expert
 from bench_ops import copy_bandwidth, timed
 
 from jax_oc128.nn import grouped_matmul, quant
@@ -66,11 +66,6 @@ def expert_weights(key, fmt: str, shape):
     return random_quantized(key, fmt=quant.FP4, shape=shape, dtype="bfloat16")
 
 
-def matrix_bytes(weights) -> int:
-    """Bytes of one expert's matrix (a quantized one's codes and scales)."""
-    return sum(leaf.nbytes // leaf.shape[0] for leaf in jax.tree.leaves(weights))
-
-
 def gmm(block_rows, blocks, interpret, x, weights, rows, tile_expert):
     """:func:`~jax_oc128.nn.grouped_matmul.gmm_pallas` of the layout ``(rows, tile_expert)`` (``block_rows``,
     ``blocks`` and ``interpret`` static)."""
@@ -82,7 +77,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--formats", nargs="+", choices=["bfloat16", "fp4"], default=["bfloat16", "fp4"])
     parser.add_argument("--tokens", type=int, nargs="+", default=[8, 64, 512, 8192])
-    parser.add_argument("--blocks", nargs="+", default=DEFAULT_BLOCKS, help="n,k,warps,stages each")
+    parser.add_argument("--blocks", nargs="+", default=DEFAULT_BLOCKS, help="n,k,warps,stages[,swap] each")
     parser.add_argument("--experts", type=int, default=V4_FLASH_MOE.num_experts)
     parser.add_argument("--hidden", type=int, default=V4_FLASH_MOE.hidden_size)
     parser.add_argument("--intermediate", type=int, default=V4_FLASH_MOE.intermediate_size)
@@ -113,7 +108,7 @@ def main():
                 groups = grouped_matmul.group_pairs(ids, args.experts)
                 distinct = len(np.unique(np.asarray(ids)))
                 x = jax.random.normal(key, (groups.num_rows, shape[2]), jnp.float32).astype(jnp.bfloat16)
-                read = distinct * matrix_bytes(weights)
+                read = distinct * bytes_per_expert(weights)
                 flops = 2 * tokens * args.top_k * shape[1] * shape[2]
                 floor_ms = 1e3 * max(read / bandwidth, flops / (args.tflops * 1e12))
                 cells = {}
@@ -132,8 +127,8 @@ def main():
                 row.update(floor_ms=floor_ms, bytes=read, flops=flops, ms=cells)
                 results["rows"].append(row)
                 out.write_text(json.dumps(results, indent=1) + "\n")
-                timedout = {b: v for b, v in cells.items() if isinstance(v, float)}
-                best = min(timedout, key=timedout.get) if timedout else None
+                timed_cells = {b: v for b, v in cells.items() if isinstance(v, float)}
+                best = min(timed_cells, key=timed_cells.get) if timed_cells else None
                 text = "  ".join(
                     f"{b}: {v:.3f} ({v / floor_ms:.2f}x)" if isinstance(v, float) else f"{b}: failed"
                     for b, v in cells.items()
