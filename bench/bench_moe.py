@@ -27,6 +27,12 @@ Timing as in bench_ops.py: each (tokens, dispatch) executable compiled once, the
 the dispatches interleaved, each round the median of ``--iters`` calls; the table gives the median over
 rounds, the JSON every round's.
 
+``--profile DIR`` also traces ``--profile-calls`` calls of each (tokens, dispatch) with jax's profiler (the
+traces under DIR) and reports the device's side of a call: the span from its first kernel's start to its
+last kernel's end, the kernels' summed time and each kernel's (:func:`device_kernels`), so that what a call
+spends around its matmuls (launches, gaps, the small kernels) is seen apart from the host's dispatch, which
+the timing above includes.
+
 Usage (H200): python bench/bench_moe.py --out bench/results/bench_moe.json
 FP4 experts (H200): python bench/bench_moe.py --experts-format fp4 --tokens 1 8 64 512 \\
     --dispatches grouped_jnp grouped_pallas --out bench/results/bench_moe_fp4.json
@@ -37,7 +43,9 @@ CPU smoke test: python bench/bench_moe.py --tokens 1 8 --experts 8 --hidden 64 -
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import gzip
 import json
 import pathlib
 import sys
@@ -79,6 +87,32 @@ def floor_seconds(
     return max(read / bandwidth, flops / flops_per_s), read, flops
 
 
+def device_kernels(trace_dir, calls: int):
+    """``(span_us, kernels_us, by_kernel)`` per call of the newest trace under ``trace_dir`` (jax's profiler:
+    ``plugins/profile/*/*.trace.json.gz``) of ``calls`` calls: the span of the GPU streams' kernels (first
+    start to last end) over ``calls``, their summed durations over ``calls``, and each kernel name's summed
+    microseconds per call, largest first."""
+    path = max(
+        pathlib.Path(trace_dir).glob("plugins/profile/*/*.trace.json.gz"), key=lambda p: p.stat().st_mtime
+    )
+    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    names = ("process_name", "thread_name")
+    meta = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e.get("name") in names}
+    # kernels: the complete events of a GPU process's stream threads (not its XLA module and op summary lines)
+    on_gpu = [e for e in events if e.get("ph") == "X" and "GPU" in meta.get((e["pid"], None), "")]
+    lines = collections.Counter(meta.get((e["pid"], e.get("tid")), "?") for e in on_gpu)
+    print(f"trace {path.name}: GPU lines (events) {dict(lines)}")
+    kernels = [e for e in on_gpu if "Stream" in meta.get((e["pid"], e.get("tid")), "")]
+    if not kernels:
+        return 0.0, 0.0, []
+    span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
+    by_kernel = collections.Counter()
+    for e in kernels:
+        by_kernel[e["name"]] += e["dur"] / calls
+    total = sum(by_kernel.values())
+    return span / calls, total, by_kernel.most_common()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 2048, 8192])
@@ -102,6 +136,10 @@ def main():
     parser.add_argument("--rounds", type=int, default=3, help="rounds, the dispatches interleaved (median)")
     parser.add_argument("--bandwidth-iters", type=int, default=20)
     parser.add_argument("--copy-mib", type=int, default=2048, help="the copy bandwidth's array (MiB)")
+    parser.add_argument(
+        "--profile", help="a directory: trace each (tokens, dispatch) there and report its kernels"
+    )
+    parser.add_argument("--profile-calls", type=int, default=5, help="calls per trace")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args()
     config = dataclasses.replace(
@@ -157,6 +195,13 @@ def main():
             for dispatch, fn in runs.items():
                 seconds[dispatch].append(timed(fn, None, (state, x, token_ids), args.iters)[0])
         ms = {dispatch: float(np.median(s)) * 1e3 for dispatch, s in seconds.items()}
+        profiles = {}
+        for dispatch, fn in runs.items() if args.profile else ():
+            trace_dir = pathlib.Path(args.profile) / f"{tokens}_{dispatch}"
+            with jax.profiler.trace(str(trace_dir)):
+                jax.block_until_ready([fn(None, (state, x, token_ids)) for _ in range(args.profile_calls)])
+            span, busy, by_kernel = device_kernels(trace_dir, args.profile_calls)
+            profiles[dispatch] = dict(span_us=span, kernels_us=busy, by_kernel=by_kernel[:40])
         floor, read, flops = floor_seconds(
             config, expert_bytes, distinct, tokens, bandwidth, args.tflops * 1e12
         )
@@ -166,6 +211,7 @@ def main():
             {f"{d}_ms": v for d, v in ms.items()}, **{f"{d}_x_floor": v / floor_ms for d, v in ms.items()}
         )
         row.update(round_ms={d: [t * 1e3 for t in s] for d, s in seconds.items()}, notes=notes)
+        row.update(profiles=profiles)
         results["rows"].append(row)
         out.write_text(json.dumps(results, indent=1) + "\n")  # after every row: a later failure keeps these
         cells = " | ".join(
@@ -175,6 +221,13 @@ def main():
         print(f"{tokens:6d} {distinct:7d} | {cells} | {floor_ms:8.3f}", flush=True)
         for dispatch, note in notes.items():
             print(f"{'':15s}{dispatch}: {note}")
+        for dispatch, p in profiles.items():
+            print(
+                f"{'':15s}{dispatch} on the device, per call: span {p['span_us']:.1f} us, "
+                f"kernels {p['kernels_us']:.1f} us"
+            )
+            for name, us in p["by_kernel"][:15]:
+                print(f"{'':17s}{us:9.1f} us  {name[:110]}")
     print(f"wrote {out}")
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax import export
+from jax.experimental import pallas as pl
 
 from jax_oc128.nn import ModelConfig, grouped_matmul, moe, quant
 from jax_oc128.nn.quant import FP4, FP8, QuantizedArray
@@ -158,14 +159,18 @@ def test_limit_clamps():
 
 @pytest.mark.parametrize("pairs", [1, 6, 48, 900])
 def test_layout(pairs):
-    """Each pair has a row of its own in a tile of its expert, within the memory bound; unused tiles are
-    marked -1 and come after the used ones."""
+    """Each pair has a row of its own in a tile of its expert, within the memory bound, and each row its
+    pair (``row_pairs``, the inverse; ``pairs`` for the padding rows); unused tiles are marked -1 and come
+    after the used ones."""
     rng = np.random.default_rng(pairs)
     ids = rng.integers(0, EXPERTS, pairs) if pairs < 900 else np.full(pairs, 3)
     groups = grouped_matmul.group_pairs(jnp.asarray(ids, jnp.int32), EXPERTS)
     rows, tile_expert = np.asarray(groups.rows), np.asarray(groups.tile_expert)
     assert len(set(rows)) == pairs
     np.testing.assert_array_equal(tile_expert[rows // groups.block_rows], ids)
+    row_pairs = np.asarray(groups.row_pairs)
+    np.testing.assert_array_equal(row_pairs[rows], np.arange(pairs))
+    assert (np.delete(row_pairs, rows) == pairs).all()
     assert groups.num_rows <= pairs + min(EXPERTS, pairs) * groups.block_rows
     used = tile_expert >= 0
     assert used.sum() == sum(-(-np.sum(ids == e) // groups.block_rows) for e in range(EXPERTS))
@@ -176,7 +181,7 @@ def test_layout_runs_no_loop():
     """The layout is straight-line code (sorts, scatters, comparisons): no while loop, whose condition a GPU
     would copy to the host at every step of a decode-sized MoE layer."""
     ids = jax.ShapeDtypeStruct((48,), jnp.int32)
-    layout = jax.jit(lambda ids: tuple(grouped_matmul.group_pairs(ids, EXPERTS)[:2]))
+    layout = jax.jit(lambda ids: tuple(grouped_matmul.group_pairs(ids, EXPERTS)[:3]))
     assert "stablehlo.while" not in layout.trace(ids).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -224,6 +229,45 @@ def test_grouped_on_quantized_experts_equals_dense(fmt, scales, dtype):
         out = np.asarray(run(dispatch, x, ids, weights, gate_up, down))
         assert np.abs(out - oracle).max() < TOL[dtype] * scale, dispatch
         assert np.abs(out - dense).max() < TOL[dtype] * scale, dispatch
+
+
+@pytest.mark.cuda
+def test_fp4_ptx_decodes_as_quant():
+    """``fp4_bf16_ptx`` in a Triton kernel: every byte (both its codes, each sign) times every exponent the
+    loader accepts, the exponents differing between neighbouring bytes, equals quant's float32 decoding
+    cast to bfloat16 (exact both: an e2m1 value times a power of two)."""
+    low, high = quant.EXPONENTS[FP4]
+    rows = np.arange(256)[:, None]
+    codes = ((rows + np.arange(256)) % 256).astype(np.uint8)  # each row every byte, shifted
+    exponents = (low + (rows * 7 + np.arange(256) * 3) % (high - low + 1)).astype(np.uint8)
+    spec = pl.BlockSpec((16, 256), lambda i: (i, 0))
+    values = jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)
+
+    def kernel(codes_ref, exponents_ref, low_ref, high_ref):
+        low_ref[...], high_ref[...] = grouped_matmul.fp4_bf16_ptx(codes_ref[...], exponents_ref[...])
+
+    got = pl.pallas_call(
+        kernel, grid=(16,), in_specs=[spec, spec], out_specs=[spec, spec], out_shape=[values, values]
+    )(jnp.asarray(codes), jnp.asarray(exponents))
+    scales = quant.scale_values(jnp.asarray(exponents))
+    for nibbles, decoded in zip(quant.nibbles(jnp.asarray(codes)), got, strict=True):
+        want = (quant.e2m1_code_values(nibbles) * scales).astype(jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(decoded, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize(
+    "dtype, scales, ptx",
+    [("bfloat16", "e8m0", True), ("float32", "e8m0", False), ("bfloat16", "float32", False)],
+)
+def test_fp4_kernel_for_cuda_decodes_by_ptx(dtype, scales, ptx):
+    """The kernel lowered for CUDA (here, without a GPU) decodes FP4 by inline PTX for bfloat16 matmuls
+    with e8m0 scales, and by quant's float32 decoders otherwise."""
+    weights = quantized(np.zeros((EXPERTS, 64, 64)), FP4, scales, dtype)
+    groups = grouped_matmul.group_pairs(jnp.zeros((4,), jnp.int32), EXPERTS)
+    x = jax.ShapeDtypeStruct((groups.num_rows, 64), dtype)
+    kernel = jax.jit(lambda x, weights: grouped_matmul.gmm_pallas(x, weights, groups))
+    lowered = kernel.trace(x, weights).lower(lowering_platforms=("cuda",))
+    assert ("elementwise_inline_asm" in lowered.as_text()) == ptx
 
 
 def test_pallas_kernel_refuses_shapes_and_tilings_it_cannot_take():

@@ -74,11 +74,14 @@ class Groups(NamedTuple):
     Attributes:
       rows: int32 ``[pairs]``, each pair's row (pairs in routing order: pair ``p`` is token ``p // k``'s
         ``p % k``-th pick); ``num_rows`` for a pair of no expert here.
+      row_pairs: int32 ``[num_rows]``, each row's pair (the inverse of ``rows``); ``pairs`` for a padding
+        row, so that a gather by it fills the padding.
       tile_expert: int32 ``[tiles]``, each tile's expert; -1 for the tiles past the last used one.
       block_rows: rows per tile (a static int).
     """
 
     rows: jax.Array
+    row_pairs: jax.Array
     tile_expert: jax.Array
     block_rows: int
 
@@ -112,12 +115,14 @@ def group_pairs(expert_ids, num_experts: int) -> Groups:
     rank = jnp.arange(pairs) - (jnp.cumsum(sizes) - sizes)[sorted_keys]  # a pair's place among its expert's
     first_row = jnp.append(tile_end - expert_tiles, tiles) * block_rows  # the last: num_rows, no row
     sorted_rows = jnp.where(sorted_keys < num_experts, first_row[sorted_keys] + rank, tiles * block_rows)
-    rows = jnp.zeros((pairs,), jnp.int32).at[order].set(sorted_rows.astype(jnp.int32))
+    sorted_rows = sorted_rows.astype(jnp.int32)
+    rows = jnp.zeros((pairs,), jnp.int32).at[order].set(sorted_rows)
+    row_pairs = jnp.full((tiles * block_rows,), pairs, jnp.int32).at[sorted_rows].set(order, mode="drop")
     tile = jnp.arange(tiles)
     # each tile's expert: how many experts' tiles end at or before it, one comparison each (a fused reduction;
     # searchsorted's default bisection is a while loop, whose condition a GPU hands to the host every step)
     tile_expert = jnp.searchsorted(tile_end, tile, side="right", method="compare_all").astype(jnp.int32)
-    return Groups(rows, jnp.where(tile < tile_end[-1], tile_expert, -1), block_rows)
+    return Groups(rows, row_pairs, jnp.where(tile < tile_end[-1], tile_expert, -1), block_rows)
 
 
 def gmm_jnp(x, weights, groups: Groups):
@@ -170,33 +175,101 @@ def read_fp8_tile(codes_ref, scales_ref, expert, rows, cols):
     return (codes_ref[expert, rows, cols].astype(jnp.float32) * scales,)
 
 
-def read_fp4_tiles(codes_ref, scales_ref, expert, rows, cols):
+def read_fp4_tiles(codes_ref, scales_ref, expert, rows, cols, *, ptx: bool = False):
     """The weight reader of FP4 weights (packed codes uint8 ``[experts, N, K / 2]``, scales ``[experts, N,
-    K / 32]``): ``(even, odd)``, float32 ``[block_n, block_k]`` each, the low and the high nibbles of the
-    packed columns ``cols`` (the weights' even and odd columns) times their row's scales (exact), against x's
-    even and odd columns. ``cols`` spans whole 16-byte (32-column) scale groups: the codes and their
-    ``block_k / 16`` scales are read in one load each, the scales broadcast over their groups' bytes (a byte's
-    two codes share a group)."""
+    K / 32]``): ``(even, odd)``, ``[block_n, block_k]`` each, the low and the high nibbles of the packed
+    columns ``cols`` (the weights' even and odd columns) times their row's scales (exact), against x's even
+    and odd columns: float32 by :mod:`~jax_oc128.nn.quant`'s decoders, or with ``ptx`` (Triton, e8m0 scales)
+    bfloat16 by :func:`fp4_bf16_ptx`, the same values. ``cols`` spans whole 16-byte (32-column) scale groups:
+    the codes and their ``block_k / 16`` scales are read in one load each, the scales broadcast over their
+    groups' bytes (a byte's two codes share a group)."""
     per_scale = quant.GROUP[quant.FP4] // 2  # bytes per scale
     groups = cols.size // per_scale
-    scales = quant.scale_values(scales_ref[expert, rows, pl.ds(jax.lax.div(cols.start, per_scale), groups)])
+    scales = scales_ref[expert, rows, pl.ds(jax.lax.div(cols.start, per_scale), groups)]
     block_n = scales.shape[0]
-    scales = jnp.broadcast_to(scales[:, :, None], (block_n, groups, per_scale)).reshape(block_n, cols.size)
-    low, high = quant.nibbles(codes_ref[expert, rows, cols])
+
+    def per_byte(scales):  # [block_n, groups] -> [block_n, cols.size]
+        return jnp.broadcast_to(scales[:, :, None], (block_n, groups, per_scale)).reshape(block_n, cols.size)
+
+    codes = codes_ref[expert, rows, cols]
+    if ptx:
+        return fp4_bf16_ptx(codes, per_byte(scales))
+    scales = per_byte(quant.scale_values(scales))
+    low, high = quant.nibbles(codes)
     return quant.e2m1_code_values(low) * scales, quant.e2m1_code_values(high) * scales
 
 
-def _operands(x, weights):
+def _fp4_bf16_ptx(nibbles: str) -> str:
+    """PTX of one call of :func:`fp4_bf16_ptx`: four packed bytes ($2) and their four e8m0 exponents ($3)
+    -> the bfloat16 values of their ``nibbles`` (``"low"`` or ``"high"``) codes, in pairs ($0: bytes 0 and
+    1, $1: bytes 2 and 3). The four codes become the selector nibbles of ``prmt``; each magnitude's two
+    bfloat16 bytes are looked up in two 8-byte tables (0, 0.5, 1, 1.5, 2, 3, 4, 6: high bytes 00 3F 3F 3F 40
+    40 40 40, low bytes 00 00 80 C0 00 40 80 C0); the sign comes from ``prmt``'s sign-replicating mode (a
+    code's bit 3 turns a table byte 0x80 into 0xFF, whose bit 6, shifted to 7, is the sign); the bytes are
+    interleaved into the pairs, each pair times 2^(e - 127) (bfloat16 bits ``e << 7``) by one
+    ``fma.rn.bf16x2``: exact (a power of two; the loader keeps every value normal). The operands are read
+    into registers first and the outputs written last (an output may share an input's register)."""
+    shift = "0" if nibbles == "low" else "4"
+    return f"""{{
+.reg .b32 t, u, c, m, lo, hi, sgn, v0, v1, s0, s1, zero;
+shr.b32 t, $2, {shift};
+and.b32 t, t, 0x0F0F0F0F;
+shr.b32 u, t, 4;
+or.b32 t, t, u;
+prmt.b32 c, t, 0, 0x0020;
+and.b32 m, c, 0x7777;
+prmt.b32 lo, 0xC0800000, 0xC0804000, m;
+prmt.b32 hi, 0x3F3F3F00, 0x40404040, m;
+prmt.b32 sgn, 0x80808080, 0x80808080, c;
+shl.b32 sgn, sgn, 1;
+lop3.b32 hi, hi, sgn, 0x80808080, 0xF8;
+prmt.b32 v0, lo, hi, 0x5140;
+prmt.b32 v1, lo, hi, 0x7362;
+prmt.b32 s0, $3, 0, 0x4140;
+prmt.b32 s1, $3, 0, 0x4342;
+shl.b32 s0, s0, 7;
+shl.b32 s1, s1, 7;
+mov.b32 zero, 0x80008000;
+fma.rn.bf16x2 $0, v0, s0, zero;
+fma.rn.bf16x2 $1, v1, s1, zero;
+}}"""
+
+
+#: the PTX of :func:`fp4_bf16_ptx` by nibble (:func:`_fp4_bf16_ptx`)
+FP4_BF16_PTX = {nibbles: _fp4_bf16_ptx(nibbles) for nibbles in ("low", "high")}
+
+
+def fp4_bf16_ptx(codes, exponents):
+    """``(low, high)``: bfloat16 values of the low and the high nibbles of packed e2m1 codes (uint8, any
+    shape) times 2^(e - 127) of their e8m0 exponents (uint8, the same shape), :func:`read_fp4_tiles`'s
+    values, in a Triton kernel only (:data:`FP4_BF16_PTX`, about 5 instructions a value against quant's
+    float32 decoding's 17; one call per nibble, as Pallas lowers an inline assembly of one result only)."""
+    values = jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)
+    return tuple(
+        pltriton.elementwise_inline_asm(
+            FP4_BF16_PTX[nibbles],
+            args=[codes, exponents],
+            constraints="=r,=r,r,r",
+            pack=4,
+            result_shape_dtypes=[values],
+        )[0]
+        for nibbles in ("low", "high")
+    )
+
+
+def _operands(x, weights, *, triton: bool):
     """``(x_parts, arrays, read, span)`` of :func:`gmm_pallas`: the ``[rows, width]`` parts of ``x``
     that ``read``'s tiles multiply (``x`` itself; FP4: its even and its odd columns, so that the kernel never
     interleaves the nibbles), the arrays ``read`` reads and the most columns one read covers (FP8: its
-    128-column scale group; None: any)."""
+    128-column scale group; None: any). FP4 in a bfloat16 matmul with e8m0 scales compiled by Triton
+    (``triton``) decodes by :func:`fp4_bf16_ptx`."""
     if not isinstance(weights, QuantizedArray):
         return (x,), (weights,), read_weight_tile, None
     arrays = (weights.codes, weights.scales)
     if weights.fmt == quant.FP8:
         return (x,), arrays, read_fp8_tile, quant.GROUP[quant.FP8]
-    return (x[:, 0::2], x[:, 1::2]), arrays, read_fp4_tiles, None
+    ptx = triton and x.dtype == jnp.bfloat16 and weights.scales.dtype == jnp.uint8
+    return (x[:, 0::2], x[:, 1::2]), arrays, functools.partial(read_fp4_tiles, ptx=ptx), None
 
 
 def default_blocks(weights, block_rows: int) -> Blocks:
@@ -241,7 +314,7 @@ def gmm_pallas(x, weights, groups: Groups, *, blocks: Blocks | None = None, inte
     even columns by the low nibbles and its odd columns by the high ones (x split outside the kernel).
     ``blocks`` is the tiling (default :func:`default_blocks`). N and the stored width (K; FP4: K / 2 bytes)
     must be multiples of 16."""
-    x_parts, arrays, read, span = _operands(x, weights)
+    x_parts, arrays, read, span = _operands(x, weights, triton=not interpret)
     n, width = weights.shape[1], x_parts[0].shape[1]
     blocks = blocks or default_blocks(weights, groups.block_rows)
     for name, value in (("blocks.n", blocks.n), ("blocks.k", blocks.k)):
