@@ -59,7 +59,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_decode import random_quantized
 from bench_ops import copy_bandwidth, timed
 
-from jax_oc128.nn import ModelConfig, quant
+from jax_oc128.nn import ModelConfig, grouped_matmul, quant
 from jax_oc128.nn.moe import DISPATCHES, MOE, MoE, MoEConfig
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "bench_moe.json"
@@ -73,6 +73,14 @@ def bytes_per_expert(*weights) -> int:
     """Bytes of one expert's share of the stacked ``[experts, ...]`` ``weights`` (a quantized one's codes and
     scales)."""
     return sum(leaf.nbytes // leaf.shape[0] for leaf in jax.tree.leaves(weights))
+
+
+def parse_blocks(text: str) -> grouped_matmul.Blocks:
+    """A tiling of :func:`~jax_oc128.nn.grouped_matmul.gmm_pallas`: ``n,k,warps,stages[,swap]``."""
+    n, k, warps, stages, *swap = text.split(",")
+    if swap not in ([], ["swap"]):
+        raise ValueError(f"--blocks: n,k,warps,stages[,swap], got {text!r}")
+    return grouped_matmul.Blocks(int(n), int(k), int(warps), int(stages), swap=bool(swap))
 
 
 def floor_seconds(
@@ -137,6 +145,13 @@ def main():
     parser.add_argument("--bandwidth-iters", type=int, default=20)
     parser.add_argument("--copy-mib", type=int, default=2048, help="the copy bandwidth's array (MiB)")
     parser.add_argument(
+        "--blocks",
+        nargs=2,
+        metavar=("SMALL", "LARGE"),
+        help="the Pallas kernel's tilings (n,k,warps,stages[,swap]) of the experts' format for tiles of "
+        "fewer and of at least grouped_matmul.LARGE_TILE rows, instead of grouped_matmul.DEFAULT_BLOCKS",
+    )
+    parser.add_argument(
         "--profile", help="a directory: trace each (tokens, dispatch) there and report its kernels"
     )
     parser.add_argument("--profile-calls", type=int, default=5, help="calls per trace")
@@ -151,6 +166,10 @@ def main():
         dtype=args.dtype,
     )
 
+    if args.blocks:  # the kernel's table of tilings, for this run
+        fmt = None if args.experts_format == "float" else args.experts_format
+        for large, text in zip((False, True), args.blocks, strict=True):
+            grouped_matmul.DEFAULT_BLOCKS[fmt, large] = parse_blocks(text)
     device = jax.devices()[0].device_kind
     bandwidth = copy_bandwidth(args.bandwidth_iters, args.copy_mib)
     layer = MoE(config, rngs=nnx.Rngs(0))
@@ -167,7 +186,7 @@ def main():
     print("tokens experts | " + " | ".join(f"{d:>20s}" for d in args.dispatches) + " |    floor")
     results = dict(device=device, copy_bandwidth=bandwidth, config=dataclasses.asdict(config), rows=[])
     results.update(experts_format=args.experts_format, expert_bytes=expert_bytes)
-    results.update(iters=args.iters, rounds=args.rounds, tflops=args.tflops)
+    results.update(iters=args.iters, rounds=args.rounds, tflops=args.tflops, blocks=args.blocks)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for tokens in args.tokens:

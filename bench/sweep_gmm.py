@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_decode import random_quantized
-from bench_moe import V4_FLASH_MOE, bytes_per_expert
+from bench_moe import V4_FLASH_MOE, bytes_per_expert, parse_blocks
 from bench_ops import copy_bandwidth, timed
 
 from jax_oc128.nn import grouped_matmul, quant
@@ -47,14 +47,6 @@ DEFAULT_BLOCKS = [
 ]
 
 
-def parse_blocks(text: str) -> grouped_matmul.Blocks:
-    """``n,k,warps,stages`` or ``n,k,warps,stages,swap``."""
-    n, k, warps, stages, *swap = text.split(",")
-    if swap not in ([], ["swap"]):
-        raise ValueError(f"--blocks: n,k,warps,stages[,swap], got {text!r}")
-    return grouped_matmul.Blocks(int(n), int(k), int(warps), int(stages), swap=bool(swap))
-
-
 def tiling_name(blocks: grouped_matmul.Blocks) -> str:
     return ",".join(map(str, blocks[:4])) + (",swap" if blocks.swap else "")
 
@@ -66,10 +58,10 @@ def expert_weights(key, fmt: str, shape):
     return random_quantized(key, fmt=quant.FP4, shape=shape, dtype="bfloat16")
 
 
-def gmm(block_rows, blocks, interpret, x, weights, rows, tile_expert):
-    """:func:`~jax_oc128.nn.grouped_matmul.gmm_pallas` of the layout ``(rows, tile_expert)`` (``block_rows``,
-    ``blocks`` and ``interpret`` static)."""
-    groups = grouped_matmul.Groups(rows, tile_expert, block_rows)
+def gmm(block_rows, blocks, interpret, x, weights, rows, row_pairs, tile_expert):
+    """:func:`~jax_oc128.nn.grouped_matmul.gmm_pallas` of the layout ``(rows, row_pairs, tile_expert)``
+    (``block_rows``, ``blocks`` and ``interpret`` static)."""
+    groups = grouped_matmul.Groups(rows, row_pairs, tile_expert, block_rows)
     return grouped_matmul.gmm_pallas(x, weights, groups, blocks=blocks, interpret=interpret)
 
 
@@ -114,7 +106,7 @@ def main():
                 cells = {}
                 for blocks in tilings:
                     call = jax.jit(functools.partial(gmm, groups.block_rows, blocks, args.interpret))
-                    operands = (x, weights, groups.rows, groups.tile_expert)
+                    operands = (x, weights, *groups[:3])
                     try:
                         compiled = call.lower(*operands).compile()
                         ms = 1e3 * timed(lambda _, c, f=compiled: f(*c), None, operands, args.iters)[0]

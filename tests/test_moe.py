@@ -352,7 +352,15 @@ def test_bench_moe_runs_tiny(tmp_path, experts_format):
     command = [sys.executable, str(bench), *tiny.split(), "--tokens", "1", "5", "--copy-mib", "1"]
     command += ["--dispatches", "dense", "grouped", "--dense-max-tokens", "1", "--out", str(out)]
     if experts_format == FP4:
-        command += ["--experts-format", FP4, "--intermediate", "32"]
+        command += [
+            "--experts-format",
+            FP4,
+            "--intermediate",
+            "32",
+            "--blocks",
+            "16,16,4,3,swap",
+            "64,32,4,3",
+        ]
     subprocess.run(command, check=True, capture_output=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     results = json.loads(out.read_text())
     rows = results["rows"]
@@ -362,3 +370,19 @@ def test_bench_moe_runs_tiny(tmp_path, experts_format):
     float_bytes = 3 * 32 * 16 * 2  # gate, up and down of hidden 32, intermediate 16, bfloat16
     fp4_bytes = 3 * 32 * 32 // 2 + 3 * 32 * 32 // 32  # half a byte a parameter, a scale byte per 32
     assert results["expert_bytes"] == (fp4_bytes if experts_format == FP4 else float_bytes)
+    assert results["blocks"] == (["16,16,4,3,swap", "64,32,4,3"] if experts_format == FP4 else None)
+
+
+def test_sweep_gmm_runs_tiny(tmp_path):
+    """bench/sweep_gmm.py end to end at toy shapes (Pallas interpret mode): a timed cell per matmul and
+    tiling, a tiling Triton could not take recorded as failed rather than ending the sweep."""
+    out = tmp_path / "sweep_gmm.json"
+    bench = pathlib.Path(__file__).resolve().parent.parent / "bench" / "sweep_gmm.py"
+    tiny = "--tokens 4 --experts 8 --hidden 64 --intermediate 32 --top-k 2 --iters 1 --copy-mib 1 --interpret"
+    command = [sys.executable, str(bench), *tiny.split(), "--formats", "fp4", "--out", str(out)]
+    command += ["--blocks", "16,16,4,3,swap", "16,24,4,3"]
+    subprocess.run(command, check=True, capture_output=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["matrix"] for row in rows] == ["gate_up", "down"]
+    for row in rows:
+        assert row["ms"]["16,16,4,3,swap"] > 0 and row["ms"]["16,24,4,3"].startswith("failed: ValueError")
