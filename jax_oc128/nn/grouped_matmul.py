@@ -63,7 +63,7 @@ DEFAULT_BLOCKS = {
     (None, True): Blocks(256, 64, 8, 3),
     (quant.FP8, False): Blocks(128, 128, 8, 3),
     (quant.FP8, True): Blocks(256, 64, 8, 3),
-    (quant.FP4, False): Blocks(128, 64, 4, 3, swap=True),
+    (quant.FP4, False): Blocks(128, 64, 4, 3),
     (quant.FP4, True): Blocks(256, 64, 8, 3),
 }
 
