@@ -108,8 +108,6 @@ def device_kernels(trace_dir, calls: int):
     meta = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e.get("name") in names}
     # kernels: the complete events of a GPU process's stream threads (not its XLA module and op summary lines)
     on_gpu = [e for e in events if e.get("ph") == "X" and "GPU" in meta.get((e["pid"], None), "")]
-    lines = collections.Counter(meta.get((e["pid"], e.get("tid")), "?") for e in on_gpu)
-    print(f"trace {path.name}: GPU lines (events) {dict(lines)}")
     kernels = [e for e in on_gpu if "Stream" in meta.get((e["pid"], e.get("tid")), "")]
     if not kernels:
         return 0.0, 0.0, []
