@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import pathlib
 import sys
@@ -70,6 +71,13 @@ def main():
     parser.add_argument("--formats", nargs="+", choices=["bfloat16", "fp4"], default=["bfloat16", "fp4"])
     parser.add_argument("--tokens", type=int, nargs="+", default=[8, 64, 512, 8192])
     parser.add_argument("--blocks", nargs="+", default=DEFAULT_BLOCKS, help="n,k,warps,stages[,swap] each")
+    parser.add_argument(
+        "--block-rows",
+        type=int,
+        nargs="+",
+        default=[None],
+        help="rows per tile, each in turn (default: the layout's)",
+    )
     parser.add_argument("--experts", type=int, default=V4_FLASH_MOE.num_experts)
     parser.add_argument("--hidden", type=int, default=V4_FLASH_MOE.hidden_size)
     parser.add_argument("--intermediate", type=int, default=V4_FLASH_MOE.intermediate_size)
@@ -93,11 +101,11 @@ def main():
     for fmt in args.formats:
         for name, shape in shapes.items():
             weights = expert_weights(jax.random.key(len(name)), fmt, shape)
-            for tokens in args.tokens:
+            for tokens, block_rows in itertools.product(args.tokens, args.block_rows):
                 key = jax.random.key(tokens)
                 # random picks (a token's may repeat: the layout takes any ids)
                 ids = jax.random.randint(key, (tokens, args.top_k), 0, args.experts)
-                groups = grouped_matmul.group_pairs(ids, args.experts)
+                groups = grouped_matmul.group_pairs(ids, args.experts, block_rows)
                 distinct = len(np.unique(np.asarray(ids)))
                 x = jax.random.normal(key, (groups.num_rows, shape[2]), jnp.float32).astype(jnp.bfloat16)
                 read = distinct * bytes_per_expert(weights)

@@ -157,14 +157,16 @@ def test_limit_clamps():
         assert np.abs(out - oracle).max() < TOL["float32"] * np.abs(oracle).max(), dispatch
 
 
+@pytest.mark.parametrize("block_rows", [None, 16, 64])
 @pytest.mark.parametrize("pairs", [1, 6, 48, 900])
-def test_layout(pairs):
+def test_layout(pairs, block_rows):
     """Each pair has a row of its own in a tile of its expert, within the memory bound, and each row its
     pair (``row_pairs``, the inverse; ``pairs`` for the padding rows); unused tiles are marked -1 and come
-    after the used ones."""
+    after the used ones; with the default tile rows or given ones."""
     rng = np.random.default_rng(pairs)
     ids = rng.integers(0, EXPERTS, pairs) if pairs < 900 else np.full(pairs, 3)
-    groups = grouped_matmul.group_pairs(jnp.asarray(ids, jnp.int32), EXPERTS)
+    groups = grouped_matmul.group_pairs(jnp.asarray(ids, jnp.int32), EXPERTS, block_rows)
+    assert groups.block_rows == (block_rows or grouped_matmul.block_rows_for(pairs, EXPERTS))
     rows, tile_expert = np.asarray(groups.rows), np.asarray(groups.tile_expert)
     assert len(set(rows)) == pairs
     np.testing.assert_array_equal(tile_expert[rows // groups.block_rows], ids)
@@ -271,6 +273,9 @@ def test_fp4_kernel_for_cuda_decodes_by_ptx(dtype, scales, ptx):
 
 
 def test_pallas_kernel_refuses_shapes_and_tilings_it_cannot_take():
+    for block_rows in (8, 48):
+        with pytest.raises(ValueError, match="block_rows: must be a power of two of at least 16"):
+            grouped_matmul.group_pairs(jnp.zeros((4,), jnp.int32), EXPERTS, block_rows)
     groups = grouped_matmul.group_pairs(jnp.zeros((4,), jnp.int32), EXPERTS)
     with pytest.raises(ValueError, match="N \\(the weights' output dimension\\)"):
         grouped_matmul.gmm_pallas(jnp.zeros((groups.num_rows, 64)), jnp.zeros((EXPERTS, 24, 64)), groups)
@@ -380,9 +385,14 @@ def test_sweep_gmm_runs_tiny(tmp_path):
     bench = pathlib.Path(__file__).resolve().parent.parent / "bench" / "sweep_gmm.py"
     tiny = "--tokens 4 --experts 8 --hidden 64 --intermediate 32 --top-k 2 --iters 1 --copy-mib 1 --interpret"
     command = [sys.executable, str(bench), *tiny.split(), "--formats", "fp4", "--out", str(out)]
-    command += ["--blocks", "16,16,4,3,swap", "16,24,4,3"]
+    command += ["--blocks", "16,16,4,3,swap", "16,24,4,3", "--block-rows", "16", "32"]
     subprocess.run(command, check=True, capture_output=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     rows = json.loads(out.read_text())["rows"]
-    assert [row["matrix"] for row in rows] == ["gate_up", "down"]
+    assert [(row["matrix"], row["block_rows"]) for row in rows] == [
+        ("gate_up", 16),
+        ("gate_up", 32),
+        ("down", 16),
+        ("down", 32),
+    ]
     for row in rows:
         assert row["ms"]["16,16,4,3,swap"] > 0 and row["ms"]["16,24,4,3"].startswith("failed: ValueError")

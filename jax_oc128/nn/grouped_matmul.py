@@ -98,13 +98,17 @@ def block_rows_for(pairs: int, experts: int) -> int:
     return min(MAX_BLOCK_ROWS, max(MIN_BLOCK_ROWS, 1 << (mean - 1).bit_length()))
 
 
-def group_pairs(expert_ids, num_experts: int) -> Groups:
-    """The layout of the pairs of ``expert_ids`` (int32 ``[..., k]``). An id outside ``[0, num_experts)``
-    is a pair of no expert here (one of another device's, :func:`~jax_oc128.nn.moe.expert_parallel`): it gets
-    no row (its ``rows`` entry is ``num_rows``, out of range) and no tile."""
+def group_pairs(expert_ids, num_experts: int, block_rows: int | None = None) -> Groups:
+    """The layout of the pairs of ``expert_ids`` (int32 ``[..., k]``) in tiles of ``block_rows`` rows (a
+    power of two of at least 16; default :func:`block_rows_for`). An id outside ``[0, num_experts)`` is a pair
+    of no expert here (one of another device's, :func:`~jax_oc128.nn.moe.expert_parallel`): it gets no row
+    (its ``rows`` entry is ``num_rows``, out of range) and no tile."""
     ids = expert_ids.reshape(-1).astype(jnp.int32)
     pairs = ids.shape[0]
-    block_rows = block_rows_for(pairs, num_experts)
+    if block_rows is None:
+        block_rows = block_rows_for(pairs, num_experts)
+    elif block_rows < MIN_BLOCK_ROWS or block_rows & (block_rows - 1):
+        raise ValueError(f"block_rows: must be a power of two of at least {MIN_BLOCK_ROWS}, got {block_rows}")
     tiles = pairs // block_rows + min(num_experts, pairs)  # >= sum over experts of ceil(rows / block_rows)
     here = (ids >= 0) & (ids < num_experts)
     keys = jnp.where(here, ids, num_experts)  # the pairs of no expert here sort last
