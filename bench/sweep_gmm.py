@@ -2,7 +2,7 @@
 
 For each weight format (``--formats``: ``bfloat16`` experts, ``fp4`` packed e2m1 codes with e8m0 scales as the
 released checkpoints hold them), each ``--tokens`` (top-6 of 256 experts, random routing) and each of the two
-matmuls of an expert (gate/up ``[4096, 4096]``, down ``[4096, 2048]``), times
+matmuls of an expert (gate/up ``[4096, 4096]``, gated as the layer runs it; down ``[4096, 2048]``), times
 :func:`jax_oc128.nn.grouped_matmul.gmm_pallas` under each tiling of ``--blocks`` (``n,k,warps,stages``; ``k``
 counts stored columns: FP4 bytes; ``,swap``: the weights the left operand) and prints the ms per call against
 the floor: the larger of the picked experts' bytes (in their format) over the copy bandwidth measured in the
@@ -59,11 +59,15 @@ def expert_weights(key, fmt: str, shape):
     return random_quantized(key, fmt=quant.FP4, shape=shape, dtype="bfloat16")
 
 
-def gmm(block_rows, blocks, interpret, x, weights, rows, row_pairs, tile_expert):
+def gmm(block_rows, blocks, gated, interpret, x, weights, rows, row_pairs, tile_expert):
     """:func:`~jax_oc128.nn.grouped_matmul.gmm_pallas` of the layout ``(rows, row_pairs, tile_expert)``
-    (``block_rows``, ``blocks`` and ``interpret`` static)."""
+    (``block_rows``, ``blocks``, ``gated`` and ``interpret`` static; gated as the MoE layer runs its
+    gate/up projection, with V4-Flash's SwiGLU limit)."""
     groups = grouped_matmul.Groups(rows, row_pairs, tile_expert, block_rows)
-    return grouped_matmul.gmm_pallas(x, weights, groups, blocks=blocks, interpret=interpret)
+    limit = V4_FLASH_MOE.swiglu_limit
+    return grouped_matmul.gmm_pallas(
+        x, weights, groups, gated=gated, limit=limit, blocks=blocks, interpret=interpret
+    )
 
 
 def main():
@@ -113,7 +117,8 @@ def main():
                 floor_ms = 1e3 * max(read / bandwidth, flops / (args.tflops * 1e12))
                 cells = {}
                 for blocks in tilings:
-                    call = jax.jit(functools.partial(gmm, groups.block_rows, blocks, args.interpret))
+                    gated = name == "gate_up"
+                    call = jax.jit(functools.partial(gmm, groups.block_rows, blocks, gated, args.interpret))
                     operands = (x, weights, *groups[:3])
                     try:
                         compiled = call.lower(*operands).compile()

@@ -8,6 +8,11 @@ an expert with ``r`` rows is read ``ceil(r / block_rows)`` times and an expert n
 tile. The layout holds at most ``pairs + min(experts, pairs) * block_rows`` rows: memory O(tokens x k), never
 O(tokens x experts), and no capacity (every token may pick the same expert).
 
+Gated (``gated=True``, the gate/up projection of an expert): the weights hold each expert's gate and up
+projections stacked (``[experts, 2 * I, K]``) and the result is their SwiGLU gate
+(:func:`~jax_oc128.nn.functional.swiglu_gate`, float32) in x's dtype, ``[rows, I]``: the kernel applies it to
+its float32 accumulators before the store, so that no ``[rows, 2 * I]`` float32 product goes through memory.
+
 Implementations of one computation: :func:`gmm_jnp` (a loop over tiles, every platform), :func:`gmm_pallas`
 (a Pallas kernel, Triton on GPUs, interpret mode elsewhere), a grid over (tiles, output column blocks) in
 which each program reads only its tile's expert's weights, through a weight reader per format: float
@@ -31,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jax_oc128.nn import quant
-from jax_oc128.nn.functional import FULL, linear
+from jax_oc128.nn.functional import FULL, linear, swiglu_gate
 from jax_oc128.nn.quant import QuantizedArray, matrix
 
 MIN_BLOCK_ROWS, MAX_BLOCK_ROWS = 16, 128  # 16: the smallest tensor-core matmul Triton emits
@@ -39,7 +44,8 @@ MIN_BLOCK = 16  # the smallest block of output columns or of the stored reductio
 
 
 class Blocks(NamedTuple):
-    """The tiling of :func:`gmm_pallas`: each program's ``n`` output columns, ``k`` stored columns of the
+    """The tiling of :func:`gmm_pallas`: each program's ``n`` columns of the product (gated: ``n / 2`` of the
+    gate's and the same of the up projection's, the same matmul work), ``k`` stored columns of the
     reduction per step (FP4: bytes, two columns each), both powers of two (the largest power of two up to
     them that divides the shape is taken), Triton's ``num_warps`` and ``num_stages``, and ``swap``: the
     weight tile as the matmul's left operand (``[n, k] x [k, rows]``, the block transposed at its store),
@@ -130,39 +136,50 @@ def group_pairs(expert_ids, num_experts: int, block_rows: int | None = None) -> 
     return Groups(rows, row_pairs, jnp.where(tile < tile_end[-1], tile_expert, -1), block_rows)
 
 
-def gmm_jnp(x, weights, groups: Groups):
+def gate(product, dtype, limit):
+    """The gated result of a ``[rows, 2 * I]`` float32 gate/up ``product``: its SwiGLU gate (``limit``: the
+    SwiGLU limit or None) in ``dtype``, ``[rows, I]``."""
+    i = product.shape[-1] // 2
+    return swiglu_gate(product[..., :i], product[..., i:], limit).astype(dtype)
+
+
+def gmm_jnp(x, weights, groups: Groups, *, gated: bool = False, limit: float | None = None):
     """``x`` ``[rows, K]`` (the padded layout, in the weights' dtype) by each tile's expert of ``weights``
     ``[experts, N, K]`` (``[out, in]`` per expert; a quantized one's tile's expert dequantized, read once per
     tile) -> float32 ``[rows, N]``: a loop over the tiles, each one matmul of its rows by its expert's weights
-    (accumulated in float32; full float32 for float32 weights). The rows of unused tiles are zero."""
-    n = weights.shape[1]
+    (accumulated in float32; full float32 for float32 weights). ``gated``: each tile's product gated
+    (:func:`gate`, ``limit``) -> ``[rows, N / 2]`` in x's dtype. The rows of unused tiles are zero."""
+    n = weights.shape[1] // 2 if gated else weights.shape[1]
+    dtype = x.dtype if gated else jnp.float32
     tiles = x.reshape(-1, groups.block_rows, x.shape[1])
 
     def tile(args):
         rows, expert = args
-        return jax.lax.cond(
-            expert >= 0,
-            lambda: linear(rows, weights[jnp.maximum(expert, 0)]),
-            lambda: jnp.zeros((groups.block_rows, n), jnp.float32),
-        )
+
+        def product():
+            out = linear(rows, weights[jnp.maximum(expert, 0)])
+            return gate(out, dtype, limit) if gated else out
+
+        return jax.lax.cond(expert >= 0, product, lambda: jnp.zeros((groups.block_rows, n), dtype))
 
     return jax.lax.map(tile, (tiles, groups.tile_expert)).reshape(-1, n)
 
 
-def gmm_ragged_dot(x, weights, groups: Groups):
+def gmm_ragged_dot(x, weights, groups: Groups, *, gated: bool = False, limit: float | None = None):
     """:func:`gmm_jnp` by XLA's ``jax.lax.ragged_dot_general`` (each expert's group: its tiles' rows, padding
     included), however XLA lowers it (a grouped matmul on TPUs; on GPUs a dense matmul over group-masked
-    operands, every expert's FLOPs; quantized weights dequantized whole). The rows of unused tiles (past every
-    group) are zero."""
+    operands, every expert's FLOPs; quantized weights dequantized whole), gated after it. The rows of unused
+    tiles (past every group) are zero."""
     weights = matrix(weights)
     used = jnp.where(groups.tile_expert >= 0, groups.tile_expert, weights.shape[0])
     group_sizes = jnp.bincount(used, length=weights.shape[0]) * groups.block_rows
     numbers = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
     )
-    return jax.lax.ragged_dot_general(
+    out = jax.lax.ragged_dot_general(
         x, weights, group_sizes.astype(jnp.int32), numbers, precision=FULL, preferred_element_type=jnp.float32
     )
+    return gate(out, x.dtype, limit) if gated else out
 
 
 def read_weight_tile(weights_ref, expert, rows, cols):
@@ -300,17 +317,29 @@ def _stored_width(weights) -> int:
     return (weights.codes if isinstance(weights, QuantizedArray) else weights).shape[-1]
 
 
-def pallas_fits(x, weights) -> bool:
-    """Whether :func:`gmm_pallas` takes these shapes (N and K multiples of 16; FP4: K of 32)."""
-    return weights.shape[1] % MIN_BLOCK == 0 and _stored_width(weights) % MIN_BLOCK == 0
+def pallas_fits(x, weights, *, gated: bool = False) -> bool:
+    """Whether :func:`gmm_pallas` takes these shapes (N, gated N / 2, and K multiples of 16; FP4: K of 32)."""
+    n = weights.shape[1] // (1 + gated)
+    return n % MIN_BLOCK == 0 and _stored_width(weights) % MIN_BLOCK == 0
 
 
-def gmm_pallas(x, weights, groups: Groups, *, blocks: Blocks | None = None, interpret: bool = False):
+def gmm_pallas(
+    x,
+    weights,
+    groups: Groups,
+    *,
+    gated: bool = False,
+    limit: float | None = None,
+    blocks: Blocks | None = None,
+    interpret: bool = False,
+):
     """:func:`gmm_jnp` as a Pallas kernel (Triton on GPUs; ``interpret=True`` runs it anywhere).
 
     A grid over (tiles, N / block_n): program ``(t, j)`` computes the ``[block_rows, block_n]`` block of tile
     ``t`` against columns ``j * block_n`` of tile ``t``'s expert, looping over K in ``block_k`` steps; the
-    programs of unused tiles return at once (their rows are left unwritten: no pair maps to them). A weight
+    programs of unused tiles return at once (their rows are left unwritten: no pair maps to them). Gated, the
+    grid is over (tiles, N / 2 / block_n) and program ``(t, j)`` accumulates columns ``j * block_n`` of the
+    gate and of the up projection (``N / 2`` further) on the same rows and stores their gate. A weight
     reader loads the step's weight tiles, ``[block_n, block_k]`` (FP8: in reads of one 128-column scale group
     at most): :func:`read_weight_tile` (float weights), :func:`read_fp8_tile` and :func:`read_fp4_tiles` (a
     :class:`~jax_oc128.nn.quant.QuantizedArray`, the tile dequantized in registers by
@@ -320,12 +349,18 @@ def gmm_pallas(x, weights, groups: Groups, *, blocks: Blocks | None = None, inte
     ``blocks`` is the tiling (default :func:`default_blocks`). N and the stored width (K; FP4: K / 2 bytes)
     must be multiples of 16."""
     x_parts, arrays, read, span = _operands(x, weights, triton=not interpret)
-    n, width = weights.shape[1], x_parts[0].shape[1]
+    n, width = weights.shape[1] // (1 + gated), x_parts[0].shape[1]
     blocks = blocks or default_blocks(weights, groups.block_rows)
-    for name, value in (("blocks.n", blocks.n), ("blocks.k", blocks.k)):
-        if value < MIN_BLOCK or value & (value - 1):
-            raise ValueError(f"{name}: must be a power of two of at least {MIN_BLOCK}, got {value}")
-    block_n = _block(n, blocks.n, "N (the weights' output dimension)")
+    for name, value, least in (
+        ("blocks.n", blocks.n, MIN_BLOCK * (1 + gated)),
+        ("blocks.k", blocks.k, MIN_BLOCK),
+    ):
+        if value < least or value & (value - 1):
+            raise ValueError(f"{name}: must be a power of two of at least {least}, got {value}")
+    n_name = (
+        "N / 2 (each of the gate's and the up projection's outputs)" if gated else "N (the weights' outputs)"
+    )
+    block_n = _block(n, blocks.n // (1 + gated), n_name)
     block_k = _block(width, blocks.k, "K (the rows' width; FP4: K / 2)")
     read_k = min(block_k, span or block_k)  # the blocks and the scale groups are powers of two
     block_rows, num_k, parts = groups.block_rows, width // block_k, len(x_parts)
@@ -335,25 +370,39 @@ def gmm_pallas(x, weights, groups: Groups, *, blocks: Blocks | None = None, inte
         tile, col = pl.program_id(0), pl.program_id(1)
         expert = tile_expert_ref[tile]
         rows = pl.ds(tile * block_rows, block_rows)
+        # each accumulator's weight rows: the block's columns (gated: the gate's and the up projection's)
+        weight_rows = [pl.ds(col * block_n + part * n, block_n) for part in range(1 + gated)]
         dims = (((1,), (1,)), ((), ()))  # x @ weights.T (swapped: weights @ x.T)
 
         @pl.when(expert >= 0)
         def _():
-            def step(kb, acc):
+            def step(kb, accs):
                 for r in range(block_k // read_k):
                     cols = pl.ds(pl.multiple_of(kb * block_k + r * read_k, read_k), read_k)
-                    tiles = read(*weight_refs, expert, pl.ds(col * block_n, block_n), cols)
-                    for x_ref, ws in zip(x_refs, tiles, strict=True):
-                        xs = x_ref[rows, cols]
-                        pair = (ws.astype(xs.dtype), xs) if blocks.swap else (xs, ws.astype(xs.dtype))
-                        acc += jax.lax.dot_general(
-                            *pair, dims, precision=FULL, preferred_element_type=jnp.float32
-                        )
-                return acc
+                    xs = [x_ref[rows, cols] for x_ref in x_refs]
+                    accs = [
+                        acc + product(read(*weight_refs, expert, out_rows, cols), xs)
+                        for acc, out_rows in zip(accs, weight_rows, strict=True)
+                    ]
+                return accs
+
+            def product(tiles, xs):
+                total = 0
+                for ws, x_part in zip(tiles, xs, strict=True):
+                    pair = (
+                        (ws.astype(x_part.dtype), x_part)
+                        if blocks.swap
+                        else (x_part, ws.astype(x_part.dtype))
+                    )
+                    total += jax.lax.dot_general(
+                        *pair, dims, precision=FULL, preferred_element_type=jnp.float32
+                    )
+                return total
 
             shape = (block_n, block_rows) if blocks.swap else (block_rows, block_n)
-            block = jax.lax.fori_loop(0, num_k, step, jnp.zeros(shape, jnp.float32))
-            out_ref[...] = block.T if blocks.swap else block
+            accs = jax.lax.fori_loop(0, num_k, step, [jnp.zeros(shape, jnp.float32)] * len(weight_rows))
+            accs = [acc.T if blocks.swap else acc for acc in accs]
+            out_ref[...] = swiglu_gate(*accs, limit).astype(out_ref.dtype) if gated else accs[0]
 
     whole = pl.BlockSpec()  # the whole array, indexed in the kernel
     return pl.pallas_call(
@@ -361,28 +410,28 @@ def gmm_pallas(x, weights, groups: Groups, *, blocks: Blocks | None = None, inte
         grid=(groups.tile_expert.shape[0], n // block_n),
         in_specs=[whole] * (1 + parts + len(arrays)),
         out_specs=pl.BlockSpec((block_rows, block_n), lambda tile, col: (tile, col)),
-        out_shape=jax.ShapeDtypeStruct((groups.num_rows, n), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((groups.num_rows, n), x.dtype if gated else jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
     )(groups.tile_expert, *x_parts, *arrays)
 
 
-def _per_platform(x, weights, groups: Groups, cuda, default):
-    """``cuda(x, weights, groups)`` when lowered for CUDA, ``default(...)`` on every other platform."""
+def _per_platform(cuda, default, *args, **kwargs):
+    """``cuda(*args, **kwargs)`` when lowered for CUDA, ``default(...)`` on every other platform."""
     return jax.lax.platform_dependent(
-        cuda=lambda: cuda(x, weights, groups), default=lambda: default(x, weights, groups)
+        cuda=lambda: cuda(*args, **kwargs), default=lambda: default(*args, **kwargs)
     )
 
 
-def gmm(x, weights, groups: Groups):
+def gmm(x, weights, groups: Groups, *, gated: bool = False, limit: float | None = None):
     """The grouped matmul of the lowering platform: :func:`gmm_pallas` on CUDA (float or quantized weights,
     for the shapes it takes, :func:`pallas_fits`), :func:`gmm_jnp` elsewhere."""
-    if not pallas_fits(x, weights):
-        return gmm_jnp(x, weights, groups)
-    return _per_platform(x, weights, groups, gmm_pallas, gmm_jnp)
+    if not pallas_fits(x, weights, gated=gated):
+        return gmm_jnp(x, weights, groups, gated=gated, limit=limit)
+    return _per_platform(gmm_pallas, gmm_jnp, x, weights, groups, gated=gated, limit=limit)
 
 
-def gmm_pallas_anywhere(x, weights, groups: Groups):
+def gmm_pallas_anywhere(x, weights, groups: Groups, *, gated: bool = False, limit: float | None = None):
     """:func:`gmm_pallas` on every platform: compiled by Triton on CUDA, in interpret mode elsewhere."""
     interpreted = functools.partial(gmm_pallas, interpret=True)
-    return _per_platform(x, weights, groups, gmm_pallas, interpreted)
+    return _per_platform(gmm_pallas, interpreted, x, weights, groups, gated=gated, limit=limit)

@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jax_oc128.nn import grouped_matmul
-from jax_oc128.nn.functional import FULL, linear, normal_param, param, swiglu, swiglu_gate, zeros_param
+from jax_oc128.nn.functional import FULL, linear, normal_param, param, swiglu, zeros_param
 from jax_oc128.nn.sharding import MODEL
 
 MOE, HASH_MOE = "moe", "hash_moe"
@@ -127,17 +127,17 @@ def dense(x, expert_ids, weights, gate_up, down, limit):
 def grouped(x, expert_ids, weights, gate_up, down, limit, *, matmul=grouped_matmul.gmm):
     """:func:`dense`'s result from the picked experts only: the (token, expert) pairs laid out by expert
     (:func:`~jax_oc128.nn.grouped_matmul.group_pairs`), each tile's expert's gate/up and down projections
-    applied to its rows by ``matmul`` (a grouped matmul of :mod:`~jax_oc128.nn.grouped_matmul`), each pair's
-    output gathered back and the token's k outputs summed weighted (a pair whose id is not in ``[0,
-    experts)`` adds 0: another device's, :func:`expert_parallel`). Arguments and result as :func:`dense`."""
+    applied to its rows by ``matmul`` (a grouped matmul of :mod:`~jax_oc128.nn.grouped_matmul`, the gate/up
+    projection gated in it), each pair's output gathered back and the token's k outputs summed weighted (a
+    pair whose id is not in ``[0, experts)`` adds 0: another device's, :func:`expert_parallel`). Arguments and
+    result as :func:`dense`."""
     *lead, hidden = x.shape
-    k, i = expert_ids.shape[-1], down.shape[2]
+    k = expert_ids.shape[-1]
     groups = grouped_matmul.group_pairs(expert_ids, gate_up.shape[0])
     # each row its pair's token (a gather: XLA's scatter of whole rows is several times slower), 0 for padding
     token_x = x.reshape(-1, hidden).astype(gate_up.dtype)
     rows = token_x.at[groups.row_pairs // k].get(mode="fill", fill_value=0)  # [rows, hidden]
-    projected = matmul(rows, gate_up, groups)  # [rows, 2 * intermediate]
-    gated = swiglu_gate(projected[:, :i], projected[:, i:], limit).astype(down.dtype)
+    gated = matmul(rows, gate_up, groups, gated=True, limit=limit)  # [rows, intermediate]
     out = matmul(gated, down, groups).at[groups.rows].get(mode="fill", fill_value=0)  # 0: no expert here
     pair_out = out.reshape(*lead, k, hidden)
     return jnp.einsum("...k,...kd->...d", weights, pair_out, precision=FULL)
