@@ -380,24 +380,17 @@ def gmm_pallas(
                 for r in range(block_k // read_k):
                     cols = pl.ds(pl.multiple_of(kb * block_k + r * read_k, read_k), read_k)
                     xs = [x_ref[rows, cols] for x_ref in x_refs]
-                    accs = [
-                        acc + product(read(*weight_refs, expert, out_rows, cols), xs)
-                        for acc, out_rows in zip(accs, weight_rows, strict=True)
-                    ]
+                    for a, out_rows in enumerate(weight_rows):
+                        tiles = read(*weight_refs, expert, out_rows, cols)
+                        for ws, x_part in zip(tiles, xs, strict=True):
+                            ws = ws.astype(x_part.dtype)
+                            pair = (ws, x_part) if blocks.swap else (x_part, ws)
+                            # each product added to its accumulator as it comes (Triton folds the add into
+                            # the tensor-core instruction; a sum of products first would hold a second tile)
+                            accs[a] += jax.lax.dot_general(
+                                *pair, dims, precision=FULL, preferred_element_type=jnp.float32
+                            )
                 return accs
-
-            def product(tiles, xs):
-                total = 0
-                for ws, x_part in zip(tiles, xs, strict=True):
-                    pair = (
-                        (ws.astype(x_part.dtype), x_part)
-                        if blocks.swap
-                        else (x_part, ws.astype(x_part.dtype))
-                    )
-                    total += jax.lax.dot_general(
-                        *pair, dims, precision=FULL, preferred_element_type=jnp.float32
-                    )
-                return total
 
             shape = (block_n, block_rows) if blocks.swap else (block_rows, block_n)
             accs = jax.lax.fori_loop(0, num_k, step, [jnp.zeros(shape, jnp.float32)] * len(weight_rows))
