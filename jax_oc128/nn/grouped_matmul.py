@@ -63,15 +63,15 @@ LARGE_TILE = 64  # tiles of at least these rows (prefill-sized batches) take the
 #: the tiling by (weights' format: None for float weights, quant.FP8, quant.FP4; large tiles): the fastest of
 #: bench/sweep_gmm.py on the H200 at DeepSeek-V4-Flash's expert shapes over both matmuls of an expert, at 8
 #: and 512 tokens (tiles of 16 rows) and 8192 (128 rows) (bench/RESULTS.md section 9; FP4 with its PTX
-#: decoder: the fastest at 8 tokens, and over 2048 and 8192 tokens for large tiles); FP8 takes the float
-#: tilings (not swept)
+#: decoder: the fastest at 8 tokens, and over 2048 and 8192 tokens for large tiles with the gate/up gated);
+#: FP8 takes the float tilings (not swept)
 DEFAULT_BLOCKS = {
     (None, False): Blocks(128, 128, 8, 3),
     (None, True): Blocks(256, 64, 8, 3),
     (quant.FP8, False): Blocks(128, 128, 8, 3),
     (quant.FP8, True): Blocks(256, 64, 8, 3),
     (quant.FP4, False): Blocks(128, 64, 4, 3),
-    (quant.FP4, True): Blocks(256, 64, 8, 3, swap=True),
+    (quant.FP4, True): Blocks(128, 64, 4, 3, swap=True),
 }
 
 
