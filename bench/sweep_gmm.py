@@ -10,6 +10,8 @@ same run and their FLOPs at ``--tflops``. A tiling Triton cannot compile (shared
 failed. The defaults the kernel takes (``grouped_matmul.DEFAULT_BLOCKS``) come from this sweep.
 
 Usage (H200): python bench/sweep_gmm.py --out bench/results/sweep_gmm.json
+Profile (H200; ``--once``: each cell called once, untimed): ncu -k regex:kernel --section SpeedOfLight
+    python bench/sweep_gmm.py --formats fp4 --tokens 8 --blocks 128,64,4,3 --once --out /tmp/sweep_gmm.json
 CPU smoke test (interpret mode): python bench/sweep_gmm.py --tokens 8 --experts 8 --hidden 64
     --intermediate 32 --blocks 16,16,4,3 --iters 1 --copy-mib 8 --interpret --out /tmp/sweep_gmm.json
 """
@@ -90,6 +92,7 @@ def main():
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--copy-mib", type=int, default=2048)
     parser.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU smoke test)")
+    parser.add_argument("--once", action="store_true", help="call each cell once, untimed (under a profiler)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     tilings = [parse_blocks(b) for b in args.blocks]
@@ -122,6 +125,10 @@ def main():
                     operands = (x, weights, *groups[:3])
                     try:
                         compiled = call.lower(*operands).compile()
+                        if args.once:
+                            jax.block_until_ready(compiled(*operands))
+                            cells[tiling_name(blocks)] = "called once"
+                            continue
                         ms = 1e3 * timed(lambda _, c, f=compiled: f(*c), None, operands, args.iters)[0]
                         cells[tiling_name(blocks)] = ms
                     except Exception as error:  # a tiling past the shared memory: recorded, the sweep goes on
@@ -135,7 +142,9 @@ def main():
                 timed_cells = {b: v for b, v in cells.items() if isinstance(v, float)}
                 best = min(timed_cells, key=timed_cells.get) if timed_cells else None
                 text = "  ".join(
-                    f"{b}: {v:.3f} ({v / floor_ms:.2f}x)" if isinstance(v, float) else f"{b}: failed"
+                    f"{b}: {v:.3f} ({v / floor_ms:.2f}x)"
+                    if isinstance(v, float)
+                    else f"{b}: {v.split(':')[0]}"
                     for b, v in cells.items()
                 )
                 print(

@@ -14,7 +14,7 @@ projections stacked (``[experts, 2 * I, K]``) and the result is their SwiGLU gat
 its float32 accumulators before the store, so that no ``[rows, 2 * I]`` float32 product goes through memory.
 
 Implementations of one computation: :func:`gmm_jnp` (a loop over tiles, every platform), :func:`gmm_pallas`
-(a Pallas kernel, Triton on GPUs, interpret mode elsewhere), a grid over (tiles, output column blocks) in
+(a Pallas kernel, Triton on GPUs, interpret mode elsewhere), a grid over (output column blocks, tiles) in
 which each program reads only its tile's expert's weights, through a weight reader per format: float
 weights as they are (:func:`read_weight_tile`), quantized ones (:class:`~jax_oc128.nn.quant.QuantizedArray`:
 FP8 codes, FP4 packed codes, their per-row e8m0 or float32 scales) dequantized in registers
@@ -61,15 +61,14 @@ class Blocks(NamedTuple):
 
 LARGE_TILE = 64  # tiles of at least these rows (prefill-sized batches) take the second tiling below
 #: the tiling by (weights' format: None for float weights, quant.FP8, quant.FP4; large tiles): the fastest of
-#: bench/sweep_gmm.py on the H200 at DeepSeek-V4-Flash's expert shapes over both matmuls of an expert, at 8
-#: and 512 tokens (tiles of 16 rows) and 8192 (128 rows) (bench/RESULTS.md section 9; FP4 with its PTX
-#: decoder: the fastest at 8 tokens, and over 2048 and 8192 tokens for large tiles with the gate/up gated);
-#: FP8 takes the float tilings (not swept)
+#: bench/sweep_gmm.py on the H200 at DeepSeek-V4-Flash's expert shapes over both matmuls of an expert (the
+#: gate/up gated), at 8 and 512 tokens (tiles of 16 rows), and at 2048 and 8192 (64 and 128 rows) for large
+#: tiles (bench/RESULTS.md section 9); FP8 takes the float tilings (not swept)
 DEFAULT_BLOCKS = {
     (None, False): Blocks(128, 128, 8, 3),
-    (None, True): Blocks(256, 64, 8, 3),
+    (None, True): Blocks(128, 64, 4, 3, swap=True),
     (quant.FP8, False): Blocks(128, 128, 8, 3),
-    (quant.FP8, True): Blocks(256, 64, 8, 3),
+    (quant.FP8, True): Blocks(128, 64, 4, 3, swap=True),
     (quant.FP4, False): Blocks(128, 64, 4, 3),
     (quant.FP4, True): Blocks(128, 64, 4, 3, swap=True),
 }
@@ -98,6 +97,12 @@ class Groups(NamedTuple):
         return self.tile_expert.shape[0] * self.block_rows
 
 
+def _check_power_of_two(name: str, value: int, least: int) -> None:
+    """A ValueError naming ``name`` unless ``value`` is a power of two of at least ``least``."""
+    if value < least or value & (value - 1):
+        raise ValueError(f"{name}: must be a power of two of at least {least}, got {value}")
+
+
 def block_rows_for(pairs: int, experts: int) -> int:
     """Rows per tile: the mean rows per expert rounded up to a power of two, within [16, 128]."""
     mean = -(-pairs // experts)
@@ -113,8 +118,8 @@ def group_pairs(expert_ids, num_experts: int, block_rows: int | None = None) -> 
     pairs = ids.shape[0]
     if block_rows is None:
         block_rows = block_rows_for(pairs, num_experts)
-    elif block_rows < MIN_BLOCK_ROWS or block_rows & (block_rows - 1):
-        raise ValueError(f"block_rows: must be a power of two of at least {MIN_BLOCK_ROWS}, got {block_rows}")
+    else:
+        _check_power_of_two("block_rows", block_rows, MIN_BLOCK_ROWS)
     tiles = pairs // block_rows + min(num_experts, pairs)  # >= sum over experts of ceil(rows / block_rows)
     here = (ids >= 0) & (ids < num_experts)
     keys = jnp.where(here, ids, num_experts)  # the pairs of no expert here sort last
@@ -203,8 +208,9 @@ def read_fp4_tiles(codes_ref, scales_ref, expert, rows, cols, *, ptx: bool = Fal
     columns ``cols`` (the weights' even and odd columns) times their row's scales (exact), against x's even
     and odd columns: float32 by :mod:`~jax_oc128.nn.quant`'s decoders, or with ``ptx`` (Triton, e8m0 scales)
     bfloat16 by :func:`fp4_bf16_ptx`, the same values. ``cols`` spans whole 16-byte (32-column) scale groups:
-    the codes and their ``block_k / 16`` scales are read in one load each, the scales broadcast over their
-    groups' bytes (a byte's two codes share a group)."""
+    the codes and their ``block_k / 16`` scales are read in one load each, the scales (with ``ptx`` their
+    :func:`bf16_scales`, taken on the small tile) broadcast over their groups' bytes (a byte's two codes
+    share a group)."""
     per_scale = quant.GROUP[quant.FP4] // 2  # bytes per scale
     groups = cols.size // per_scale
     scales = scales_ref[expert, rows, pl.ds(jax.lax.div(cols.start, per_scale), groups)]
@@ -215,45 +221,45 @@ def read_fp4_tiles(codes_ref, scales_ref, expert, rows, cols, *, ptx: bool = Fal
 
     codes = codes_ref[expert, rows, cols]
     if ptx:
-        return fp4_bf16_ptx(codes, per_byte(scales))
+        return fp4_bf16_ptx(codes, per_byte(bf16_scales(scales)))
     scales = per_byte(quant.scale_values(scales))
     low, high = quant.nibbles(codes)
     return quant.e2m1_code_values(low) * scales, quant.e2m1_code_values(high) * scales
 
 
+def bf16_scales(exponents):
+    """bfloat16 scales 2^(e - 127) of e8m0 exponents ``e`` (uint8, any shape, each in
+    ``quant.EXPONENTS[FP4]``, so normal), built as bfloat16 bits ``e << 7``."""
+    return jax.lax.bitcast_convert_type((exponents.astype(jnp.int32) << 7).astype(jnp.uint16), jnp.bfloat16)
+
+
 def _fp4_bf16_ptx(nibbles: str) -> str:
-    """PTX of one call of :func:`fp4_bf16_ptx`: four packed bytes ($2) and their four e8m0 exponents ($3)
-    -> the bfloat16 values of their ``nibbles`` (``"low"`` or ``"high"``) codes, in pairs ($0: bytes 0 and
-    1, $1: bytes 2 and 3). The four codes become the selector nibbles of ``prmt``; each magnitude's two
-    bfloat16 bytes are looked up in two 8-byte tables (0, 0.5, 1, 1.5, 2, 3, 4, 6: high bytes 00 3F 3F 3F 40
-    40 40 40, low bytes 00 00 80 C0 00 40 80 C0); the sign comes from ``prmt``'s sign-replicating mode (a
-    code's bit 3 turns a table byte 0x80 into 0xFF, whose bit 6, shifted to 7, is the sign); the bytes are
-    interleaved into the pairs, each pair times 2^(e - 127) (bfloat16 bits ``e << 7``) by one
-    ``fma.rn.bf16x2``: exact (a power of two; the loader keeps every value normal). The operands are read
-    into registers first and the outputs written last (an output may share an input's register)."""
-    shift = "0" if nibbles == "low" else "4"
+    """PTX of one call of :func:`fp4_bf16_ptx`: four packed bytes ($2) and their bfloat16 scales in pairs
+    ($3: bytes 0 and 1, $4: bytes 2 and 3) -> the bfloat16 values of their ``nibbles`` (``"low"`` or
+    ``"high"``) codes, in pairs ($0, $1). An e2m1 code ``s e1 e0 m`` read as the bfloat16 bits ``s`` (15),
+    ``e1 e0`` (the exponent's low bits, 8-7) and ``m`` (the mantissa's first, 6) is its value times 2^-126,
+    the subnormal codes included (0.5: the bfloat16 subnormal 2^-127): a multiply by 2^126 makes the value
+    and one by the scale the weight, both exact (powers of two; the loader keeps every weight normal). Each
+    ``prmt`` puts two bytes at bits 8-15 and 24-31 of a pair, so that their high nibbles lie at 12-15 and
+    28-31 (the low nibbles there after a shift by 4): the sign bits stay and the magnitudes shift by 6 to
+    bits 6-8 (``and`` keeps them, ``lop3`` joins the signs). 3-3.5 instructions a value. The outputs are
+    written last (an output may share an input's register)."""
+    shift = "shl.b32 q0, q0, 4;\nshl.b32 q1, q1, 4;\n" if nibbles == "low" else ""
     return f"""{{
-.reg .b32 t, u, c, m, lo, hi, sgn, v0, v1, s0, s1, zero;
-shr.b32 t, $2, {shift};
-and.b32 t, t, 0x0F0F0F0F;
-shr.b32 u, t, 4;
-or.b32 t, t, u;
-prmt.b32 c, t, 0, 0x0020;
-and.b32 m, c, 0x7777;
-prmt.b32 lo, 0xC0800000, 0xC0804000, m;
-prmt.b32 hi, 0x3F3F3F00, 0x40404040, m;
-prmt.b32 sgn, 0x80808080, 0x80808080, c;
-shl.b32 sgn, sgn, 1;
-lop3.b32 hi, hi, sgn, 0x80808080, 0xF8;
-prmt.b32 v0, lo, hi, 0x5140;
-prmt.b32 v1, lo, hi, 0x7362;
-prmt.b32 s0, $3, 0, 0x4140;
-prmt.b32 s1, $3, 0, 0x4342;
-shl.b32 s0, s0, 7;
-shl.b32 s1, s1, 7;
-mov.b32 zero, 0x80008000;
-fma.rn.bf16x2 $0, v0, s0, zero;
-fma.rn.bf16x2 $1, v1, s1, zero;
+.reg .b32 q0, q1, t0, t1, k;
+mov.b32 k, 0x7E807E80;
+prmt.b32 q0, $2, 0, 0x1404;
+prmt.b32 q1, $2, 0, 0x3424;
+{shift}shr.b32 t0, q0, 6;
+shr.b32 t1, q1, 6;
+and.b32 t0, t0, 0x01C001C0;
+and.b32 t1, t1, 0x01C001C0;
+lop3.b32 t0, q0, 0x80008000, t0, 0xEA;
+lop3.b32 t1, q1, 0x80008000, t1, 0xEA;
+mul.rn.bf16x2 t0, t0, k;
+mul.rn.bf16x2 t1, t1, k;
+mul.rn.bf16x2 $0, t0, $3;
+mul.rn.bf16x2 $1, t1, $4;
 }}"""
 
 
@@ -261,17 +267,17 @@ fma.rn.bf16x2 $1, v1, s1, zero;
 FP4_BF16_PTX = {nibbles: _fp4_bf16_ptx(nibbles) for nibbles in ("low", "high")}
 
 
-def fp4_bf16_ptx(codes, exponents):
+def fp4_bf16_ptx(codes, scales):
     """``(low, high)``: bfloat16 values of the low and the high nibbles of packed e2m1 codes (uint8, any
-    shape) times 2^(e - 127) of their e8m0 exponents (uint8, the same shape), :func:`read_fp4_tiles`'s
-    values, in a Triton kernel only (:data:`FP4_BF16_PTX`, about 5 instructions a value against quant's
-    float32 decoding's 17; one call per nibble, as Pallas lowers an inline assembly of one result only)."""
+    shape) times their scales (:func:`bf16_scales`, bfloat16, the same shape):
+    :func:`read_fp4_tiles`'s values, in a Triton kernel only (:data:`FP4_BF16_PTX`; one call per nibble, as
+    Pallas lowers an inline assembly of one result only)."""
     values = jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)
     return tuple(
         pltriton.elementwise_inline_asm(
             FP4_BF16_PTX[nibbles],
-            args=[codes, exponents],
-            constraints="=r,=r,r,r",
+            args=[codes, scales],
+            constraints="=r,=r,r,r,r",
             pack=4,
             result_shape_dtypes=[values],
         )[0]
@@ -312,15 +318,16 @@ def _block(size: int, preferred: int, name: str) -> int:
     raise ValueError(f"{name}: the Pallas grouped matmul needs a multiple of {MIN_BLOCK}, got {size}")
 
 
-def _stored_width(weights) -> int:
-    """The width of the weights' stored rows (K; FP4: K / 2 bytes), the width of :func:`_operands`' parts."""
-    return (weights.codes if isinstance(weights, QuantizedArray) else weights).shape[-1]
+def _widths(weights, gated: bool) -> tuple[int, int]:
+    """``(n, width)``: the columns of the result (N; gated: N / 2, each of the gate's and the up projection's)
+    and the width of the weights' stored rows (K; FP4: K / 2 bytes), the width of :func:`_operands`' parts."""
+    stored = weights.codes if isinstance(weights, QuantizedArray) else weights
+    return stored.shape[1] // (1 + gated), stored.shape[-1]
 
 
 def pallas_fits(x, weights, *, gated: bool = False) -> bool:
     """Whether :func:`gmm_pallas` takes these shapes (N, gated N / 2, and K multiples of 16; FP4: K of 32)."""
-    n = weights.shape[1] // (1 + gated)
-    return n % MIN_BLOCK == 0 and _stored_width(weights) % MIN_BLOCK == 0
+    return all(size % MIN_BLOCK == 0 for size in _widths(weights, gated))
 
 
 def gmm_pallas(
@@ -335,10 +342,13 @@ def gmm_pallas(
 ):
     """:func:`gmm_jnp` as a Pallas kernel (Triton on GPUs; ``interpret=True`` runs it anywhere).
 
-    A grid over (tiles, N / block_n): program ``(t, j)`` computes the ``[block_rows, block_n]`` block of tile
+    A grid over (N / block_n, tiles): program ``(j, t)`` computes the ``[block_rows, block_n]`` block of tile
     ``t`` against columns ``j * block_n`` of tile ``t``'s expert, looping over K in ``block_k`` steps; the
-    programs of unused tiles return at once (their rows are left unwritten: no pair maps to them). Gated, the
-    grid is over (tiles, N / 2 / block_n) and program ``(t, j)`` accumulates columns ``j * block_n`` of the
+    programs of unused tiles return at once (their rows are left unwritten: no pair maps to them). The column
+    blocks are the grid's fastest axis, so that the programs of a tile run together and read its rows from
+    memory once, sharing them through L2 (with the tiles fastest, every column block re-read every tile's
+    rows from memory: at prefill sizes more bytes than the weights). Gated, the grid is over (N / 2 /
+    block_n, tiles) and program ``(j, t)`` accumulates columns ``j * block_n`` of the
     gate and of the up projection (``N / 2`` further) on the same rows and stores their gate. A weight
     reader loads the step's weight tiles, ``[block_n, block_k]`` (FP8: in reads of one 128-column scale group
     at most): :func:`read_weight_tile` (float weights), :func:`read_fp8_tile` and :func:`read_fp4_tiles` (a
@@ -349,14 +359,10 @@ def gmm_pallas(
     ``blocks`` is the tiling (default :func:`default_blocks`). N and the stored width (K; FP4: K / 2 bytes)
     must be multiples of 16."""
     x_parts, arrays, read, span = _operands(x, weights, triton=not interpret)
-    n, width = weights.shape[1] // (1 + gated), x_parts[0].shape[1]
+    n, width = _widths(weights, gated)
     blocks = blocks or default_blocks(weights, groups.block_rows)
-    for name, value, least in (
-        ("blocks.n", blocks.n, MIN_BLOCK * (1 + gated)),
-        ("blocks.k", blocks.k, MIN_BLOCK),
-    ):
-        if value < least or value & (value - 1):
-            raise ValueError(f"{name}: must be a power of two of at least {least}, got {value}")
+    _check_power_of_two("blocks.n", blocks.n, MIN_BLOCK * (1 + gated))
+    _check_power_of_two("blocks.k", blocks.k, MIN_BLOCK)
     n_name = (
         "N / 2 (each of the gate's and the up projection's outputs)" if gated else "N (the weights' outputs)"
     )
@@ -367,7 +373,7 @@ def gmm_pallas(
 
     def kernel(tile_expert_ref, *refs):
         x_refs, weight_refs, out_ref = refs[:parts], refs[parts:-1], refs[-1]
-        tile, col = pl.program_id(0), pl.program_id(1)
+        col, tile = pl.program_id(0), pl.program_id(1)
         expert = tile_expert_ref[tile]
         rows = pl.ds(tile * block_rows, block_rows)
         # each accumulator's weight rows: the block's columns (gated: the gate's and the up projection's)
@@ -400,9 +406,9 @@ def gmm_pallas(
     whole = pl.BlockSpec()  # the whole array, indexed in the kernel
     return pl.pallas_call(
         kernel,
-        grid=(groups.tile_expert.shape[0], n // block_n),
+        grid=(n // block_n, groups.tile_expert.shape[0]),
         in_specs=[whole] * (1 + parts + len(arrays)),
-        out_specs=pl.BlockSpec((block_rows, block_n), lambda tile, col: (tile, col)),
+        out_specs=pl.BlockSpec((block_rows, block_n), lambda col, tile: (tile, col)),
         out_shape=jax.ShapeDtypeStruct((groups.num_rows, n), x.dtype if gated else jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
