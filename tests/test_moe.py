@@ -243,17 +243,18 @@ def test_grouped_on_quantized_experts_equals_dense(fmt, scales, dtype):
 
 
 def test_bf16_scales_are_the_e8m0_scales():
-    """The bfloat16 scales the PTX decoder takes equal quant's float32 ones at every accepted exponent."""
+    """The bfloat16 scales the PTX decoder takes (quant's float32 scales cast) are exact at every accepted
+    exponent."""
     exponents = jnp.arange(quant.EXPONENTS[FP4][0], quant.EXPONENTS[FP4][1] + 1, dtype=jnp.uint8)
-    got = grouped_matmul.bf16_scales(exponents)
-    assert got.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(quant.scale_values(exponents)))
+    scales = quant.scale_values(exponents)
+    got = scales.astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(scales))
 
 
 @pytest.mark.cuda
 def test_fp4_ptx_decodes_as_quant():
     """``fp4_bf16_ptx`` in a Triton kernel: every byte (both its codes, each sign, the subnormal 0.5
-    included) times every exponent the loader accepts (as ``bf16_scales``), the exponents differing
+    included) times every exponent the loader accepts (as bfloat16 scales), the exponents differing
     between neighbouring bytes, equals quant's float32 decoding cast to bfloat16 (exact both: an e2m1 value
     times a power of two)."""
     low, high = quant.EXPONENTS[FP4]
@@ -264,7 +265,7 @@ def test_fp4_ptx_decodes_as_quant():
     values = jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)
 
     def kernel(codes_ref, exponents_ref, low_ref, high_ref):
-        scales = grouped_matmul.bf16_scales(exponents_ref[...])
+        scales = quant.scale_values(exponents_ref[...]).astype(jnp.bfloat16)
         low_ref[...], high_ref[...] = grouped_matmul.fp4_bf16_ptx(codes_ref[...], scales)
 
     got = pl.pallas_call(
@@ -406,8 +407,8 @@ def test_sweep_gmm_runs_tiny(tmp_path):
     out = tmp_path / "sweep_gmm.json"
     bench = pathlib.Path(__file__).resolve().parent.parent / "bench" / "sweep_gmm.py"
     tiny = "--tokens 4 --experts 8 --hidden 64 --intermediate 32 --top-k 2 --iters 1 --copy-mib 1 --interpret"
-    command = [sys.executable, str(bench), *tiny.split(), "--formats", "fp4", "--out", str(out)]
-    command += ["--blocks", "32,16,4,3,swap", "32,24,4,3", "--block-rows", "16", "32"]
+    base = [sys.executable, str(bench), *tiny.split(), "--formats", "fp4", "--out", str(out)]
+    command = [*base, "--blocks", "32,16,4,3,swap", "32,24,4,3", "--block-rows", "16", "32"]
     subprocess.run(command, check=True, capture_output=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     rows = json.loads(out.read_text())["rows"]
     assert [(row["matrix"], row["block_rows"]) for row in rows] == [
@@ -419,6 +420,6 @@ def test_sweep_gmm_runs_tiny(tmp_path):
     for row in rows:
         assert row["ms"]["32,16,4,3,swap"] > 0 and row["ms"]["32,24,4,3"].startswith("failed: ValueError")
     # --once (under a profiler): each cell called once and recorded as such, nothing timed
-    once = [*command[:-6], "--blocks", "32,16,4,3", "--once"]
+    once = [*base, "--blocks", "32,16,4,3", "--once"]
     subprocess.run(once, check=True, capture_output=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert [row["ms"] for row in json.loads(out.read_text())["rows"]] == [{"32,16,4,3": "called once"}] * 2

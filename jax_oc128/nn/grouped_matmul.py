@@ -208,12 +208,12 @@ def read_fp4_tiles(codes_ref, scales_ref, expert, rows, cols, *, ptx: bool = Fal
     columns ``cols`` (the weights' even and odd columns) times their row's scales (exact), against x's even
     and odd columns: float32 by :mod:`~jax_oc128.nn.quant`'s decoders, or with ``ptx`` (Triton, e8m0 scales)
     bfloat16 by :func:`fp4_bf16_ptx`, the same values. ``cols`` spans whole 16-byte (32-column) scale groups:
-    the codes and their ``block_k / 16`` scales are read in one load each, the scales (with ``ptx`` their
-    :func:`bf16_scales`, taken on the small tile) broadcast over their groups' bytes (a byte's two codes
-    share a group)."""
+    the codes and their ``block_k / 16`` scales are read in one load each, the scales' values taken on that
+    small tile (with ``ptx`` cast to bfloat16: exact, powers of two that the loader keeps normal) and
+    broadcast over their groups' bytes (a byte's two codes share a group)."""
     per_scale = quant.GROUP[quant.FP4] // 2  # bytes per scale
     groups = cols.size // per_scale
-    scales = scales_ref[expert, rows, pl.ds(jax.lax.div(cols.start, per_scale), groups)]
+    scales = quant.scale_values(scales_ref[expert, rows, pl.ds(jax.lax.div(cols.start, per_scale), groups)])
     block_n = scales.shape[0]
 
     def per_byte(scales):  # [block_n, groups] -> [block_n, cols.size]
@@ -221,16 +221,10 @@ def read_fp4_tiles(codes_ref, scales_ref, expert, rows, cols, *, ptx: bool = Fal
 
     codes = codes_ref[expert, rows, cols]
     if ptx:
-        return fp4_bf16_ptx(codes, per_byte(bf16_scales(scales)))
-    scales = per_byte(quant.scale_values(scales))
+        return fp4_bf16_ptx(codes, per_byte(scales.astype(jnp.bfloat16)))
+    scales = per_byte(scales)
     low, high = quant.nibbles(codes)
     return quant.e2m1_code_values(low) * scales, quant.e2m1_code_values(high) * scales
-
-
-def bf16_scales(exponents):
-    """bfloat16 scales 2^(e - 127) of e8m0 exponents ``e`` (uint8, any shape, each in
-    ``quant.EXPONENTS[FP4]``, so normal), built as bfloat16 bits ``e << 7``."""
-    return jax.lax.bitcast_convert_type((exponents.astype(jnp.int32) << 7).astype(jnp.uint16), jnp.bfloat16)
 
 
 def _fp4_bf16_ptx(nibbles: str) -> str:
@@ -269,7 +263,7 @@ FP4_BF16_PTX = {nibbles: _fp4_bf16_ptx(nibbles) for nibbles in ("low", "high")}
 
 def fp4_bf16_ptx(codes, scales):
     """``(low, high)``: bfloat16 values of the low and the high nibbles of packed e2m1 codes (uint8, any
-    shape) times their scales (:func:`bf16_scales`, bfloat16, the same shape):
+    shape) times their scales (bfloat16, the same shape):
     :func:`read_fp4_tiles`'s values, in a Triton kernel only (:data:`FP4_BF16_PTX`; one call per nibble, as
     Pallas lowers an inline assembly of one result only)."""
     values = jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)
