@@ -144,10 +144,10 @@ def main():
     parser.add_argument("--copy-mib", type=int, default=2048, help="the copy bandwidth's array (MiB)")
     parser.add_argument(
         "--blocks",
-        nargs=2,
-        metavar=("SMALL", "LARGE"),
-        help="the Pallas kernel's tilings (n,k,warps,stages[,swap]) of the experts' format for tiles of "
-        "fewer and of at least grouped_matmul.LARGE_TILE rows, instead of grouped_matmul.DEFAULT_BLOCKS",
+        nargs="+",
+        metavar="ROWS:TILING",
+        help="the Pallas kernel's tilings (n,k,warps,stages[,swap]) of the experts' format for tiles of at "
+        "least ROWS rows, each replacing grouped_matmul.DEFAULT_BLOCKS' entry of ROWS for this run",
     )
     parser.add_argument(
         "--profile", help="a directory: trace each (tokens, dispatch) there and report its kernels"
@@ -164,10 +164,10 @@ def main():
         dtype=args.dtype,
     )
 
-    if args.blocks:  # the kernel's table of tilings, for this run
-        fmt = None if args.experts_format == "float" else args.experts_format
-        for large, text in zip((False, True), args.blocks, strict=True):
-            grouped_matmul.DEFAULT_BLOCKS[fmt, large] = parse_blocks(text)
+    fmt = args.dtype if args.experts_format == "float" else args.experts_format
+    for entry in args.blocks or ():  # the kernel's table of tilings, for this run
+        rows, text = entry.split(":")
+        grouped_matmul.DEFAULT_BLOCKS[fmt, int(rows)] = parse_blocks(text)
     device = jax.devices()[0].device_kind
     bandwidth = copy_bandwidth(args.bandwidth_iters, args.copy_mib)
     layer = MoE(config, rngs=nnx.Rngs(0))
@@ -240,8 +240,8 @@ def main():
             print(f"{'':15s}{dispatch}: {note}")
         for dispatch, p in profiles.items():
             print(
-                f"{'':15s}{dispatch} on the device, per call: span {p['span_us']:.1f} us, "
-                f"kernels {p['kernels_us']:.1f} us"
+                f"{'':15s}{dispatch} on the device, per call: span {p['span_us']:.1f} us "
+                f"({p['span_us'] / 1e3 / floor_ms:.2f}x the floor), kernels {p['kernels_us']:.1f} us"
             )
             for name, us in p["by_kernel"][:15]:
                 print(f"{'':17s}{us:9.1f} us  {name[:110]}")

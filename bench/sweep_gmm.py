@@ -6,8 +6,13 @@ matmuls of an expert (gate/up ``[4096, 4096]``, gated as the layer runs it; down
 :func:`jax_oc128.nn.grouped_matmul.gmm_pallas` under each tiling of ``--blocks`` (``n,k,warps,stages``; ``k``
 counts stored columns: FP4 bytes; ``,swap``: the weights the left operand) and prints the ms per call against
 the floor: the larger of the picked experts' bytes (in their format) over the copy bandwidth measured in the
-same run and their FLOPs at ``--tflops``. A tiling Triton cannot compile (shared memory) is reported as
-failed. The defaults the kernel takes (``grouped_matmul.DEFAULT_BLOCKS``) come from this sweep.
+same run and their FLOPs at ``--tflops``. Two times per cell: ``ms``, a call timed by the host (the median of
+``--iters``, each waited for: the dispatch included, ~0.25 ms on the H200, which is most of a call at decode
+sizes), and ``device_ms``, the kernels' own time per call on a GPU (jax's profiler over ``--iters`` calls,
+:func:`bench_moe.device_kernels`: what the kernel costs inside a model's step, where nothing waits between
+layers); the best tiling is the one of least device time where there is one. A tiling Triton cannot compile
+(shared memory) is reported as failed. The defaults the kernel takes (``grouped_matmul.DEFAULT_BLOCKS``) come
+from this sweep.
 
 Usage (H200): python bench/sweep_gmm.py --out bench/results/sweep_gmm.json
 Profile (H200; ``--once``: each cell called once, untimed): ncu -k regex:kernel --section SpeedOfLight
@@ -24,6 +29,7 @@ import itertools
 import json
 import pathlib
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_decode import random_quantized
-from bench_moe import V4_FLASH_MOE, bytes_per_expert, parse_blocks
+from bench_moe import V4_FLASH_MOE, bytes_per_expert, device_kernels, parse_blocks
 from bench_ops import copy_bandwidth, timed
 
 from jax_oc128.nn import grouped_matmul, quant
@@ -72,6 +78,24 @@ def gmm(block_rows, blocks, gated, interpret, x, weights, rows, row_pairs, tile_
     )
 
 
+def device_ms(compiled, operands, calls: int) -> float | None:
+    """The summed time of the GPU kernels of one call of ``compiled(*operands)`` in ms, from jax's profiler
+    over ``calls`` calls; None where no GPU kernel ran (the CPU)."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready([compiled(*operands) for _ in range(calls)])
+        busy_us = device_kernels(trace_dir, calls)[1]
+    return busy_us / 1e3 if busy_us else None
+
+
+def cell_text(tiling: str, value, on_device: float | None, floor_ms: float) -> str:
+    """A cell of the printed table: the tiling's host-timed and device ms (x the floor), or its failure."""
+    if not isinstance(value, float):
+        return f"{tiling}: {value.split(':')[0]}"
+    device = f" device {on_device:.3f} ({on_device / floor_ms:.2f}x)" if on_device else ""
+    return f"{tiling}: call {value:.3f} ({value / floor_ms:.2f}x){device}"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--formats", nargs="+", choices=["bfloat16", "fp4"], default=["bfloat16", "fp4"])
@@ -82,7 +106,7 @@ def main():
         type=int,
         nargs="+",
         default=[None],
-        help="rows per tile, each in turn (default: the layout's)",
+        help="rows per tile, each in turn (default: the MoE layer's)",
     )
     parser.add_argument("--experts", type=int, default=V4_FLASH_MOE.num_experts)
     parser.add_argument("--hidden", type=int, default=V4_FLASH_MOE.hidden_size)
@@ -102,7 +126,7 @@ def main():
         "down": (args.experts, args.hidden, args.intermediate),
     }
     print(f"device {jax.devices()[0].device_kind}, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    print("ms per call (x the floor); tilings n,k,warps,stages")
+    print("ms per call, timed by the host and on the device (x the floor); tilings n,k,warps,stages")
     results = dict(copy_bandwidth=bandwidth, tflops=args.tflops, rows=[])
     out = pathlib.Path(args.out)
     for fmt in args.formats:
@@ -112,13 +136,16 @@ def main():
                 key = jax.random.key(tokens)
                 # random picks (a token's may repeat: the layout takes any ids)
                 ids = jax.random.randint(key, (tokens, args.top_k), 0, args.experts)
+                if block_rows is None:  # the layer's
+                    most = grouped_matmul.max_block_rows(weights)
+                    block_rows = grouped_matmul.block_rows_for(ids.size, args.experts, most)
                 groups = grouped_matmul.group_pairs(ids, args.experts, block_rows)
                 distinct = len(np.unique(np.asarray(ids)))
                 x = jax.random.normal(key, (groups.num_rows, shape[2]), jnp.float32).astype(jnp.bfloat16)
                 read = distinct * bytes_per_expert(weights)
                 flops = 2 * tokens * args.top_k * shape[1] * shape[2]
                 floor_ms = 1e3 * max(read / bandwidth, flops / (args.tflops * 1e12))
-                cells = {}
+                cells, device_cells = {}, {}
                 for blocks in tilings:
                     gated = name == "gate_up"
                     call = jax.jit(functools.partial(gmm, groups.block_rows, blocks, gated, args.interpret))
@@ -131,22 +158,20 @@ def main():
                             continue
                         ms = 1e3 * timed(lambda _, c, f=compiled: f(*c), None, operands, args.iters)[0]
                         cells[tiling_name(blocks)] = ms
+                        on_device = device_ms(compiled, operands, args.iters)
+                        if on_device is not None:
+                            device_cells[tiling_name(blocks)] = on_device
                     except Exception as error:  # a tiling past the shared memory: recorded, the sweep goes on
                         failure = f"failed: {type(error).__name__}: {str(error)[:200]}"
                         cells[tiling_name(blocks)] = failure
                 row = dict(fmt=fmt, matrix=name, tokens=tokens, distinct=distinct)
                 row.update(block_rows=groups.block_rows)
-                row.update(floor_ms=floor_ms, bytes=read, flops=flops, ms=cells)
+                row.update(floor_ms=floor_ms, bytes=read, flops=flops, ms=cells, device_ms=device_cells)
                 results["rows"].append(row)
                 out.write_text(json.dumps(results, indent=1) + "\n")
-                timed_cells = {b: v for b, v in cells.items() if isinstance(v, float)}
+                timed_cells = device_cells or {b: v for b, v in cells.items() if isinstance(v, float)}
                 best = min(timed_cells, key=timed_cells.get) if timed_cells else None
-                text = "  ".join(
-                    f"{b}: {v:.3f} ({v / floor_ms:.2f}x)"
-                    if isinstance(v, float)
-                    else f"{b}: {v.split(':')[0]}"
-                    for b, v in cells.items()
-                )
+                text = "  ".join(cell_text(b, v, device_cells.get(b), floor_ms) for b, v in cells.items())
                 print(
                     f"{fmt:8s} {name:7s} tokens {tokens:5d} experts {distinct:3d} "
                     f"rows/tile {groups.block_rows:3d} "

@@ -4,9 +4,10 @@ Layout (:func:`group_pairs`): the (token, expert) pairs are sorted by expert and
 whole tiles of ``block_rows`` rows, so that every tile holds the rows of one expert (``tile_expert``). A
 grouped matmul (``[rows, K]`` by one ``[N, K]`` weight per tile) then reads one expert's weights per tile:
 an expert with ``r`` rows is read ``ceil(r / block_rows)`` times and an expert no token picked never.
-``block_rows`` follows the mean rows per expert (16 to 128), so at decode sizes each picked expert is one
-tile. The layout holds at most ``pairs + min(experts, pairs) * block_rows`` rows: memory O(tokens x k), never
-O(tokens x experts), and no capacity (every token may pick the same expert).
+``block_rows`` follows the mean rows per expert (16 up to the weights' format's :func:`max_block_rows`: 256
+for bfloat16 weights, 128 for the others), so at decode sizes each picked expert is one tile. The layout
+holds at most ``pairs + min(experts, pairs) * block_rows`` rows: memory O(tokens x k), never O(tokens x
+experts), and no capacity (every token may pick the same expert).
 
 Gated (``gated=True``, the gate/up projection of an expert): the weights hold each expert's gate and up
 projections stacked (``[experts, 2 * I, K]``) and the result is their SwiGLU gate
@@ -39,7 +40,7 @@ from jax_oc128.nn import quant
 from jax_oc128.nn.functional import FULL, linear, swiglu_gate
 from jax_oc128.nn.quant import QuantizedArray, matrix
 
-MIN_BLOCK_ROWS, MAX_BLOCK_ROWS = 16, 128  # 16: the smallest tensor-core matmul Triton emits
+MIN_BLOCK_ROWS = 16  # the smallest tensor-core matmul Triton emits
 MIN_BLOCK = 16  # the smallest block of output columns or of the stored reduction the kernel takes
 
 
@@ -59,18 +60,22 @@ class Blocks(NamedTuple):
     swap: bool = False
 
 
-LARGE_TILE = 64  # tiles of at least these rows (prefill-sized batches) take the second tiling below
-#: the tiling by (weights' format: None for float weights, quant.FP8, quant.FP4; large tiles): the fastest of
-#: bench/sweep_gmm.py on the H200 at DeepSeek-V4-Flash's expert shapes over both matmuls of an expert (the
-#: gate/up gated), at 8 and 512 tokens (tiles of 16 rows), and at 2048 and 8192 (64 and 128 rows) for large
-#: tiles (bench/RESULTS.md section 9); FP8 takes the float tilings (not swept)
+#: the tiling by (weights' format, :func:`weight_format`; the least rows of the tiles it is for): a tile of
+#: ``block_rows`` rows takes the entry of the most rows up to ``block_rows`` (:func:`default_blocks`). The
+#: fastest of bench/sweep_gmm.py on the H200 at DeepSeek-V4-Flash's expert shapes over both matmuls of an
+#: expert (the gate/up gated), by the kernels' time on the device: at 8 and 512 tokens (tiles of 16 rows),
+#: 2048 (64 rows) and 8192 (128 rows; bfloat16: 256, of which 128,64,4,3 is 6x slower); bench/RESULTS.md
+#: section 9. float32 and FP8 take bfloat16's tilings up to 128 rows (not swept).
 DEFAULT_BLOCKS = {
-    (None, False): Blocks(128, 128, 8, 3),
-    (None, True): Blocks(128, 64, 4, 3, swap=True),
-    (quant.FP8, False): Blocks(128, 128, 8, 3),
-    (quant.FP8, True): Blocks(128, 64, 4, 3, swap=True),
-    (quant.FP4, False): Blocks(128, 64, 4, 3),
-    (quant.FP4, True): Blocks(128, 64, 4, 3, swap=True),
+    ("bfloat16", 16): Blocks(128, 128, 8, 3),
+    ("bfloat16", 64): Blocks(128, 64, 4, 3, swap=True),
+    ("bfloat16", 256): Blocks(128, 64, 8, 4, swap=True),
+    ("float32", 16): Blocks(128, 128, 8, 3),
+    ("float32", 64): Blocks(128, 64, 4, 3, swap=True),
+    (quant.FP8, 16): Blocks(128, 128, 8, 3),
+    (quant.FP8, 64): Blocks(128, 64, 4, 3, swap=True),
+    (quant.FP4, 16): Blocks(128, 64, 4, 3),
+    (quant.FP4, 64): Blocks(128, 64, 4, 3, swap=True),
 }
 
 
@@ -103,10 +108,24 @@ def _check_power_of_two(name: str, value: int, least: int) -> None:
         raise ValueError(f"{name}: must be a power of two of at least {least}, got {value}")
 
 
-def block_rows_for(pairs: int, experts: int) -> int:
-    """Rows per tile: the mean rows per expert rounded up to a power of two, within [16, 128]."""
+def weight_format(weights) -> str:
+    """The format of ``weights``: a :class:`~jax_oc128.nn.quant.QuantizedArray`'s (``quant.FP8``,
+    ``quant.FP4``) or the float dtype's name (``"bfloat16"``, ``"float32"``)."""
+    return weights.fmt if isinstance(weights, QuantizedArray) else jnp.dtype(weights.dtype).name
+
+
+def max_block_rows(weights) -> int:
+    """The most rows a tile of the layout takes for ``weights``: 256 for bfloat16 (its kernel is 7% faster
+    on 256-row tiles than on 128-row ones at 8192 tokens), 128 otherwise (FP4's kernel is 2.7x slower on 256
+    rows; float32 and FP8 not measured there)."""
+    return 256 if weight_format(weights) == "bfloat16" else 128
+
+
+def block_rows_for(pairs: int, experts: int, most: int = 128) -> int:
+    """Rows per tile: the mean rows per expert rounded up to a power of two, within [16, ``most``]
+    (:func:`max_block_rows`)."""
     mean = -(-pairs // experts)
-    return min(MAX_BLOCK_ROWS, max(MIN_BLOCK_ROWS, 1 << (mean - 1).bit_length()))
+    return min(most, max(MIN_BLOCK_ROWS, 1 << (mean - 1).bit_length()))
 
 
 def group_pairs(expert_ids, num_experts: int, block_rows: int | None = None) -> Groups:
@@ -296,9 +315,11 @@ def _operands(x, weights, *, triton: bool):
 
 def default_blocks(weights, block_rows: int) -> Blocks:
     """The tiling :func:`gmm_pallas` takes for ``weights`` (float, or a
-    :class:`~jax_oc128.nn.quant.QuantizedArray`'s format) and tiles of ``block_rows`` rows."""
-    fmt = weights.fmt if isinstance(weights, QuantizedArray) else None
-    return DEFAULT_BLOCKS[fmt, block_rows >= LARGE_TILE]
+    :class:`~jax_oc128.nn.quant.QuantizedArray`) and tiles of ``block_rows`` rows: :data:`DEFAULT_BLOCKS`'
+    entry of their format for the most rows up to ``block_rows``."""
+    fmt = weight_format(weights)
+    least = max(rows for f, rows in DEFAULT_BLOCKS if f == fmt and rows <= block_rows)
+    return DEFAULT_BLOCKS[fmt, least]
 
 
 def _block(size: int, preferred: int, name: str) -> int:
