@@ -226,6 +226,28 @@ def test_pallas_kernel_equals_jnp_loop(fmt, scales, dtype, swap, gated, interpre
     np.testing.assert_allclose(np.asarray(got.astype(jnp.float32))[used], want[used], rtol=rtol, atol=2e-5)
 
 
+@pytest.mark.parametrize(
+    "interpret", [True, pytest.param(False, marks=pytest.mark.cuda)], ids=["interpret", "triton"]
+)
+@pytest.mark.parametrize("block_rows", [16, 256])
+def test_gather_rows_kernel_equals_jnp(block_rows, interpret):
+    """The rows' gather as a Pallas kernel gives XLA's gather's rows on every used tile (each row its pair's
+    token, 0 for the padding rows), over several column blocks, with tiles unused (left unwritten: not
+    compared)."""
+    rng = np.random.default_rng(5)
+    k, tokens, hidden = 2, 150, 96
+    ids = jnp.asarray(rng.integers(0, EXPERTS, (tokens, k)), jnp.int32)
+    groups = grouped_matmul.group_pairs(ids, EXPERTS, block_rows)
+    used = np.repeat(np.asarray(groups.tile_expert) >= 0, groups.block_rows)
+    assert not used.all()  # some tiles unused
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
+    want = np.asarray(grouped_matmul.gather_rows_jnp(x, groups, k).astype(jnp.float32))
+    got = grouped_matmul.gather_rows_pallas(x, groups, k, block_h=32, interpret=interpret)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32))[used], want[used])
+    padding = used & (np.asarray(groups.row_pairs) == tokens * k)
+    assert padding.any() and (want[padding] == 0).all()
+
+
 def test_tile_rows_by_weight_format():
     """bfloat16 experts take tiles of up to 256 rows at prefill sizes, with the tiling measured for them; the
     other formats tiles of up to 128 rows; each tile size the tiling of its format's entry up to it."""
@@ -368,13 +390,15 @@ def lowers_to_triton(tokens, k, gate_up, down):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_grouped_lowers_to_triton_for_cuda(fmt, dtype):
     """The default dispatch, lowered for CUDA here, runs its two matmuls as Triton kernels (float experts
-    and quantized ones, dequantized in the kernel)."""
+    and quantized ones, dequantized in the kernel), and the rows' gather too at prefill sizes (tiles of 64
+    rows: 96 pairs an expert)."""
     shapes = [(EXPERTS, 2 * INTERMEDIATE, HIDDEN), (EXPERTS, HIDDEN, INTERMEDIATE)]
     if fmt is None:
         gate_up, down = (jax.ShapeDtypeStruct(shape, dtype) for shape in shapes)
     else:
         gate_up, down = (abstract_quantized(fmt, shape, dtype) for shape in shapes)
     assert lowers_to_triton(5, K, gate_up, down) == 2
+    assert lowers_to_triton(256, K, gate_up, down) == 3
 
 
 @pytest.mark.parametrize("fmt", [FP8, FP4])

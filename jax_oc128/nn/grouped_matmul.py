@@ -7,7 +7,9 @@ an expert with ``r`` rows is read ``ceil(r / block_rows)`` times and an expert n
 ``block_rows`` follows the mean rows per expert (16 up to the weights' format's :func:`max_block_rows`: 256
 for bfloat16 weights, 128 for the others), so at decode sizes each picked expert is one tile. The layout
 holds at most ``pairs + min(experts, pairs) * block_rows`` rows: memory O(tokens x k), never O(tokens x
-experts), and no capacity (every token may pick the same expert).
+experts), and no capacity (every token may pick the same expert). The layout's rows are the tokens'
+(:func:`gather_rows`: at prefill sizes on CUDA a Pallas kernel that skips the unused tiles, whose rows no
+pair maps to).
 
 Gated (``gated=True``, the gate/up projection of an expert): the weights hold each expert's gate and up
 projections stacked (``[experts, 2 * I, K]``) and the result is their SwiGLU gate
@@ -428,6 +430,60 @@ def gmm_pallas(
         compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
     )(groups.tile_expert, *x_parts, *arrays)
+
+
+def gather_rows_jnp(x, groups: Groups, k: int):
+    """The padded layout's rows of ``x`` ``[tokens, H]`` (the tokens of ``k`` pairs each, pairs in routing
+    order): ``[num_rows, H]``, each row its pair's token, 0 for the padding rows and the rows of unused tiles
+    (one gather by ``row_pairs``)."""
+    return x.at[groups.row_pairs // k].get(mode="fill", fill_value=0)
+
+
+def gather_rows_pallas(x, groups: Groups, k: int, *, block_h: int | None = None, interpret: bool = False):
+    """:func:`gather_rows_jnp` as a Pallas kernel (Triton on GPUs; ``interpret=True`` anywhere), a program per
+    (tile, ``block_h`` columns; default: 16384 elements a block, at most 512 columns) that gathers its tile's
+    tokens' columns and stores them (0 for padding rows);
+    the programs of unused tiles return at once, so the rows of unused tiles are left unwritten: no pair maps
+    to them, and the layout bounds its rows by ``pairs + experts x block_rows`` (at prefill sizes more rows
+    than pairs: XLA's gather writes them all). H must be a multiple of 16."""
+    block_rows, pairs = groups.block_rows, groups.rows.shape[0]
+    block_h = _block(x.shape[1], block_h or min(512, 16384 // block_rows), "H (the rows' width)")
+
+    def kernel(tile_expert_ref, row_pairs_ref, x_ref, out_ref):
+        tile, col = pl.program_id(0), pl.program_id(1)
+
+        @pl.when(tile_expert_ref[tile] >= 0)
+        def _():
+            row_pairs = row_pairs_ref[pl.ds(tile * block_rows, block_rows)]
+            tokens = jnp.where(row_pairs < pairs, row_pairs // k, 0)  # padding rows: any token, then 0
+            rows = x_ref[tokens, pl.ds(col * block_h, block_h)]
+            out_ref[...] = jnp.where((row_pairs < pairs)[:, None], rows, jnp.zeros_like(rows))
+
+    whole = pl.BlockSpec()  # the whole array, indexed in the kernel
+    return pl.pallas_call(
+        kernel,
+        grid=(groups.tile_expert.shape[0], x.shape[1] // block_h),
+        in_specs=[whole] * 3,
+        out_specs=pl.BlockSpec((block_rows, block_h), lambda tile, col: (tile, col)),
+        out_shape=jax.ShapeDtypeStruct((groups.num_rows, x.shape[1]), x.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+    )(groups.tile_expert, groups.row_pairs, x)
+
+
+#: the least tile rows at which :func:`gather_rows` skips the unused tiles on CUDA: at prefill sizes their
+#: rows are many (V4-Flash at 8192 tokens: 114688 rows for 49152 pairs; the bf16 layer 7.58 ms against 7.77
+#: with XLA's gather); at decode sizes few, and the extra kernel cost the bf16 layer's call 0.1 ms at 8 tokens
+#: (bench/RESULTS.md section 9)
+GATHER_KERNEL_ROWS = 64
+
+
+def gather_rows(x, groups: Groups, k: int):
+    """The padded layout's rows of the lowering platform: :func:`gather_rows_pallas` on CUDA for tiles of at
+    least :data:`GATHER_KERNEL_ROWS` rows (H a multiple of 16), :func:`gather_rows_jnp` otherwise."""
+    if groups.block_rows < GATHER_KERNEL_ROWS or x.shape[1] % MIN_BLOCK:
+        return gather_rows_jnp(x, groups, k)
+    return _per_platform(gather_rows_pallas, gather_rows_jnp, x, groups, k)
 
 
 def _per_platform(cuda, default, *args, **kwargs):

@@ -138,7 +138,7 @@ def grouped(x, expert_ids, weights, gate_up, down, limit, *, matmul=grouped_matm
     groups = grouped_matmul.group_pairs(expert_ids, experts, block_rows)
     # each row its pair's token (a gather: XLA's scatter of whole rows is several times slower), 0 for padding
     token_x = x.reshape(-1, hidden).astype(gate_up.dtype)
-    rows = token_x.at[groups.row_pairs // k].get(mode="fill", fill_value=0)  # [rows, hidden]
+    rows = grouped_matmul.gather_rows(token_x, groups, k)  # [rows, hidden]
     gated = matmul(rows, gate_up, groups, gated=True, limit=limit)  # [rows, intermediate]
     out = matmul(gated, down, groups).at[groups.rows].get(mode="fill", fill_value=0)  # 0: no expert here
     pair_out = out.reshape(*lead, k, hidden)
