@@ -440,12 +440,12 @@ def gather_rows_jnp(x, groups: Groups, k: int):
 
 
 def gather_rows_pallas(x, groups: Groups, k: int, *, block_h: int | None = None, interpret: bool = False):
-    """:func:`gather_rows_jnp` as a Pallas kernel (Triton on GPUs; ``interpret=True`` anywhere), a program per
-    (tile, ``block_h`` columns; default: 16384 elements a block, at most 512 columns) that gathers its tile's
-    tokens' columns and stores them (0 for padding rows);
-    the programs of unused tiles return at once, so the rows of unused tiles are left unwritten: no pair maps
-    to them, and the layout bounds its rows by ``pairs + experts x block_rows`` (at prefill sizes more rows
-    than pairs: XLA's gather writes them all). H must be a multiple of 16."""
+    """:func:`gather_rows_jnp` as a Pallas kernel (Triton on GPUs; ``interpret=True`` anywhere): a program per
+    (tile, ``block_h`` columns; default: 16384 elements a block, at most 512 columns) gathers its tile's
+    tokens' columns and stores them (0 for padding rows). The programs of unused tiles return at once, so
+    their rows are left unwritten: no pair maps to them, and the layout bounds its rows by ``pairs + experts
+    x block_rows`` (at prefill sizes more rows than pairs, which XLA's gather writes all). H must be a
+    multiple of 16."""
     block_rows, pairs = groups.block_rows, groups.rows.shape[0]
     block_h = _block(x.shape[1], block_h or min(512, 16384 // block_rows), "H (the rows' width)")
 
