@@ -136,10 +136,8 @@ def main():
                 key = jax.random.key(tokens)
                 # random picks (a token's may repeat: the layout takes any ids)
                 ids = jax.random.randint(key, (tokens, args.top_k), 0, args.experts)
-                if block_rows is None:  # the layer's
-                    most = grouped_matmul.max_block_rows(weights)
-                    block_rows = grouped_matmul.block_rows_for(ids.size, args.experts, most)
-                groups = grouped_matmul.group_pairs(ids, args.experts, block_rows)
+                # block_rows None: the MoE layer's for these weights
+                groups = grouped_matmul.group_pairs(ids, args.experts, block_rows, weights=weights)
                 distinct = len(np.unique(np.asarray(ids)))
                 x = jax.random.normal(key, (groups.num_rows, shape[2]), jnp.float32).astype(jnp.bfloat16)
                 read = distinct * bytes_per_expert(weights)

@@ -208,22 +208,30 @@ def test_pallas_kernel_equals_jnp_loop(fmt, scales, dtype, swap, gated, interpre
     rng = np.random.default_rng(7)
     ids = jnp.asarray(rng.integers(0, EXPERTS, 40), jnp.int32)
     groups = grouped_matmul.group_pairs(ids, EXPERTS)
+    weights = rng.standard_normal((EXPERTS, 320, 192)) / 14
+    weights = jnp.asarray(weights, dtype) if fmt is None else quantized(weights, fmt, scales, dtype)
+    blocks = grouped_matmul.default_blocks(weights, groups.block_rows)._replace(swap=swap)
+    want = assert_kernel_equals_jnp_loop(rng, groups, weights, dtype, gated, interpret, blocks)
+    if gated:
+        assert (np.abs(want) > 0.25).any()  # silu(1) * 1 = 0.73 at the limit: some values clamped
+
+
+def assert_kernel_equals_jnp_loop(rng, groups, weights, dtype, gated, interpret, blocks=None):
+    """:func:`gmm_pallas` (``blocks``; default its own) equals :func:`gmm_jnp` on random ``[rows, 192]``
+    rows in ``dtype`` of ``groups``' layout, those of unused tiles poisoned with NaN, gated (limit 1) or
+    not; returns the jnp loop's used rows (float32)."""
     used = np.repeat(np.asarray(groups.tile_expert) >= 0, groups.block_rows)
     x = np.where(used[:, None], rng.standard_normal((groups.num_rows, 192)), np.nan)
     x = jnp.asarray(x, dtype)
-    weights = rng.standard_normal((EXPERTS, 320, 192)) / 14
-    weights = jnp.asarray(weights, dtype) if fmt is None else quantized(weights, fmt, scales, dtype)
     kwargs = dict(gated=gated, limit=1.0)
     want = np.asarray(grouped_matmul.gmm_jnp(x, weights, groups, **kwargs).astype(jnp.float32))
-    blocks = grouped_matmul.default_blocks(weights, groups.block_rows)._replace(swap=swap)
     got = grouped_matmul.gmm_pallas(x, weights, groups, **kwargs, blocks=blocks, interpret=interpret)
     assert got.dtype == (x.dtype if gated else jnp.float32)
-    if gated:
-        assert (np.abs(want[used]) > 0.25).any()  # silu(1) * 1 = 0.73 at the limit: some values clamped
     # gated bfloat16 results are rounded to bfloat16: a float32 difference of the accumulation order may
     # round them one unit in the last place apart (BF16_ULP)
     rtol = BF16_ULP if gated and dtype == "bfloat16" else 0
     np.testing.assert_allclose(np.asarray(got.astype(jnp.float32))[used], want[used], rtol=rtol, atol=2e-5)
+    return want[used]
 
 
 @pytest.mark.parametrize(
@@ -276,16 +284,9 @@ def test_pallas_kernel_on_256_row_tiles(gated, interpret):
     rng = np.random.default_rng(11)
     ids = jnp.asarray(np.concatenate([np.full(300, 2), rng.integers(0, EXPERTS, 200)]), jnp.int32)
     groups = grouped_matmul.group_pairs(ids, EXPERTS, 256)
-    used = np.repeat(np.asarray(groups.tile_expert) >= 0, groups.block_rows)
-    x = np.where(used[:, None], rng.standard_normal((groups.num_rows, 192)), np.nan)
-    x = jnp.asarray(x, jnp.bfloat16)
     weights = jnp.asarray(rng.standard_normal((EXPERTS, 256, 192)) / 14, jnp.bfloat16)
-    kwargs = dict(gated=gated, limit=1.0)
-    want = np.asarray(grouped_matmul.gmm_jnp(x, weights, groups, **kwargs).astype(jnp.float32))
-    got = grouped_matmul.gmm_pallas(x, weights, groups, **kwargs, interpret=interpret)
-    # gated results are rounded to bfloat16: one unit in the last place apart by the accumulation order
-    rtol = BF16_ULP if gated else 0
-    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32))[used], want[used], rtol=rtol, atol=2e-5)
+    assert grouped_matmul.default_blocks(weights, 256) == grouped_matmul.Blocks(128, 64, 8, 4, swap=True)
+    assert_kernel_equals_jnp_loop(rng, groups, weights, "bfloat16", gated, interpret)
 
 
 @pytest.mark.parametrize("fmt, scales", WEIGHT_FORMATS[1:], ids=lambda v: str(v))

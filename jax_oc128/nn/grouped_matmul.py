@@ -43,6 +43,7 @@ from jax_oc128.nn.functional import FULL, linear, swiglu_gate
 from jax_oc128.nn.quant import QuantizedArray, matrix
 
 MIN_BLOCK_ROWS = 16  # the smallest tensor-core matmul Triton emits
+MAX_BLOCK_ROWS = 128  # the most rows of a tile but for bfloat16 weights (:func:`max_block_rows`)
 MIN_BLOCK = 16  # the smallest block of output columns or of the stored reduction the kernel takes
 
 
@@ -120,25 +121,27 @@ def max_block_rows(weights) -> int:
     """The most rows a tile of the layout takes for ``weights``: 256 for bfloat16 (its kernel is 7% faster
     on 256-row tiles than on 128-row ones at 8192 tokens), 128 otherwise (FP4's kernel is 2.7x slower on 256
     rows; float32 and FP8 not measured there)."""
-    return 256 if weight_format(weights) == "bfloat16" else 128
+    return 2 * MAX_BLOCK_ROWS if weight_format(weights) == "bfloat16" else MAX_BLOCK_ROWS
 
 
-def block_rows_for(pairs: int, experts: int, most: int = 128) -> int:
+def block_rows_for(pairs: int, experts: int, most: int = MAX_BLOCK_ROWS) -> int:
     """Rows per tile: the mean rows per expert rounded up to a power of two, within [16, ``most``]
     (:func:`max_block_rows`)."""
     mean = -(-pairs // experts)
     return min(most, max(MIN_BLOCK_ROWS, 1 << (mean - 1).bit_length()))
 
 
-def group_pairs(expert_ids, num_experts: int, block_rows: int | None = None) -> Groups:
+def group_pairs(expert_ids, num_experts: int, block_rows: int | None = None, *, weights=None) -> Groups:
     """The layout of the pairs of ``expert_ids`` (int32 ``[..., k]``) in tiles of ``block_rows`` rows (a
-    power of two of at least 16; default :func:`block_rows_for`). An id outside ``[0, num_experts)`` is a pair
-    of no expert here (one of another device's, :func:`~jax_oc128.nn.moe.expert_parallel`): it gets no row
-    (its ``rows`` entry is ``num_rows``, out of range) and no tile."""
+    power of two of at least 16; default :func:`block_rows_for`, up to the :func:`max_block_rows` of the
+    experts' ``weights`` the layout is for, or :data:`MAX_BLOCK_ROWS`). An id outside ``[0, num_experts)``
+    is a pair of no expert here (one of another device's, :func:`~jax_oc128.nn.moe.expert_parallel`): it
+    gets no row (its ``rows`` entry is ``num_rows``, out of range) and no tile."""
     ids = expert_ids.reshape(-1).astype(jnp.int32)
     pairs = ids.shape[0]
     if block_rows is None:
-        block_rows = block_rows_for(pairs, num_experts)
+        most = MAX_BLOCK_ROWS if weights is None else max_block_rows(weights)
+        block_rows = block_rows_for(pairs, num_experts, most)
     else:
         _check_power_of_two("block_rows", block_rows, MIN_BLOCK_ROWS)
     tiles = pairs // block_rows + min(num_experts, pairs)  # >= sum over experts of ceil(rows / block_rows)
@@ -455,9 +458,9 @@ def gather_rows_pallas(x, groups: Groups, k: int, *, block_h: int | None = None,
         @pl.when(tile_expert_ref[tile] >= 0)
         def _():
             row_pairs = row_pairs_ref[pl.ds(tile * block_rows, block_rows)]
-            tokens = jnp.where(row_pairs < pairs, row_pairs // k, 0)  # padding rows: any token, then 0
-            rows = x_ref[tokens, pl.ds(col * block_h, block_h)]
-            out_ref[...] = jnp.where((row_pairs < pairs)[:, None], rows, jnp.zeros_like(rows))
+            paired = row_pairs < pairs  # not a padding row
+            rows = x_ref[jnp.where(paired, row_pairs // k, 0), pl.ds(col * block_h, block_h)]
+            out_ref[...] = jnp.where(paired[:, None], rows, jnp.zeros_like(rows))  # padding rows: 0
 
     whole = pl.BlockSpec()  # the whole array, indexed in the kernel
     return pl.pallas_call(

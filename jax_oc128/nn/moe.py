@@ -133,9 +133,7 @@ def grouped(x, expert_ids, weights, gate_up, down, limit, *, matmul=grouped_matm
     result as :func:`dense`."""
     *lead, hidden = x.shape
     k = expert_ids.shape[-1]
-    experts, most_rows = gate_up.shape[0], grouped_matmul.max_block_rows(gate_up)
-    block_rows = grouped_matmul.block_rows_for(expert_ids.size, experts, most_rows)
-    groups = grouped_matmul.group_pairs(expert_ids, experts, block_rows)
+    groups = grouped_matmul.group_pairs(expert_ids, gate_up.shape[0], weights=gate_up)
     # each row its pair's token (a gather: XLA's scatter of whole rows is several times slower), 0 for padding
     token_x = x.reshape(-1, hidden).astype(gate_up.dtype)
     rows = grouped_matmul.gather_rows(token_x, groups, k)  # [rows, hidden]
