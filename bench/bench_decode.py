@@ -85,6 +85,9 @@ go away; the per-step ratio is printed beside it).
 ``--sweep-k 1 4 16 64`` instead measures e2e tokens/s for each K (one engine per K) at the first config and
 backend, for the given modes and slots, to choose the engine's default K by measurement.
 
+``--profile DIR`` traces one more dispatch per row with jax's profiler (under ``DIR``, a directory per row)
+and prints and records its kernels per step (the largest by name, the span against the timed step).
+
 ``--mesh data=D,model=M`` runs every engine on a mesh of D x M devices (``Engine(mesh=)``): the slots split
 over the D devices of the data axis (data parallel; each slot count a multiple of D), the heads, o-groups,
 MLP and vocabulary over the M of the model axis (tensor parallel). Without it: one device.
@@ -126,7 +129,7 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_ops import copy_bandwidth
+from bench_ops import copy_bandwidth, device_kernels
 from capacity import PAGE_SIZE
 
 from jax_oc128 import checkpoint, pretrained
@@ -368,14 +371,19 @@ def make_prompts(model_config: ModelConfig, count: int, length: int, seed: int =
     return [rng.integers(0, model_config.vocab_size, length).tolist() for _ in range(count)]
 
 
+#: dispatches of :func:`device_time` besides the timed ones: two warm-up dispatches and a profiled one
+UNTIMED_DISPATCHES = 3
+
+
 def timed_dispatches(
     max_len: int, prompt_len: int, width: int, steps: int, device_steps: int
 ) -> tuple[int, int]:
     """``(D, budget)`` of :func:`device_time`: the dispatches of ``steps`` steps timed (at least
     ``device_steps`` steps where ``max_len`` has room) and the budget each prompt of ``prompt_len`` tokens is
-    given, the most it may be (no row ends: its first token and 2 warm-up + D dispatches stay below it)."""
+    given, the most it may be (no row ends: its first token and the :data:`UNTIMED_DISPATCHES` + D
+    dispatches stay below it)."""
     budget = max_len - prompt_len - width
-    room = (budget - 2) // (width * steps) - 2
+    room = (budget - 2) // (width * steps) - UNTIMED_DISPATCHES
     if room < 1:
         raise ValueError(f"max_len {max_len}: no room for a dispatch of {steps} steps of N = {width}")
     return min(max(2, math.ceil(device_steps / steps)), room), budget
@@ -388,14 +396,19 @@ def tokens_per_slot(args, max_len: int, steps: int) -> int:
     for mode in args.modes:
         width = mode_width(mode)
         dispatches, _ = timed_dispatches(max_len, args.prompt_len, width, steps, args.device_steps)
-        most = max(most, args.prompt_len + 1 + (2 + dispatches) * steps * width + width)
+        most = max(most, args.prompt_len + 1 + (UNTIMED_DISPATCHES + dispatches) * steps * width + width)
         most = max(most, args.prompt_len + args.tokens + width)  # what generate reserves
     return most
 
 
-def device_time(engine: Engine, prompts, mode: dict, steps: int, device_steps: int) -> dict:
+def device_time(
+    engine: Engine, prompts, mode: dict, steps: int, device_steps: int, profile: pathlib.Path | None = None
+) -> dict:
     """Device-only time per step of ``engine.decode`` (see the module doc), the prefill's time and the
-    first calls' (compile) times. A paged engine's slots are given its pool in equal parts, in order."""
+    first calls' (compile) times. A paged engine's slots are given its pool in equal parts, in order.
+    ``profile``: a directory where one more dispatch, after the timed ones, is traced by jax's profiler;
+    the row then gives its kernels per step (:func:`bench_ops.device_kernels`: ``span_us``, ``kernels_us``
+    and the 40 largest of ``by_kernel``)."""
     n, max_len = mode_width(mode), engine.model.config.max_len
     dispatches, budget = timed_dispatches(max_len, len(prompts[0]), n, steps, device_steps)
     assignments = dict(enumerate(prompts))
@@ -421,6 +434,13 @@ def device_time(engine: Engine, prompts, mode: dict, steps: int, device_steps: i
         state, output = engine.decode(state, steps=steps, **mode)
     jax.block_until_ready((state, output))
     elapsed = time.perf_counter() - start
+    kernels = {}
+    if profile is not None:
+        with jax.profiler.trace(str(profile)):
+            state, output = engine.decode(state, steps=steps, **mode)
+            jax.block_until_ready((state, output))
+        span, busy, by_kernel = device_kernels(profile, steps)
+        kernels = dict(profile=dict(span_us=span, kernels_us=busy, by_kernel=by_kernel[:40]))
     if int(output.steps) != steps or not np.all(np.asarray(output.active)):
         raise RuntimeError("a row ended during the device-only timing: the budget is too small")
     del state, output
@@ -429,6 +449,7 @@ def device_time(engine: Engine, prompts, mode: dict, steps: int, device_steps: i
         dispatches=dispatches,
         prefill_ms=prefill[1] * 1e3,
         compile_s=prefill[0] + warm_up[0],
+        **kernels,
     )
 
 
@@ -572,7 +593,8 @@ def measure_model(args, model, bandwidth: float, reads: WeightReads, keys: dict,
         prompts = make_prompts(model.config, slots, args.prompt_len)
         for mode in args.modes:
             row = dict(keys, mode=mode_name(mode), slots=slots, pages=pages, page_size=PAGE_SIZE)
-            row.update(device_time(engine, prompts, mode, steps, args.device_steps))
+            profile = None if args.profile is None else pathlib.Path(args.profile) / row_name(row)
+            row.update(device_time(engine, prompts, mode, steps, args.device_steps, profile))
             row.update(e2e(engine, prompts, mode, args.tokens))
             floor_s = row["prefill_ms"] / 1e3 + row["steps"] * row["device_us"] / 1e6
             read = step_read_bytes(reads, mode, slots, model.config.num_experts_per_tok)
@@ -590,8 +612,27 @@ def measure_model(args, model, bandwidth: float, reads: WeightReads, keys: dict,
             cells = [str(row[key]) for key in (*ROW_KEYS, "slots")]
             cells += [format(x, f) for x, f in zip(numbers, formats, strict=True)]
             print(f"| {' | '.join(cells)} |", flush=True)
+            if "profile" in row:
+                print_profile(row)
         del engine
     return rows
+
+
+def row_name(row: dict) -> str:
+    """A row's name for its files: its keys and slots joined by ``_``."""
+    return "_".join(str(row[key]) for key in (*ROW_KEYS, "slots")).replace(" ", "").replace("/", "-")
+
+
+def print_profile(row: dict, top: int = 25) -> None:
+    """A profiled row's kernels per step: the span and the busy time against the timed step, then the
+    ``top`` largest by name."""
+    p, step = row["profile"], row["device_us"]
+    print(
+        f"  profile, per step: span {p['span_us']:.1f} us ({p['span_us'] / step:.2f}x the timed step), "
+        f"kernels {p['kernels_us']:.1f} us"
+    )
+    for name, us in p["by_kernel"][:top]:
+        print(f"  {us:9.1f} us  {us / step:6.1%}  {name[:110]}")
 
 
 def check_targets(rows) -> list[str]:
@@ -723,6 +764,11 @@ def main():
     )
     parser.add_argument(
         "--mesh", default=None, help="data=D,model=M: the engines on a mesh of D x M devices (default: one)"
+    )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        help="a directory: trace one more dispatch per row there and print its kernels",
     )
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args()

@@ -43,9 +43,7 @@ CPU smoke test: python bench/bench_moe.py --tokens 1 8 --experts 8 --hidden 64 -
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
-import gzip
 import json
 import pathlib
 import sys
@@ -57,7 +55,7 @@ from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_decode import random_quantized
-from bench_ops import copy_bandwidth, timed
+from bench_ops import copy_bandwidth, device_kernels, timed
 
 from jax_oc128.nn import ModelConfig, grouped_matmul, quant
 from jax_oc128.nn.moe import DISPATCHES, MOE, MoE, MoEConfig
@@ -93,30 +91,6 @@ def floor_seconds(
     read = distinct * expert_bytes + (expert + config.num_experts * config.hidden_size) * itemsize
     flops = 2 * tokens * (config.num_experts_per_tok + 1) * expert
     return max(read / bandwidth, flops / flops_per_s), read, flops
-
-
-def device_kernels(trace_dir, calls: int):
-    """``(span_us, kernels_us, by_kernel)`` per call of the newest trace under ``trace_dir`` (jax's profiler:
-    ``plugins/profile/*/*.trace.json.gz``) of ``calls`` calls: the span of the GPU streams' kernels (first
-    start to last end) over ``calls``, their summed durations over ``calls``, and each kernel name's summed
-    microseconds per call, largest first."""
-    path = max(
-        pathlib.Path(trace_dir).glob("plugins/profile/*/*.trace.json.gz"), key=lambda p: p.stat().st_mtime
-    )
-    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
-    names = ("process_name", "thread_name")
-    meta = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e.get("name") in names}
-    # kernels: the complete events of a GPU process's stream threads (not its XLA module and op summary lines)
-    on_gpu = [e for e in events if e.get("ph") == "X" and "GPU" in meta.get((e["pid"], None), "")]
-    kernels = [e for e in on_gpu if "Stream" in meta.get((e["pid"], e.get("tid")), "")]
-    if not kernels:
-        return 0.0, 0.0, []
-    span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
-    by_kernel = collections.Counter()
-    for e in kernels:
-        by_kernel[e["name"]] += e["dur"] / calls
-    total = sum(by_kernel.values())
-    return span / calls, total, by_kernel.most_common()
 
 
 def main():

@@ -49,7 +49,9 @@ Usage: python bench/bench_ops.py [--batches 1 8 64 256] [--draft 4]
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
+import gzip
 import json
 import pathlib
 import time
@@ -92,6 +94,30 @@ def copy_bandwidth(iters, mib=2048):
     fn = jax.jit(lambda x, _: x * 1.0001)
     x = jnp.ones((mib * 256 * 1024,), jnp.float32)
     return 2 * x.nbytes / timed(fn, x, None, iters)[0]
+
+
+def device_kernels(trace_dir, calls: int):
+    """``(span_us, kernels_us, by_kernel)`` per call of the newest trace under ``trace_dir`` (jax's profiler:
+    ``plugins/profile/*/*.trace.json.gz``) of ``calls`` calls: the span of the GPU streams' kernels (first
+    start to last end) over ``calls``, their summed durations over ``calls``, and each kernel name's summed
+    microseconds per call, largest first."""
+    path = max(
+        pathlib.Path(trace_dir).glob("plugins/profile/*/*.trace.json.gz"), key=lambda p: p.stat().st_mtime
+    )
+    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    names = ("process_name", "thread_name")
+    meta = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e.get("name") in names}
+    # kernels: the complete events of a GPU process's stream threads (not its XLA module and op summary lines)
+    on_gpu = [e for e in events if e.get("ph") == "X" and "GPU" in meta.get((e["pid"], None), "")]
+    kernels = [e for e in on_gpu if "Stream" in meta.get((e["pid"], e.get("tid")), "")]
+    if not kernels:
+        return 0.0, 0.0, []
+    span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
+    by_kernel = collections.Counter()
+    for e in kernels:
+        by_kernel[e["name"]] += e["dur"] / calls
+    total = sum(by_kernel.values())
+    return span / calls, total, by_kernel.most_common()
 
 
 def step_bytes(rows, n, dtype_bytes):

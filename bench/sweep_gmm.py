@@ -9,7 +9,7 @@ the floor: the larger of the picked experts' bytes (in their format) over the co
 same run and their FLOPs at ``--tflops``. Two times per cell: ``ms``, a call timed by the host (the median of
 ``--iters``, each waited for: the dispatch included, ~0.25 ms on the H200, which is most of a call at decode
 sizes), and ``device_ms``, the kernels' own time per call on a GPU (jax's profiler over ``--iters`` calls,
-:func:`bench_moe.device_kernels`: what the kernel costs inside a model's step, where nothing waits between
+:func:`bench_ops.device_kernels`: what the kernel costs inside a model's step, where nothing waits between
 layers); the best tiling is the one of least device time where there is one. A tiling Triton cannot compile
 (shared memory) is reported as failed. The defaults the kernel takes (``grouped_matmul.DEFAULT_BLOCKS``) come
 from this sweep.
@@ -37,8 +37,8 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_decode import random_quantized
-from bench_moe import V4_FLASH_MOE, bytes_per_expert, device_kernels, parse_blocks
-from bench_ops import copy_bandwidth, timed
+from bench_moe import V4_FLASH_MOE, bytes_per_expert, parse_blocks
+from bench_ops import copy_bandwidth, device_kernels, timed
 
 from jax_oc128.nn import grouped_matmul, quant
 

@@ -35,18 +35,10 @@ from flax import nnx
 from jax_oc128.controller import ONLINE, Backend, ForwardMode
 from jax_oc128.nn import csa, hca, kv_cache
 from jax_oc128.nn.csa import CSACompressor, IndexerConfig
-from jax_oc128.nn.functional import (
-    FULL,
-    assign_weights,
-    linear,
-    normal_param,
-    ones_param,
-    rms_norm,
-    zeros_param,
-)
+from jax_oc128.nn.functional import FULL, assign_weights, normal_param, ones_param, rms_norm, zeros_param
+from jax_oc128.nn.grouped_matmul import linear
 from jax_oc128.nn.hca import HCACompressor, batch_slots
 from jax_oc128.nn.kv_cache import CacheDtypes
-from jax_oc128.nn.quant import matrix
 from jax_oc128.nn.rope import RopeConfig
 from jax_oc128.rules import BLOCK, drop_index
 from jax_oc128.tree import Tree, check_tree
@@ -514,17 +506,8 @@ class DeepseekV4Attention(nnx.Module):
         out = c.rope.apply(out, positions, inverse=True)
 
         grouped = out.reshape(batch, tokens, c.o_groups, -1)
-        o_a = matrix(self.o_a_proj[...]).reshape(c.o_groups, c.o_lora_rank, -1)
-        y = linear(
-            jnp.einsum(
-                "btgi,goi->btgo",
-                grouped.astype(o_a.dtype),
-                o_a,
-                precision=FULL,
-                preferred_element_type=jnp.float32,
-            ).reshape(batch, tokens, -1),
-            self.o_b_proj[...],
-        )
+        o_a = linear(grouped, self.o_a_proj[...], groups=c.o_groups)  # [batch, tokens, groups, o_lora_rank]
+        y = linear(o_a.reshape(batch, tokens, -1), self.o_b_proj[...])
         ring = positions if tree is None else base + jnp.asarray(nodes)[None]
         return y, self._update_window(cache, kv, positions, ring, lengths), compressed
 

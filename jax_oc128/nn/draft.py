@@ -27,7 +27,8 @@ from flax import nnx
 
 from jax_oc128.controller import ONLINE, Backend, ForwardMode
 from jax_oc128.nn.attention import SLIDING, AttentionCache
-from jax_oc128.nn.functional import linear, normal_param, ones_param, rms_norm
+from jax_oc128.nn.functional import normal_param, ones_param, rms_norm
+from jax_oc128.nn.grouped_matmul import linear
 from jax_oc128.nn.hyper_connections import HyperHead
 from jax_oc128.nn.model import (
     DEEPSEEK_V4_MTP,

@@ -1,15 +1,16 @@
-"""The building blocks the modules share: linear layers in transformers' weight layout, RMSNorm, the SwiGLU
-MLP, parameter initialisation, the parameters' dtype and loading.
+"""The building blocks the modules share: the linear layers' rule in transformers' weight layout, RMSNorm,
+the SwiGLU gate, parameter initialisation, the parameters' dtype and loading.
 
 Precision: activations are float32. The matrices (linear layers, experts, the embedding and the LM head, made
 by :func:`normal_param`) are stored in the model's dtype, float32 or bfloat16; every other parameter stays
-float32, as transformers keeps DeepSeek-V4's norms, hyper-connections, sinks, position biases
-and router biases in float32. A linear layer takes its input in the weight's dtype and accumulates in float32
-(:func:`linear`), so a bfloat16 model runs its matmuls on bfloat16 operands and everything else (norms,
-softmaxes, RoPE, the residual streams, routing, the compressors' pooling) in float32. A weight may also be
-quantized (a :class:`~jax_oc128.nn.quant.QuantizedArray`, a released checkpoint's FP8 or FP4 weight): it is
-dequantized to the model's dtype inside the computation (:func:`~jax_oc128.nn.quant.matrix`), and the matmul
-is the float one."""
+float32, as transformers keeps DeepSeek-V4's norms, hyper-connections, sinks, position biases and router
+biases in float32. A linear layer takes its input in the weight's dtype and accumulates in float32
+(:func:`linear_jnp`, the rule of :func:`jax_oc128.nn.grouped_matmul.linear`), so a bfloat16 model runs its
+matmuls on bfloat16 operands and everything else (norms, softmaxes, RoPE, the residual streams, routing, the
+compressors' pooling) in float32. A weight may also be quantized (a
+:class:`~jax_oc128.nn.quant.QuantizedArray`, a released checkpoint's FP8 or FP4 weight): it is dequantized
+to the model's dtype (:func:`~jax_oc128.nn.quant.matrix`), and the matmul is the float one: whole, or in
+registers by a kernel (:func:`jax_oc128.nn.grouped_matmul.linear`)."""
 
 from __future__ import annotations
 
@@ -30,12 +31,19 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _Built = TypeVar("_Built")
 
 
-def linear(x, weight):
-    """``x @ weight.T`` for a ``[out, in]`` weight (transformers' layout; a quantized one dequantized to its
-    dtype, fused into the matmul's operand by XLA): ``x`` is taken in the weight's dtype and the products are
-    accumulated and returned in float32 (full float32 for a float32 weight)."""
+def linear_jnp(x, weight, *, groups: int | None = None):
+    """``x @ weight.T`` for an ``[out, in]`` weight (transformers' layout; a quantized one dequantized whole
+    to its dtype, :func:`~jax_oc128.nn.quant.matrix`): ``x`` ``[..., in]`` is taken in the weight's dtype and
+    the products are accumulated and returned in float32 (full float32 for a float32 weight), ``[...,
+    out]``. ``groups`` G: ``x`` ``[..., G, in]``, group g by the weight's rows ``[g * out / G, (g + 1) * out
+    / G)`` -> ``[..., G, out / G]``. The rule of every linear layer and the twin of
+    :func:`~jax_oc128.nn.grouped_matmul.linear`'s kernel."""
     weight = matrix(weight)
-    return jnp.matmul(x.astype(weight.dtype), weight.T, precision=FULL, preferred_element_type=jnp.float32)
+    x = x.astype(weight.dtype)
+    if groups is None:
+        return jnp.matmul(x, weight.T, precision=FULL, preferred_element_type=jnp.float32)
+    weight = weight.reshape(groups, -1, weight.shape[-1])
+    return jnp.einsum("...gi,goi->...go", x, weight, precision=FULL, preferred_element_type=jnp.float32)
 
 
 def rms_norm(x, weight, eps):
@@ -95,11 +103,6 @@ def zeros_param(*shape) -> nnx.Param:
 def ones_param(*shape) -> nnx.Param:
     """A float32 parameter of ones (e.g. a norm's weight)."""
     return param(shape, jnp.float32, lambda: jnp.ones(shape, jnp.float32))
-
-
-def swiglu(x, gate, up, down, limit=None):
-    """The SwiGLU MLP ``down(silu(gate(x)) * up(x))`` with ``[out, in]`` weights (:func:`swiglu_gate`)."""
-    return linear(swiglu_gate(linear(x, gate), linear(x, up), limit), down)
 
 
 def swiglu_gate(g, u, limit=None):

@@ -26,20 +26,26 @@ so that only the codes and scales are read from memory; and :func:`gmm_ragged_do
 comparison and for TPUs). :func:`gmm` picks the kernel on CUDA and the jnp loop elsewhere, per lowering
 platform. The dequantized values are exact (a code times a power of two), so every implementation computes
 the matmul of the same float matrices and they differ by float32 rounding of the accumulation order.
+
+The model's linear layers run here too (:func:`linear`, :func:`swiglu`): a dense matmul is a grouped matmul
+of one group (:func:`linear_layout`), and so a large quantized weight at decode sizes is read by the kernel,
+its codes and scales only (:func:`linear_pallas`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jax_oc128.nn import quant
-from jax_oc128.nn.functional import FULL, linear, swiglu_gate
+from jax_oc128.nn import quant, sharding
+from jax_oc128.nn.functional import FULL, linear_jnp, swiglu_gate
 from jax_oc128.nn.quant import QuantizedArray, matrix
 
 MIN_BLOCK_ROWS = 16  # the smallest tensor-core matmul Triton emits
@@ -186,7 +192,7 @@ def gmm_jnp(x, weights, groups: Groups, *, gated: bool = False, limit: float | N
         rows, expert = args
 
         def product():
-            out = linear(rows, weights[jnp.maximum(expert, 0)])
+            out = linear_jnp(rows, weights[jnp.maximum(expert, 0)])
             return gate(out, dtype, limit) if gated else out
 
         return jax.lax.cond(expert >= 0, product, lambda: jnp.zeros((groups.block_rows, n), dtype))
@@ -508,3 +514,70 @@ def gmm_pallas_anywhere(x, weights, groups: Groups, *, gated: bool = False, limi
     """:func:`gmm_pallas` on every platform: compiled by Triton on CUDA, in interpret mode elsewhere."""
     interpreted = functools.partial(gmm_pallas, interpret=True)
     return _per_platform(gmm_pallas, interpreted, x, weights, groups, gated=gated, limit=limit)
+
+
+#: when :func:`linear` runs a quantized weight through :func:`linear_pallas` on CUDA: at most this many rows
+#: per group (decode sizes, where reading the weight is the cost) and a weight of at least this many
+#: parameters (a smaller one's kernel, one program per 32 outputs looping over all of K, waits on its loads:
+#: 11.7 us for V4-Flash's 512 x 4096 kv_proj, XLA's 7.2); otherwise the weight dequantized whole and XLA's
+#: matmul (bench/RESULTS.md section 11)
+LINEAR_KERNEL_ROWS, LINEAR_KERNEL_PARAMS = 64, 1 << 23
+#: :func:`linear_pallas`'s tiling: the fastest of a sweep at 8 and 64 rows over V4-Flash's FP8 linears (the
+#: expert tilings of :data:`DEFAULT_BLOCKS`, 128 columns a program, leave most SMs idle on 4096 outputs)
+LINEAR_BLOCKS = Blocks(32, 256, 4, 3)
+
+
+def linear_layout(groups: int, rows: int) -> Groups:
+    """The layout of a linear layer's ``rows`` x ``groups`` pairs (pair ``r * groups + g``: row r's group g,
+    :func:`linear`'s ``x`` flattened): group g's rows in tiles of its own, ``tile_expert`` g. Static: built by
+    numpy from the shapes."""
+    block_rows = block_rows_for(rows, 1)
+    tiles = -(-rows // block_rows)
+    pair_rows = (np.arange(groups) * tiles * block_rows + np.arange(rows)[:, None]).reshape(-1)
+    row_pairs = np.full(groups * tiles * block_rows, groups * rows)
+    row_pairs[pair_rows] = np.arange(groups * rows)
+    tile_expert = np.repeat(np.arange(groups), tiles)
+    return Groups(*(jnp.asarray(a, jnp.int32) for a in (pair_rows, row_pairs, tile_expert)), block_rows)
+
+
+def _grouped_weights(weight, groups: int | None):
+    """An ``[out, in]`` weight (float or quantized) as ``[groups, out / groups, in]`` (one group: None)."""
+    return jax.tree.map(lambda a: a.reshape(groups or 1, -1, a.shape[-1]), weight)
+
+
+def linear_pallas(x, weight, *, groups: int | None = None, blocks: Blocks | None = None, interpret=False):
+    """:func:`~jax_oc128.nn.functional.linear_jnp` (shapes and ``groups`` the same) by :func:`gmm_pallas`:
+    each group's weight one expert, on its rows (:func:`linear_layout`): a quantized weight's codes and
+    scales read and dequantized in registers, never whole. ``blocks``: :func:`gmm_pallas`'s tiling (default
+    :data:`LINEAR_BLOCKS`)."""
+    weights = _grouped_weights(weight, groups)
+    flat = x.reshape(-1, x.shape[-1]).astype(weights.dtype)  # the pairs, in order
+    layout = linear_layout(weights.shape[0], flat.shape[0] // weights.shape[0])
+    blocks = blocks or LINEAR_BLOCKS
+    rows = gmm_pallas(gather_rows_jnp(flat, layout, 1), weights, layout, blocks=blocks, interpret=interpret)
+    return rows[layout.rows].reshape(*x.shape[:-1], -1)
+
+
+def linear(x, weight, *, groups: int | None = None):
+    """The model's linear layer, :func:`~jax_oc128.nn.functional.linear_jnp` (``x`` ``[..., in]`` by an
+    ``[out, in]`` weight -> float32 ``[..., out]``; ``groups``: per group): a float weight by XLA's matmul; a
+    quantized one (:class:`~jax_oc128.nn.quant.QuantizedArray`) on CUDA at up to
+    :data:`LINEAR_KERNEL_ROWS` rows per group, of at least ``LINEAR_KERNEL_PARAMS`` parameters, by
+    :func:`linear_pallas` (the codes read once, 1 byte per FP8 parameter; XLA dequantizes the weight whole
+    first, writing and reading 2 bytes per parameter more), otherwise dequantized whole: also in a trace
+    whose mesh splits the weights over ``"model"`` (tensor parallel), which XLA partitions (the kernel is
+    not partitioned: its operands would be gathered whole onto every device)."""
+    rows = math.prod(x.shape[:-1]) // (groups or 1)
+    kernel = isinstance(weight, QuantizedArray) and rows <= LINEAR_KERNEL_ROWS
+    kernel = kernel and sharding.traced_model_devices() == 1
+    kernel = kernel and math.prod(weight.shape) >= LINEAR_KERNEL_PARAMS
+    if not (kernel and pallas_fits(x, _grouped_weights(weight, groups))):
+        return linear_jnp(x, weight, groups=groups)
+    return _per_platform(linear_pallas, linear_jnp, x, weight, groups=groups)
+
+
+def swiglu(x, gate, up, down, limit=None, *, matmul=linear):
+    """The SwiGLU MLP ``down(silu(gate(x)) * up(x))`` with ``[out, in]`` weights
+    (:func:`~jax_oc128.nn.functional.swiglu_gate`), each projection ``matmul(x, weight)`` (:func:`linear`;
+    :func:`~jax_oc128.nn.functional.linear_jnp`: the weights dequantized whole, the oracle's way)."""
+    return matmul(swiglu_gate(matmul(x, gate), matmul(x, up), limit), down)

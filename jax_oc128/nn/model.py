@@ -45,16 +45,8 @@ from jax_oc128.nn.attention import (
     prepare_forward,
 )
 from jax_oc128.nn.csa import IndexerConfig
-from jax_oc128.nn.functional import (
-    DTYPES,
-    assign_weights,
-    build_abstract,
-    linear,
-    normal_param,
-    ones_param,
-    rms_norm,
-    swiglu,
-)
+from jax_oc128.nn.functional import DTYPES, assign_weights, build_abstract, normal_param, ones_param, rms_norm
+from jax_oc128.nn.grouped_matmul import linear, swiglu
 from jax_oc128.nn.hyper_connections import HyperConnection, HyperHead
 from jax_oc128.nn.kv_cache import CacheDtypes, check_kv_cache_dtype
 from jax_oc128.nn.moe import HASH_MOE, MOE, MoE, MoEConfig, check_dispatch, check_expert_ids

@@ -28,8 +28,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jax_oc128.nn import grouped_matmul
-from jax_oc128.nn.functional import FULL, linear, normal_param, param, swiglu, zeros_param
-from jax_oc128.nn.sharding import MODEL
+from jax_oc128.nn.functional import FULL, linear_jnp, normal_param, param, zeros_param
+from jax_oc128.nn.grouped_matmul import linear, swiglu
+from jax_oc128.nn.sharding import MODEL, traced_model_devices
 
 MOE, HASH_MOE = "moe", "hash_moe"
 
@@ -116,7 +117,8 @@ def dense(x, expert_ids, weights, gate_up, down, limit):
     Returns: float32 ``[..., hidden]``.
     """
     i = down.shape[2]
-    every_expert = jax.vmap(swiglu, in_axes=(None, 0, 0, 0, None), out_axes=-2)
+    expert = functools.partial(swiglu, matmul=linear_jnp)  # the oracle: each weight dequantized whole
+    every_expert = jax.vmap(expert, in_axes=(None, 0, 0, 0, None), out_axes=-2)
     experts = every_expert(x, gate_up[:, :i], gate_up[:, i:], down, limit)  # [..., experts, hidden]
     mask = jnp.einsum(
         "...k,...ke->...e", weights, jax.nn.one_hot(expert_ids, gate_up.shape[0]), precision=FULL
@@ -149,8 +151,7 @@ def expert_parallel(x, expert_ids, weights, gate_up, down, limit, *, local=group
     axis (a psum), so no device reads another's experts. Without a ``"model"`` axis of more than one device
     in the mesh of the trace (the engine's mesh), or one that does not divide the experts, ``local`` itself.
     Arguments and result as :func:`dense`."""
-    mesh = jax.sharding.get_abstract_mesh()
-    devices = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)).get(MODEL, 1)
+    devices = traced_model_devices()
     if devices == 1 or gate_up.shape[0] % devices:
         return local(x, expert_ids, weights, gate_up, down, limit)
 

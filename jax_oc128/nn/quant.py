@@ -13,9 +13,11 @@ bytes) and its scales per row, ``[..., out, ceil(in / group)]`` (``group`` 128 f
 scales repeated over their block's rows, 1/128 byte per parameter; 32 for FP4), so that the rows of a stacked
 or sliced weight (an expert's gate and up halves, a device's rows) carry their scales. :func:`dequantize`
 gives its float matrix, exactly (an e4m3 or e2m1 code times a power of two is a float32 and a bfloat16
-number, where normal): inside a jitted matmul XLA fuses it into the operand, so the device holds the codes
-and scales only. :func:`check_exponents` is the range of exponents the loader accepts (every code's value a
-normal finite float32).
+number, where normal); between calls the device holds the codes and scales only. Inside a jitted matmul
+XLA writes the dequantized matrix to memory and reads it back (it does not fuse the decoding into its
+matmul's operand); the kernels of :mod:`~jax_oc128.nn.grouped_matmul` read the codes and scales only.
+:func:`check_exponents` is the range of exponents the loader accepts (every code's value a normal finite
+float32).
 
 :func:`quantize_fp8` and :func:`quantize_fp4` are DeepSeek's quantization (per block: amax, clamped below at
 1e-4, over the format's largest value, rounded up to a power of two; codes rounded to nearest even), which

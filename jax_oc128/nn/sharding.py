@@ -50,6 +50,12 @@ PARAM_RULES = (
 SLOT_AXES = {CompressState: {"banks": 2}, OfflineState: {"rows": 1}}
 
 
+def traced_model_devices() -> int:
+    """The devices of the ``"model"`` axis in the mesh of the trace (the engine's; 1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)).get(MODEL, 1)
+
+
 def make_mesh(data: int, model: int = 1, devices=None) -> Mesh:
     """A mesh of ``data`` x ``model`` devices (of ``devices``, default ``jax.devices()``), axes
     ``("data", "model")``."""

@@ -1,0 +1,120 @@
+"""The FP8 linear layers of DeepSeek-V4-Flash as released, one layer's worth: the model's layer
+(``grouped_matmul.linear``: on CUDA the grouped matmul's kernel for the large weights at decode sizes)
+against XLA's matmul of the weight dequantized whole (``functional.linear_jnp``), by the kernels' time on
+the device.
+
+The layers (``ModelConfig.deepseek_v4_flash``): the attention's q_a (1024 x 4096), q_b (32768 x 1024), kv
+(512 x 4096), o_a (8 groups of 1024 x 4096) and o_b (4096 x 8192); the CSA indexer's q_b (8192 x 1024); the
+shared expert's gate, up (2048 x 4096) and down (4096 x 2048); each an FP8 weight (e4m3 codes, e8m0 128 x 128
+block scales kept per row, :func:`bench_decode.random_quantized`) in a bfloat16 model, on ``tokens`` rows.
+
+Per (tokens, layer), each way: the summed duration of its kernels per call (jax's profiler,
+``bench_ops.device_kernels``, over ``--calls`` calls), against the floor: the weight's codes and scales over
+the device's copy bandwidth (``bench_ops.copy_bandwidth``); and the sum over the layers (a CSA layer's
+projections).
+
+Usage: ``python bench/bench_linear.py [--tokens 8 64 256] [--out bench/results/bench_linear.json]``
+CPU smoke test: ``python bench/bench_linear.py --tokens 2 --copy-mib 64 --calls 1 --out /tmp/bl.json``
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import pathlib
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_decode import random_quantized
+from bench_ops import copy_bandwidth, device_kernels
+
+from jax_oc128.nn import ModelConfig, grouped_matmul
+from jax_oc128.nn.functional import linear_jnp
+from jax_oc128.nn.quant import FP8
+
+DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "bench_linear.json"
+
+
+def v4_flash_layers(c: ModelConfig) -> dict[str, tuple[int, int, int | None]]:
+    """The FP8 linear layers of one CSA layer of ``c``: name -> (out, in, groups)."""
+    heads = c.num_heads * c.head_dim
+    return {
+        "q_a": (c.q_lora_rank, c.hidden_size, None),
+        "q_b": (heads, c.q_lora_rank, None),
+        "kv": (c.head_dim, c.hidden_size, None),
+        "o_a": (c.o_groups * c.o_lora_rank, heads // c.o_groups, c.o_groups),
+        "o_b": (c.hidden_size, c.o_groups * c.o_lora_rank, None),
+        "indexer q_b": (c.index_n_heads * c.index_head_dim, c.q_lora_rank, None),
+        "shared gate": (c.mlp_hidden, c.hidden_size, None),
+        "shared up": (c.mlp_hidden, c.hidden_size, None),
+        "shared down": (c.hidden_size, c.mlp_hidden, None),
+    }
+
+
+def kernels_us(fn, args, calls: int) -> float:
+    """The summed kernel microseconds per call of ``fn(*args)`` (compiled first)."""
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready([fn(*args) for _ in range(calls)])
+        return device_kernels(trace_dir, calls)[1]
+
+
+def print_row(row: dict) -> None:
+    """A row of the table: the floor, then each way's time and its ratio to the floor."""
+    cells = [str(row["tokens"]), row["name"], f"{row['floor_us']:.1f}"]
+    for way in ("layer_us", "dequantized_us"):
+        cells += [f"{row[way]:.1f}", f"{row[way] / row['floor_us']:.2f}"]
+    print(f"| {' | '.join(cells)} |", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8, 64, 256])
+    parser.add_argument("--calls", type=int, default=10, help="calls per trace")
+    parser.add_argument("--copy-mib", type=int, default=2048, help="the copy bandwidth's array (MiB)")
+    parser.add_argument("--out", default=str(DEFAULT_OUT))
+    args = parser.parse_args()
+
+    bandwidth = copy_bandwidth(10, args.copy_mib)
+    device = jax.devices()[0].device_kind
+    print(f"device: {device}, jax {jax.__version__}, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    ways = {
+        "layer_us": jax.jit(grouped_matmul.linear, static_argnames="groups"),
+        "dequantized_us": jax.jit(linear_jnp, static_argnames="groups"),
+    }
+    print("| tokens | layer | floor us | layer us | x floor | dequantized whole us | x floor |")
+    print("|---" * 7 + "|")
+    rows, key = [], jax.random.key(0)
+    for tokens in args.tokens:
+        total = dict(tokens=tokens, name="all", floor_us=0.0, **dict.fromkeys(ways, 0.0))
+        for name, (out, width, groups) in v4_flash_layers(ModelConfig.deepseek_v4_flash()).items():
+            weight = random_quantized(key, fmt=FP8, shape=(out, width), dtype="bfloat16")
+            x = jax.random.normal(key, (tokens, *([groups] if groups else []), width), jnp.float32)
+            row = dict(tokens=tokens, name=name)
+            row["floor_us"] = (weight.codes.nbytes + weight.scales.nbytes) / bandwidth * 1e6
+            for way, fn in ways.items():
+                row[way] = kernels_us(functools.partial(fn, groups=groups), (x, weight), args.calls)
+            rows.append(row)
+            for k in ("floor_us", *ways):
+                total[k] += row[k]
+            print_row(row)
+        rows.append(total)
+        print_row(total)
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            dict(bench="linear", device=device, jax=jax.__version__, bandwidth=bandwidth, rows=rows), indent=1
+        )
+    )
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

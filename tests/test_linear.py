@@ -1,0 +1,129 @@
+"""The model's linear layer (jax_oc128.nn.grouped_matmul.linear): a quantized weight through the grouped
+matmul's kernel as one group per weight group (linear_pallas; interpret mode on CPU, Triton on a GPU)
+against its twin, the weight dequantized whole (functional.linear_jnp), and an independent float64
+computation; which weights the layer sends to the kernel when lowered for CUDA."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from jax.sharding import AbstractMesh, AxisType
+from test_moe import abstract_quantized, quantized
+
+from jax_oc128.nn import grouped_matmul, quant
+from jax_oc128.nn.functional import linear_jnp
+from jax_oc128.nn.quant import FP4, FP8
+from jax_oc128.nn.sharding import MODEL
+
+
+def float64_linear(x, weight, groups, magnitudes=False):
+    """``x`` (rounded to the weight's dtype) by the dequantized ``weight`` in float64 numpy; with
+    ``magnitudes``, also the same of ``|x|`` by ``|weight|`` (the sums of the products' magnitudes)."""
+    w = np.asarray(quant.dequantize(weight).astype(jnp.float32), np.float64)
+    x = np.asarray(jnp.asarray(x).astype(weight.dtype).astype(jnp.float32), np.float64)
+    if groups is None:
+        product = lambda a, b: a @ b.T  # noqa: E731
+    else:
+        w = w.reshape(groups, -1, w.shape[-1])
+        product = lambda a, b: np.einsum("...gi,goi->...go", a, b)  # noqa: E731
+    return (product(x, w), product(np.abs(x), np.abs(w))) if magnitudes else product(x, w)
+
+
+def assert_float32_sum(got, want, magnitudes, width):
+    """``got`` (float32) is ``want`` to the error bound of float32 sums of ``width`` exact products (x is
+    rounded to the weight's dtype first and the weights' values are exact in it): ``width * 2^-24`` times the
+    sum of the products' magnitudes (recursive summation's bound, whatever the order: the kernel adds its
+    K blocks in sequence, XLA in its own order)."""
+    np.testing.assert_array_less(
+        np.abs(np.asarray(got, np.float64) - want), width * 2**-24 * magnitudes + 1e-30
+    )
+
+
+@pytest.mark.parametrize(
+    "interpret", [True, pytest.param(False, marks=pytest.mark.cuda)], ids=["interpret", "triton"]
+)
+@pytest.mark.parametrize("lead, groups", [((3, 5), None), ((40,), None), ((2, 3), 4)])
+@pytest.mark.parametrize("fmt, scales", [(FP8, "e8m0"), (FP8, "float32"), (FP4, "e8m0")])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernel_equals_jnp_and_float64(fmt, scales, dtype, lead, groups, interpret):
+    """linear_pallas == linear_jnp == float64 on a ``[320, 192]`` weight (FP8's last 128-column scale group
+    partial; FP4's six 32-column groups), rows in one 16-row tile, in a 64-row tile and in four groups of
+    80 outputs each (the o_a projection's shape)."""
+    rng = np.random.default_rng(3)
+    weight = quantized(rng.standard_normal((1, 320, 192)) / 14, fmt, scales, dtype)[0]
+    x = jnp.asarray(rng.standard_normal((*lead, *([groups] if groups else []), 192)), jnp.float32)
+    got = grouped_matmul.linear_pallas(x, weight, groups=groups, interpret=interpret)
+    twin = linear_jnp(x, weight, groups=groups)
+    want, magnitudes = float64_linear(x, weight, groups, magnitudes=True)
+    assert got.shape == twin.shape == want.shape and got.dtype == jnp.float32
+    assert_float32_sum(got, want, magnitudes, 192)
+    assert_float32_sum(twin, want, magnitudes, 192)
+
+
+def test_v4_flash_projection_equals_float64():
+    """DeepSeek-V4-Flash's o_a projection (8 groups of 1024 x 4096, FP8) at 8 tokens through the layer: on a
+    GPU its kernel, elsewhere the dequantized matmul; both the float64 computation's."""
+    rng = np.random.default_rng(5)
+    weight = quantized(rng.standard_normal((1, 8192, 4096)) / 64, FP8, "e8m0", "bfloat16")[0]
+    x = jnp.asarray(rng.standard_normal((8, 8, 4096)), jnp.float32)
+    got = jax.jit(grouped_matmul.linear, static_argnames="groups")(x, weight, groups=8)
+    want, magnitudes = float64_linear(x, weight, 8, magnitudes=True)
+    assert_float32_sum(got, want, magnitudes, 4096)
+
+
+def kernels_for_cuda(x_shape, weight, groups=None, model_devices=1) -> int:
+    """The Triton kernels of the layer on ``x_shape`` rows, lowered for CUDA here (traced under a mesh of
+    ``model_devices`` on ``"model"``)."""
+    triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    fn = jax.jit(grouped_matmul.linear, static_argnames="groups")
+    x = jax.ShapeDtypeStruct(x_shape, jnp.float32)
+    mesh = AbstractMesh((model_devices,), (MODEL,), axis_types=(AxisType.Auto,))
+    with jax.sharding.use_abstract_mesh(mesh):
+        exported = export.export(fn, platforms=["cuda"], disabled_checks=[triton])(x, weight, groups=groups)
+    return exported.mlir_module().count("@__gpu$xla.gpu.triton")
+
+
+def test_layer_sends_large_quantized_weights_at_decode_sizes_to_the_kernel():
+    """For CUDA: an FP8 or FP4 weight of at least LINEAR_KERNEL_PARAMS parameters at up to
+    LINEAR_KERNEL_ROWS rows per group runs the kernel; more rows, a smaller weight, a float one or a mesh
+    that splits the weights over "model" (the kernel is not partitioned) do not."""
+    large, small = (4096, 4096), (512, 4096)
+    assert (
+        grouped_matmul.LINEAR_KERNEL_PARAMS <= 4096 * 4096
+        and 512 * 4096 < grouped_matmul.LINEAR_KERNEL_PARAMS
+    )
+    rows = grouped_matmul.LINEAR_KERNEL_ROWS
+    for fmt in (FP8, FP4):
+        assert kernels_for_cuda((2, rows // 2, 4096), abstract_quantized(fmt, large, "bfloat16")) == 1
+        assert kernels_for_cuda((rows + 1, 4096), abstract_quantized(fmt, large, "bfloat16")) == 0
+        assert kernels_for_cuda((8, 4096), abstract_quantized(fmt, small, "bfloat16")) == 0
+        assert kernels_for_cuda((8, 4096), abstract_quantized(fmt, large, "bfloat16"), model_devices=2) == 0
+    assert kernels_for_cuda((8, 4096), jax.ShapeDtypeStruct(large, jnp.bfloat16)) == 0
+    grouped = abstract_quantized(FP8, (8192, 4096), "bfloat16")  # the o_a projection: rows per group count
+    assert kernels_for_cuda((rows, 8, 4096), grouped, groups=8) == 1
+    assert kernels_for_cuda((rows + 1, 8, 4096), grouped, groups=8) == 0
+
+
+def test_bench_linear_runs_tiny(tmp_path):
+    """bench/bench_linear.py end to end on this platform at 2 tokens: a row per V4-Flash FP8 layer and their
+    sum, each floored by its codes' and scales' bytes (o_b: 4096 x 8192 codes, 4096 x 64 scale bytes)."""
+    out = tmp_path / "bench_linear.json"
+    bench = pathlib.Path(__file__).resolve().parent.parent / "bench" / "bench_linear.py"
+    command = [sys.executable, str(bench), "--tokens", "2", "--copy-mib", "1", "--calls", "1"]
+    command += ["--out", str(out)]
+    subprocess.run(command, check=True, capture_output=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    results = json.loads(out.read_text())
+    rows = {row["name"]: row for row in results["rows"]}
+    assert len(rows) == 10 and rows["all"]["floor_us"] == pytest.approx(
+        sum(row["floor_us"] for name, row in rows.items() if name != "all")
+    )
+    assert rows["o_b"]["floor_us"] == pytest.approx((4096 * 8192 + 4096 * 64) / results["bandwidth"] * 1e6)
