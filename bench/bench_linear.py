@@ -8,12 +8,14 @@ The layers (``ModelConfig.deepseek_v4_flash``): the attention's q_a (1024 x 4096
 shared expert's gate, up (2048 x 4096) and down (4096 x 2048); each an FP8 weight (e4m3 codes, e8m0 128 x 128
 block scales kept per row, :func:`bench_decode.random_quantized`) in a bfloat16 model, on ``tokens`` rows.
 
-Per (tokens, layer), each way: the summed duration of its kernels per call (jax's profiler,
+Per (tokens, layer), each way (:data:`WAYS`: the model's layer, the kernel for every weight, the weight
+dequantized whole), the summed duration of its kernels per call (jax's profiler,
 ``bench_ops.device_kernels``, over ``--calls`` calls), against the floor: the weight's codes and scales over
 the device's copy bandwidth (``bench_ops.copy_bandwidth``); and the sum over the layers (a CSA layer's
-projections).
+projections). ``--sweep`` also times the kernel at each tiling of :data:`SWEEP` and gives the fastest
+(``grouped_matmul.LINEAR_BLOCKS`` is chosen so).
 
-Usage: ``python bench/bench_linear.py [--tokens 8 64 256] [--out bench/results/bench_linear.json]``
+Usage: ``python bench/bench_linear.py [--tokens 8 64 256] [--sweep] [--out bench/results/bench_linear.json]``
 CPU smoke test: ``python bench/bench_linear.py --tokens 2 --copy-mib 64 --calls 1 --out /tmp/bl.json``
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import pathlib
 import sys
@@ -65,11 +68,27 @@ def kernels_us(fn, args, calls: int) -> float:
         return device_kernels(trace_dir, calls)[1]
 
 
+#: the ways each layer is timed: the model's layer, the kernel whatever the weight's size (off GPUs in
+#: interpret mode), the weight dequantized whole by XLA
+WAYS = {
+    "layer_us": grouped_matmul.linear,
+    "kernel_us": grouped_matmul.linear_pallas,
+    "dequantized_us": linear_jnp,
+}
+#: ``--sweep``'s tilings of the kernel: columns per program, reduction step, the operands' order
+SWEEP = [
+    grouped_matmul.Blocks(n, k, 4, 3, swap)
+    for n, k, swap in itertools.product((16, 32, 64, 128), (128, 256), (False, True))
+]
+
+
 def print_row(row: dict) -> None:
-    """A row of the table: the floor, then each way's time and its ratio to the floor."""
+    """A row of the table: the floor, then each way's time and its ratio to the floor; the sweep's best."""
     cells = [str(row["tokens"]), row["name"], f"{row['floor_us']:.1f}"]
-    for way in ("layer_us", "dequantized_us"):
+    for way in WAYS:
         cells += [f"{row[way]:.1f}", f"{row[way] / row['floor_us']:.2f}"]
+    if "sweep" in row:
+        cells += ["; ".join(f"{us:.1f} {','.join(map(str, blocks))}" for us, blocks in row["sweep"][:3])]
     print(f"| {' | '.join(cells)} |", flush=True)
 
 
@@ -78,18 +97,21 @@ def main():
     parser.add_argument("--tokens", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--calls", type=int, default=10, help="calls per trace")
     parser.add_argument("--copy-mib", type=int, default=2048, help="the copy bandwidth's array (MiB)")
+    parser.add_argument("--sweep", action="store_true", help="also time the kernel at each tiling of SWEEP")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args()
 
     bandwidth = copy_bandwidth(10, args.copy_mib)
     device = jax.devices()[0].device_kind
     print(f"device: {device}, jax {jax.__version__}, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    ways = {
-        "layer_us": jax.jit(grouped_matmul.linear, static_argnames="groups"),
-        "dequantized_us": jax.jit(linear_jnp, static_argnames="groups"),
-    }
-    print("| tokens | layer | floor us | layer us | x floor | dequantized whole us | x floor |")
-    print("|---" * 7 + "|")
+    header = ["tokens", "layer", "floor us"]
+    for way in WAYS:
+        header += [way.removesuffix("_us").replace("_", " ") + " us", "x floor"]
+    header += ["the sweep's fastest (us n,k,warps,stages,swap)"] if args.sweep else []
+    print(f"| {' | '.join(header)} |\n" + "|---" * len(header) + "|")
+    ways = dict(
+        WAYS, kernel_us=functools.partial(WAYS["kernel_us"], interpret=jax.default_backend() != "gpu")
+    )
     rows, key = [], jax.random.key(0)
     for tokens in args.tokens:
         total = dict(tokens=tokens, name="all", floor_us=0.0, **dict.fromkeys(ways, 0.0))
@@ -99,7 +121,19 @@ def main():
             row = dict(tokens=tokens, name=name)
             row["floor_us"] = (weight.codes.nbytes + weight.scales.nbytes) / bandwidth * 1e6
             for way, fn in ways.items():
-                row[way] = kernels_us(functools.partial(fn, groups=groups), (x, weight), args.calls)
+                row[way] = kernels_us(jax.jit(functools.partial(fn, groups=groups)), (x, weight), args.calls)
+            if args.sweep:
+                kernel = jax.jit(grouped_matmul.linear_pallas, static_argnames=("groups", "blocks"))
+                timed = [
+                    (
+                        kernels_us(
+                            functools.partial(kernel, groups=groups, blocks=b), (x, weight), args.calls
+                        ),
+                        b,
+                    )
+                    for b in SWEEP
+                ]
+                row["sweep"] = sorted(timed)
             rows.append(row)
             for k in ("floor_us", *ways):
                 total[k] += row[k]
