@@ -123,17 +123,9 @@ def main():
             for way, fn in ways.items():
                 row[way] = kernels_us(jax.jit(functools.partial(fn, groups=groups)), (x, weight), args.calls)
             if args.sweep:
-                kernel = jax.jit(grouped_matmul.linear_pallas, static_argnames=("groups", "blocks"))
-                timed = [
-                    (
-                        kernels_us(
-                            functools.partial(kernel, groups=groups, blocks=b), (x, weight), args.calls
-                        ),
-                        b,
-                    )
-                    for b in SWEEP
-                ]
-                row["sweep"] = sorted(timed)
+                kernel = functools.partial(ways["kernel_us"], groups=groups)
+                tiled = [(jax.jit(functools.partial(kernel, blocks=b)), b) for b in SWEEP]
+                row["sweep"] = sorted((kernels_us(fn, (x, weight), args.calls), b) for fn, b in tiled)
             rows.append(row)
             for k in ("floor_us", *ways):
                 total[k] += row[k]

@@ -568,10 +568,14 @@ def linear(x, weight, *, groups: int | None = None):
     whose mesh splits the weights over ``"model"`` (tensor parallel), which XLA partitions (the kernel is
     not partitioned: its operands would be gathered whole onto every device)."""
     rows = math.prod(x.shape[:-1]) // (groups or 1)
-    kernel = isinstance(weight, QuantizedArray) and rows <= LINEAR_KERNEL_ROWS
-    kernel = kernel and sharding.traced_model_devices() == 1
-    kernel = kernel and math.prod(weight.shape) >= LINEAR_KERNEL_PARAMS
-    if not (kernel and pallas_fits(x, _grouped_weights(weight, groups))):
+    kernel = (
+        isinstance(weight, QuantizedArray)
+        and rows <= LINEAR_KERNEL_ROWS
+        and math.prod(weight.shape) >= LINEAR_KERNEL_PARAMS
+        and sharding.traced_model_devices() == 1
+        and pallas_fits(x, _grouped_weights(weight, groups))
+    )
+    if not kernel:
         return linear_jnp(x, weight, groups=groups)
     return _per_platform(linear_pallas, linear_jnp, x, weight, groups=groups)
 
