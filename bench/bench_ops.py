@@ -96,20 +96,26 @@ def copy_bandwidth(iters, mib=2048):
     return 2 * x.nbytes / timed(fn, x, None, iters)[0]
 
 
-def device_kernels(trace_dir, calls: int):
-    """``(span_us, kernels_us, by_kernel)`` per call of the newest trace under ``trace_dir`` (jax's profiler:
-    ``plugins/profile/*/*.trace.json.gz``) of ``calls`` calls: the span of the GPU streams' kernels (first
-    start to last end) over ``calls``, their summed durations over ``calls``, and each kernel name's summed
-    microseconds per call, largest first."""
+def kernel_events(trace_dir):
+    """The kernels of the newest trace under ``trace_dir`` (jax's profiler:
+    ``plugins/profile/*/*.trace.json.gz``): the complete events of a GPU process's stream threads (not its
+    XLA module and op summary lines), each a dict with ``name``, ``ts``, ``dur`` (us) and ``args``."""
     path = max(
         pathlib.Path(trace_dir).glob("plugins/profile/*/*.trace.json.gz"), key=lambda p: p.stat().st_mtime
     )
     events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
     names = ("process_name", "thread_name")
     meta = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e.get("name") in names}
-    # kernels: the complete events of a GPU process's stream threads (not its XLA module and op summary lines)
     on_gpu = [e for e in events if e.get("ph") == "X" and "GPU" in meta.get((e["pid"], None), "")]
-    kernels = [e for e in on_gpu if "Stream" in meta.get((e["pid"], e.get("tid")), "")]
+    return [e for e in on_gpu if "Stream" in meta.get((e["pid"], e.get("tid")), "")]
+
+
+def device_kernels(trace_dir, calls: int):
+    """``(span_us, kernels_us, by_kernel)`` per call of the newest trace under ``trace_dir``
+    (:func:`kernel_events`) of ``calls`` calls: the span of the GPU streams' kernels (first start to last
+    end) over ``calls``, their summed durations over ``calls``, and each kernel name's summed microseconds
+    per call, largest first."""
+    kernels = kernel_events(trace_dir)
     if not kernels:
         return 0.0, 0.0, []
     span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)

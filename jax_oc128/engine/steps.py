@@ -165,9 +165,14 @@ def plain_step(model, state: DecodeState, key, temperature: float):
     """One token per active slot with the target alone. Returns ``(state, tokens [slots, 1], counts
     [slots])``."""
     lengths = state.active.astype(jnp.int32)
-    logits, hidden, cache = model.target(
-        state.token[:, None], state.position[:, None], state.cache, lengths=lengths, mode=ForwardMode.DECODE
-    )
+    with jax.named_scope("target"):
+        logits, hidden, cache = model.target(
+            state.token[:, None],
+            state.position[:, None],
+            state.cache,
+            lengths=lengths,
+            mode=ForwardMode.DECODE,
+        )
     nxt = pick(logits[:, 0], key, temperature)
     state = dataclasses.replace(
         state,
@@ -212,18 +217,20 @@ def speculative_step(model, state: DecodeState, key, tree: Tree, temperature: fl
     active = state.active
     draft_key, accept_key = jax.random.split(key)
     draft_fn = functools.partial(_draft_level, model, tree, state.position, active)
-    tokens, draft_logits, (mtp_cache, _) = draft_tree(
-        tree, state.token, draft_fn, (state.mtp_cache, state.hidden[:, None]), draft_key, temperature
-    )
+    with jax.named_scope("draft"):
+        tokens, draft_logits, (mtp_cache, _) = draft_tree(
+            tree, state.token, draft_fn, (state.mtp_cache, state.hidden[:, None]), draft_key, temperature
+        )
     positions = state.position[:, None] + jnp.asarray(tree.depths)
-    logits, hiddens, cache = model.target(
-        tokens,
-        positions,
-        state.cache,
-        lengths=active.astype(jnp.int32) * tree.size,
-        mode=ForwardMode.TARGET_VERIFY,
-        tree=tree,
-    )
+    with jax.named_scope("target"):
+        logits, hiddens, cache = model.target(
+            tokens,
+            positions,
+            state.cache,
+            lengths=active.astype(jnp.int32) * tree.size,
+            mode=ForwardMode.TARGET_VERIFY,
+            tree=tree,
+        )
     if temperature == 0:
         accepted = accept_greedy(tree, logits, tokens)
     else:

@@ -482,18 +482,20 @@ class DeepseekV4Attention(nnx.Module):
             tree, nodes, base, cache.window_positions, positions, key_positions, c.sliding_window
         )
         if c.layer_type == HCA:
-            cache, compressed, entries, seen_entries = self._compress(
-                x, positions, lengths, cache, compressed, mode, tree, base, page_table
-            )
+            with jax.named_scope("compressor"):
+                cache, compressed, entries, seen_entries = self._compress(
+                    x, positions, lengths, cache, compressed, mode, tree, base, page_table
+                )
             keys = jnp.concatenate([keys, entries], axis=1)
             visible = jnp.concatenate([visible, seen_entries], axis=2)
         scale = c.head_dim**-0.5
         logits = jnp.einsum("bthd,bkd->bhtk", q, keys, precision=FULL) * scale
         logits = jnp.where(visible[:, None], logits, -jnp.inf)
         if c.layer_type == CSA:  # the indexer's picks, per query
-            cache, selected, picked = self._compress_sparse(
-                x, q_res, positions, lengths, cache, tree, base, page_table
-            )
+            with jax.named_scope("compressor"):
+                cache, selected, picked = self._compress_sparse(
+                    x, q_res, positions, lengths, cache, tree, base, page_table
+                )
             picked_logits = jnp.einsum("bthd,btkd->bhtk", q, selected, precision=FULL) * scale
             logits = jnp.concatenate([logits, jnp.where(picked[:, None], picked_logits, -jnp.inf)], axis=-1)
         sink = self.sinks[...][None, :, None]

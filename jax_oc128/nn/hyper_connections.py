@@ -71,7 +71,9 @@ class HyperConnection(nnx.Module):
             comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + eps)
             return comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
 
-        comb = jax.lax.fori_loop(0, self.sinkhorn_iters - 1, sinkhorn, comb)
+        # unrolled, so that XLA fuses the iterations: as a while loop on a GPU each iteration is several
+        # kernels (84 a call against 10 at V4-Flash's shapes on the H200, bench/RESULTS.md section 11)
+        comb = jax.lax.fori_loop(0, self.sinkhorn_iters - 1, sinkhorn, comb, unroll=True)
         return post, comb, _collapse(pre, streams)
 
     @staticmethod

@@ -616,17 +616,18 @@ class Block(nnx.Module):
 
         def attention(x):
             nonlocal cache, compressed
-            y, cache, compressed = self.attn(
-                rms_norm(x, self.attn_norm[...], self.eps),
-                positions,
-                cache,
-                compressed,
-                lengths=lengths,
-                mode=mode,
-                tree=tree,
-                nodes=nodes,
-                page_table=page_table,
-            )
+            with jax.named_scope("attention"):
+                y, cache, compressed = self.attn(
+                    rms_norm(x, self.attn_norm[...], self.eps),
+                    positions,
+                    cache,
+                    compressed,
+                    lengths=lengths,
+                    mode=mode,
+                    tree=tree,
+                    nodes=nodes,
+                    page_table=page_table,
+                )
             return y
 
         h = self._residual(getattr(self, "attn_hc", None), h, attention)
@@ -638,14 +639,18 @@ class Block(nnx.Module):
         """``h + sublayer(h)``, or with a hyper-connection ``hc`` its collapse, sublayer and expansion."""
         if hc is None:
             return h + sublayer(h)
-        post, comb, collapsed = hc(h)
-        return hc.expand(post, comb, sublayer(collapsed), h)
+        with jax.named_scope("hyper_connection"):
+            post, comb, collapsed = hc(h)
+        output = sublayer(collapsed)
+        with jax.named_scope("hyper_connection"):
+            return hc.expand(post, comb, output, h)
 
     def _mlp(self, h, tokens):
-        x = rms_norm(h, self.mlp_norm[...], self.eps)
-        if hasattr(self, "moe"):
-            return self.moe(x, tokens)
-        return swiglu(x, self.gate[...], self.up[...], self.down[...])
+        with jax.named_scope("mlp"):
+            x = rms_norm(h, self.mlp_norm[...], self.eps)
+            if hasattr(self, "moe"):
+                return self.moe(x, tokens)
+            return swiglu(x, self.gate[...], self.up[...], self.down[...])
 
     def hf_weight_paths(self) -> dict[str, tuple]:
         """transformers state-dict name (within ``model.layers.{i}.``) -> attribute path of this block."""
@@ -676,7 +681,8 @@ def flatten_streams(streams):
 
 def output_logits(hidden, norm, lm_head, eps):
     """The final RMSNorm and the LM head: ``[..., hidden]`` -> ``[..., vocab]``."""
-    return linear(rms_norm(hidden, norm, eps), lm_head)
+    with jax.named_scope("lm_head"):
+        return linear(rms_norm(hidden, norm, eps), lm_head)
 
 
 class DeepseekV4Model(nnx.Module):

@@ -99,10 +99,15 @@ class MoE(nnx.Module):
         """``x`` ``[batch, T, hidden]`` float32 (the normed collapsed stream) and its ``tokens``
         ``[batch, T]`` int32 (for hash routing) -> ``[batch, T, hidden]``."""
         c = self.config
-        expert_ids, weights = self.route(x, tokens)
+        with jax.named_scope("route"):
+            expert_ids, weights = self.route(x, tokens)
         experts = (self.experts_gate_up[...], self.experts_down[...])
-        routed = DISPATCHES[c.dispatch](x, expert_ids, weights, *experts, c.swiglu_limit)
-        shared = swiglu(x, self.shared_gate[...], self.shared_up[...], self.shared_down[...], c.swiglu_limit)
+        with jax.named_scope("routed_experts"):
+            routed = DISPATCHES[c.dispatch](x, expert_ids, weights, *experts, c.swiglu_limit)
+        with jax.named_scope("shared_expert"):
+            shared = swiglu(
+                x, self.shared_gate[...], self.shared_up[...], self.shared_down[...], c.swiglu_limit
+            )
         return routed + shared
 
 
