@@ -59,9 +59,15 @@ def scope_of(op_name: str) -> str:
     return "/".join(dict.fromkeys(found)) or "-"
 
 
-def attribute(events, steps: int, modules: dict) -> tuple[dict, dict, int]:
-    """``(us per step by scope path, us per step by (scope, kernel name), kernels not attributed)``."""
-    by_scope, by_kernel, unknown = collections.Counter(), collections.Counter(), 0
+def attribute(events, steps: int, modules: dict) -> tuple[dict, dict, dict, int]:
+    """``(us per step by scope path, kernels per step by scope path, us per step by (scope, kernel name),
+    kernels not attributed)``."""
+    by_scope, counts, by_kernel, unknown = (
+        collections.Counter(),
+        collections.Counter(),
+        collections.Counter(),
+        0,
+    )
     for event in events:
         args = event.get("args", {})
         op_name = args.get("tf_op") or args.get("long_name")
@@ -74,8 +80,9 @@ def attribute(events, steps: int, modules: dict) -> tuple[dict, dict, int]:
             unknown += 1
         scope = scope_of(op_name)
         by_scope[scope] += event["dur"] / steps
+        counts[scope] += 1 / steps
         by_kernel[scope, event["name"]] += event["dur"] / steps
-    return by_scope, by_kernel, unknown
+    return by_scope, counts, by_kernel, unknown
 
 
 def main() -> None:
@@ -90,11 +97,14 @@ def main() -> None:
     sample = events[len(events) // 2]["args"] if events else {}
     print(f"{len(events)} kernels; a kernel event's args: {sorted(sample)}")
     modules = hlo_op_names(pathlib.Path(args.hlo)) if args.hlo else {}
-    by_scope, by_kernel, unknown = attribute(events, args.steps, modules)
+    by_scope, counts, by_kernel, unknown = attribute(events, args.steps, modules)
     total = sum(by_scope.values())
-    print(f"kernels per step {total:.1f} us; {unknown} kernels of no op_name (scope '-')")
+    print(
+        f"per step: kernels {total:.1f} us, {sum(counts.values()):.0f} kernels; {unknown} kernels of no "
+        "op_name (scope '-')"
+    )
     for scope, us in by_scope.most_common():
-        print(f"  {us:9.1f} us  {us / total:6.1%}  {scope}")
+        print(f"  {us:9.1f} us  {us / total:6.1%}  {counts[scope]:6.1f} kernels  {scope}")
     for scope in args.detail:
         print(f"{scope}:")
         kernels = [(name, us) for (s, name), us in by_kernel.most_common() if s == scope]
