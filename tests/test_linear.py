@@ -80,37 +80,44 @@ def test_v4_flash_projection_equals_float64():
     assert_float32_sum(got, want, magnitudes, 4096)
 
 
-def kernels_for_cuda(x_shape, weight, groups=None, model_devices=1) -> int:
+def kernels_for_cuda(x_shape, weight, groups=None, model_devices=1, name=None) -> int:
     """The Triton kernels of the layer on ``x_shape`` rows, lowered for CUDA here (traced under a mesh of
-    ``model_devices`` on ``"model"``)."""
+    ``model_devices`` on ``"model"``; ``name``: the weight's parameter path)."""
     triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    fn = jax.jit(grouped_matmul.linear, static_argnames="groups")
+    fn = jax.jit(grouped_matmul.linear, static_argnames=("groups", "name"))
     x = jax.ShapeDtypeStruct(x_shape, jnp.float32)
     mesh = AbstractMesh((model_devices,), (MODEL,), axis_types=(AxisType.Auto,))
     with jax.sharding.use_abstract_mesh(mesh):
-        exported = export.export(fn, platforms=["cuda"], disabled_checks=[triton])(x, weight, groups=groups)
+        lowered = export.export(fn, platforms=["cuda"], disabled_checks=[triton])
+        exported = lowered(x, weight, groups=groups, name=name)
     return exported.mlir_module().count("@__gpu$xla.gpu.triton")
 
 
 def test_layer_sends_large_quantized_weights_at_decode_sizes_to_the_kernel():
     """For CUDA: an FP8 or FP4 weight of at least LINEAR_KERNEL_PARAMS parameters at up to
-    LINEAR_KERNEL_ROWS rows per group runs the kernel; more rows, a smaller weight, a float one or a mesh
-    that splits the weights over "model" (the kernel is not partitioned) do not."""
+    LINEAR_KERNEL_ROWS rows per group runs the kernel; more rows, a smaller weight or a float one do not.
+    Under a mesh that splits the weights over "model" a weight named by its parameter path runs the kernel
+    on each device's part (tensor_parallel: outputs, grouped outputs or inputs split); an unnamed one does
+    not (XLA partitions its dequantized matmul: the kernel is not partitioned)."""
     large, small = (4096, 4096), (512, 4096)
     assert (
-        grouped_matmul.LINEAR_KERNEL_PARAMS <= 4096 * 4096
+        grouped_matmul.LINEAR_KERNEL_PARAMS <= 4096 * 4096 // 2
         and 512 * 4096 < grouped_matmul.LINEAR_KERNEL_PARAMS
     )
     rows = grouped_matmul.LINEAR_KERNEL_ROWS
     for fmt in (FP8, FP4):
-        assert kernels_for_cuda((2, rows // 2, 4096), abstract_quantized(fmt, large, "bfloat16")) == 1
-        assert kernels_for_cuda((rows + 1, 4096), abstract_quantized(fmt, large, "bfloat16")) == 0
+        weight = abstract_quantized(fmt, large, "bfloat16")
+        assert kernels_for_cuda((2, rows // 2, 4096), weight) == 1
+        assert kernels_for_cuda((rows + 1, 4096), weight) == 0
         assert kernels_for_cuda((8, 4096), abstract_quantized(fmt, small, "bfloat16")) == 0
-        assert kernels_for_cuda((8, 4096), abstract_quantized(fmt, large, "bfloat16"), model_devices=2) == 0
+        assert kernels_for_cuda((8, 4096), weight, model_devices=2) == 0
+        for name in (("attn", "q_b_proj"), ("attn", "o_b_proj"), ("moe", "shared_down")):
+            assert kernels_for_cuda((8, 4096), weight, model_devices=2, name=name) == 1, name
     assert kernels_for_cuda((8, 4096), jax.ShapeDtypeStruct(large, jnp.bfloat16)) == 0
     grouped = abstract_quantized(FP8, (8192, 4096), "bfloat16")  # the o_a projection: rows per group count
     assert kernels_for_cuda((rows, 8, 4096), grouped, groups=8) == 1
     assert kernels_for_cuda((rows + 1, 8, 4096), grouped, groups=8) == 0
+    assert kernels_for_cuda((8, 8, 4096), grouped, groups=8, model_devices=2, name=("attn", "o_a_proj")) == 1
 
 
 def test_bench_linear_runs_tiny(tmp_path):

@@ -467,7 +467,9 @@ class DeepseekV4Attention(nnx.Module):
             if tree.is_chain:  # the chain's kernels and masks: its nodes are consecutive positions
                 tree = None
         q_res = rms_norm(linear(x, self.q_a_proj[...]), self.q_a_norm[...], c.rms_norm_eps)
-        q = linear(q_res, self.q_b_proj[...]).reshape(batch, tokens, c.num_heads, c.head_dim)
+        q = linear(q_res, self.q_b_proj[...], name=("attn", "q_b_proj")).reshape(
+            batch, tokens, c.num_heads, c.head_dim
+        )
         q = c.rope.apply(rms_norm(q, 1.0, c.rms_norm_eps), positions)  # per head, unweighted
         kv = c.rope.apply(
             rms_norm(linear(x, self.kv_proj[...]), self.kv_norm[...], c.rms_norm_eps), positions
@@ -508,8 +510,10 @@ class DeepseekV4Attention(nnx.Module):
         out = c.rope.apply(out, positions, inverse=True)
 
         grouped = out.reshape(batch, tokens, c.o_groups, -1)
-        o_a = linear(grouped, self.o_a_proj[...], groups=c.o_groups)  # [batch, tokens, groups, o_lora_rank]
-        y = linear(o_a.reshape(batch, tokens, -1), self.o_b_proj[...])
+        o_a = linear(
+            grouped, self.o_a_proj[...], groups=c.o_groups, name=("attn", "o_a_proj")
+        )  # [batch, tokens, groups, o_lora_rank]
+        y = linear(o_a.reshape(batch, tokens, -1), self.o_b_proj[...], name=("attn", "o_b_proj"))
         ring = positions if tree is None else base + jnp.asarray(nodes)[None]
         return y, self._update_window(cache, kv, positions, ring, lengths), compressed
 

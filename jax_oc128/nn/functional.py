@@ -31,13 +31,14 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _Built = TypeVar("_Built")
 
 
-def linear_jnp(x, weight, *, groups: int | None = None):
+def linear_jnp(x, weight, *, groups: int | None = None, name: tuple[str, ...] | None = None):
     """``x @ weight.T`` for an ``[out, in]`` weight (transformers' layout; a quantized one dequantized whole
     to its dtype, :func:`~jax_oc128.nn.quant.matrix`): ``x`` ``[..., in]`` is taken in the weight's dtype and
     the products are accumulated and returned in float32 (full float32 for a float32 weight), ``[...,
     out]``. ``groups`` G: ``x`` ``[..., G, in]``, group g by the weight's rows ``[g * out / G, (g + 1) * out
     / G)`` -> ``[..., G, out / G]``. The rule of every linear layer and the twin of
-    :func:`~jax_oc128.nn.grouped_matmul.linear`'s kernel."""
+    :func:`~jax_oc128.nn.grouped_matmul.linear`'s kernel, whose arguments it takes (``name`` unused: XLA
+    partitions this matmul by its operands' shardings)."""
     weight = matrix(weight)
     x = x.astype(weight.dtype)
     if groups is None:

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+from jax.sharding import PartitionSpec as P
 
 from jax_oc128.nn import quant, sharding
 from jax_oc128.nn.functional import FULL, linear_jnp, swiglu_gate
@@ -558,21 +559,33 @@ def linear_pallas(x, weight, *, groups: int | None = None, blocks: Blocks | None
     return rows[layout.rows].reshape(*x.shape[:-1], -1)
 
 
-def linear(x, weight, *, groups: int | None = None):
+def linear(x, weight, *, groups: int | None = None, name: tuple[str, ...] | None = None):
     """The model's linear layer, :func:`~jax_oc128.nn.functional.linear_jnp` (``x`` ``[..., in]`` by an
     ``[out, in]`` weight -> float32 ``[..., out]``; ``groups``: per group): a float weight by XLA's matmul; a
     quantized one (:class:`~jax_oc128.nn.quant.QuantizedArray`) on CUDA at up to
     :data:`LINEAR_KERNEL_ROWS` rows per group, of at least ``LINEAR_KERNEL_PARAMS`` parameters, by
     :func:`linear_pallas` (the codes read once, 1 byte per FP8 parameter; XLA dequantizes the weight whole
-    first, writing and reading 2 bytes per parameter more), otherwise dequantized whole: also in a trace
-    whose mesh splits the weights over ``"model"`` (tensor parallel), which XLA partitions (the kernel is
-    not partitioned: its operands would be gathered whole onto every device)."""
+    first, writing and reading 2 bytes per parameter more), otherwise dequantized whole.
+
+    ``name``: the weight's parameter path, as :data:`~jax_oc128.nn.sharding.PARAM_RULES` names it (e.g.
+    ``("attn", "q_b_proj")``). In a trace whose mesh splits the weights over ``"model"`` (tensor parallel) a
+    quantized weight runs as :func:`tensor_parallel` splits it by that rule, each device's part by the rule
+    above; without a ``name``, or for a split it does not take, dequantized whole and partitioned by XLA (the
+    kernel is not partitioned: its operands would be gathered whole onto every device)."""
+    if isinstance(weight, QuantizedArray) and sharding.traced_model_devices() > 1:
+        split = None if name is None else tensor_parallel(_linear_on_device, x, weight, groups, name)
+        return linear_jnp(x, weight, groups=groups) if split is None else split
+    return _linear_on_device(x, weight, groups=groups)
+
+
+def _linear_on_device(x, weight, *, groups: int | None = None):
+    """:func:`linear` of one device's weight: :func:`linear_pallas` on CUDA for a large quantized weight at
+    decode sizes, :func:`~jax_oc128.nn.functional.linear_jnp` otherwise."""
     rows = math.prod(x.shape[:-1]) // (groups or 1)
     kernel = (
         isinstance(weight, QuantizedArray)
         and rows <= LINEAR_KERNEL_ROWS
         and math.prod(weight.shape) >= LINEAR_KERNEL_PARAMS
-        and sharding.traced_model_devices() == 1
         and pallas_fits(x, _grouped_weights(weight, groups))
     )
     if not kernel:
@@ -580,8 +593,53 @@ def linear(x, weight, *, groups: int | None = None):
     return _per_platform(linear_pallas, linear_jnp, x, weight, groups=groups)
 
 
-def swiglu(x, gate, up, down, limit=None, *, matmul=linear):
+def tensor_parallel(local, x, weight, groups: int | None, name: tuple[str, ...]):
+    """``local(x, weight, groups=groups)`` (a linear layer of one device, :func:`linear`'s arguments) with
+    ``weight`` split over the trace's mesh axis ``"model"`` as :func:`~jax_oc128.nn.sharding.param_spec`
+    splits the parameter ``name``: each device runs ``local`` on its own part in a ``shard_map``, so that no
+    device reads or gathers another's part. A split of the outputs (rows of ``weight``; with ``groups``,
+    whole groups, ``x`` ``[..., G, in]`` split alike) gives each device its columns of the result (its
+    groups); a split of the inputs (columns, whole scale groups on each device; no ``groups``) gives partial
+    products, summed over the axis (a psum). A weight the rule leaves whole runs whole on every device.
+    Returns None for any other split (``local`` cannot take it)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    spec = sharding.param_spec(name, weight, mesh)
+    codes, scales = (tuple(s) + (None,) * (2 - len(s)) for s in (spec.codes, spec.scales))
+    lead = (None,) * (x.ndim - 1)
+    devices = sharding.traced_model_devices()
+    if codes == (None, None):  # whole on every device
+        x_spec, out_spec, reduce = P(), P(), False
+    elif (
+        codes == (sharding.MODEL, None) and scales[0] == sharding.MODEL and (groups or devices) % devices == 0
+    ):
+        # the outputs (rows) split: whole groups on each device
+        x_spec = P() if groups is None else P(*lead[:-1], sharding.MODEL, None)
+        out_spec, reduce = P(*lead[: x.ndim - 1 - (groups is not None)], sharding.MODEL), False
+        groups = None if groups is None else groups // devices
+    elif codes == (None, sharding.MODEL) and scales[1] == sharding.MODEL and groups is None:  # the inputs
+        x_spec, out_spec, reduce = P(*lead, sharding.MODEL), P(), True
+    else:
+        return None
+
+    def on_device(x, weight):
+        out = local(x, weight, groups=groups)
+        return jax.lax.psum(out, sharding.MODEL) if reduce else out
+
+    return jax.shard_map(
+        on_device,
+        in_specs=(x_spec, spec),
+        out_specs=out_spec,
+        axis_names={sharding.MODEL},
+        check_vma=False,
+    )(x, weight)
+
+
+def swiglu(x, gate, up, down, limit=None, *, matmul=linear, names=(None, None, None)):
     """The SwiGLU MLP ``down(silu(gate(x)) * up(x))`` with ``[out, in]`` weights
-    (:func:`~jax_oc128.nn.functional.swiglu_gate`), each projection ``matmul(x, weight)`` (:func:`linear`;
-    :func:`~jax_oc128.nn.functional.linear_jnp`: the weights dequantized whole, the oracle's way)."""
-    return matmul(swiglu_gate(matmul(x, gate), matmul(x, up), limit), down)
+    (:func:`~jax_oc128.nn.functional.swiglu_gate`), each projection ``matmul(x, weight, name=...)``
+    (:func:`linear`; :func:`~jax_oc128.nn.functional.linear_jnp`: the weights dequantized whole, the
+    oracle's way); ``names``: the gate's, the up and the down projection's parameter paths (:func:`linear`'s
+    ``name``: their tensor-parallel split)."""
+    gate_name, up_name, down_name = names
+    hidden = swiglu_gate(matmul(x, gate, name=gate_name), matmul(x, up, name=up_name), limit)
+    return matmul(hidden, down, name=down_name)

@@ -54,6 +54,10 @@ class MoEConfig:
         check_dispatch(self.dispatch, "dispatch")
 
 
+#: the shared expert's gate, up and down projections' parameter paths (their tensor-parallel split)
+SHARED_EXPERT_NAMES = (("moe", "shared_gate"), ("moe", "shared_up"), ("moe", "shared_down"))
+
+
 class MoE(nnx.Module):
     """The routed experts, their router and the shared expert of one layer."""
 
@@ -105,9 +109,8 @@ class MoE(nnx.Module):
         with jax.named_scope("routed_experts"):
             routed = DISPATCHES[c.dispatch](x, expert_ids, weights, *experts, c.swiglu_limit)
         with jax.named_scope("shared_expert"):
-            shared = swiglu(
-                x, self.shared_gate[...], self.shared_up[...], self.shared_down[...], c.swiglu_limit
-            )
+            projections = (self.shared_gate[...], self.shared_up[...], self.shared_down[...])
+            shared = swiglu(x, *projections, c.swiglu_limit, names=SHARED_EXPERT_NAMES)
         return routed + shared
 
 

@@ -1,0 +1,90 @@
+"""A quantized linear layer split over the "model" axis (jax_oc128.nn.grouped_matmul.tensor_parallel) on 4 CPU
+devices: the float64 product of its dequantized weight, each device holding and reading only its own part
+(the compiled program gathers nothing; a split of the inputs sums the devices' partial products), with the
+kernel (interpret mode) or its jnp twin on each device."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+from jax_oc128.nn import grouped_matmul, quant, sharding
+from jax_oc128.nn.quant import FP4, FP8, QuantizedArray
+
+IN, OUT, GROUPS = 512, 256, 4
+
+#: parameter path -> (weight shape, groups): the outputs split, by groups, and the inputs split
+CASES = {
+    ("attn", "q_b_proj"): ((OUT, IN), None),
+    ("attn", "o_a_proj"): ((GROUPS * 64, IN // GROUPS), GROUPS),
+    ("attn", "o_b_proj"): ((OUT, IN), None),
+}
+
+
+def quantized(w, fmt):
+    """``w`` ``[out, in]`` quantized by DeepSeek's rules (e8m0 per-row scales, as the loader keeps them)."""
+    codes, exponents = (quant.quantize_fp8 if fmt == FP8 else quant.quantize_fp4)(w.astype(np.float32))
+    exponents = exponents.view(np.uint8)
+    if fmt == FP8:
+        exponents = quant.row_scales(exponents, w.shape[0])
+    codes = codes.view(np.uint8) if fmt == FP4 else codes
+    return QuantizedArray(jnp.asarray(codes), jnp.asarray(exponents), fmt, "float32")
+
+
+def float64_linear(x, weight, groups):
+    """``(x @ dequantized weight.T, sum |x| |w|)`` in float64 numpy (per group with ``groups``)."""
+    w = np.asarray(quant.matrix(weight), np.float64)
+    x = np.asarray(x, np.float64)
+    if groups is None:
+        return x @ w.T, np.abs(x) @ np.abs(w).T
+    w = w.reshape(groups, -1, w.shape[-1])
+    return np.einsum("...gi,goi->...go", x, w), np.einsum("...gi,goi->...go", np.abs(x), np.abs(w))
+
+
+@pytest.mark.parametrize("fmt", [FP8, FP4])
+@pytest.mark.parametrize("name", list(CASES), ids=lambda name: name[-1])
+@pytest.mark.parametrize("shape", [(1, 4), (2, 2)], ids=["1x4", "2x2"])
+@pytest.mark.parametrize("kernel", [False, True], ids=["jnp", "kernel"])
+def test_linear_split_over_model_axis(shape, name, fmt, kernel, monkeypatch):
+    if kernel:  # every weight to the kernel, interpreted on the CPU
+        monkeypatch.setattr(grouped_matmul, "LINEAR_KERNEL_PARAMS", 0)
+        interpreted = functools.partial(grouped_matmul.linear_pallas, interpret=True)
+        monkeypatch.setattr(grouped_matmul, "linear_pallas", interpreted)
+        monkeypatch.setattr(grouped_matmul, "_per_platform", lambda cuda, default, *a, **k: cuda(*a, **k))
+    (out, width), groups = CASES[name]
+    rng = np.random.default_rng(0)
+    weight = quantized(rng.standard_normal((out, width)) / 16, fmt)
+    x = jnp.asarray(rng.standard_normal((2, 3, *((groups,) if groups else ()), width)), jnp.float32)
+    want, magnitudes = float64_linear(x, weight, groups)
+
+    mesh = sharding.make_mesh(*shape)
+    spec = sharding.param_spec(name, weight, mesh)
+    placed = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), weight, spec)
+    devices = shape[1]
+    assert placed.codes.addressable_shards[0].data.size == weight.codes.size // devices  # its part only
+    layer = jax.jit(functools.partial(grouped_matmul.linear, groups=groups, name=name))
+    with jax.set_mesh(mesh):
+        got = np.asarray(layer(x, placed))
+        hlo = layer.lower(x, placed).compile().as_text()
+    # float32 sums of `width` products each (the kernel's in sequence): the recursive-summation bound
+    assert np.all(np.abs(got - want) <= width * 2.0**-24 * magnitudes), np.abs(got - want).max()
+    assert "all-gather" not in hlo and "all-to-all" not in hlo
+    assert ("all-reduce" in hlo) == (name == ("attn", "o_b_proj"))  # the inputs split: partial sums
+
+
+def test_unnamed_weight_is_partitioned_by_xla():
+    """Without its parameter path the layer cannot know the split: XLA partitions the dequantized matmul."""
+    weight = quantized(np.random.default_rng(1).standard_normal((OUT, IN)) / 16, FP8)
+    mesh = sharding.make_mesh(1, 4)
+    spec = sharding.param_spec(("attn", "q_b_proj"), weight, mesh)
+    placed = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), weight, spec)
+    x = jnp.ones((2, IN), jnp.float32)
+    with jax.set_mesh(mesh):
+        got = jax.jit(grouped_matmul.linear)(x, placed)
+    want, _ = float64_linear(x, weight, None)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
