@@ -34,6 +34,16 @@ stage capacity && timeout "${CAPACITY_TIMEOUT:-300}" python3 bench/serve_capacit
   --out "$out/serve_capacity.json" 2>&1 | tee "$out/serve_capacity.log"
 stage decode && timeout "${DECODE_TIMEOUT:-500}" python3 bench/bench_decode.py ${DECODE_ARGS:-} --out "$out/bench_decode.json" 2>&1 \
   | tee "$out/bench_decode.log"
+# where a decode step's kernels go, by the model's named scopes (bench/step_kernels.py): the V4-Flash slice in the
+# released precision traced with XLA's command buffers off (a CUDA graph shows as one kernel), PROFILE_ARGS as
+# bench_decode's row (default: 8 slots plain)
+stage profile && { rm -rf /tmp/prof /tmp/hlo; XLA_PYTHON_CLIENT_MEM_FRACTION=.95 \
+  XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_decode" \
+  timeout "${PROFILE_TIMEOUT:-300}" python3 bench/bench_decode.py --configs v4flash-slice --experts 256 --layers 6 \
+  --weights released --backends online --steps-per-dispatch 16 --device-steps 32 --tokens 32 \
+  ${PROFILE_ARGS:---modes plain --slots 8} --profile /tmp/prof --out "$out/profile.json" >"$out/profile.log" 2>&1
+  for row in /tmp/prof/*; do python3 bench/step_kernels.py "$row" --steps 16 --hlo /tmp/hlo --detail - \
+    target/attention target/hyper_connection target/attention/compressor; done 2>&1 | tee "$out/step_kernels.log"; }
 stage nocmdbuf && (cd tests && XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 80 python3 -m pytest -q -p no:cacheprovider \
   test_gpu.py test_verify_commit.py -k "gpu or case_matrix" 2>&1) | tee "$out/pytest_gpu_no_cmdbuf.log" | tail -3
 # the sanitizers over the CUDA handlers of the GPU tests and of every on-device policy; synccheck with XLA's

@@ -35,21 +35,21 @@ SCOPES = (
     "hyper_connection",
     "lm_head",
 )
-OP_NAME = re.compile(r'^\s*(?:ROOT )?%?([\w.-]+) = .*op_name="([^"]*)"')
+INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.-]+) = (\S+) .*op_name="([^"]*)"')
 
 
-def hlo_op_names(dump: pathlib.Path) -> dict[str, dict[str, str]]:
-    """HLO module name -> instruction name -> op_name, from the after-optimizations text dumps under
-    ``dump``."""
+def hlo_op_names(dump: pathlib.Path) -> dict[str, dict[str, tuple[str, str]]]:
+    """HLO module name -> instruction name -> ``(op_name, result type)``, from the after-optimizations text
+    dumps under ``dump``."""
     modules = {}
     for path in dump.glob("*after_optimizations.txt"):
         text = path.read_text()
         module = re.search(r"^HloModule ([\w.-]+)", text, re.M).group(1)
         names = modules.setdefault(module, {})
         for line in text.splitlines():
-            match = OP_NAME.match(line)
+            match = INSTRUCTION.match(line)
             if match:
-                names[match.group(1)] = match.group(2)
+                names[match.group(1)] = (match.group(3), match.group(2))
     return modules
 
 
@@ -60,28 +60,26 @@ def scope_of(op_name: str) -> str:
 
 
 def attribute(events, steps: int, modules: dict) -> tuple[dict, dict, dict, int]:
-    """``(us per step by scope path, kernels per step by scope path, us per step by (scope, kernel name),
-    kernels not attributed)``."""
-    by_scope, counts, by_kernel, unknown = (
-        collections.Counter(),
-        collections.Counter(),
-        collections.Counter(),
-        0,
-    )
+    """``(us per step by scope path, kernels per step by scope path, us per step by (scope, kernel), kernels
+    not attributed)``: a kernel is its name, and where the trace names another HLO instruction (a copy's
+    ``MemcpyD2D``) that instruction and its result type."""
+    by_scope, counts, by_kernel = collections.Counter(), collections.Counter(), collections.Counter()
+    unknown = 0
     for event in events:
         args = event.get("args", {})
-        op_name = args.get("tf_op") or args.get("long_name")
-        if not op_name or "/" not in op_name:
-            names = modules.get(args.get("hlo_module", ""), {})
-            if not names:  # no module name in the trace: any dumped module holding the instruction
-                names = next((n for n in modules.values() if args.get("hlo_op") in n), {})
-            op_name = names.get(args.get("hlo_op", event["name"]), "")
+        hlo_op = args.get("hlo_op", event["name"])
+        names = modules.get(args.get("hlo_module", ""), {})
+        if not names:  # no module name in the trace: any dumped module holding the instruction
+            names = next((n for n in modules.values() if hlo_op in n), {})
+        op_name, result = names.get(hlo_op, ("", ""))
+        op_name = args.get("tf_op") if "/" in args.get("tf_op", "") else op_name
         if not op_name:
             unknown += 1
         scope = scope_of(op_name)
+        kernel = event["name"] if hlo_op == event["name"] else f"{event['name']} {hlo_op} {result}".strip()
         by_scope[scope] += event["dur"] / steps
         counts[scope] += 1 / steps
-        by_kernel[scope, event["name"]] += event["dur"] / steps
+        by_kernel[scope, kernel] += event["dur"] / steps
     return by_scope, counts, by_kernel, unknown
 
 

@@ -26,8 +26,8 @@ def test_scope_of_keeps_the_models_scopes_in_order():
 
 def test_decode_forward_kernels_attributed_to_scopes(tmp_path):
     """Every part of a decode forward of a model with each layer type, MoE and hyper-connections is found
-    under its scope in the compiled module's op names, and kernels (one per instruction here, of 1 us each)
-    are summed per scope path."""
+    under its scope in the compiled module's op names, kernels (one per instruction here, of 1 us each) are
+    summed per scope path, and a copy (a ``MemcpyD2D`` of the trace) is named by its instruction and type."""
     config = ModelConfig.tiny(layer_types=(SLIDING, CSA, HCA), mlp_layer_types=(MOE,) * 3, hc_mult=2)
     target = SpeculativeModel(config, rngs=nnx.Rngs(0)).target
     graphdef, params = nnx.split(target)
@@ -43,7 +43,11 @@ def test_decode_forward_kernels_attributed_to_scopes(tmp_path):
     modules = step_kernels.hlo_op_names(tmp_path)
     (module,) = modules
     events = [dict(name=name, dur=1.0, args=dict(hlo_op=name, hlo_module=module)) for name in modules[module]]
-    by_scope, counts, _, unknown = step_kernels.attribute(events, steps=1, modules=modules)
+    copied = next(name for name, (op_name, _) in modules[module].items() if "/lm_head/" in op_name)
+    events.append(dict(name="MemcpyD2D", dur=1.0, args=dict(hlo_op=copied, hlo_module=module)))
+    by_scope, counts, by_kernel, unknown = step_kernels.attribute(events, steps=1, modules=modules)
+    label = f"MemcpyD2D {copied} {modules[module][copied][1]}"  # a copy: named by its instruction and type
+    assert by_kernel["target/lm_head", label] == 1.0, [key for key in by_kernel if "Memcpy" in key[1]]
     expected = [
         "target/attention",
         "target/attention/compressor",
