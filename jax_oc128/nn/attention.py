@@ -510,9 +510,8 @@ class DeepseekV4Attention(nnx.Module):
         out = c.rope.apply(out, positions, inverse=True)
 
         grouped = out.reshape(batch, tokens, c.o_groups, -1)
-        o_a = linear(
-            grouped, self.o_a_proj[...], groups=c.o_groups, name=("attn", "o_a_proj")
-        )  # [batch, tokens, groups, o_lora_rank]
+        # [batch, tokens, groups, o_lora_rank]
+        o_a = linear(grouped, self.o_a_proj[...], groups=c.o_groups, name=("attn", "o_a_proj"))
         y = linear(o_a.reshape(batch, tokens, -1), self.o_b_proj[...], name=("attn", "o_b_proj"))
         ring = positions if tree is None else base + jnp.asarray(nodes)[None]
         return y, self._update_window(cache, kv, positions, ring, lengths), compressed

@@ -602,34 +602,32 @@ def tensor_parallel(local, x, weight, groups: int | None, name: tuple[str, ...])
     groups); a split of the inputs (columns, whole scale groups on each device; no ``groups``) gives partial
     products, summed over the axis (a psum). A weight the rule leaves whole runs whole on every device.
     Returns None for any other split (``local`` cannot take it)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    spec = sharding.param_spec(name, weight, mesh)
+    model, devices = sharding.MODEL, sharding.traced_model_devices()
+    spec = sharding.param_spec(name, weight, jax.sharding.get_abstract_mesh())
     codes, scales = (tuple(s) + (None,) * (2 - len(s)) for s in (spec.codes, spec.scales))
-    lead = (None,) * (x.ndim - 1)
-    devices = sharding.traced_model_devices()
+    outputs_split = codes == (model, None) and scales[0] == model
+    batch = (None,) * (x.ndim - 1)  # x's axes but its last
     if codes == (None, None):  # whole on every device
         x_spec, out_spec, reduce = P(), P(), False
-    elif (
-        codes == (sharding.MODEL, None) and scales[0] == sharding.MODEL and (groups or devices) % devices == 0
-    ):
-        # the outputs (rows) split: whole groups on each device
-        x_spec = P() if groups is None else P(*lead[:-1], sharding.MODEL, None)
-        out_spec, reduce = P(*lead[: x.ndim - 1 - (groups is not None)], sharding.MODEL), False
-        groups = None if groups is None else groups // devices
-    elif codes == (None, sharding.MODEL) and scales[1] == sharding.MODEL and groups is None:  # the inputs
-        x_spec, out_spec, reduce = P(*lead, sharding.MODEL), P(), True
+    elif outputs_split and groups is None:
+        x_spec, out_spec, reduce = P(), P(*batch, model), False
+    elif outputs_split and groups % devices == 0:  # whole groups: x [..., G, in] -> [..., G, out / G]
+        x_spec = out_spec = P(*batch[:-1], model, None)
+        reduce, groups = False, groups // devices
+    elif codes == (None, model) and scales[1] == model and groups is None:  # the inputs split
+        x_spec, out_spec, reduce = P(*batch, model), P(), True
     else:
         return None
 
     def on_device(x, weight):
         out = local(x, weight, groups=groups)
-        return jax.lax.psum(out, sharding.MODEL) if reduce else out
+        return jax.lax.psum(out, model) if reduce else out
 
     return jax.shard_map(
         on_device,
         in_specs=(x_spec, spec),
         out_specs=out_spec,
-        axis_names={sharding.MODEL},
+        axis_names={model},
         check_vma=False,
     )(x, weight)
 

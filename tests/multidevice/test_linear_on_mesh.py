@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_oc128.nn import grouped_matmul, quant, sharding
 from jax_oc128.nn.quant import FP4, FP8, QuantizedArray
@@ -77,14 +78,21 @@ def test_linear_split_over_model_axis(shape, name, fmt, kernel, monkeypatch):
     assert ("all-reduce" in hlo) == (name == ("attn", "o_b_proj"))  # the inputs split: partial sums
 
 
-def test_unnamed_weight_is_partitioned_by_xla():
-    """Without its parameter path the layer cannot know the split: XLA partitions the dequantized matmul."""
-    weight = quantized(np.random.default_rng(1).standard_normal((OUT, IN)) / 16, FP8)
+@pytest.mark.parametrize("case", ["unnamed", "groups cut"])
+def test_splits_the_kernel_cannot_take_are_partitioned_by_xla(case):
+    """Without its parameter path the layer cannot know the split, and 2 groups split over 4 devices cut each
+    group in two: then XLA partitions the dequantized matmul, the same product."""
+    groups = None if case == "unnamed" else 2
+    shape = (OUT, IN) if groups is None else (groups * 64, IN // groups)
+    weight = quantized(np.random.default_rng(1).standard_normal(shape) / 16, FP8)
+    name = ("attn", "q_b_proj" if groups is None else "o_a_proj")
     mesh = sharding.make_mesh(1, 4)
-    spec = sharding.param_spec(("attn", "q_b_proj"), weight, mesh)
+    spec = sharding.param_spec(name, weight, mesh)
+    assert spec.codes == P("model", None)
     placed = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), weight, spec)
-    x = jnp.ones((2, IN), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, *((groups,) if groups else ()), shape[1])))
+    layer = functools.partial(grouped_matmul.linear, groups=groups, name=None if groups is None else name)
     with jax.set_mesh(mesh):
-        got = jax.jit(grouped_matmul.linear)(x, placed)
-    want, _ = float64_linear(x, weight, None)
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+        got = np.asarray(jax.jit(layer)(x.astype(jnp.float32), placed))
+    want, magnitudes = float64_linear(x, weight, groups)
+    assert np.all(np.abs(got - want) <= shape[1] * 2.0**-24 * magnitudes), np.abs(got - want).max()
