@@ -7,10 +7,12 @@ instruction it runs (the model's scopes: ``target`` / ``draft``, ``attention``, 
 ``route``, ``routed_experts``, ``shared_expert``, ``hyper_connection``, ``lm_head``): from the trace's own
 ``tf_op`` when the profiler records it, otherwise from an HLO dump of the decode module
 (``--xla_dump_to=HLO --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_decode``), by the instruction's
-``op_name`` metadata. Prints, per step, each scope path's kernel microseconds and share, and the largest
-kernels of the scopes asked for (``--detail``).
+``op_name`` metadata. Prints, per step, each scope path's kernel microseconds, share and kernel count, and the
+largest kernels of the scopes asked for (``--detail``; ``-`` for the kernels of no scope), a copy
+(``MemcpyD2D``) named by its HLO instruction and result type. ``bench/gpu_run.sh``'s ``profile`` stage runs
+it on the V4-Flash slice.
 
-    python bench/step_kernels.py DIR/ROW --steps 16 [--hlo HLO] [--detail routed_experts]
+    python bench/step_kernels.py DIR/ROW --steps 16 [--hlo HLO] [--detail target/mlp/routed_experts -]
 """
 
 from __future__ import annotations
