@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_linear import assert_float32_sum, float64_linear
+from test_moe import quantized
 
-from jax_oc128.nn import grouped_matmul, quant, sharding
-from jax_oc128.nn.quant import FP4, FP8, QuantizedArray
+from jax_oc128.nn import grouped_matmul, sharding
+from jax_oc128.nn.quant import FP4, FP8
 
 IN, OUT, GROUPS = 512, 256, 4
 
@@ -25,26 +27,6 @@ CASES = {
     ("attn", "o_a_proj"): ((GROUPS * 64, IN // GROUPS), GROUPS),
     ("attn", "o_b_proj"): ((OUT, IN), None),
 }
-
-
-def quantized(w, fmt):
-    """``w`` ``[out, in]`` quantized by DeepSeek's rules (e8m0 per-row scales, as the loader keeps them)."""
-    codes, exponents = (quant.quantize_fp8 if fmt == FP8 else quant.quantize_fp4)(w.astype(np.float32))
-    exponents = exponents.view(np.uint8)
-    if fmt == FP8:
-        exponents = quant.row_scales(exponents, w.shape[0])
-    codes = codes.view(np.uint8) if fmt == FP4 else codes
-    return QuantizedArray(jnp.asarray(codes), jnp.asarray(exponents), fmt, "float32")
-
-
-def float64_linear(x, weight, groups):
-    """``(x @ dequantized weight.T, sum |x| |w|)`` in float64 numpy (per group with ``groups``)."""
-    w = np.asarray(quant.matrix(weight), np.float64)
-    x = np.asarray(x, np.float64)
-    if groups is None:
-        return x @ w.T, np.abs(x) @ np.abs(w).T
-    w = w.reshape(groups, -1, w.shape[-1])
-    return np.einsum("...gi,goi->...go", x, w), np.einsum("...gi,goi->...go", np.abs(x), np.abs(w))
 
 
 @pytest.mark.parametrize("fmt", [FP8, FP4])
@@ -59,9 +41,9 @@ def test_linear_split_over_model_axis(shape, name, fmt, kernel, monkeypatch):
         monkeypatch.setattr(grouped_matmul, "_per_platform", lambda cuda, default, *a, **k: cuda(*a, **k))
     (out, width), groups = CASES[name]
     rng = np.random.default_rng(0)
-    weight = quantized(rng.standard_normal((out, width)) / 16, fmt)
+    weight = quantized(rng.standard_normal((1, out, width)) / 16, fmt, "e8m0", "float32")[0]
     x = jnp.asarray(rng.standard_normal((2, 3, *((groups,) if groups else ()), width)), jnp.float32)
-    want, magnitudes = float64_linear(x, weight, groups)
+    want, magnitudes = float64_linear(x, weight, groups, magnitudes=True)
 
     mesh = sharding.make_mesh(*shape)
     spec = sharding.param_spec(name, weight, mesh)
@@ -72,8 +54,7 @@ def test_linear_split_over_model_axis(shape, name, fmt, kernel, monkeypatch):
     with jax.set_mesh(mesh):
         got = np.asarray(layer(x, placed))
         hlo = layer.lower(x, placed).compile().as_text()
-    # float32 sums of `width` products each (the kernel's in sequence): the recursive-summation bound
-    assert np.all(np.abs(got - want) <= width * 2.0**-24 * magnitudes), np.abs(got - want).max()
+    assert_float32_sum(got, want, magnitudes, width)
     assert "all-gather" not in hlo and "all-to-all" not in hlo
     assert ("all-reduce" in hlo) == (name == ("attn", "o_b_proj"))  # the inputs split: partial sums
 
@@ -84,7 +65,7 @@ def test_splits_the_kernel_cannot_take_are_partitioned_by_xla(case):
     group in two: then XLA partitions the dequantized matmul, the same product."""
     groups = None if case == "unnamed" else 2
     shape = (OUT, IN) if groups is None else (groups * 64, IN // groups)
-    weight = quantized(np.random.default_rng(1).standard_normal(shape) / 16, FP8)
+    weight = quantized(np.random.default_rng(1).standard_normal((1, *shape)) / 16, FP8, "e8m0", "float32")[0]
     name = ("attn", "q_b_proj" if groups is None else "o_a_proj")
     mesh = sharding.make_mesh(1, 4)
     spec = sharding.param_spec(name, weight, mesh)
@@ -94,5 +75,5 @@ def test_splits_the_kernel_cannot_take_are_partitioned_by_xla(case):
     layer = functools.partial(grouped_matmul.linear, groups=groups, name=None if groups is None else name)
     with jax.set_mesh(mesh):
         got = np.asarray(jax.jit(layer)(x.astype(jnp.float32), placed))
-    want, magnitudes = float64_linear(x, weight, groups)
-    assert np.all(np.abs(got - want) <= shape[1] * 2.0**-24 * magnitudes), np.abs(got - want).max()
+    want, magnitudes = float64_linear(x, weight, groups, magnitudes=True)
+    assert_float32_sum(got, want, magnitudes, shape[1])
