@@ -1,5 +1,5 @@
 """The FP8 linear layers of DeepSeek-V4-Flash as released, one layer's worth: the model's layer
-(``grouped_matmul.linear``: on CUDA the grouped matmul's kernel for the large weights at decode sizes)
+(``linear.linear``: on CUDA the grouped matmul's kernel for the large weights at decode sizes)
 against XLA's matmul of the weight dequantized whole (``functional.linear_jnp``), by the kernels' time on
 the device.
 
@@ -13,7 +13,7 @@ dequantized whole), the summed duration of its kernels per call (jax's profiler,
 ``bench_ops.device_kernels``, over ``--calls`` calls), against the floor: the weight's codes and scales over
 the device's copy bandwidth (``bench_ops.copy_bandwidth``); and the sum over the layers (a CSA layer's
 projections). ``--sweep`` also times the kernel at each tiling of :data:`SWEEP` and gives the fastest
-(``grouped_matmul.LINEAR_BLOCKS`` is chosen so).
+(``linear.LINEAR_BLOCKS`` is chosen so).
 
 Usage: ``python bench/bench_linear.py [--tokens 8 64 256] [--sweep] [--out bench/results/bench_linear.json]``
 CPU smoke test: ``python bench/bench_linear.py --tokens 2 --copy-mib 64 --calls 1 --out /tmp/bl.json``
@@ -36,7 +36,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_decode import random_quantized
 from bench_ops import copy_bandwidth, device_kernels
 
-from jax_oc128.nn import ModelConfig, grouped_matmul
+from jax_oc128.nn import ModelConfig, grouped_matmul, linear
 from jax_oc128.nn.functional import linear_jnp
 from jax_oc128.nn.quant import FP8
 
@@ -71,8 +71,8 @@ def kernels_us(fn, args, calls: int) -> float:
 #: the ways each layer is timed: the model's layer, the kernel whatever the weight's size (off GPUs in
 #: interpret mode), the weight dequantized whole by XLA
 WAYS = {
-    "layer_us": grouped_matmul.linear,
-    "kernel_us": grouped_matmul.linear_pallas,
+    "layer_us": linear.linear,
+    "kernel_us": linear.linear_pallas,
     "dequantized_us": linear_jnp,
 }
 #: ``--sweep``'s tilings of the kernel: columns per program, reduction step, the operands' order

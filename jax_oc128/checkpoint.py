@@ -25,8 +25,8 @@ from flax import nnx
 
 from jax_oc128.controller import ONLINE, Backend
 from jax_oc128.nn import ModelConfig, SpeculativeModel
+from jax_oc128.nn.config import V4_FIELDS
 from jax_oc128.nn.functional import build_abstract
-from jax_oc128.nn.model import V4_FIELDS
 
 DEFAULT_MODEL = pathlib.Path(__file__).parent / "assets" / "default_model.npz"
 #: the archive member holding the JSON metadata
@@ -159,7 +159,7 @@ def _metadata(archive: zipfile.ZipFile, headers: dict, path) -> dict:
 
 def _config(meta: dict, tensors: int, path) -> ModelConfig:
     """The :class:`~jax_oc128.nn.ModelConfig` of ``meta["config"]``: exactly its fields (those of the full
-    DeepSeek-V4 layout, :data:`~jax_oc128.nn.model.V4_FIELDS`, may be absent: the shipped model's values,
+    DeepSeek-V4 layout, :data:`~jax_oc128.nn.config.V4_FIELDS`, may be absent: the shipped model's values,
     :meth:`~jax_oc128.nn.ModelConfig.tiny`),
     each checked by the config itself; no more layers than the file has ``tensors`` (each layer has
     parameters: a small file claiming a huge number of layers is refused before the model is built)."""

@@ -11,7 +11,7 @@ prefix; the two may be mixed (transformers' ``save_pretrained`` writes such a mi
 The MTP layer follows the decoder layers (at most one, as DeepSeek-V4 has): ``mtp.0.`` (DeepSeek's
 checkpoints) or ``model.layers.{num_hidden_layers}.`` (the DeepSeek-V3 layout), its own tensors named as
 DeepSeek names them (``enorm``, ``hnorm``, ``e_proj``, ``h_proj``, ``norm``, ``hc_head_fn/base/scale``:
-:data:`~jax_oc128.nn.model.MTP_WEIGHT_NAMES`) and its decoder block's as a layer's. The embedding and LM
+:data:`~jax_oc128.nn.draft.MTP_WEIGHT_NAMES`) and its decoder block's as a layer's. The embedding and LM
 head are the target's. A checkpoint without MTP tensors loads for plain decoding
 (``model.mtp`` None, ``config.mtp`` False).
 

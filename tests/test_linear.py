@@ -1,4 +1,4 @@
-"""The model's linear layer (jax_oc128.nn.grouped_matmul.linear): a quantized weight through the grouped
+"""The model's linear layer (jax_oc128.nn.linear.linear): a quantized weight through the grouped
 matmul's kernel as one group per weight group (linear_pallas; interpret mode on CPU, Triton on a GPU)
 against its twin, the weight dequantized whole (functional.linear_jnp), and an independent float64
 computation; which weights the layer sends to the kernel when lowered for CUDA."""
@@ -17,35 +17,12 @@ import numpy as np
 import pytest
 from jax import export
 from jax.sharding import AbstractMesh, AxisType
-from test_moe import abstract_quantized, quantized
+from quantization import abstract_quantized, assert_float32_sum, float64_linear, quantized
 
-from jax_oc128.nn import grouped_matmul, quant
+from jax_oc128.nn import linear
 from jax_oc128.nn.functional import linear_jnp
 from jax_oc128.nn.quant import FP4, FP8
 from jax_oc128.nn.sharding import MODEL
-
-
-def float64_linear(x, weight, groups, magnitudes=False):
-    """``x`` (rounded to the weight's dtype) by the dequantized ``weight`` in float64 numpy; with
-    ``magnitudes``, also the same of ``|x|`` by ``|weight|`` (the sums of the products' magnitudes)."""
-    w = np.asarray(quant.dequantize(weight).astype(jnp.float32), np.float64)
-    x = np.asarray(jnp.asarray(x).astype(weight.dtype).astype(jnp.float32), np.float64)
-    if groups is None:
-        product = lambda a, b: a @ b.T  # noqa: E731
-    else:
-        w = w.reshape(groups, -1, w.shape[-1])
-        product = lambda a, b: np.einsum("...gi,goi->...go", a, b)  # noqa: E731
-    return (product(x, w), product(np.abs(x), np.abs(w))) if magnitudes else product(x, w)
-
-
-def assert_float32_sum(got, want, magnitudes, width):
-    """``got`` (float32) is ``want`` to the error bound of float32 sums of ``width`` exact products (x is
-    rounded to the weight's dtype first and the weights' values are exact in it): ``width * 2^-24`` times the
-    sum of the products' magnitudes (recursive summation's bound, whatever the order: the kernel adds its
-    K blocks in sequence, XLA in its own order)."""
-    np.testing.assert_array_less(
-        np.abs(np.asarray(got, np.float64) - want), width * 2**-24 * magnitudes + 1e-30
-    )
 
 
 @pytest.mark.parametrize(
@@ -61,7 +38,7 @@ def test_kernel_equals_jnp_and_float64(fmt, scales, dtype, lead, groups, interpr
     rng = np.random.default_rng(3)
     weight = quantized(rng.standard_normal((1, 320, 192)) / 14, fmt, scales, dtype)[0]
     x = jnp.asarray(rng.standard_normal((*lead, *([groups] if groups else []), 192)), jnp.float32)
-    got = grouped_matmul.linear_pallas(x, weight, groups=groups, interpret=interpret)
+    got = linear.linear_pallas(x, weight, groups=groups, interpret=interpret)
     twin = linear_jnp(x, weight, groups=groups)
     want, magnitudes = float64_linear(x, weight, groups, magnitudes=True)
     assert got.shape == twin.shape == want.shape and got.dtype == jnp.float32
@@ -75,7 +52,7 @@ def test_v4_flash_projection_equals_float64():
     rng = np.random.default_rng(5)
     weight = quantized(rng.standard_normal((1, 8192, 4096)) / 64, FP8, "e8m0", "bfloat16")[0]
     x = jnp.asarray(rng.standard_normal((8, 8, 4096)), jnp.float32)
-    got = jax.jit(grouped_matmul.linear, static_argnames="groups")(x, weight, groups=8)
+    got = jax.jit(linear.linear, static_argnames="groups")(x, weight, groups=8)
     want, magnitudes = float64_linear(x, weight, 8, magnitudes=True)
     assert_float32_sum(got, want, magnitudes, 4096)
 
@@ -84,7 +61,7 @@ def kernels_for_cuda(x_shape, weight, groups=None, model_devices=1, name=None) -
     """The Triton kernels of the layer on ``x_shape`` rows, lowered for CUDA here (traced under a mesh of
     ``model_devices`` on ``"model"``; ``name``: the weight's parameter path)."""
     triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    fn = jax.jit(grouped_matmul.linear, static_argnames=("groups", "name"))
+    fn = jax.jit(linear.linear, static_argnames=("groups", "name"))
     x = jax.ShapeDtypeStruct(x_shape, jnp.float32)
     mesh = AbstractMesh((model_devices,), (MODEL,), axis_types=(AxisType.Auto,))
     with jax.sharding.use_abstract_mesh(mesh):
@@ -100,11 +77,8 @@ def test_layer_sends_large_quantized_weights_at_decode_sizes_to_the_kernel():
     on each device's part (tensor_parallel: outputs, grouped outputs or inputs split); an unnamed one does
     not (XLA partitions its dequantized matmul: the kernel is not partitioned)."""
     large, small = (4096, 4096), (512, 4096)
-    assert (
-        grouped_matmul.LINEAR_KERNEL_PARAMS <= 4096 * 4096 // 2
-        and 512 * 4096 < grouped_matmul.LINEAR_KERNEL_PARAMS
-    )
-    rows = grouped_matmul.LINEAR_KERNEL_ROWS
+    assert linear.LINEAR_KERNEL_PARAMS <= 4096 * 4096 // 2 and 512 * 4096 < linear.LINEAR_KERNEL_PARAMS
+    rows = linear.LINEAR_KERNEL_ROWS
     for fmt in (FP8, FP4):
         weight = abstract_quantized(fmt, large, "bfloat16")
         assert kernels_for_cuda((2, rows // 2, 4096), weight) == 1

@@ -20,9 +20,10 @@ import pytest
 from flax import nnx
 from jax import export
 from jax.experimental import pallas as pl
+from quantization import abstract_quantized, quantized
 
 from jax_oc128.nn import ModelConfig, grouped_matmul, moe, quant
-from jax_oc128.nn.quant import FP4, FP8, QuantizedArray
+from jax_oc128.nn.quant import FP4, FP8
 
 EXPERTS, HIDDEN, INTERMEDIATE, K, LIMIT = 8, 64, 32, 3, 10.0
 GROUPED = ("grouped_jnp", "grouped_pallas", "grouped_ragged_dot")
@@ -33,31 +34,6 @@ def experts(rng, dtype, num_experts=EXPERTS):
     gate_up = rng.standard_normal((num_experts, 2 * INTERMEDIATE, HIDDEN)) * HIDDEN**-0.5 * 3
     down = rng.standard_normal((num_experts, HIDDEN, INTERMEDIATE)) * INTERMEDIATE**-0.5
     return jnp.asarray(gate_up, dtype), jnp.asarray(down, dtype)
-
-
-def quantized(w, fmt, scales, dtype):
-    """Float ``w`` ``[experts, out, in]`` quantized expert by expert by DeepSeek's rules (FP8 ``[128, 128]``
-    blocks, FP4 ``[1, 32]`` groups) into the :class:`QuantizedArray` the loader makes: per-row scales as
-    uint8 e8m0 exponents (``scales`` ``"e8m0"``) or their float32 values (``"float32"``), dequantized to
-    ``dtype``."""
-    quantize = quant.quantize_fp8 if fmt == FP8 else quant.quantize_fp4
-    pieces = [quantize(np.asarray(expert, np.float32)) for expert in w]
-    codes = np.stack([c.view(np.uint8) if fmt == FP4 else c for c, _ in pieces])
-    exponents = np.stack([e.view(np.uint8) for _, e in pieces])
-    exponents = quant.row_scales(exponents, w.shape[1]) if fmt == FP8 else exponents
-    values = np.exp2(exponents.astype(np.float64) - quant.E8M0_BIAS).astype(np.float32)
-    return QuantizedArray(
-        jnp.asarray(codes), jnp.asarray(exponents if scales == "e8m0" else values), fmt, dtype
-    )
-
-
-def abstract_quantized(fmt, shape, dtype):
-    """The abstract :class:`QuantizedArray` (e8m0 scales) of a ``[experts, out, in]`` weight in ``fmt``."""
-    *lead, width = shape
-    stored = (*lead, width // 2) if fmt == FP4 else shape
-    codes = jax.ShapeDtypeStruct(stored, jnp.uint8 if fmt == FP4 else jnp.float8_e4m3fn)
-    scales = jax.ShapeDtypeStruct((*lead, -(-width // quant.GROUP[fmt])), jnp.uint8)
-    return QuantizedArray(codes, scales, fmt, dtype)
 
 
 def layer_config(**fields):

@@ -12,7 +12,9 @@ from flax import nnx
 
 from jax_oc128.controller import ForwardMode
 from jax_oc128.nn import SpeculativeModel
-from jax_oc128.nn.model import CSA, HCA, MOE, SLIDING, ModelConfig
+from jax_oc128.nn.attention import CSA, HCA, SLIDING
+from jax_oc128.nn.config import ModelConfig
+from jax_oc128.nn.moe import MOE
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
 import step_kernels

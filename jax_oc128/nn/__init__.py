@@ -1,8 +1,9 @@
 """Flax NNX modules: DeepSeek-V4 attention (:mod:`~jax_oc128.nn.attention`) with the HCA compressor
 (:mod:`~jax_oc128.nn.hca`) and the CSA compressor and indexer (:mod:`~jax_oc128.nn.csa`), RoPE
 (:mod:`~jax_oc128.nn.rope`), hyper-connections (:mod:`~jax_oc128.nn.hyper_connections`), the mixture of
-experts (:mod:`~jax_oc128.nn.moe`), the decoder and its config (:mod:`~jax_oc128.nn.model`), the draft heads
-and the speculative model (:mod:`~jax_oc128.nn.draft`)."""
+experts (:mod:`~jax_oc128.nn.moe`, its kernel :mod:`~jax_oc128.nn.grouped_matmul`), the linear layers
+(:mod:`~jax_oc128.nn.linear`), the decoder (:mod:`~jax_oc128.nn.model`) and its config
+(:mod:`~jax_oc128.nn.config`), the draft heads and the speculative model (:mod:`~jax_oc128.nn.draft`)."""
 
 from jax_oc128.nn.attention import (
     CSA,
@@ -15,11 +16,12 @@ from jax_oc128.nn.attention import (
     batch_slots,
     prepare_forward,
 )
+from jax_oc128.nn.config import ModelConfig
 from jax_oc128.nn.csa import CSACompressor
 from jax_oc128.nn.draft import DRAFT_HEADS, DeepseekV4MTP, DraftHead, MTPHead, SpeculativeModel
 from jax_oc128.nn.hca import HCACompressor
 from jax_oc128.nn.hyper_connections import HyperConnection, HyperHead
-from jax_oc128.nn.model import Block, DeepseekV4Model, ModelCache, ModelConfig
+from jax_oc128.nn.model import Block, DeepseekV4Model, ModelCache
 from jax_oc128.nn.moe import MoE
 from jax_oc128.nn.rope import RopeConfig
 

@@ -36,9 +36,9 @@ from jax_oc128.controller import ONLINE, Backend, ForwardMode
 from jax_oc128.nn import csa, hca, kv_cache
 from jax_oc128.nn.csa import CSACompressor, IndexerConfig
 from jax_oc128.nn.functional import FULL, assign_weights, normal_param, ones_param, rms_norm, zeros_param
-from jax_oc128.nn.grouped_matmul import linear
 from jax_oc128.nn.hca import HCACompressor, batch_slots
 from jax_oc128.nn.kv_cache import CacheDtypes
+from jax_oc128.nn.linear import linear
 from jax_oc128.nn.rope import RopeConfig
 from jax_oc128.rules import BLOCK, drop_index
 from jax_oc128.tree import Tree, check_tree

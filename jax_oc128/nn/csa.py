@@ -28,7 +28,7 @@ from flax import nnx
 
 from jax_oc128.nn import hca, kv_cache
 from jax_oc128.nn.functional import FULL, normal_param, ones_param, rms_norm, zeros_param
-from jax_oc128.nn.grouped_matmul import linear
+from jax_oc128.nn.linear import linear
 from jax_oc128.reference import pool
 
 #: tokens per CSA window (transformers' ``compress_rates["compressed_sparse_attention"]``)

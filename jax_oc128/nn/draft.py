@@ -27,18 +27,11 @@ from flax import nnx
 
 from jax_oc128.controller import ONLINE, Backend, ForwardMode
 from jax_oc128.nn.attention import SLIDING, AttentionCache
+from jax_oc128.nn.config import DEEPSEEK_V4_MTP, MTP_HEAD, ModelConfig
 from jax_oc128.nn.functional import normal_param, ones_param, rms_norm
-from jax_oc128.nn.grouped_matmul import linear
 from jax_oc128.nn.hyper_connections import HyperHead
-from jax_oc128.nn.model import (
-    DEEPSEEK_V4_MTP,
-    MTP_HEAD,
-    Block,
-    DeepseekV4Model,
-    ModelConfig,
-    flatten_streams,
-    output_logits,
-)
+from jax_oc128.nn.linear import linear
+from jax_oc128.nn.model import Block, DeepseekV4Model, flatten_streams, output_logits
 from jax_oc128.nn.moe import MOE
 from jax_oc128.tree import Tree
 

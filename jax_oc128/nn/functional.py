@@ -5,12 +5,12 @@ Precision: activations are float32. The matrices (linear layers, experts, the em
 by :func:`normal_param`) are stored in the model's dtype, float32 or bfloat16; every other parameter stays
 float32, as transformers keeps DeepSeek-V4's norms, hyper-connections, sinks, position biases and router
 biases in float32. A linear layer takes its input in the weight's dtype and accumulates in float32
-(:func:`linear_jnp`, the rule of :func:`jax_oc128.nn.grouped_matmul.linear`), so a bfloat16 model runs its
+(:func:`linear_jnp`, the rule of :func:`jax_oc128.nn.linear.linear`), so a bfloat16 model runs its
 matmuls on bfloat16 operands and everything else (norms, softmaxes, RoPE, the residual streams, routing, the
 compressors' pooling) in float32. A weight may also be quantized (a
 :class:`~jax_oc128.nn.quant.QuantizedArray`, a released checkpoint's FP8 or FP4 weight): it is dequantized
 to the model's dtype (:func:`~jax_oc128.nn.quant.matrix`), and the matmul is the float one: whole, or in
-registers by a kernel (:func:`jax_oc128.nn.grouped_matmul.linear`)."""
+registers by a kernel (:func:`jax_oc128.nn.linear.linear`)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def linear_jnp(x, weight, *, groups: int | None = None, name: tuple[str, ...] | 
     the products are accumulated and returned in float32 (full float32 for a float32 weight), ``[...,
     out]``. ``groups`` G: ``x`` ``[..., G, in]``, group g by the weight's rows ``[g * out / G, (g + 1) * out
     / G)`` -> ``[..., G, out / G]``. The rule of every linear layer and the twin of
-    :func:`~jax_oc128.nn.grouped_matmul.linear`'s kernel, whose arguments it takes (``name`` unused: XLA
+    :func:`~jax_oc128.nn.linear.linear`'s kernel, whose arguments it takes (``name`` unused: XLA
     partitions this matmul by its operands' shardings)."""
     weight = matrix(weight)
     x = x.astype(weight.dtype)

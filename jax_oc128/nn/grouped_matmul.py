@@ -27,25 +27,21 @@ comparison and for TPUs). :func:`gmm` picks the kernel on CUDA and the jnp loop 
 platform. The dequantized values are exact (a code times a power of two), so every implementation computes
 the matmul of the same float matrices and they differ by float32 rounding of the accumulation order.
 
-The model's linear layers run here too (:func:`linear`, :func:`swiglu`): a dense matmul is a grouped matmul
-of one group (:func:`linear_layout`), and so a large quantized weight at decode sizes is read by the kernel,
-its codes and scales only (:func:`linear_pallas`).
+The model's linear layers (:mod:`~jax_oc128.nn.linear`) run a large quantized weight at decode sizes through
+this kernel as a grouped matmul of one group per weight group.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
-from jax.sharding import PartitionSpec as P
 
-from jax_oc128.nn import quant, sharding
+from jax_oc128.nn import quant
 from jax_oc128.nn.functional import FULL, linear_jnp, swiglu_gate
 from jax_oc128.nn.quant import QuantizedArray, matrix
 
@@ -493,10 +489,10 @@ def gather_rows(x, groups: Groups, k: int):
     least :data:`GATHER_KERNEL_ROWS` rows (H a multiple of 16), :func:`gather_rows_jnp` otherwise."""
     if groups.block_rows < GATHER_KERNEL_ROWS or x.shape[1] % MIN_BLOCK:
         return gather_rows_jnp(x, groups, k)
-    return _per_platform(gather_rows_pallas, gather_rows_jnp, x, groups, k)
+    return per_platform(gather_rows_pallas, gather_rows_jnp, x, groups, k)
 
 
-def _per_platform(cuda, default, *args, **kwargs):
+def per_platform(cuda, default, *args, **kwargs):
     """``cuda(*args, **kwargs)`` when lowered for CUDA, ``default(...)`` on every other platform."""
     return jax.lax.platform_dependent(
         cuda=lambda: cuda(*args, **kwargs), default=lambda: default(*args, **kwargs)
@@ -508,136 +504,10 @@ def gmm(x, weights, groups: Groups, *, gated: bool = False, limit: float | None 
     for the shapes it takes, :func:`pallas_fits`), :func:`gmm_jnp` elsewhere."""
     if not pallas_fits(x, weights, gated=gated):
         return gmm_jnp(x, weights, groups, gated=gated, limit=limit)
-    return _per_platform(gmm_pallas, gmm_jnp, x, weights, groups, gated=gated, limit=limit)
+    return per_platform(gmm_pallas, gmm_jnp, x, weights, groups, gated=gated, limit=limit)
 
 
 def gmm_pallas_anywhere(x, weights, groups: Groups, *, gated: bool = False, limit: float | None = None):
     """:func:`gmm_pallas` on every platform: compiled by Triton on CUDA, in interpret mode elsewhere."""
     interpreted = functools.partial(gmm_pallas, interpret=True)
-    return _per_platform(gmm_pallas, interpreted, x, weights, groups, gated=gated, limit=limit)
-
-
-#: when :func:`linear` runs a quantized weight through :func:`linear_pallas` on CUDA: at most this many rows
-#: per group (decode sizes, where reading the weight is the cost) and a weight of at least this many
-#: parameters (a smaller one's kernel, one program per 32 outputs looping over all of K, waits on its loads:
-#: 11.7 us for V4-Flash's 512 x 4096 kv_proj, XLA's 7.2); otherwise the weight dequantized whole and XLA's
-#: matmul (bench/RESULTS.md section 11)
-LINEAR_KERNEL_ROWS, LINEAR_KERNEL_PARAMS = 64, 1 << 23
-#: :func:`linear_pallas`'s tiling: the fastest of a sweep at 8 and 64 rows over V4-Flash's FP8 linears (the
-#: expert tilings of :data:`DEFAULT_BLOCKS`, 128 columns a program, leave most SMs idle on 4096 outputs)
-LINEAR_BLOCKS = Blocks(32, 256, 4, 3)
-
-
-def linear_layout(groups: int, rows: int) -> Groups:
-    """The layout of a linear layer's ``rows`` x ``groups`` pairs (pair ``r * groups + g``: row r's group g,
-    :func:`linear`'s ``x`` flattened): group g's rows in tiles of its own, ``tile_expert`` g. Static: built by
-    numpy from the shapes."""
-    block_rows = block_rows_for(rows, 1)
-    tiles = -(-rows // block_rows)
-    pair_rows = (np.arange(groups) * tiles * block_rows + np.arange(rows)[:, None]).reshape(-1)
-    row_pairs = np.full(groups * tiles * block_rows, groups * rows)
-    row_pairs[pair_rows] = np.arange(groups * rows)
-    tile_expert = np.repeat(np.arange(groups), tiles)
-    return Groups(*(jnp.asarray(a, jnp.int32) for a in (pair_rows, row_pairs, tile_expert)), block_rows)
-
-
-def _grouped_weights(weight, groups: int | None):
-    """An ``[out, in]`` weight (float or quantized) as ``[groups, out / groups, in]`` (one group: None)."""
-    return jax.tree.map(lambda a: a.reshape(groups or 1, -1, a.shape[-1]), weight)
-
-
-def linear_pallas(x, weight, *, groups: int | None = None, blocks: Blocks | None = None, interpret=False):
-    """:func:`~jax_oc128.nn.functional.linear_jnp` (shapes and ``groups`` the same) by :func:`gmm_pallas`:
-    each group's weight one expert, on its rows (:func:`linear_layout`): a quantized weight's codes and
-    scales read and dequantized in registers, never whole. ``blocks``: :func:`gmm_pallas`'s tiling (default
-    :data:`LINEAR_BLOCKS`)."""
-    weights = _grouped_weights(weight, groups)
-    flat = x.reshape(-1, x.shape[-1]).astype(weights.dtype)  # the pairs, in order
-    layout = linear_layout(weights.shape[0], flat.shape[0] // weights.shape[0])
-    blocks = blocks or LINEAR_BLOCKS
-    rows = gmm_pallas(gather_rows_jnp(flat, layout, 1), weights, layout, blocks=blocks, interpret=interpret)
-    return rows[layout.rows].reshape(*x.shape[:-1], -1)
-
-
-def linear(x, weight, *, groups: int | None = None, name: tuple[str, ...] | None = None):
-    """The model's linear layer, :func:`~jax_oc128.nn.functional.linear_jnp` (``x`` ``[..., in]`` by an
-    ``[out, in]`` weight -> float32 ``[..., out]``; ``groups``: per group): a float weight by XLA's matmul; a
-    quantized one (:class:`~jax_oc128.nn.quant.QuantizedArray`) on CUDA at up to
-    :data:`LINEAR_KERNEL_ROWS` rows per group, of at least ``LINEAR_KERNEL_PARAMS`` parameters, by
-    :func:`linear_pallas` (the codes read once, 1 byte per FP8 parameter; XLA dequantizes the weight whole
-    first, writing and reading 2 bytes per parameter more), otherwise dequantized whole.
-
-    ``name``: the weight's parameter path, as :data:`~jax_oc128.nn.sharding.PARAM_RULES` names it (e.g.
-    ``("attn", "q_b_proj")``). In a trace whose mesh splits the weights over ``"model"`` (tensor parallel) a
-    quantized weight runs as :func:`tensor_parallel` splits it by that rule, each device's part by the rule
-    above; without a ``name``, or for a split it does not take, dequantized whole and partitioned by XLA (the
-    kernel is not partitioned: its operands would be gathered whole onto every device)."""
-    if isinstance(weight, QuantizedArray) and sharding.traced_model_devices() > 1:
-        split = None if name is None else tensor_parallel(_linear_on_device, x, weight, groups, name)
-        return linear_jnp(x, weight, groups=groups) if split is None else split
-    return _linear_on_device(x, weight, groups=groups)
-
-
-def _linear_on_device(x, weight, *, groups: int | None = None):
-    """:func:`linear` of one device's weight: :func:`linear_pallas` on CUDA for a large quantized weight at
-    decode sizes, :func:`~jax_oc128.nn.functional.linear_jnp` otherwise."""
-    rows = math.prod(x.shape[:-1]) // (groups or 1)
-    kernel = (
-        isinstance(weight, QuantizedArray)
-        and rows <= LINEAR_KERNEL_ROWS
-        and math.prod(weight.shape) >= LINEAR_KERNEL_PARAMS
-        and pallas_fits(x, _grouped_weights(weight, groups))
-    )
-    if not kernel:
-        return linear_jnp(x, weight, groups=groups)
-    return _per_platform(linear_pallas, linear_jnp, x, weight, groups=groups)
-
-
-def tensor_parallel(local, x, weight, groups: int | None, name: tuple[str, ...]):
-    """``local(x, weight, groups=groups)`` (a linear layer of one device, :func:`linear`'s arguments) with
-    ``weight`` split over the trace's mesh axis ``"model"`` as :func:`~jax_oc128.nn.sharding.param_spec`
-    splits the parameter ``name``: each device runs ``local`` on its own part in a ``shard_map``, so that no
-    device reads or gathers another's part. A split of the outputs (rows of ``weight``; with ``groups``,
-    whole groups, ``x`` ``[..., G, in]`` split alike) gives each device its columns of the result (its
-    groups); a split of the inputs (columns, whole scale groups on each device; no ``groups``) gives partial
-    products, summed over the axis (a psum). A weight the rule leaves whole runs whole on every device.
-    Returns None for any other split (``local`` cannot take it)."""
-    model, devices = sharding.MODEL, sharding.traced_model_devices()
-    spec = sharding.param_spec(name, weight, jax.sharding.get_abstract_mesh())
-    codes, scales = (tuple(s) + (None,) * (2 - len(s)) for s in (spec.codes, spec.scales))
-    outputs_split = codes == (model, None) and scales[0] == model
-    batch = (None,) * (x.ndim - 1)  # x's axes but its last
-    if codes == (None, None):  # whole on every device
-        x_spec, out_spec, reduce = P(), P(), False
-    elif outputs_split and groups is None:
-        x_spec, out_spec, reduce = P(), P(*batch, model), False
-    elif outputs_split and groups % devices == 0:  # whole groups: x [..., G, in] -> [..., G, out / G]
-        x_spec = out_spec = P(*batch[:-1], model, None)
-        reduce, groups = False, groups // devices
-    elif codes == (None, model) and scales[1] == model and groups is None:  # the inputs split
-        x_spec, out_spec, reduce = P(*batch, model), P(), True
-    else:
-        return None
-
-    def on_device(x, weight):
-        out = local(x, weight, groups=groups)
-        return jax.lax.psum(out, model) if reduce else out
-
-    return jax.shard_map(
-        on_device,
-        in_specs=(x_spec, spec),
-        out_specs=out_spec,
-        axis_names={model},
-        check_vma=False,
-    )(x, weight)
-
-
-def swiglu(x, gate, up, down, limit=None, *, matmul=linear, names=(None, None, None)):
-    """The SwiGLU MLP ``down(silu(gate(x)) * up(x))`` with ``[out, in]`` weights
-    (:func:`~jax_oc128.nn.functional.swiglu_gate`), each projection ``matmul(x, weight, name=...)``
-    (:func:`linear`; :func:`~jax_oc128.nn.functional.linear_jnp`: the weights dequantized whole, the
-    oracle's way); ``names``: the gate's, the up and the down projection's parameter paths (:func:`linear`'s
-    ``name``: their tensor-parallel split)."""
-    gate_name, up_name, down_name = names
-    hidden = swiglu_gate(matmul(x, gate, name=gate_name), matmul(x, up, name=up_name), limit)
-    return matmul(hidden, down, name=down_name)
+    return per_platform(gmm_pallas, interpreted, x, weights, groups, gated=gated, limit=limit)

@@ -18,7 +18,7 @@ from flax import nnx
 
 from jax_oc128.controller import Backend, ForwardMode
 from jax_oc128.nn.functional import normal_param, ones_param, rms_norm, zeros_param
-from jax_oc128.nn.grouped_matmul import linear
+from jax_oc128.nn.linear import linear
 from jax_oc128.rules import BLOCK
 
 

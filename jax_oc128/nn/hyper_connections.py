@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_oc128.nn.functional import FULL, normal_param, ones_param, rms_norm, zeros_param
-from jax_oc128.nn.grouped_matmul import linear
+from jax_oc128.nn.linear import linear
 
 
 def _mixes(streams, fn, eps):

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_oc128.nn import grouped_matmul
 from jax_oc128.nn.functional import FULL, linear_jnp, normal_param, param, zeros_param
-from jax_oc128.nn.grouped_matmul import linear, swiglu
+from jax_oc128.nn.linear import linear, swiglu
 from jax_oc128.nn.sharding import MODEL, traced_model_devices
 
 MOE, HASH_MOE = "moe", "hash_moe"

@@ -1,4 +1,4 @@
-"""A quantized linear layer split over the "model" axis (jax_oc128.nn.grouped_matmul.tensor_parallel) on 4 CPU
+"""A quantized linear layer split over the "model" axis (jax_oc128.nn.linear.tensor_parallel) on 4 CPU
 devices: the float64 product of its dequantized weight, each device holding and reading only its own part
 (the compiled program gathers nothing; a split of the inputs sums the devices' partial products), with the
 kernel (interpret mode) or its jnp twin on each device."""
@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_linear import assert_float32_sum, float64_linear
-from test_moe import quantized
+from quantization import assert_float32_sum, float64_linear, quantized
 
-from jax_oc128.nn import grouped_matmul, sharding
+from jax_oc128.nn import linear, sharding
 from jax_oc128.nn.quant import FP4, FP8
 
 IN, OUT, GROUPS = 512, 256, 4
@@ -35,10 +34,10 @@ CASES = {
 @pytest.mark.parametrize("kernel", [False, True], ids=["jnp", "kernel"])
 def test_linear_split_over_model_axis(shape, name, fmt, kernel, monkeypatch):
     if kernel:  # every weight to the kernel, interpreted on the CPU
-        monkeypatch.setattr(grouped_matmul, "LINEAR_KERNEL_PARAMS", 0)
-        interpreted = functools.partial(grouped_matmul.linear_pallas, interpret=True)
-        monkeypatch.setattr(grouped_matmul, "linear_pallas", interpreted)
-        monkeypatch.setattr(grouped_matmul, "_per_platform", lambda cuda, default, *a, **k: cuda(*a, **k))
+        monkeypatch.setattr(linear, "LINEAR_KERNEL_PARAMS", 0)
+        interpreted = functools.partial(linear.linear_pallas, interpret=True)
+        monkeypatch.setattr(linear, "linear_pallas", interpreted)
+        monkeypatch.setattr(linear, "per_platform", lambda cuda, default, *a, **k: cuda(*a, **k))
     (out, width), groups = CASES[name]
     rng = np.random.default_rng(0)
     weight = quantized(rng.standard_normal((1, out, width)) / 16, fmt, "e8m0", "float32")[0]
@@ -50,7 +49,7 @@ def test_linear_split_over_model_axis(shape, name, fmt, kernel, monkeypatch):
     placed = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), weight, spec)
     devices = shape[1]
     assert placed.codes.addressable_shards[0].data.size == weight.codes.size // devices  # its part only
-    layer = jax.jit(functools.partial(grouped_matmul.linear, groups=groups, name=name))
+    layer = jax.jit(functools.partial(linear.linear, groups=groups, name=name))
     with jax.set_mesh(mesh):
         got = np.asarray(layer(x, placed))
         hlo = layer.lower(x, placed).compile().as_text()
@@ -72,7 +71,7 @@ def test_splits_the_kernel_cannot_take_are_partitioned_by_xla(case):
     assert spec.codes == P("model", None)
     placed = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), weight, spec)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((2, *((groups,) if groups else ()), shape[1])))
-    layer = functools.partial(grouped_matmul.linear, groups=groups, name=None if groups is None else name)
+    layer = functools.partial(linear.linear, groups=groups, name=None if groups is None else name)
     with jax.set_mesh(mesh):
         got = np.asarray(jax.jit(layer)(x.astype(jnp.float32), placed))
     want, magnitudes = float64_linear(x, weight, groups, magnitudes=True)
