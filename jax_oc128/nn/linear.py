@@ -33,9 +33,9 @@ from jax_oc128.nn.quant import QuantizedArray
 
 #: when :func:`linear` runs a quantized weight through :func:`linear_pallas` on CUDA: at most this many rows
 #: per group (decode sizes, where reading the weight is the cost) and a weight of at least this many
-#: parameters (a smaller one's kernel, one program per 32 outputs looping over all of K, waits on its loads:
-#: 11.7 us for V4-Flash's 512 x 4096 kv_proj, XLA's 7.2); otherwise the weight dequantized whole and XLA's
-#: matmul (bench/RESULTS.md section 11)
+#: parameters (a smaller one's kernel, one program per 32 outputs looping over all of K, waits on its
+#: loads and is slower than XLA's: bench/RESULTS.md section 11); otherwise the weight dequantized whole and
+#: XLA's matmul
 LINEAR_KERNEL_ROWS, LINEAR_KERNEL_PARAMS = 64, 1 << 23
 #: :func:`linear_pallas`'s tiling: the fastest of a sweep at 8 and 64 rows over V4-Flash's FP8 linears (the
 #: expert tilings of :data:`DEFAULT_BLOCKS`, 128 columns a program, leave most SMs idle on 4096 outputs)
