@@ -16,7 +16,7 @@ from jax_oc128.nn.attention import (
     prepare_forward,
 )
 from jax_oc128.nn.csa import CSACompressor
-from jax_oc128.nn.draft import DRAFT_HEADS, DeepseekV4MTP, DraftHead, MTPHead, SpeculativeModel
+from jax_oc128.nn.draft import DeepseekV4MTP, DraftHead, MTPHead, SpeculativeModel, default_draft_head
 from jax_oc128.nn.hca import HCACompressor
 from jax_oc128.nn.hyper_connections import HyperConnection, HyperHead
 from jax_oc128.nn.model import Block, DeepseekV4Model, ModelCache, ModelConfig
@@ -25,7 +25,6 @@ from jax_oc128.nn.rope import RopeConfig
 
 __all__ = [
     "CSA",
-    "DRAFT_HEADS",
     "HCA",
     "HF_WEIGHT_NAMES",
     "SLIDING",
@@ -47,5 +46,6 @@ __all__ = [
     "RopeConfig",
     "SpeculativeModel",
     "batch_slots",
+    "default_draft_head",
     "prepare_forward",
 ]
