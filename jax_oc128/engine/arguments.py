@@ -50,8 +50,8 @@ def check_model(model) -> Model:
     if not isinstance(model.verifies_trees, bool):
         raise TypeError(f"model.verifies_trees: must be a bool, got {model.verifies_trees!r}")
     drafter = model.drafter
-    missing = [name for name in members(Drafter) if not hasattr(drafter, name)]
-    if drafter is not None and missing:
+    missing = [] if drafter is None else [name for name in members(Drafter) if not hasattr(drafter, name)]
+    if missing:
         kind = type(drafter).__name__
         raise TypeError(
             f"model.drafter: must implement jax_oc128.protocols.Drafter, {kind} has no {', '.join(missing)}"
