@@ -16,6 +16,12 @@ BLOCK = 128
 MAX_DRAFT = 16
 
 
+def batch_slots(lengths):
+    """``[batch]`` int32: the slot of each batch row of a forward (batch row b is slot b); -1 (padding) for
+    rows of length 0 (``lengths`` ``[batch]`` int32), which leave every state untouched."""
+    return jnp.where(lengths > 0, jnp.arange(lengths.shape[0], dtype=jnp.int32), -1)
+
+
 def valid_rows(slots, seq_lens, num_slots):
     """``[bs]`` bool: rows that address a slot of the state at a non-negative length; other rows are
     skipped by every op (nothing read or written)."""

@@ -92,8 +92,18 @@ def prompts_generator(engine, state, others):
 
 CASES = [
     # Engine(...)
-    ("Engine model None", construct(lambda e: None), TypeError, "model: must be a SpeculativeModel"),
-    ("Engine model target", construct(lambda e: e.model.target), TypeError, "model: must be a Speculative"),
+    (
+        "Engine model None",
+        construct(lambda e: None),
+        TypeError,
+        "model: must be a flax.nnx.Module implementing",
+    ),
+    (
+        "Engine model target",
+        construct(lambda e: e.model.target),
+        TypeError,
+        "model: must implement jax_oc128.protocols.Model, DeepseekV4Model has no vocab_size, max_len, ",
+    ),
     ("Engine slots 0", construct(slots=0), ValueError, r"slots: must be in \[1, "),
     ("Engine slots -1", construct(slots=-1), ValueError, "slots: must be in"),
     ("Engine slots 2.0", construct(slots=2.0), TypeError, "slots: must be an int"),

@@ -1,5 +1,6 @@
 """The model owns one compressed state for all its C128 layers: what each forward launches, counted in the
-compiled HLO. The speculative model's draft head is the registered head its config names."""
+compiled HLO. The speculative model's draft head is the registered head its config calls for, or the one
+named."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from models import MODEL_CONFIG
 from jax_oc128.controller import OFFLINE, ONLINE, ForwardMode
 from jax_oc128.nn import (
     CSA,
-    DRAFT_HEADS,
     HCA,
     SLIDING,
     DeepseekV4Model,
@@ -27,9 +27,11 @@ from jax_oc128.nn import (
     ModelConfig,
     MTPHead,
     SpeculativeModel,
+    default_draft_head,
 )
 from jax_oc128.nn.functional import build_abstract
 from jax_oc128.nn.moe import MOE
+from jax_oc128.registry import drafter_class
 from jax_oc128.tree import Tree
 
 TOKENS = {ForwardMode.EXTEND: 8, ForwardMode.DECODE: 1, ForwardMode.TARGET_VERIFY: 4}
@@ -91,15 +93,33 @@ def test_backend_must_be_an_object():
     [(MODEL_CONFIG, MTPHead), (ModelConfig.tiny(hc_mult=2, mlp_layer_types=(MOE,) * 4), DeepseekV4MTP)],
     ids=["one-stream", "hyper-connections"],
 )
-def test_draft_head_is_the_registered_head_the_config_names(config, head):
+def test_draft_head_is_the_registered_head_the_config_calls_for(config, head):
     model = nnx.eval_shape(lambda: SpeculativeModel(config, rngs=nnx.Rngs(0)))
-    assert type(model.mtp) is DRAFT_HEADS[config.draft_head] is head
+    assert type(model.mtp) is drafter_class(default_draft_head(config)) is head
+    assert model.drafter is model.mtp and model.mtp.block.attn.backend is model.target.backend
     assert model.mtp.embed is model.target.embed and model.mtp.lm_head is model.target.lm_head
     no_head = ModelConfig.tiny(mtp=False)
     assert (
-        no_head.draft_head is None
-        and nnx.eval_shape(lambda: SpeculativeModel(no_head, rngs=nnx.Rngs(0))).mtp is None
+        default_draft_head(no_head) is None
+        and nnx.eval_shape(lambda: SpeculativeModel(no_head, rngs=nnx.Rngs(0))).drafter is None
     )
+
+
+def test_draft_head_by_name():
+    """``drafter=`` picks a registered head over the config's default; an unknown name is refused naming
+    the registered ones, a head for a config without one is refused; the head's block takes the target's
+    C128 backend."""
+    config = ModelConfig.tiny(hc_mult=2, mlp_layer_types=(MOE,) * 4)
+    model = nnx.eval_shape(
+        lambda: SpeculativeModel(config, backend=OFFLINE, rngs=nnx.Rngs(0), drafter="mtp_head")
+    )
+    assert type(model.mtp) is MTPHead and model.mtp.block.attn.backend is OFFLINE
+    with pytest.raises(
+        ValueError, match=r"^drafter: unknown 'medusa'; registered: .*deepseek_v4_mtp, mtp_head"
+    ):
+        SpeculativeModel(config, rngs=nnx.Rngs(0), drafter="medusa")
+    with pytest.raises(ValueError, match=r"^drafter: None for a config without a draft head"):
+        SpeculativeModel(ModelConfig.tiny(mtp=False), rngs=nnx.Rngs(0), drafter="mtp_head")
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from flax import nnx
 
 from jax_oc128 import checkpoint
 from jax_oc128.controller import ONLINE
-from jax_oc128.nn import CSA, HCA, SLIDING, Block, DeepseekV4Model, ModelConfig
+from jax_oc128.nn import CSA, HCA, SLIDING, Block, DeepseekV4Model, ModelConfig, default_draft_head
 from jax_oc128.nn.moe import HASH_MOE, MOE
 from jax_oc128.pretrained import _from_deepseek
 
@@ -100,7 +100,7 @@ def test_preset_is_the_released_config(name):
         ratios.count(r) for r in (0, 4, 128)
     ]
     assert config.mlp_layer_types == (HASH_MOE,) * 3 + (MOE,) * (len(ratios) - 3)
-    assert config.draft_head == "deepseek_v4_mtp"
+    assert default_draft_head(config) == "deepseek_v4_mtp"
 
 
 def _sizes(module, num_experts: int) -> tuple[int, int]:

@@ -104,5 +104,5 @@ def test_tree_misuse():
         engine.generate(prompt, 5, tree=(-1,) + (0,) * 7)  # 7 distinct tokens of 6
     assert not compiles
     offline = Engine(make_model(backend=OFFLINE), slots=1)
-    with pytest.raises(NotImplementedError, match=r"^tree: a tree verifies on the online C128 state only"):
+    with pytest.raises(NotImplementedError, match=r"^tree: this model verifies chains only"):
         offline.generate(prompt, 5, tree=(-1, 0, 0))

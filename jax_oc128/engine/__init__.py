@@ -1,8 +1,9 @@
 """Batch generation over a fixed number of slots: prefill, then plain or speculative steps run K at a time
 inside one on-device loop, with the whole decode state donated.
 
-A speculative step drafts a static draft tree (``num_tokens=N``: the chain of N, ``Tree.chain(N)``) with
-the MTP head level by level, verifies its N nodes (the newest token + the drafts) with the target in one
+The engine drives any :class:`~jax_oc128.protocols.Model` (it imports no model class). A speculative step
+drafts a static draft tree (``num_tokens=N``: the chain of N, ``Tree.chain(N)``) with the model's drafter
+(the MTP head) level by level, verifies its N nodes (the newest token + the drafts) with the target in one
 forward, accepts a path (greedy: the deepest the target agrees with; sampling: multi-draft speculative
 sampling, so that tokens follow the target's distribution) and keeps the bonus token.
 

@@ -12,12 +12,13 @@ from collections.abc import Collection, Mapping, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jax_oc128.checks import check_int, is_int
-from jax_oc128.controller import ONLINE
 from jax_oc128.engine.state import DecodeState
-from jax_oc128.nn import HCA, SpeculativeModel, sharding
-from jax_oc128.rules import BLOCK
+from jax_oc128.nn import sharding
+from jax_oc128.protocols import Drafter, Model, members
+from jax_oc128.rules import BLOCK, MAX_DRAFT
 from jax_oc128.tree import Tree, check_parents
 
 #: stop token ids per call (padded with -1 to this size, so their number never recompiles)
@@ -28,10 +29,33 @@ MAX_SEED = 2**32 - 1
 MAX_INT32 = 2**31 - 1
 
 
-def check_model(model) -> SpeculativeModel:
-    """``model`` a :class:`~jax_oc128.nn.SpeculativeModel`."""
-    if not isinstance(model, SpeculativeModel):
-        raise TypeError(f"model: must be a SpeculativeModel, got {type(model).__name__}")
+def check_model(model) -> Model:
+    """``model`` a :class:`flax.nnx.Module` (the engine places its parameters) with every member of the
+    :class:`~jax_oc128.protocols.Model` protocol, its static facts in range: ``vocab_size``, ``max_len``
+    and ``draft_hidden_size`` counts, ``max_draft`` in [1, 16], ``verifies_trees`` a bool, ``drafter``
+    None or with every member of :class:`~jax_oc128.protocols.Drafter`."""
+    kind = type(model).__name__
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"model: must be a flax.nnx.Module implementing jax_oc128.protocols.Model, got {kind}"
+        )
+    missing = [name for name in members(Model) if not hasattr(model, name)]
+    if missing:
+        raise TypeError(
+            f"model: must implement jax_oc128.protocols.Model, {kind} has no {', '.join(missing)}"
+        )
+    for name in ("vocab_size", "max_len", "draft_hidden_size"):
+        check_count(f"model.{name}", getattr(model, name))
+    check_int("model.max_draft", model.max_draft, 1, MAX_DRAFT)
+    if not isinstance(model.verifies_trees, bool):
+        raise TypeError(f"model.verifies_trees: must be a bool, got {model.verifies_trees!r}")
+    drafter = model.drafter
+    missing = [] if drafter is None else [name for name in members(Drafter) if not hasattr(drafter, name)]
+    if missing:
+        kind = type(drafter).__name__
+        raise TypeError(
+            f"model.drafter: must implement jax_oc128.protocols.Drafter, {kind} has no {', '.join(missing)}"
+        )
     return model
 
 
@@ -64,51 +88,53 @@ def check_seed(seed) -> np.uint32:
     return np.uint32(check_int("seed", seed, 0, MAX_SEED))
 
 
-def _check_draft_head(name: str, value, config) -> None:
-    """Speculation (``name`` given as ``value``) needs a draft head: refused for a model without one."""
-    if not config.mtp:
+def _check_drafter(name: str, value, model: Model) -> None:
+    """Speculation (``name`` given as ``value``) needs a drafter: refused for a model without one."""
+    if model.drafter is None:
         raise ValueError(
-            f"{name}: this model has no MTP head (its checkpoint carries no MTP layer), so it decodes "
-            f"plainly only: pass num_tokens=None and tree=None, got {name}={value!r}"
+            f"{name}: this model has no MTP head (no drafter: e.g. its checkpoint carries no MTP layer), so "
+            f"it decodes plainly only: pass num_tokens=None and tree=None, got {name}={value!r}"
         )
 
 
-def check_speculation(num_tokens, tree, model) -> Tree | None:
+def check_speculation(num_tokens, tree, model: Model) -> Tree | None:
     """The draft tree of a speculative step for ``model``, or None (plain steps). ``num_tokens`` N, an int
     in [2, max_draft], is the chain of N (:meth:`Tree.chain`); ``tree`` a :class:`Tree` or its parents
     (:func:`~jax_oc128.tree.check_parents`) of 2 to max_draft nodes, ``num_tokens`` then None or its
-    size. A tree that is not a chain needs the online C128 state in a model with C128 layers."""
-    config = model.config
+    size. A tree that is not a chain needs a model that verifies trees (``model.verifies_trees``)."""
     if tree is None:
         if num_tokens is None:
             return None
-        _check_draft_head("num_tokens", num_tokens, config)
-        return Tree.chain(check_int("num_tokens", num_tokens, 2, config.max_draft, " = max_draft"))
+        _check_drafter("num_tokens", num_tokens, model)
+        return Tree.chain(check_int("num_tokens", num_tokens, 2, model.max_draft, " = max_draft"))
     tree = tree if isinstance(tree, Tree) else Tree(check_parents(tree, "tree"))
-    _check_draft_head("tree", tree, config)
+    _check_drafter("tree", tree, model)
     if tree.size < 2:
         raise ValueError(f"tree: must have drafts (at least 2 nodes), got {tree}")
-    if tree.size > config.max_draft:
-        raise ValueError(f"tree: at most max_draft = {config.max_draft} nodes, got {tree.size}")
-    if max(tree.widths) > config.vocab_size:
+    if tree.size > model.max_draft:
+        raise ValueError(f"tree: at most max_draft = {model.max_draft} nodes, got {tree.size}")
+    if max(tree.widths) > model.vocab_size:
         raise ValueError(
-            f"tree: a node has {max(tree.widths)} children, more than the vocabulary's {config.vocab_size} "
+            f"tree: a node has {max(tree.widths)} children, more than the vocabulary's {model.vocab_size} "
             f"tokens (a node's children are distinct tokens), got {tree}"
         )
     if num_tokens is not None and num_tokens != tree.size:
         raise ValueError(f"num_tokens: None or the tree's {tree.size} nodes, got {num_tokens!r}")
-    if not tree.is_chain and HCA in config.layer_types and model.target.backend is not ONLINE:
-        raise NotImplementedError("tree: a tree verifies on the online C128 state only (backend ONLINE)")
+    if not tree.is_chain and not model.verifies_trees:
+        raise NotImplementedError(
+            f"tree: this model verifies chains only (model.verifies_trees is False: for DeepSeek-V4, the "
+            f"offline C128 state), got {tree}"
+        )
     return tree
 
 
-def check_max_new_tokens(max_new_tokens, tree: Tree | None, config) -> int:
+def check_max_new_tokens(max_new_tokens, tree: Tree | None, model) -> int:
     """A request's budget, an int in [1, max_len - N - 1] (N the nodes of ``tree``, 1 for plain steps), so
     that a prompt of one token fits. Returns the longest prompt it leaves room for,
     ``max_len - max_new_tokens - N`` (a step writes up to N positions)."""
     n = 1 if tree is None else tree.size
-    budget = check_int("max_new_tokens", max_new_tokens, 1, config.max_len - n - 1, " = max_len - N - 1")
-    return config.max_len - budget - n
+    budget = check_int("max_new_tokens", max_new_tokens, 1, model.max_len - n - 1, " = max_len - N - 1")
+    return model.max_len - budget - n
 
 
 def check_temperature(temperature) -> float:
@@ -120,7 +146,7 @@ def check_temperature(temperature) -> float:
     return float(temperature)
 
 
-def check_stop_tokens(stop_tokens, config) -> tuple[int, ...]:
+def check_stop_tokens(stop_tokens, model) -> tuple[int, ...]:
     """A collection (list, tuple, bytes, 1-D integer array) of at most :data:`MAX_STOP_TOKENS` token ids
     (ints, bools refused) in [0, vocab_size), as a tuple of ints."""
     if isinstance(stop_tokens, np.ndarray | jax.Array):
@@ -132,8 +158,8 @@ def check_stop_tokens(stop_tokens, config) -> tuple[int, ...]:
     for token in stop_tokens:
         if not is_int(token):
             raise TypeError(f"stop_tokens: ids must be ints, got {token!r}")
-        if not 0 <= token < config.vocab_size:
-            raise ValueError(f"stop_tokens: ids must be in [0, {config.vocab_size}), got {token}")
+        if not 0 <= token < model.vocab_size:
+            raise ValueError(f"stop_tokens: ids must be in [0, {model.vocab_size}), got {token}")
     return tuple(map(int, stop_tokens))
 
 
@@ -142,7 +168,7 @@ def stop_array(stop_tokens: tuple[int, ...]) -> np.ndarray:
     return np.array([*stop_tokens, *[-1] * (MAX_STOP_TOKENS - len(stop_tokens))], np.int32)
 
 
-def check_prompt(name: str, prompt, config, longest: int) -> np.ndarray:
+def check_prompt(name: str, prompt, model, longest: int) -> np.ndarray:
     """A prompt (named ``name`` in errors): a sequence (list, tuple, bytes) of ints or a 1-D integer array,
     1 to ``longest`` token ids in [0, vocab_size). Returns it as ``[length]`` int32."""
     if isinstance(prompt, np.ndarray | jax.Array):
@@ -161,22 +187,22 @@ def check_prompt(name: str, prompt, config, longest: int) -> np.ndarray:
             f"{name}: length {len(ids)} must be in [1, {longest} = max_len - max_new_tokens - N]"
         )
     low, high = (ids.min(), ids.max()) if isinstance(ids, np.ndarray) else (min(ids), max(ids))
-    if low < 0 or high >= config.vocab_size:
+    if low < 0 or high >= model.vocab_size:
         bad = low if low < 0 else high
-        raise ValueError(f"{name}: token ids must be in [0, {config.vocab_size}), got {bad}")
+        raise ValueError(f"{name}: token ids must be in [0, {model.vocab_size}), got {bad}")
     return np.asarray(ids, np.int32)
 
 
-def check_prompts(prompts, config, longest: int) -> list[np.ndarray]:
+def check_prompts(prompts, model, longest: int) -> list[np.ndarray]:
     """``generate``'s prompts: a sequence (list, tuple, array) of prompts, each checked by
     :func:`check_prompt` as ``prompts[i]``."""
     if isinstance(prompts, str | bytes | bytearray) or not isinstance(prompts, Sequence | np.ndarray):
         kind = type(prompts).__name__
         raise TypeError(f"prompts: must be a sequence of prompts (each a sequence of token ids), got {kind}")
-    return [check_prompt(f"prompts[{i}]", prompt, config, longest) for i, prompt in enumerate(prompts)]
+    return [check_prompt(f"prompts[{i}]", prompt, model, longest) for i, prompt in enumerate(prompts)]
 
 
-def check_assignments(assignments, slots: int, config, longest: int) -> dict[int, np.ndarray]:
+def check_assignments(assignments, slots: int, model, longest: int) -> dict[int, np.ndarray]:
     """``prefill``'s requests: a non-empty mapping from a slot (an int in [0, slots)) to its prompt, checked
     by :func:`check_prompt` as ``assignments[slot]``."""
     if not isinstance(assignments, Mapping):
@@ -186,7 +212,7 @@ def check_assignments(assignments, slots: int, config, longest: int) -> dict[int
     prompts = {}
     for slot, prompt in assignments.items():
         slot = check_int("assignments: a slot", slot, 0, slots - 1)
-        prompts[slot] = check_prompt(f"assignments[{slot}]", prompt, config, longest)
+        prompts[slot] = check_prompt(f"assignments[{slot}]", prompt, model, longest)
     return prompts
 
 
@@ -234,7 +260,7 @@ def check_state_is_this_engines(state, layout: DecodeState) -> None:
         raise ValueError("state: already donated to an earlier call; use the state it returned")
 
 
-def check_pages(pages, page_size, config, mesh) -> tuple[int | None, int]:
+def check_pages(pages, page_size, model, mesh) -> tuple[int | None, int]:
     """An engine's paging: ``pages`` None (dense) or a count (:func:`check_count`), a multiple of the data
     axis of ``mesh``; ``page_size`` a multiple of 128 (the HCA block) dividing ``max_len``."""
     page_size = check_count("page_size", page_size)
@@ -244,24 +270,22 @@ def check_pages(pages, page_size, config, mesh) -> tuple[int | None, int]:
     devices = 1 if mesh is None else mesh.shape[sharding.DATA]
     if pages % devices:
         raise ValueError(f"pages: must be a multiple of the mesh's data axis ({devices}), got {pages}")
-    if page_size % BLOCK or config.max_len % page_size:
+    if page_size % BLOCK or model.max_len % page_size:
         raise ValueError(
-            f"page_size: must be a multiple of {BLOCK} dividing max_len ({config.max_len}), got {page_size}"
+            f"page_size: must be a multiple of {BLOCK} dividing max_len ({model.max_len}), got {page_size}"
         )
     return pages, page_size
 
 
-def check_page_table(page_table, layout, pages, mesh) -> np.ndarray:
-    """A paged engine's page table: an integer array of the decode state's page table shape, each entry -1
-    or a page of its slot's device's pool, no page held by two slots; as int32."""
-    expected = layout.cache.page_table
-    if expected is None:
+def check_page_table(page_table, shape: tuple[int, int], pages, mesh) -> np.ndarray:
+    """A paged engine's page table: an integer array of ``shape`` (``[slots, max_len // page_size]``), each
+    entry -1 or a page of its slot's device's pool, no page held by two slots; as int32. ``pages`` None (a
+    dense engine) refuses any."""
+    if pages is None:
         raise ValueError("page_table: this engine's caches are dense (Engine(..., pages=None))")
     table = np.asarray(page_table)
-    if table.shape != expected.shape or not np.issubdtype(table.dtype, np.integer):
-        raise ValueError(
-            f"page_table: must be integers of shape {expected.shape}, got {table.dtype} {table.shape}"
-        )
+    if table.shape != shape or not np.issubdtype(table.dtype, np.integer):
+        raise ValueError(f"page_table: must be integers of shape {shape}, got {table.dtype} {table.shape}")
     devices = 1 if mesh is None else mesh.shape[sharding.DATA]
     per_device = pages // devices
     if np.any((table < -1) | (table >= per_device)):

@@ -20,7 +20,8 @@ from jax.sharding import Mesh
 from jax_oc128.engine import arguments, placement
 from jax_oc128.engine.pages import PagePool
 from jax_oc128.engine.state import DecodeOutput, DecodeState, Result, init_state, restart, set_page_table
-from jax_oc128.nn import SpeculativeModel, sharding
+from jax_oc128.nn import sharding
+from jax_oc128.protocols import Model
 
 #: numbers the engines of this process (:attr:`Engine.number`)
 _ENGINE_NUMBERS = itertools.count(1)
@@ -58,7 +59,8 @@ def loop_compiler_options(mesh: Mesh | None) -> dict | None:
 
 
 class Engine:
-    """Generation over ``slots`` slots with a :class:`~jax_oc128.nn.SpeculativeModel`.
+    """Generation over ``slots`` slots with a model (a :class:`~jax_oc128.protocols.Model`, e.g. a
+    :class:`~jax_oc128.nn.SpeculativeModel`).
 
     Requests beyond the slots wait; a finished request frees its slot and the next one takes it (the slot's
     rows are cleared on allocation). The parameters are placed on the device once; the prefill and the
@@ -72,7 +74,8 @@ class Engine:
     :mod:`jax_oc128.engine.steps`.
 
     Args:
-      model: the target and its MTP head (a :class:`~jax_oc128.nn.SpeculativeModel`).
+      model: a :class:`flax.nnx.Module` implementing :class:`~jax_oc128.protocols.Model` (the target and
+        its drafter, e.g. a :class:`~jax_oc128.nn.SpeculativeModel`: DeepSeek-V4 and its MTP head).
       slots: requests decoded together, an int >= 1.
       prompt_bucket: prompts are padded to a multiple of this (fewer prefill shapes, fewer compilations),
         an int >= 1.
@@ -95,7 +98,8 @@ class Engine:
         multiple of the mesh's data axis): paged caches, the entries and indexer keys of every compressed
         layer in a pool of ``pages`` pages of ``page_size`` tokens shared by the slots
         (``[pages, page_size // rate, ...]`` per layer; a page table ``[slots, max_len // page_size]``
-        int32 in the decode state, :class:`~jax_oc128.nn.ModelCache`). :meth:`generate` reserves for a
+        int32 in the model's cache, :meth:`~jax_oc128.protocols.Model.with_page_table`; a model without
+        paged caches refuses ``pages``). :meth:`generate` reserves for a
         request the pages of its prompt + ``max_new_tokens`` + N tokens when it admits it (a request waits
         while too few are unreserved), assigns them as the dispatches can write them (K x N tokens ahead)
         and frees them when the request ends (:class:`~jax_oc128.engine.pages.PagePool`); with
@@ -112,7 +116,7 @@ class Engine:
 
     def __init__(
         self,
-        model: SpeculativeModel,
+        model: Model,
         slots: int,
         *,
         prompt_bucket: int = 128,
@@ -128,7 +132,7 @@ class Engine:
         self.prompt_bucket = arguments.check_count("prompt_bucket", prompt_bucket)
         self.prefill_chunk = arguments.check_prefill_chunk(prefill_chunk)
         self.steps_per_dispatch = arguments.check_count("steps_per_dispatch", steps_per_dispatch)
-        self.pages, self.page_size = arguments.check_pages(pages, page_size, model.config, self.mesh)
+        self.pages, self.page_size = arguments.check_pages(pages, page_size, model, self.mesh)
         graphdef, params = nnx.split(model)
         self.number = next(_ENGINE_NUMBERS)  # the decode states it makes carry it
         new_state = functools.partial(
@@ -140,7 +144,9 @@ class Engine:
         self.params = where.put_params(params)
         self._init_state = jax.jit(new_state, **where.state_options())
         self._restart = jax.jit(restart, donate_argnames="state", **where.state_options())
-        self._set_page_table = jax.jit(set_page_table, donate_argnames="state", **where.state_options())
+        self._set_page_table = jax.jit(
+            functools.partial(set_page_table, model), donate_argnames="state", **where.state_options()
+        )
         self._prefill = jax.jit(
             functools.partial(placement.prefill, graphdef, where, chunk=self.prefill_chunk),
             static_argnames="temperature",
@@ -168,7 +174,8 @@ class Engine:
         ``page_table[s, k]`` of its device's pool (in [0, pages / data devices); -1: none, what a forward
         would write there is dropped). No two slots may share a page."""
         arguments.check_state_is_this_engines(state, self._state_layout)
-        table = arguments.check_page_table(page_table, self._state_layout, self.pages, self.mesh)
+        shape = (self.slots, self.model.max_len // self.page_size)
+        table = arguments.check_page_table(page_table, shape, self.pages, self.mesh)
         return self._set_page_table(state, self._placement.host_rows(table))
 
     def prefill(
@@ -202,12 +209,11 @@ class Engine:
         Returns ``(state, DecodeOutput)``: the output's one step holds each new slot's first generated token
         (greedy, or sampled at ``temperature``); a request whose first token ends it is no longer active."""
         arguments.check_state_is_this_engines(state, self._state_layout)
-        config = self.model.config
         tree = arguments.check_speculation(num_tokens, tree, self.model)
-        longest_prompt = arguments.check_max_new_tokens(max_new_tokens, tree, config)
-        stops = arguments.stop_array(arguments.check_stop_tokens(stop_tokens, config))
+        longest_prompt = arguments.check_max_new_tokens(max_new_tokens, tree, self.model)
+        stops = arguments.stop_array(arguments.check_stop_tokens(stop_tokens, self.model))
         temperature = arguments.check_temperature(temperature)
-        prompts = arguments.check_assignments(assignments, self.slots, config, longest_prompt)
+        prompts = arguments.check_assignments(assignments, self.slots, self.model, longest_prompt)
         longest = max(map(len, prompts.values()))
         width = -(-longest // self.prompt_bucket) * self.prompt_bucket
         if self.prefill_chunk is not None:  # whole chunks
@@ -239,10 +245,9 @@ class Engine:
         a row ends. ``state`` (this engine's, not yet donated) is donated; nothing is read back to the
         host."""
         arguments.check_state_is_this_engines(state, self._state_layout)
-        config = self.model.config
         tree = arguments.check_speculation(num_tokens, tree, self.model)
         temperature = arguments.check_temperature(temperature)
-        stops = arguments.stop_array(arguments.check_stop_tokens(stop_tokens, config))
+        stops = arguments.stop_array(arguments.check_stop_tokens(stop_tokens, self.model))
         steps = self.steps_per_dispatch if steps is None else arguments.check_count("steps", steps)
         waiting = arguments.check_waiting(waiting)
         return self._decode(self.params, state, stops, waiting, steps, tree, temperature)
@@ -288,22 +293,23 @@ class Engine:
             each dispatch's output is read.
 
         Returns a :class:`Result`, ``tokens[i]`` the output of ``prompts[i]``."""
-        config = self.model.config
         tree = arguments.check_speculation(num_tokens, tree, self.model)
-        longest_prompt = arguments.check_max_new_tokens(max_new_tokens, tree, config)
+        longest_prompt = arguments.check_max_new_tokens(max_new_tokens, tree, self.model)
         temperature = arguments.check_temperature(temperature)
-        stop_tokens = arguments.check_stop_tokens(stop_tokens, config)
+        stop_tokens = arguments.check_stop_tokens(stop_tokens, self.model)
         seed = arguments.check_seed(seed)
         arguments.check_callback("progress", progress)
         arguments.check_callback("stream", stream)
-        prompts = arguments.check_prompts(prompts, config, longest_prompt)
+        prompts = arguments.check_prompts(prompts, self.model, longest_prompt)
         if not prompts:
             return Result([], steps=0, dispatches=0, seconds=0.0, mean_accepted=0.0)
         width = 1 if tree is None else tree.size  # the tokens a step writes
         pool = None
         if self.pages is not None:
             shards = 1 if self.mesh is None else self.mesh.shape[sharding.DATA]
-            pool = PagePool(self.pages, self.page_size, self.slots, config.max_len // self.page_size, shards)
+            pool = PagePool(
+                self.pages, self.page_size, self.slots, self.model.max_len // self.page_size, shards
+            )
             needs = [len(prompt) + max_new_tokens + width for prompt in prompts]
             arguments.check_requests_fit(needs, pool)
             self.page_pool = pool

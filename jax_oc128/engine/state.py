@@ -8,7 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_oc128.nn import AttentionCache, ModelCache
+from jax_oc128.protocols import Cache, Model
 
 
 @jax.tree_util.register_dataclass
@@ -17,8 +17,9 @@ class DecodeState:
     """Everything that changes per step, a pytree (donated to every dispatch).
 
     Attributes:
-      cache: the target's :class:`~jax_oc128.nn.ModelCache` (per-layer caches and the C128 state).
-      mtp_cache: the MTP head's :class:`~jax_oc128.nn.AttentionCache` (None for a model without one).
+      cache: the model's cache (:meth:`jax_oc128.protocols.Model.init_cache`).
+      draft_cache: the drafter's cache (:meth:`jax_oc128.protocols.Drafter.init_cache`; None for a model
+        without a drafter).
       token: ``[slots]`` int32, the newest token of each slot (not yet in the caches).
       position: ``[slots]`` int32, its position (the number of tokens in the caches).
       hidden: ``[slots, draft_hidden_size]`` float32, the target's hidden state at ``position - 1``.
@@ -29,8 +30,8 @@ class DecodeState:
         another engine refuses it, even one of the same layout.
     """
 
-    cache: ModelCache
-    mtp_cache: AttentionCache
+    cache: Cache
+    draft_cache: Cache
     token: jax.Array
     position: jax.Array
     hidden: jax.Array
@@ -83,17 +84,17 @@ class Result:
     mean_accepted: float
 
 
-def init_state(model, slots: int, engine: int, seed, pages=None, page_size: int = 0) -> DecodeState:
-    """An empty decode state of ``slots`` slots for ``model`` (a
-    :class:`~jax_oc128.nn.SpeculativeModel`) made by the engine numbered ``engine``, its PRNG key
-    ``jax.random.key(seed)``, its caches paged with ``pages`` pages of ``page_size`` tokens (None: dense):
-    the caches' layout comes from the config, no parameter is read."""
+def init_state(model: Model, slots: int, engine: int, seed, pages=None, page_size: int = 0) -> DecodeState:
+    """An empty decode state of ``slots`` slots for ``model`` made by the engine numbered ``engine``, its PRNG
+    key ``jax.random.key(seed)``, its caches paged with ``pages`` pages of ``page_size`` tokens (None:
+    dense): the caches' layout comes from the model's static facts, no parameter is read."""
+    drafter = model.drafter
     return DecodeState(
-        model.target.init_cache(slots, pages, page_size),
-        None if model.mtp is None else model.mtp.init_cache(slots),
+        model.init_cache(slots, pages, page_size),
+        None if drafter is None else drafter.init_cache(slots),
         token=jnp.zeros((slots,), jnp.int32),
         position=jnp.zeros((slots,), jnp.int32),
-        hidden=jnp.zeros((slots, model.config.draft_hidden_size), jnp.float32),
+        hidden=jnp.zeros((slots, model.draft_hidden_size), jnp.float32),
         active=jnp.zeros((slots,), bool),
         remaining=jnp.zeros((slots,), jnp.int32),
         key=jax.random.key(seed),
@@ -101,9 +102,10 @@ def init_state(model, slots: int, engine: int, seed, pages=None, page_size: int 
     )
 
 
-def set_page_table(state: DecodeState, page_table) -> DecodeState:
-    """``state`` with the target's page table ``page_table`` ``[slots, max_pages]`` int32."""
-    return dataclasses.replace(state, cache=dataclasses.replace(state.cache, page_table=page_table))
+def set_page_table(model: Model, state: DecodeState, page_table) -> DecodeState:
+    """``state`` with the page table ``page_table`` ``[slots, max_len // page_size]`` int32 in ``model``'s
+    cache (:meth:`~jax_oc128.protocols.Model.with_page_table`)."""
+    return dataclasses.replace(state, cache=model.with_page_table(state.cache, page_table))
 
 
 def restart(state: DecodeState, seed) -> DecodeState:

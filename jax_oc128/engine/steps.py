@@ -1,14 +1,14 @@
-"""The engine's device steps, pure functions of a :class:`~jax_oc128.nn.SpeculativeModel` and a
+"""The engine's device steps, pure functions of a model (a :class:`~jax_oc128.protocols.Model`) and a
 :class:`~jax_oc128.engine.DecodeState`: the prefill, the plain step, the speculative step, the stop rule
 and the decode loop that runs K steps in a ``lax.while_loop``.
 
 **One speculative step for chains and trees.** A speculative step drafts a static draft tree (a
 :class:`~jax_oc128.tree.Tree`; the chain of N, ``Tree.chain(N)``, is what ``num_tokens=N`` means) with
-the MTP head level by level (:func:`~jax_oc128.tree.draft_tree`), verifies its N nodes (node 0 the newest
-token) with the target in one forward, accepts a path (:func:`~jax_oc128.tree.accept_greedy`, or at a
+the model's drafter level by level (:func:`~jax_oc128.tree.draft_tree`), verifies its N nodes (node 0 the
+newest token) with the model in one forward, accepts a path (:func:`~jax_oc128.tree.accept_greedy`, or at a
 temperature :func:`~jax_oc128.tree.accept_sampled`, whose emitted tokens follow the target's
-distribution), keeps that path in the caches (the model's ``keep_path``) and the bonus token. The model
-runs a chain's verify with the chain kernels.
+distribution), keeps that path in the caches (the model's and the drafter's ``keep_path``) and the bonus
+token.
 
 On a mesh every function runs on one device's slots (``axis`` the mesh axis of the slots, None without a
 mesh): the PRNG key is folded with the device's index and the loop's condition and counts are summed over
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jax_oc128.controller import ForwardMode
 from jax_oc128.engine.state import DecodeOutput, DecodeState
-from jax_oc128.nn import batch_slots
+from jax_oc128.rules import batch_slots
 from jax_oc128.tree import Tree, accept_greedy, accept_sampled, draft_tree, tempered
 
 
@@ -72,52 +72,52 @@ def _total(x, axis):
     return total if axis is None else jax.lax.psum(total, axis)
 
 
-def _prefill_segment(model, tokens, start, lengths, cache, mtp_cache, before):
-    """Feed the target (and the MTP head, if any) ``tokens`` ``[slots, T]`` int32 at positions ``start``
+def _prefill_segment(model, tokens, start, lengths, cache, draft_cache, before):
+    """Feed the model (and its drafter, if any) ``tokens`` ``[slots, T]`` int32 at positions ``start``
     (an int32 scalar) + 0 .. T - 1, the first ``lengths`` ``[slots]`` int32 of each row valid (rows of
     length 0 untouched); ``before`` ``[slots, H]`` float32 is the target's hidden state at ``start - 1``
-    (zeros at ``start`` 0), the MTP head's input at the segment's first position. Returns ``(logits
-    [slots, V], hidden [slots, H], end [slots, H], cache, mtp_cache)``: the logits and the target's hidden
+    (zeros at ``start`` 0), the drafter's input at the segment's first position. Returns ``(logits
+    [slots, V], hidden [slots, H], end [slots, H], cache, draft_cache)``: the logits and the model's hidden
     state at each row's last valid token of the segment (the first position's for rows of length 0), its
     hidden state at the segment's last position (the next segment's ``before``), the updated caches."""
     rows, width = tokens.shape
     positions = start + jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width))
-    logits, hidden, cache = model.target(tokens, positions, cache, lengths=lengths, mode=ForwardMode.EXTEND)
-    if model.mtp is not None:  # it sees token p with the target's hidden state at p - 1
+    logits, hidden, cache = model(tokens, positions, cache, lengths=lengths, mode=ForwardMode.EXTEND)
+    if model.drafter is not None:  # it sees token p with the model's hidden state at p - 1
         prev = jnp.concatenate([before[:, None], hidden[:, :-1]], axis=1)
-        _, _, mtp_cache = model.mtp(tokens, prev, positions, mtp_cache, lengths=lengths)
+        _, _, draft_cache = model.drafter(tokens, prev, positions, draft_cache, lengths=lengths)
     last = jnp.maximum(lengths - 1, 0)[:, None, None]
     at_last = (jnp.take_along_axis(x, last, axis=1)[:, 0] for x in (logits, hidden))
-    return *at_last, hidden[:, -1], cache, mtp_cache
+    return *at_last, hidden[:, -1], cache, draft_cache
 
 
-def _prefill_chunks(model, tokens, lengths, cache, mtp_cache, chunk: int, zeros):
+def _prefill_chunks(model, tokens, lengths, cache, draft_cache, chunk: int, zeros):
     """:func:`_prefill_segment` over the ``P // chunk`` chunks of ``tokens`` ``[slots, P]`` (``P`` a multiple
     of ``chunk``) in one ``lax.scan``, the caches in its carry: chunk c holds positions ``c * chunk ..``,
     ``clip(lengths - c * chunk, 0, chunk)`` of each row valid. The carry keeps the logits and the hidden
     state of each row's last prompt token (taken in the chunk that holds it) and the target's hidden state at
-    the chunk's last position (the next chunk's MTP input); ``zeros`` ``[slots, H]`` float32. Returns
-    ``(logits [slots, V], hidden [slots, H], cache, mtp_cache)``."""
+    the chunk's last position (the next chunk's drafter input); ``zeros`` ``[slots, H]`` float32. Returns
+    ``(logits [slots, V], hidden [slots, H], cache, draft_cache)``."""
     rows, width = tokens.shape
     starts = jnp.arange(0, width, chunk, dtype=jnp.int32)
 
     def step(carry, segment):
-        logits, hidden, before, cache, mtp_cache = carry
+        logits, hidden, before, cache, draft_cache = carry
         chunk_tokens, start = segment
         seg_lengths = jnp.clip(lengths - start, 0, chunk)
-        seg_logits, seg_hidden, end, cache, mtp_cache = _prefill_segment(
-            model, chunk_tokens, start, seg_lengths, cache, mtp_cache, before
+        seg_logits, seg_hidden, end, cache, draft_cache = _prefill_segment(
+            model, chunk_tokens, start, seg_lengths, cache, draft_cache, before
         )
         holds_last = ((seg_lengths > 0) & (lengths - start <= chunk))[:, None]
         logits = jnp.where(holds_last, seg_logits, logits)
         hidden = jnp.where(holds_last, seg_hidden, hidden)
-        return (logits, hidden, end, cache, mtp_cache), None
+        return (logits, hidden, end, cache, draft_cache), None
 
     segments = (tokens.reshape(rows, -1, chunk).swapaxes(0, 1), starts)
-    no_logits = jnp.zeros((rows, model.config.vocab_size), jnp.float32)
-    carry = (no_logits, zeros, zeros, cache, mtp_cache)
-    (logits, hidden, _, cache, mtp_cache), _ = jax.lax.scan(step, carry, segments)
-    return logits, hidden, cache, mtp_cache
+    no_logits = jnp.zeros((rows, model.vocab_size), jnp.float32)
+    carry = (no_logits, zeros, zeros, cache, draft_cache)
+    (logits, hidden, _, cache, draft_cache), _ = jax.lax.scan(step, carry, segments)
+    return logits, hidden, cache, draft_cache
 
 
 def prefill(
@@ -130,17 +130,18 @@ def prefill(
     (:func:`_prefill_chunks`: the activations and logits of one chunk at a time). Returns ``(state,
     DecodeOutput)``, the output holding the first tokens as one step with no steps counted."""
     slots = batch_slots(lengths)
-    cache = state.cache.clear(slots)
-    mtp_cache = state.mtp_cache if model.mtp is None else state.mtp_cache.clear(slots)
+    cache = model.clear(state.cache, slots)
+    drafter = model.drafter
+    draft_cache = state.draft_cache if drafter is None else drafter.clear(state.draft_cache, slots)
     zeros = jnp.zeros_like(state.hidden)
     if chunk is None:
         start = jnp.zeros((), jnp.int32)
-        logits, hidden, _, cache, mtp_cache = _prefill_segment(
-            model, tokens, start, lengths, cache, mtp_cache, zeros
+        logits, hidden, _, cache, draft_cache = _prefill_segment(
+            model, tokens, start, lengths, cache, draft_cache, zeros
         )
     else:
-        logits, hidden, cache, mtp_cache = _prefill_chunks(
-            model, tokens, lengths, cache, mtp_cache, chunk, zeros
+        logits, hidden, cache, draft_cache = _prefill_chunks(
+            model, tokens, lengths, cache, draft_cache, chunk, zeros
         )
     key, sub = _split_key(state.key, axis)
     first = pick(logits, sub, temperature)
@@ -149,7 +150,7 @@ def prefill(
     state = dataclasses.replace(
         state,
         cache=cache,
-        mtp_cache=mtp_cache,
+        draft_cache=draft_cache,
         token=jnp.where(new, first, state.token),
         position=jnp.where(new, lengths, state.position),
         hidden=jnp.where(new[:, None], hidden, state.hidden),
@@ -162,11 +163,11 @@ def prefill(
 
 
 def plain_step(model, state: DecodeState, key, temperature: float):
-    """One token per active slot with the target alone. Returns ``(state, tokens [slots, 1], counts
+    """One token per active slot with the model alone. Returns ``(state, tokens [slots, 1], counts
     [slots])``."""
     lengths = state.active.astype(jnp.int32)
     with jax.named_scope("target"):
-        logits, hidden, cache = model.target(
+        logits, hidden, cache = model(
             state.token[:, None],
             state.position[:, None],
             state.cache,
@@ -185,45 +186,45 @@ def plain_step(model, state: DecodeState, key, temperature: float):
 
 
 def _draft_level(model, tree: Tree, position, active, carry, tokens, level: int):
-    """:func:`~jax_oc128.tree.draft_tree`'s ``draft_fn``: the MTP head on the nodes of ``level`` that have
+    """:func:`~jax_oc128.tree.draft_tree`'s ``draft_fn``: the drafter on the nodes of ``level`` that have
     children (``tokens`` ``[slots, N]``, at ``position`` ``[slots]`` + ``level``), each reading its parent's
-    hidden state from ``carry = (mtp_cache, hidden)``, ``hidden`` ``[slots, n, H]`` the head's outputs at
-    the nodes of the level before (``tree.expanded[level - 1]``; at level 0 the target's hidden state of
-    the root). Returns ``(logits [slots, nodes, V], (mtp_cache, the head's outputs at the level's
+    hidden state from ``carry = (draft_cache, hidden)``, ``hidden`` ``[slots, n, H]`` the drafter's outputs
+    at the nodes of the level before (``tree.expanded[level - 1]``; at level 0 the model's hidden state of
+    the root). Returns ``(logits [slots, nodes, V], (draft_cache, the drafter's outputs at the level's
     nodes))``."""
-    mtp_cache, hidden = carry
+    draft_cache, hidden = carry
     nodes = tree.expanded[level]
     if level:  # each node's parent among the level before's nodes (for a chain, the one node)
         parents = tree.expanded[level - 1]
         hidden = hidden[:, [parents.index(tree.parents[node]) for node in nodes]]
     positions = jnp.broadcast_to((position + level)[:, None], (position.shape[0], len(nodes)))
-    logits, hidden, mtp_cache = model.mtp(
+    logits, hidden, draft_cache = model.drafter(
         tokens[:, nodes],
         hidden,
         positions,
-        mtp_cache,
+        draft_cache,
         lengths=active.astype(jnp.int32) * len(nodes),
         tree=tree,
         nodes=nodes,
     )
-    return logits, (mtp_cache, hidden)
+    return logits, (draft_cache, hidden)
 
 
 def speculative_step(model, state: DecodeState, key, tree: Tree, temperature: float):
-    """Draft ``tree`` (N nodes) with the MTP head level by level, verify its N nodes at once, accept a path
-    (greedy at ``temperature`` 0, else sampled) and keep it. Returns ``(state, tokens [slots, depth + 1],
-    counts [slots])``: each active slot's first ``counts`` tokens (the path's drafts, then the bonus token)
-    are its new output."""
+    """Draft ``tree`` (N nodes) with the model's drafter level by level, verify its N nodes at once, accept
+    a path (greedy at ``temperature`` 0, else sampled) and keep it. Returns ``(state, tokens [slots,
+    depth + 1], counts [slots])``: each active slot's first ``counts`` tokens (the path's drafts, then the
+    bonus token) are its new output."""
     active = state.active
     draft_key, accept_key = jax.random.split(key)
     draft_fn = functools.partial(_draft_level, model, tree, state.position, active)
     with jax.named_scope("draft"):
-        tokens, draft_logits, (mtp_cache, _) = draft_tree(
-            tree, state.token, draft_fn, (state.mtp_cache, state.hidden[:, None]), draft_key, temperature
+        tokens, draft_logits, (draft_cache, _) = draft_tree(
+            tree, state.token, draft_fn, (state.draft_cache, state.hidden[:, None]), draft_key, temperature
         )
     positions = state.position[:, None] + jnp.asarray(tree.depths)
     with jax.named_scope("target"):
-        logits, hiddens, cache = model.target(
+        logits, hiddens, cache = model(
             tokens,
             positions,
             state.cache,
@@ -240,8 +241,8 @@ def speculative_step(model, state: DecodeState, key, tree: Tree, temperature: fl
     drafted = tuple(node for level in tree.expanded for node in level)
     state = dataclasses.replace(
         state,
-        cache=model.target.keep_path(cache, tree, state.position, nodes),
-        mtp_cache=mtp_cache.keep_path(tree, state.position, nodes, written=drafted),
+        cache=model.keep_path(cache, tree, state.position, nodes),
+        draft_cache=model.drafter.keep_path(draft_cache, tree, state.position, nodes, drafted),
         token=jnp.where(active, accepted.bonus, state.token),
         position=state.position + counts,
         hidden=jnp.where(active[:, None], hiddens[jnp.arange(active.shape[0]), accepted.node], state.hidden),

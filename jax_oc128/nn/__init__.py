@@ -18,7 +18,7 @@ from jax_oc128.nn.attention import (
 )
 from jax_oc128.nn.config import ModelConfig
 from jax_oc128.nn.csa import CSACompressor
-from jax_oc128.nn.draft import DRAFT_HEADS, DeepseekV4MTP, DraftHead, MTPHead, SpeculativeModel
+from jax_oc128.nn.draft import DeepseekV4MTP, DraftHead, MTPHead, SpeculativeModel, default_draft_head
 from jax_oc128.nn.hca import HCACompressor
 from jax_oc128.nn.hyper_connections import HyperConnection, HyperHead
 from jax_oc128.nn.model import Block, DeepseekV4Model, ModelCache
@@ -27,7 +27,6 @@ from jax_oc128.nn.rope import RopeConfig
 
 __all__ = [
     "CSA",
-    "DRAFT_HEADS",
     "HCA",
     "HF_WEIGHT_NAMES",
     "SLIDING",
@@ -49,5 +48,6 @@ __all__ = [
     "RopeConfig",
     "SpeculativeModel",
     "batch_slots",
+    "default_draft_head",
     "prepare_forward",
 ]

@@ -18,8 +18,6 @@ from jax_oc128.nn.moe import HASH_MOE, MOE, MoEConfig, check_dispatch
 from jax_oc128.nn.rope import RopeConfig
 from jax_oc128.rules import MAX_DRAFT
 
-#: the draft heads' names (:data:`jax_oc128.nn.draft.DRAFT_HEADS`)
-MTP_HEAD, DEEPSEEK_V4_MTP = "mtp_head", "deepseek_v4_mtp"
 #: the fields added with the full DeepSeek-V4 layout (its layout, the draft head's presence, the weights'
 #: dtype) and since (the caches' storage): a checkpoint written before they existed has
 #: :meth:`ModelConfig.tiny`'s values of them
@@ -194,14 +192,6 @@ class ModelConfig:
         """The width of the target's hidden state that the draft head takes: the residual streams, flattened
         (``hc_mult * hidden_size`` with hyper-connections, else ``hidden_size``)."""
         return (self.hc_mult or 1) * self.hidden_size
-
-    @property
-    def draft_head(self) -> str | None:
-        """The draft head's name in :data:`~jax_oc128.nn.draft.DRAFT_HEADS`: DeepSeek-V4's MTP layer for a
-        model with hyper-connections, the small MTP head for one residual stream; None with ``mtp`` False."""
-        if not self.mtp:
-            return None
-        return DEEPSEEK_V4_MTP if self.hyper_connections else MTP_HEAD
 
     @classmethod
     def tiny(cls, **fields) -> ModelConfig:

@@ -1,10 +1,10 @@
 """Draft heads (Flax NNX): what a speculative step drafts with, and the model that pairs one with its target.
 
-A draft head follows the :class:`DraftHead` protocol: it is built from the target's config and the target
-(whose embedding and LM head it shares), keeps a cache of its own, and predicts the token after each of its
-input tokens from that token and the hidden state before it. It is applied recursively: its own output hidden
-state feeds the next draft. :data:`DRAFT_HEADS` holds the heads by name, and :attr:`ModelConfig.draft_head
-<jax_oc128.nn.ModelConfig.draft_head>` names a config's:
+A draft head is a :class:`~jax_oc128.protocols.Drafter` built from the target's config and the target
+(whose embedding and LM head it shares) (:class:`DraftHead`): it keeps a cache of its own and predicts the
+token after each of its input tokens from that token and the hidden state before it. It is applied
+recursively: its own output hidden state feeds the next draft. The heads are registered by name
+(:func:`~jax_oc128.registry.register_drafter`):
 
 * :class:`MTPHead` (``"mtp_head"``): the draft head in the DeepSeek manner for a model with one residual
   stream (the shipped model's): the next token's embedding and the last hidden state, each normed, projected
@@ -13,7 +13,8 @@ state feeds the next draft. :data:`DRAFT_HEADS` holds the heads by name, and :at
   ``mtp.0.*``), the draft head of a model with hyper-connections.
 
 :class:`SpeculativeModel` is the target and its draft head (or none: ``ModelConfig.mtp`` False, plain decoding
-only), one module and one checkpoint.
+only), one module and one checkpoint: the :class:`~jax_oc128.protocols.Model` the engine drives, registered
+as the architecture ``"DeepseekV4ForCausalLM"`` (:mod:`jax_oc128.registry`).
 """
 
 from __future__ import annotations
@@ -21,57 +22,51 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jax_oc128.controller import ONLINE, Backend, ForwardMode
-from jax_oc128.nn.attention import SLIDING, AttentionCache
-from jax_oc128.nn.config import DEEPSEEK_V4_MTP, MTP_HEAD, ModelConfig
+from jax_oc128.nn.attention import HCA, SLIDING, AttentionCache
+from jax_oc128.nn.config import ModelConfig
 from jax_oc128.nn.functional import normal_param, ones_param, rms_norm
 from jax_oc128.nn.hyper_connections import HyperHead
 from jax_oc128.nn.linear import linear
-from jax_oc128.nn.model import Block, DeepseekV4Model, flatten_streams, output_logits
+from jax_oc128.nn.model import Block, DeepseekV4Model, ModelCache, flatten_streams, output_logits
 from jax_oc128.nn.moe import MOE
+from jax_oc128.protocols import Drafter
+from jax_oc128.registry import drafter_class, register_drafter, register_model
 from jax_oc128.tree import Tree
 
+#: the draft heads' registered names
+MTP_HEAD, DEEPSEEK_V4_MTP = "mtp_head", "deepseek_v4_mtp"
 
-class DraftHead(Protocol):
-    """What the engine asks of a draft head (``model.mtp``).
 
-    ``__init__(config, target, *, rngs)``: the head of ``target`` (a :class:`~jax_oc128.nn.DeepseekV4Model` of
-    ``config``), its own parameters drawn from ``rngs``; the target's parameters it uses (embedding, LM head)
-    are the same :class:`flax.nnx.Param` objects, so a checkpoint holds them once.
-    """
+class DraftHead(Drafter, Protocol):
+    """A :class:`~jax_oc128.protocols.Drafter` of a DeepSeek-V4 target, as :class:`SpeculativeModel` builds
+    it: ``__init__(config, target, *, rngs)``, the head of ``target`` (a
+    :class:`~jax_oc128.nn.DeepseekV4Model` of ``config``), its own parameters drawn from ``rngs``; the
+    target's parameters it uses (embedding, LM head) are the same :class:`flax.nnx.Param` objects, so a
+    checkpoint holds them once. Its hidden state is ``config.draft_hidden_size`` wide."""
 
     def __init__(self, config: ModelConfig, target: DeepseekV4Model, *, rngs: nnx.Rngs) -> None: ...
 
-    def init_cache(self, batch: int) -> AttentionCache:
-        """An empty cache of the head's own for ``batch`` rows (slots)."""
-        ...
 
-    def __call__(
-        self,
-        tokens: jax.Array,
-        hidden: jax.Array,
-        positions: jax.Array,
-        cache: AttentionCache,
-        *,
-        lengths: jax.Array | None = None,
-        tree: Tree | None = None,
-        nodes: tuple[int, ...] | None = None,
-    ) -> tuple[jax.Array, jax.Array, AttentionCache]:
-        """Drafts from ``tokens`` ``[batch, T]`` int32 at ``positions`` ``[batch, T]`` int32 (consecutive per
-        row) with ``hidden`` ``[batch, T, config.draft_hidden_size]`` float32, the target's (or this head's
-        own) hidden states of the positions before them; ``lengths`` ``[batch]`` int32 valid tokens per row
-        (None: all; rows of length 0 untouched). ``tree``, ``nodes`` (static): a level of a tree draft, as
-        :class:`~jax_oc128.nn.DeepseekV4Attention` takes them. Returns ``(logits [batch, T, vocab] float32,
-        hidden [batch, T, config.draft_hidden_size] float32, cache)``: the logits of the token after each
-        input token, the head's own hidden states (the next draft's ``hidden``), the updated cache."""
-        ...
+class BlockHead(nnx.Module):
+    """The cache of a draft head whose one decoder block is ``self.block``: the block's attention cache
+    (:class:`~jax_oc128.nn.AttentionCache`)."""
+
+    def init_cache(self, slots: int) -> AttentionCache:
+        return self.block.attn.init_cache(slots)
+
+    def clear(self, cache: AttentionCache, slots) -> AttentionCache:
+        return cache.clear(slots)
+
+    def keep_path(self, cache: AttentionCache, tree: Tree, first_positions, nodes, written) -> AttentionCache:
+        return cache.keep_path(tree, first_positions, nodes, written=written)
 
 
-class MTPHead(nnx.Module):
+@register_drafter(MTP_HEAD)
+class MTPHead(BlockHead):
     """The draft head of a model with one residual stream: predicts token ``p + 1`` from token ``p`` and the
     hidden state at ``p - 1`` (:class:`DraftHead`). It shares the target's embedding, final norm and LM head.
     """
@@ -86,18 +81,15 @@ class MTPHead(nnx.Module):
         self.block = Block(
             dataclasses.replace(config, layer_types=(SLIDING,), mlp_layer_types=None, hc_mult=None),
             0,
-            ONLINE,
+            target.backend,
             0,
             rngs=rngs,
         )
 
-    def init_cache(self, batch: int) -> AttentionCache:
-        return self.block.attn.init_cache(batch)
-
     def __call__(
         self, tokens, hidden, positions, cache: AttentionCache, *, lengths=None, tree=None, nodes=None
     ):
-        """:meth:`DraftHead.__call__`; ``hidden`` ``[batch, T, hidden_size]``."""
+        """:meth:`~jax_oc128.protocols.Drafter.__call__`; ``hidden`` ``[batch, T, hidden_size]``."""
         e = rms_norm(self.embed[...][tokens].astype(jnp.float32), self.embed_norm[...], self.eps)
         h = linear(
             jnp.concatenate([e, rms_norm(hidden, self.hidden_norm[...], self.eps)], axis=-1), self.proj[...]
@@ -108,7 +100,8 @@ class MTPHead(nnx.Module):
         return output_logits(h, self.norm[...], self.lm_head[...], self.eps), h, cache
 
 
-class DeepseekV4MTP(nnx.Module):
+@register_drafter(DEEPSEEK_V4_MTP)
+class DeepseekV4MTP(BlockHead):
     """DeepSeek-V4's MTP layer (DeepSeek's ``MTPBlock``, its checkpoints' ``mtp.0.*`` tensors) as the draft
     head of a model with hyper-connections (:class:`DraftHead`): predicts token ``p + 1`` from token ``p``
     and the target's residual streams at ``p - 1``. The token's embedding (normed by ``enorm``) and each
@@ -127,12 +120,9 @@ class DeepseekV4MTP(nnx.Module):
         self.embed_proj = normal_param(rngs, size, size, dtype=config.dtype)
         self.hidden_proj = normal_param(rngs, size, size, dtype=config.dtype)
         layer = dataclasses.replace(config, layer_types=(SLIDING,), mlp_layer_types=(MOE,))
-        self.block = Block(layer, 0, ONLINE, 0, rngs=rngs)
+        self.block = Block(layer, 0, target.backend, 0, rngs=rngs)
         self.hc_head = HyperHead(config.hc_mult, size, config.hc_eps, config.rms_norm_eps, rngs=rngs)
         self.norm = ones_param(size)
-
-    def init_cache(self, batch: int) -> AttentionCache:
-        return self.block.attn.init_cache(batch)
 
     def weight_paths(self) -> dict[str, tuple]:
         """Tensor name (within the layer's prefix, ``mtp.0.``: DeepSeek's names for the layer's own tensors,
@@ -144,8 +134,8 @@ class DeepseekV4MTP(nnx.Module):
     def __call__(
         self, tokens, hidden, positions, cache: AttentionCache, *, lengths=None, tree=None, nodes=None
     ):
-        """:meth:`DraftHead.__call__`; ``hidden`` ``[batch, T, hc_mult * hidden_size]``, the residual
-        streams flattened (in and out)."""
+        """:meth:`~jax_oc128.protocols.Drafter.__call__`; ``hidden`` ``[batch, T, hc_mult * hidden_size]``,
+        the residual streams flattened (in and out)."""
         c = self.config
         e = rms_norm(self.embed[...][tokens].astype(jnp.float32), self.embed_norm[...], c.rms_norm_eps)
         streams = hidden.reshape(*hidden.shape[:-1], c.hc_mult, c.hidden_size)
@@ -167,13 +157,24 @@ MTP_WEIGHT_NAMES = {
     "norm.weight": "norm",
 }
 
-#: the draft heads by name (:attr:`ModelConfig.draft_head <jax_oc128.nn.ModelConfig.draft_head>`)
-DRAFT_HEADS: dict[str, type[DraftHead]] = {MTP_HEAD: MTPHead, DEEPSEEK_V4_MTP: DeepseekV4MTP}
+
+def default_draft_head(config: ModelConfig) -> str | None:
+    """The registered name of the draft head a :class:`SpeculativeModel` of ``config`` has unless told: None
+    with ``config.mtp`` False; DeepSeek-V4's MTP layer for a model with hyper-connections (its checkpoints'),
+    else the MTP head of one residual stream (the shipped model's)."""
+    if not config.mtp:
+        return None
+    return DEEPSEEK_V4_MTP if config.hyper_connections else MTP_HEAD
 
 
+@register_model("DeepseekV4ForCausalLM")
 class SpeculativeModel(nnx.Module):
-    """The target and its draft head, as one module (one checkpoint): ``mtp`` is the head
-    ``DRAFT_HEADS[config.draft_head]``, or None (``config.mtp`` False: plain decoding only)."""
+    """The target and its draft head, as one module (one checkpoint), the
+    :class:`~jax_oc128.protocols.Model` the engine drives: ``target`` the
+    :class:`~jax_oc128.nn.DeepseekV4Model`, ``mtp`` the draft head registered as ``drafter`` (default
+    :func:`default_draft_head`), or None (``config.mtp`` False: plain decoding only). Its caches are the
+    target's :class:`~jax_oc128.nn.ModelCache` and the head's :class:`~jax_oc128.nn.AttentionCache`. A tree
+    verify needs the online C128 state in a model with C128 layers (:attr:`verifies_trees`)."""
 
     def __init__(
         self,
@@ -182,11 +183,20 @@ class SpeculativeModel(nnx.Module):
         backend: Backend = ONLINE,
         rngs: nnx.Rngs,
         target: DeepseekV4Model | None = None,
+        drafter: str | None = None,
     ):
+        if drafter is not None and not config.mtp:
+            raise ValueError(f"drafter: None for a config without a draft head (mtp False), got {drafter!r}")
         self.config = config
         self.target = DeepseekV4Model(config, backend=backend, rngs=rngs) if target is None else target
-        head = config.draft_head
-        self.mtp = None if head is None else DRAFT_HEADS[head](config, self.target, rngs=rngs)
+        head = default_draft_head(config) if drafter is None else drafter
+        self.mtp = None if head is None else drafter_class(head)(config, self.target, rngs=rngs)
+
+    @classmethod
+    def config_from_hf(cls, config: dict, **options) -> ModelConfig:
+        """The config of a transformers ``DeepseekV4ForCausalLM``'s ``config.json``:
+        :meth:`ModelConfig.from_hf` (``options`` its keyword arguments)."""
+        return ModelConfig.from_hf(config, **options)
 
     @classmethod
     def from_hf(cls, config: dict, weights: dict, *, rngs: nnx.Rngs, **kwargs) -> SpeculativeModel:
@@ -195,3 +205,39 @@ class SpeculativeModel(nnx.Module):
         (:func:`jax_oc128.load_pretrained` loads a checkpoint's)."""
         target = DeepseekV4Model.from_hf(config, weights, **kwargs)
         return cls(target.config, backend=target.backend, rngs=rngs, target=target)
+
+    # the protocol's static facts: the config's
+    vocab_size = property(lambda self: self.config.vocab_size)
+    max_len = property(lambda self: self.config.max_len)
+    max_draft = property(lambda self: self.config.max_draft)
+    draft_hidden_size = property(lambda self: self.config.draft_hidden_size)
+
+    @property
+    def verifies_trees(self) -> bool:
+        """Whether a verify takes any tree: chains only on the offline C128 state (its raw rows keep one
+        path)."""
+        return HCA not in self.config.layer_types or self.target.backend is ONLINE
+
+    @property
+    def drafter(self) -> DraftHead | None:
+        return self.mtp
+
+    def init_cache(self, slots: int, pages: int | None = None, page_size: int = 0) -> ModelCache:
+        """The target's :meth:`~jax_oc128.nn.DeepseekV4Model.init_cache`."""
+        return self.target.init_cache(slots, pages, page_size)
+
+    def clear(self, cache: ModelCache, slots) -> ModelCache:
+        return cache.clear(slots)
+
+    def with_page_table(self, cache: ModelCache, page_table) -> ModelCache:
+        return dataclasses.replace(cache, page_table=page_table)
+
+    def __call__(
+        self, tokens, positions, cache: ModelCache, *, lengths=None, mode=ForwardMode.EXTEND, tree=None
+    ):
+        """The target's forward (:meth:`~jax_oc128.nn.DeepseekV4Model.__call__`)."""
+        return self.target(tokens, positions, cache, lengths=lengths, mode=mode, tree=tree)
+
+    def keep_path(self, cache: ModelCache, tree: Tree, first_positions, nodes) -> ModelCache:
+        """The target's :meth:`~jax_oc128.nn.DeepseekV4Model.keep_path`."""
+        return self.target.keep_path(cache, tree, first_positions, nodes)

@@ -19,13 +19,7 @@ from flax import nnx
 from jax_oc128.controller import Backend, ForwardMode
 from jax_oc128.nn.functional import normal_param, ones_param, rms_norm, zeros_param
 from jax_oc128.nn.linear import linear
-from jax_oc128.rules import BLOCK
-
-
-def batch_slots(lengths):
-    """``[batch]`` int32: the compressor slot of each batch row, its index; -1 (padding) for rows of
-    length 0, which leave every state untouched."""
-    return jnp.where(lengths > 0, jnp.arange(lengths.shape[0], dtype=jnp.int32), -1)
+from jax_oc128.rules import BLOCK, batch_slots
 
 
 class HCACompressor(nnx.Module):

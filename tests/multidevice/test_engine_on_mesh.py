@@ -34,7 +34,7 @@ def test_same_greedy_tokens_as_one_device(shape):
     assert state.cache.compressed.banks.sharding.is_equivalent_to(
         NamedSharding(mesh, P(None, None, "data")), 5
     )
-    for leaf in [*jax.tree.leaves(state.cache.layers), state.token, state.hidden, state.mtp_cache.window]:
+    for leaf in [*jax.tree.leaves(state.cache.layers), state.token, state.hidden, state.draft_cache.window]:
         assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), leaf.ndim)
     q_b_proj = on_mesh.params["target"]["blocks"][0]["attn"]["q_b_proj"][...]
     assert q_b_proj.sharding.is_equivalent_to(NamedSharding(mesh, P("model")), 2)
