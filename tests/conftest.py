@@ -77,7 +77,7 @@ def nothing_placed(monkeypatch):
     def refuse(*args):
         raise AssertionError("a tensor was placed before the checks failed")
 
-    monkeypatch.setattr(pretrained, "_place", refuse)
+    monkeypatch.setattr(pretrained, "place", refuse)
 
 
 def pytest_unconfigure(config):
