@@ -20,28 +20,6 @@ from jax_oc128.rules import MAX_DRAFT
 
 #: the draft heads' names (:data:`jax_oc128.nn.draft.DRAFT_HEADS`)
 MTP_HEAD, DEEPSEEK_V4_MTP = "mtp_head", "deepseek_v4_mtp"
-#: the fields added with the full DeepSeek-V4 layout (its layout, the draft head's presence, the weights'
-#: dtype) and since (the caches' storage): a checkpoint written before they existed has
-#: :meth:`ModelConfig.tiny`'s values of them
-V4_FIELDS = (
-    "mlp_layer_types",
-    "num_experts",
-    "num_experts_per_tok",
-    "routed_scaling_factor",
-    "swiglu_limit",
-    "moe_dispatch",
-    "hc_mult",
-    "hc_sinkhorn_iters",
-    "hc_eps",
-    "index_n_heads",
-    "index_head_dim",
-    "index_topk",
-    "compress_rope_factor",
-    "compress_rope_original_max_position_embeddings",
-    "mtp",
-    "dtype",
-    "kv_cache_dtype",
-)
 
 
 @dataclasses.dataclass(frozen=True)
