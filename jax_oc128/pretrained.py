@@ -11,7 +11,7 @@ prefix; the two may be mixed (transformers' ``save_pretrained`` writes such a mi
 The MTP layer follows the decoder layers (at most one, as DeepSeek-V4 has): ``mtp.0.`` (DeepSeek's
 checkpoints) or ``model.layers.{num_hidden_layers}.`` (the DeepSeek-V3 layout), its own tensors named as
 DeepSeek names them (``enorm``, ``hnorm``, ``e_proj``, ``h_proj``, ``norm``, ``hc_head_fn/base/scale``:
-:data:`~jax_oc128.nn.draft.MTP_WEIGHT_NAMES`) and its decoder block's as a layer's. The embedding and LM
+:data:`~jax_oc128.nn.weights.MTP`) and its decoder block's as a layer's. The embedding and LM
 head are the target's. A checkpoint without MTP tensors loads for plain decoding
 (``model.mtp`` None, ``config.mtp`` False).
 
@@ -68,6 +68,7 @@ from jax_oc128.loading.formats import (
     scale_rows,
 )
 from jax_oc128.loading.hf_config import CONFIG, RATIO_LAYER_TYPES, read_config
+from jax_oc128.loading.hf_config import model_config as model_config_of
 from jax_oc128.loading.names import (
     FP8_PARAMS,
     SCALE,
@@ -78,8 +79,8 @@ from jax_oc128.loading.names import (
     part_shape,
 )
 from jax_oc128.loading.placement import Shards, place, placing
-from jax_oc128.loading.shards import INDEX, SINGLE, Shard, by_file, read_headers
-from jax_oc128.nn import ModelConfig, SpeculativeModel, sharding
+from jax_oc128.loading.shards import INDEX, NUMPY_DTYPES, SINGLE, Shard, by_file, read_headers
+from jax_oc128.nn import SpeculativeModel, sharding
 from jax_oc128.nn.functional import DTYPES, build_abstract, variable_at
 from jax_oc128.nn.kv_cache import check_kv_cache_dtype
 from jax_oc128.nn.moe import check_expert_ids
@@ -151,25 +152,78 @@ def load_pretrained(
     check_int("max_draft", max_draft, 1, MAX_DRAFT)
     check_kv_cache_dtype(kv_cache_dtype)
     mesh = None if mesh is None else sharding.check_mesh(mesh)
-    config, mtp_layers, quantization = read_config(directory / CONFIG)
-    try:
-        model_config = ModelConfig.from_hf(
-            config, max_len=max_len, max_draft=max_draft, dtype=dtype, kv_cache_dtype=kv_cache_dtype
-        )
-    except (TypeError, ValueError) as error:  # what the file says (the arguments are checked above)
-        raise ValueError(f"{directory / CONFIG}: {error}") from None
-    except NotImplementedError as error:
-        raise NotImplementedError(f"{directory / CONFIG}: {error}") from None
-    headers = read_headers(directory)
+    model_config, mtp_layers, quantization = read_config(
+        directory / CONFIG, max_len=max_len, max_draft=max_draft, dtype=dtype, kv_cache_dtype=kv_cache_dtype
+    )
+    return _load(
+        model_config, backend, directory, read_headers(directory), Shard, mtp_layers, quantization, mesh
+    )
+
+
+def load_weights(config: dict, weights: dict, *, backend: Backend = ONLINE, **kwargs) -> SpeculativeModel:
+    """The model of a Hugging Face ``config`` (a dict: ``DeepseekV4Config.to_dict()``, or DeepSeek's fields)
+    and its ``weights`` in memory (name -> array; transformers' or DeepSeek's names, as a checkpoint's), by
+    the pipeline of :func:`load_pretrained`: the config converted, every tensor checked against the config's
+    model (one ValueError naming each missing, unexpected, misshaped or mistyped tensor, each error naming
+    ``weights``), then placed. The MTP layer is loaded where its tensors are given (``model.mtp`` None
+    otherwise); ``kwargs``: the runtime fields of :meth:`ModelConfig.from_hf
+    <jax_oc128.nn.ModelConfig.from_hf>` (``max_len``, ``max_draft``, ``dtype``, ...)."""
+    if not isinstance(weights, dict):
+        raise TypeError(f"weights: must be a dict of name -> array, got {type(weights).__name__}")
+    model_config, mtp_layers, quantization = model_config_of(config, "config", **kwargs)
+    arrays = {name: np.asarray(value) for name, value in weights.items()}
+    headers = {name: (WEIGHTS, value.shape, _dtype_name(value.dtype)) for name, value in arrays.items()}
+    return _load(
+        model_config, backend, WEIGHTS, headers, lambda _: _InMemory(arrays), mtp_layers, quantization
+    )
+
+
+#: the "file" of tensors given in memory (:func:`load_weights`), for messages
+WEIGHTS = "weights"
+
+
+#: numpy dtype -> its safetensors name
+SAFETENSORS_DTYPES = {np.dtype(dtype): name for name, dtype in NUMPY_DTYPES.items()} | {
+    np.dtype(bool): "BOOL"
+}
+
+
+class _InMemory:
+    """Tensors given in memory, read as a shard's (:class:`~jax_oc128.loading.shards.Shard`)."""
+
+    def __init__(self, arrays: dict):
+        self.arrays = arrays
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        pass
+
+    def read(self, name: str, shape, dtype) -> np.ndarray:
+        return self.arrays[name]
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    """The safetensors name of a numpy dtype (else its own name, which the checker refuses)."""
+    return SAFETENSORS_DTYPES.get(np.dtype(dtype), np.dtype(dtype).name)
+
+
+def _load(
+    model_config, backend, where, headers, opener, mtp_layers, quantization, mesh=None
+) -> SpeculativeModel:
+    """The pipeline's checks and placement: the model of ``model_config`` with the tensors of ``headers``
+    (name -> (file, shape, safetensors dtype)) read by ``opener(file)`` (a context manager with
+    ``read(name, shape, dtype)``), ``where`` naming them in messages."""
     layers = len(model_config.layer_types)
     if layers > len(headers):  # before the model is built (work linear in the layers)
         raise ValueError(
-            f"{directory}: the config has {layers} layers, the checkpoint {len(headers)} tensors (each layer "
+            f"{where}: the config has {layers} layers, the checkpoint {len(headers)} tensors (each layer "
             "has tensors of its own)"
         )
     parts = {name: part(name, layers) for name in headers}
     has_mtp = mtp_layers > 0 and any(
-        where is not None and where.param.startswith(f"model.layers.{layers}.") for where in parts.values()
+        piece is not None and piece.param.startswith(f"model.layers.{layers}.") for piece in parts.values()
     )
     model_config = dataclasses.replace(model_config, mtp=has_mtp)
     model = build_abstract(lambda rngs: SpeculativeModel(model_config, backend=backend, rngs=rngs))
@@ -177,7 +231,7 @@ def load_pretrained(
     variables = {name: variable_at(model, path) for name, path in params.items()}
     abstract = {name: v.get_value() for name, v in variables.items()}
     formats = checkpoint_formats(headers, parts, abstract, quantization)
-    check_tensors(directory, headers, parts, abstract, layers, formats)
+    check_tensors(where, headers, parts, abstract, layers, formats)
     scale_dtypes = {parts[name].param: header[2] for name, header in headers.items() if parts[name].scale}
     for param, fmt in formats.items():  # the quantized parameters' leaves
         leaves = quantized_leaves(abstract[param], fmt, scale_dtypes[param], model_config.dtype)
@@ -186,21 +240,21 @@ def load_pretrained(
     tables = {}  # the hash layers' (small): read once, checked, and placed as checked
     hashes = {n: h for n, h in headers.items() if jnp.issubdtype(abstract[parts[n].param].dtype, jnp.integer)}
     for file, names in by_file(hashes).items():
-        with Shard(file) as shard:
+        with opener(file) as shard:
             for name in names:
                 tables[name] = shard.read(name, *headers[name][1:])
                 check_expert_ids(tables[name], model_config.num_experts, f"{file}: tensor {shown(name)}")
     for file, names in by_file(headers).items():
-        with Shard(file) as shard:
+        with opener(file) as shard:
             for name in names:
                 value = tables[name] if name in tables else shard.read(name, *headers[name][1:])
-                where, fmt = parts[name], formats.get(parts[name].param)
-                if where.scale:
-                    rows = part_shape(where, abstract[where.param].shape)[-2]
+                piece, fmt = parts[name], formats.get(parts[name].param)
+                if piece.scale:
+                    rows = part_shape(piece, abstract[piece.param].shape)[-2]
                     value = scale_rows(value, fmt, rows, f"{file}: tensor {shown(name)}")
                 elif fmt == FP4:
                     value = value.view(np.uint8)  # the packed codes' bytes
-                place(placed[where.param], where, value)
+                place(placed[piece.param], piece, value)
     for name, shards in placed.items():
         variables[name].set_value(jax.tree.map(Shards.array, shards))
     return model

@@ -12,7 +12,7 @@ import pathlib
 from jax_oc128 import files
 from jax_oc128.checks import check_int
 from jax_oc128.loading.formats import read_quantization
-from jax_oc128.nn import CSA, HCA, SLIDING
+from jax_oc128.nn import CSA, HCA, SLIDING, ModelConfig
 from jax_oc128.nn.moe import HASH_MOE, MOE
 
 CONFIG = "config.json"
@@ -37,37 +37,44 @@ ROPE_NUMBERS = (
 )
 
 
-def read_config(file: pathlib.Path) -> tuple[dict, int, str | None]:
-    """The transformers config of ``config.json`` (DeepSeek's fields converted), its MTP layers and its
-    quantization (:func:`read_quantization`); each field :func:`ModelConfig.from_hf
-    <jax_oc128.nn.ModelConfig.from_hf>` does not check itself is checked here (a ValueError naming the file
-    and the field)."""
+def read_config(file: pathlib.Path, **kwargs) -> tuple[ModelConfig, int, str | None]:
+    """:func:`model_config` of ``config.json`` (``file``, read bounded: :data:`MAX_CONFIG_BYTES`)."""
     try:
         config = files.read_json(file, MAX_CONFIG_BYTES)
     except FileNotFoundError:
         raise ValueError(f"path: {file.parent} has no {CONFIG} (not a Hugging Face checkpoint)") from None
+    return model_config(config, file, **kwargs)
+
+
+def model_config(config, where, **kwargs) -> tuple[ModelConfig, int, str | None]:
+    """The :class:`~jax_oc128.nn.ModelConfig` of a Hugging Face config (a dict: transformers' fields, or
+    DeepSeek's converted, :func:`from_deepseek`), its MTP layers and its quantization
+    (:func:`~jax_oc128.loading.formats.read_quantization`); ``kwargs``: the runtime fields of
+    :meth:`ModelConfig.from_hf <jax_oc128.nn.ModelConfig.from_hf>`. Each field it does not check itself is
+    checked here: a ValueError (NotImplementedError for what the model has not) naming ``where`` (the file)
+    and the field."""
     if not isinstance(config, dict):
-        raise ValueError(f"{file}: must be a JSON object")
+        raise ValueError(f"{where}: must be a JSON object")
     try:
         quantization = read_quantization(config)
     except ValueError as error:
-        raise ValueError(f"{file}: {error}") from None
+        raise ValueError(f"{where}: {error}") from None
     mtp_layers = config.get("num_nextn_predict_layers", 1)
     if not isinstance(mtp_layers, int) or isinstance(mtp_layers, bool) or mtp_layers < 0:
-        raise ValueError(f"{file}: num_nextn_predict_layers: must be an int >= 0, got {mtp_layers!r}")
+        raise ValueError(f"{where}: num_nextn_predict_layers: must be an int >= 0, got {mtp_layers!r}")
     if mtp_layers > 1:
-        raise NotImplementedError(f"{file}: num_nextn_predict_layers: at most 1 MTP layer, got {mtp_layers}")
+        raise NotImplementedError(f"{where}: num_nextn_predict_layers: at most 1 MTP layer, got {mtp_layers}")
     try:
         config = from_deepseek(config, mtp_layers)
         if "rope_parameters" in config:
             check_rope_parameters(config["rope_parameters"])
-        return config, mtp_layers, quantization
+        return ModelConfig.from_hf(config, **kwargs), mtp_layers, quantization
     except KeyError as error:
-        raise ValueError(f"{file}: config: missing fields [{error.args[0]!r}]") from None
+        raise ValueError(f"{where}: config: missing fields [{error.args[0]!r}]") from None
     except (TypeError, ValueError) as error:
-        raise ValueError(f"{file}: {error}") from None
+        raise ValueError(f"{where}: {error}") from None
     except NotImplementedError as error:
-        raise NotImplementedError(f"{file}: {error}") from None
+        raise NotImplementedError(f"{where}: {error}") from None
 
 
 def _list_field(config: dict, name: str) -> list:

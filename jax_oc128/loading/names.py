@@ -13,79 +13,36 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from jax_oc128.nn import SpeculativeModel
+from jax_oc128.nn import SpeculativeModel, weights
 
 #: DeepSeek's name of a top-level tensor -> transformers' (each also accepted under its own name)
-DEEPSEEK_TOP_NAMES = {
-    "embed.weight": "model.embed_tokens.weight",
-    "head.weight": "lm_head.weight",
-    "norm.weight": "model.norm.weight",
-    "hc_head_fn": "model.hc_head.hc_fn",
-    "hc_head_base": "model.hc_head.hc_base",
-    "hc_head_scale": "model.hc_head.hc_scale",
-}
+DEEPSEEK_TOP_NAMES = {name: weight.hf for weight in weights.TOP for name in weight.deepseek}
 #: DeepSeek's name of a decoder layer's tensor (within ``layers.{i}.``) -> transformers' (within
 #: ``model.layers.{i}.``); the experts' tensors are :data:`DEEPSEEK_EXPERT`
 DEEPSEEK_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    **{f"hc_{hc}_{name}": f"{hc}_hc.{name}" for hc in ("attn", "ffn") for name in ("fn", "base", "scale")},
-    "attn.wq_a.weight": "self_attn.q_a_proj.weight",
-    "attn.q_norm.weight": "self_attn.q_a_norm.weight",
-    "attn.wq_b.weight": "self_attn.q_b_proj.weight",
-    "attn.wkv.weight": "self_attn.kv_proj.weight",
-    "attn.kv_norm.weight": "self_attn.kv_norm.weight",
-    "attn.norm.weight": "self_attn.kv_norm.weight",  # as transformers' save_pretrained writes it
-    "attn.attn_sink": "self_attn.sinks",
-    "attn.wo_a.weight": "self_attn.o_a_proj.weight",
-    "attn.wo_b.weight": "self_attn.o_b_proj.weight",
-    **{
-        f"attn.{ours}compressor.{name}": f"self_attn.compressor.{theirs}{hf}"
-        for ours, theirs in (("", ""), ("indexer.", "indexer."))
-        for name, hf in (
-            ("wkv.weight", "kv_proj.weight"),
-            ("wgate.weight", "gate_proj.weight"),
-            ("ape", "position_bias"),
-            ("norm.weight", "kv_norm.weight"),
-        )
-    },
-    "attn.indexer.wq_b.weight": "self_attn.compressor.indexer.q_b_proj.weight",
-    "attn.indexer.weights_proj.weight": "self_attn.compressor.indexer.scorer.weights_proj.weight",
-    "ffn.gate.weight": "mlp.gate.weight",
-    "ffn.gate.bias": "mlp.gate.e_score_correction_bias",
-    "ffn.gate.tid2eid": "mlp.gate.tid2eid",
-    "ffn.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
-    "ffn.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
-    "ffn.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
+    name: weight.hf
+    for weight in weights.LAYER
+    if weight.hf is not None and weight.stored != weights.EXPERTS
+    for name in weight.deepseek
 }
 #: DeepSeek's per-expert projection -> (transformers' stacked tensor, which half of its rows: w1 the gate's,
 #: w3 the up projection's; None: all of them)
 DEEPSEEK_EXPERT = {
-    "w1": ("mlp.experts.gate_up_proj", 0),
-    "w3": ("mlp.experts.gate_up_proj", 1),
-    "w2": ("mlp.experts.down_proj", None),
+    projection: (weight.hf, half if len(weight.deepseek) > 1 else None)
+    for weight in weights.EXPERT_WEIGHTS
+    for half, projection in enumerate(weight.deepseek)
 }
 # (indices of at most 9 digits: a name with a longer one is an unexpected tensor)
-EXPERT_NAME = re.compile(r"ffn\.experts\.(0|[1-9][0-9]{0,8})\.(w[123])\.weight")
+EXPERT_NAME = re.compile(rf"ffn\.experts\.(0|[1-9][0-9]{{0,8}})\.({'|'.join(DEEPSEEK_EXPERT)})\.weight")
 LAYER_PARAM = re.compile(r"model\.layers\.[0-9]+\.(.+)")
 LAYER_NAME = re.compile(r"(?:model\.)?(layers|mtp)\.(0|[1-9][0-9]{0,8})\.(.+)")
 #: the parameters (within ``model.layers.{i}.``) a quantized checkpoint stores in FP8: the attention's
 #: projections, the indexer's query projection and the shared expert
-FP8_PARAMS = (
-    "self_attn.q_a_proj.weight",
-    "self_attn.q_b_proj.weight",
-    "self_attn.kv_proj.weight",
-    "self_attn.o_a_proj.weight",
-    "self_attn.o_b_proj.weight",
-    "self_attn.compressor.indexer.q_b_proj.weight",
-    "mlp.shared_experts.gate_proj.weight",
-    "mlp.shared_experts.up_proj.weight",
-    "mlp.shared_experts.down_proj.weight",
-)
+FP8_PARAMS = tuple(weight.hf for weight in weights.LAYER if weight.stored == weights.FP8)
 #: the MTP layer's projections: FP8 where stored so (F8_E4M3 with a scale), float otherwise
-OPTIONAL_FP8_PARAMS = ("e_proj.weight", "h_proj.weight")
+OPTIONAL_FP8_PARAMS = tuple(weight.hf for weight in weights.MTP if weight.stored == weights.OPTIONAL_FP8)
 #: the routed experts' parameters, in the format of ``expert_dtype``
-EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+EXPERT_PARAMS = tuple(weight.hf for weight in weights.EXPERT_WEIGHTS)
 SCALE = ".scale"
 
 
@@ -143,11 +100,22 @@ def scale_name(weight: str) -> str:
 def parameter_paths(model: SpeculativeModel) -> dict[str, tuple]:
     """Every parameter of ``model`` (what a checkpoint of its config holds) by its transformers-style name
     (the MTP layer's under ``model.layers.{num_hidden_layers}.``, its own tensors by DeepSeek's names) ->
-    attribute path."""
-    paths = {name: ("target", *path) for name, path in model.target.hf_weight_paths().items()}
+    attribute path (:mod:`jax_oc128.nn.weights`; a NotImplementedError for a model that has no
+    transformers counterpart: a dense MLP, or no hyper-connections)."""
+    if not hasattr(model.target, "hc_head"):
+        raise NotImplementedError("a model without hyper-connections has no transformers counterpart")
+    paths = {name: ("target", *path) for name, path in weights.hf_paths(model.target, weights.TOP).items()}
+    for i, block in enumerate(model.target.blocks):
+        paths |= {
+            f"model.layers.{i}.{name}": ("target", "blocks", i, *path)
+            for name, path in weights.hf_paths(block, weights.LAYER).items()
+        }
     if model.mtp is not None:
         prefix = f"model.layers.{len(model.config.layer_types)}."
-        paths |= {prefix + name: ("mtp", *path) for name, path in model.mtp.weight_paths().items()}
+        own = weights.hf_paths(model.mtp, weights.MTP)
+        block = weights.hf_paths(model.mtp.block, weights.LAYER)
+        paths |= {prefix + name: ("mtp", *path) for name, path in own.items()}
+        paths |= {prefix + name: ("mtp", "block", *path) for name, path in block.items()}
     return paths
 
 

@@ -8,7 +8,6 @@ experts (:mod:`~jax_oc128.nn.moe`, its kernel :mod:`~jax_oc128.nn.grouped_matmul
 from jax_oc128.nn.attention import (
     CSA,
     HCA,
-    HF_WEIGHT_NAMES,
     SLIDING,
     AttentionCache,
     AttentionConfig,
@@ -29,7 +28,6 @@ __all__ = [
     "CSA",
     "DRAFT_HEADS",
     "HCA",
-    "HF_WEIGHT_NAMES",
     "SLIDING",
     "AttentionCache",
     "AttentionConfig",

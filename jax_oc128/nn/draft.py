@@ -134,13 +134,6 @@ class DeepseekV4MTP(nnx.Module):
     def init_cache(self, batch: int) -> AttentionCache:
         return self.block.attn.init_cache(batch)
 
-    def weight_paths(self) -> dict[str, tuple]:
-        """Tensor name (within the layer's prefix, ``mtp.0.``: DeepSeek's names for the layer's own tensors,
-        transformers' for its block's) -> attribute path of this head."""
-        paths = {name: (attr,) for name, attr in MTP_WEIGHT_NAMES.items()}
-        paths |= {f"hc_head_{name}": ("hc_head", name) for name in ("fn", "base", "scale")}
-        return paths | {name: ("block", *path) for name, path in self.block.hf_weight_paths().items()}
-
     def __call__(
         self, tokens, hidden, positions, cache: AttentionCache, *, lengths=None, tree=None, nodes=None
     ):
@@ -157,15 +150,6 @@ class DeepseekV4MTP(nnx.Module):
         logits = output_logits(self.hc_head(h), self.norm[...], self.lm_head[...], c.rms_norm_eps)
         return logits, flatten_streams(h), cache
 
-
-#: DeepSeek's name of an MTP layer's own tensor (within ``mtp.{i}.``) -> attribute of :class:`DeepseekV4MTP`
-MTP_WEIGHT_NAMES = {
-    "enorm.weight": "embed_norm",
-    "hnorm.weight": "hidden_norm",
-    "e_proj.weight": "embed_proj",
-    "h_proj.weight": "hidden_proj",
-    "norm.weight": "norm",
-}
 
 #: the draft heads by name (:attr:`ModelConfig.draft_head <jax_oc128.nn.ModelConfig.draft_head>`)
 DRAFT_HEADS: dict[str, type[DraftHead]] = {MTP_HEAD: MTPHead, DEEPSEEK_V4_MTP: DeepseekV4MTP}
@@ -194,4 +178,6 @@ class SpeculativeModel(nnx.Module):
         untrained draft head (a :class:`DeepseekV4MTP`) drawn from ``rngs``: transformers has no MTP layers
         (:func:`jax_oc128.load_pretrained` loads a checkpoint's)."""
         target = DeepseekV4Model.from_hf(config, weights, **kwargs)
-        return cls(target.config, backend=target.backend, rngs=rngs, target=target)
+        return cls(
+            dataclasses.replace(target.config, mtp=True), backend=target.backend, rngs=rngs, target=target
+        )
