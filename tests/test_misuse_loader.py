@@ -31,6 +31,13 @@ def small_window():
     return config, weights
 
 
+@pytest.fixture(scope="module")
+def deepseek_tensors():
+    """The small-window model's tensors under DeepSeek's names (made before ``nothing_placed`` guards the
+    test: from_hf places them)."""
+    return deepseek_named(target_tensors("small_window"), 4)
+
+
 @contextlib.contextmanager
 def unblocked(fifo: pathlib.Path, after: float = 5.0):
     """While inside, a thread that waits ``after`` seconds and then, if a reader is blocked on ``fifo``,
@@ -128,13 +135,12 @@ def test_shard_not_a_regular_file(tmp_path, small_window, kind):
 
 
 @pytest.mark.usefixtures("nothing_placed")
-def test_experts_counted_not_listed(tmp_path, small_window):
+def test_experts_counted_not_listed(tmp_path, small_window, deepseek_tensors):
     """n_routed_experts 10**5 on a checkpoint of 4 experts stored one by one (DeepSeek's names): the missing
     expert tensors counted and the first MAX_LISTED named, a short message (before: every missing name
     listed, 1.2 million, and 10**9 experts never finished)."""
     config, _ = small_window
-    named = deepseek_named(target_tensors("small_window"), 4)
-    directory = write(tmp_path / "ckpt", config | {"n_routed_experts": 10**5}, named)
+    directory = write(tmp_path / "ckpt", config | {"n_routed_experts": 10**5}, deepseek_tensors)
     missing = 4 * 3 * (10**5 - 4)  # 4 layers, w1 w2 w3 per expert
     with pytest.raises(
         ValueError, match=rf"missing tensors \({missing}\): layers\.0\.ffn\.experts\.4\.w1"
