@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_oc128.checks import shown
 from jax_oc128.controller import ONLINE, Backend
 from jax_oc128.nn import ModelConfig, SpeculativeModel
-from jax_oc128.nn.config import V4_FIELDS
 from jax_oc128.nn.functional import build_abstract
 
 DEFAULT_MODEL = pathlib.Path(__file__).parent / "assets" / "default_model.npz"
@@ -37,12 +37,6 @@ MAX_META_BYTES = 1 << 20
 HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 #: parameter dtype -> the dtype it is stored as (its bits), for the dtypes the .npy format has not
 STORED_AS = {np.dtype(jnp.bfloat16): np.dtype(np.uint16)}
-#: a parameter path of earlier checkpoints -> its path today: an HCA layer's compressor parameters were
-#: attributes of the attention (``['attn']['compressor_ape']``), now of its ``compressor`` submodule
-RENAMED = {
-    f"['attn']['compressor_{name}']": f"['attn']['compressor']['{name}']"
-    for name in ("kv_proj", "gate_proj", "ape", "kv_norm")
-}
 #: what reading a damaged, encrypted or otherwise unreadable archive member raises
 READ_ERRORS = (
     ValueError,
@@ -84,14 +78,13 @@ def load(path=DEFAULT_MODEL, *, backend: Backend = ONLINE) -> tuple[SpeculativeM
     except zipfile.BadZipFile as error:
         raise ValueError(f"{path}: not a .npz archive ({error})") from None
     with archive:
-        headers, stored_as = {}, {}  # by today's parameter path: the .npy header, the member's name
+        headers = {}  # by parameter path: the .npy header
         for member in archive.namelist():
             if not member.endswith(".npy"):
-                raise ValueError(f"{path}: {member!r} is not a .npy array")
-            name = _current_name(member.removesuffix(".npy"))
-            if name in headers:
-                raise ValueError(f"{path}: tensor {name} is stored twice ({stored_as[name]!r}, {member!r})")
-            headers[name], stored_as[name] = _header(archive, member, path), member.removesuffix(".npy")
+                raise ValueError(f"{path}: {shown(member)} is not a .npy array")
+            if member.removesuffix(".npy") in headers:
+                raise ValueError(f"{path}: tensor {shown(member.removesuffix('.npy'))} is stored twice")
+            headers[member.removesuffix(".npy")] = _header(archive, member, path)
         meta = _metadata(archive, headers, path)
         config = _config(meta, len(headers) - 1, path)
         graphdef, abstract = nnx.split(
@@ -100,18 +93,10 @@ def load(path=DEFAULT_MODEL, *, backend: Backend = ONLINE) -> tuple[SpeculativeM
         expected = dict(_named_leaves(abstract))
         _check_tensors(headers, expected, path)
         arrays = [
-            jax.device_put(_read(archive, stored_as[name], path).view(want.dtype))
-            for name, want in expected.items()
+            jax.device_put(_read(archive, name, path).view(want.dtype)) for name, want in expected.items()
         ]
     state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract), arrays)
     return nnx.merge(graphdef, state), meta
-
-
-def _current_name(name: str) -> str:
-    """A stored parameter's path as the model names it today (:data:`RENAMED`)."""
-    for old, new in RENAMED.items():
-        name = name.replace(old, new)
-    return name
 
 
 def _stored(array: np.ndarray) -> np.ndarray:
@@ -128,7 +113,7 @@ def _header(archive: zipfile.ZipFile, member: str, path) -> tuple[tuple[int, ...
                 raise ValueError(f".npy format version {version} (1.0 and 2.0 are read)")
             shape, _, dtype = HEADER_READERS[version](file)
     except READ_ERRORS as error:
-        raise ValueError(f"{path}: {member}: not a readable .npy array ({error})") from None
+        raise ValueError(f"{path}: {shown(member)}: not a readable .npy array ({error})") from None
     return shape, dtype
 
 
@@ -138,7 +123,7 @@ def _read(archive: zipfile.ZipFile, name: str, path) -> np.ndarray:
         with archive.open(name + ".npy") as file:
             return np.lib.format.read_array(file, allow_pickle=False)
     except READ_ERRORS as error:
-        raise ValueError(f"{path}: tensor {name}: unreadable ({error})") from None
+        raise ValueError(f"{path}: tensor {shown(name)}: unreadable ({error})") from None
 
 
 def _metadata(archive: zipfile.ZipFile, headers: dict, path) -> dict:
@@ -158,19 +143,17 @@ def _metadata(archive: zipfile.ZipFile, headers: dict, path) -> dict:
 
 
 def _config(meta: dict, tensors: int, path) -> ModelConfig:
-    """The :class:`~jax_oc128.nn.ModelConfig` of ``meta["config"]``: exactly its fields (those of the full
-    DeepSeek-V4 layout, :data:`~jax_oc128.nn.config.V4_FIELDS`, may be absent: the shipped model's values,
-    :meth:`~jax_oc128.nn.ModelConfig.tiny`),
-    each checked by the config itself; no more layers than the file has ``tensors`` (each layer has
+    """The :class:`~jax_oc128.nn.ModelConfig` of ``meta["config"]``: exactly its fields, each checked by the
+    config itself; no more layers than the file has ``tensors`` (each layer has
     parameters: a small file claiming a huge number of layers is refused before the model is built)."""
     raw = meta["config"]
     fields = {field.name for field in dataclasses.fields(ModelConfig)}
     for problem, names in (
         ("unknown", raw.keys() - fields),
-        ("missing", fields - raw.keys() - set(V4_FIELDS)),
+        ("missing", fields - raw.keys()),
     ):
         if names:
-            raise ValueError(f"{path}: config: {problem} fields {sorted(names)}")
+            raise ValueError(f"{path}: config: {problem} fields {shown(repr(sorted(names)))}")
     tuples = {}
     for name in ("layer_types", "mlp_layer_types"):
         value = raw.get(name)
@@ -183,7 +166,7 @@ def _config(meta: dict, tensors: int, path) -> ModelConfig:
             f"{path}: config: layer_types: {len(raw['layer_types'])} layers but only {tensors} tensors"
         )
     try:
-        return ModelConfig.tiny(**{**raw, **tuples})
+        return ModelConfig(**{**raw, **tuples})
     except (TypeError, ValueError) as error:
         raise ValueError(f"{path}: config: {error}") from None
 
@@ -193,8 +176,10 @@ def _check_tensors(headers: dict, expected: dict, path) -> None:
     stored = headers.keys() - {META}
     for problem, names in (("missing", expected.keys() - stored), ("unexpected", stored - expected.keys())):
         if names:
-            shown = ", ".join(sorted(names)[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-            raise ValueError(f"{path}: {problem} tensors (for the model of its config): {shown}")
+            listed = ", ".join(map(shown, sorted(names)[:4])) + (
+                f" and {len(names) - 4} more" if len(names) > 4 else ""
+            )
+            raise ValueError(f"{path}: {problem} tensors (for the model of its config): {listed}")
     for name, want in expected.items():
         shape, dtype = headers[name]
         if shape != want.shape:

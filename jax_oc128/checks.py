@@ -21,3 +21,19 @@ def check_int(name: str, value, low: int, high: int | None = None, bound: str = 
     if high is not None and not low <= value <= high:
         raise ValueError(f"{name}: must be in [{low}, {high}{bound}], got {value}")
     return int(value)
+
+
+#: the most characters of a file's or a user's string that a message shows (:func:`shown`)
+MAX_SHOWN = 200
+
+
+def shown(text: str, limit: int = MAX_SHOWN) -> str:
+    """``text`` (a string from a file or a user: a tensor name, a field) as a message shows it: every
+    character that is not printable (NUL, ESC, a newline, a right-to-left mark, a lone surrogate) and the
+    backslash escaped as Python writes them (``\\x1b``, ``\\n``, ``\\u202e``), so that it cannot forge a line
+    or hide itself; at most ``limit`` characters, then ``...`` and its length."""
+    escaped = "".join(
+        c if c.isprintable() and c != "\\" else c.encode("unicode_escape", "backslashreplace").decode("ascii")
+        for c in text[:limit]
+    )
+    return escaped + (f"... ({len(text)} characters)" if len(text) > limit else "")

@@ -4,7 +4,7 @@
 
 The format is what :func:`~jax_oc128.load_pretrained` reads (:mod:`jax_oc128.pretrained`): DeepSeek's tensor
 names (``layers.{i}.attn.wq_a.weight``, one tensor per expert and projection, the MTP layer under ``mtp.0.``),
-the FP8 linears (:data:`~jax_oc128.pretrained.FP8_PARAMS` and the MTP layer's projections) as F8_E4M3 codes
+the FP8 linears (:data:`~jax_oc128.loading.names.FP8_PARAMS` and the MTP layer's projections) as F8_E4M3 codes
 with F8_E8M0 128 x 128 block scales, the routed experts as FP4 (I8, two codes a byte, F8_E8M0 1 x 32 scales)
 or FP8, quantized by DeepSeek's rules (:func:`~jax_oc128.nn.quant.quantize_fp8`,
 :func:`~jax_oc128.nn.quant.quantize_fp4`); the other matrices in BF16, the norms, hyper-connections, sinks,
@@ -21,11 +21,15 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from jax_oc128 import pretrained
+from jax_oc128.loading import names
+from jax_oc128.loading.formats import EXPERT_DTYPES, QUANTIZATION_CONFIG, released_formats
+from jax_oc128.loading.hf_config import CONFIG, RATIO_LAYER_TYPES
+from jax_oc128.loading.names import EXPERT_PARAMS, SCALE, Part, deepseek_name
+from jax_oc128.loading.shards import INDEX
 from jax_oc128.nn import SpeculativeModel
 from jax_oc128.nn.functional import variable_at
+from jax_oc128.nn.moe import HASH_MOE, MOE
 from jax_oc128.nn.quant import FP8, quantize_fp4, quantize_fp8
-from jax_oc128.pretrained import EXPERT_PARAMS, Part
 
 #: the matrices stored in BF16 (within a layer, or top-level); every other float tensor is F32
 BF16_SUFFIXES = (
@@ -49,31 +53,31 @@ def _stored_float(param: str, value: np.ndarray) -> np.ndarray:
 def _quantized(fmt: str, name: str, value: np.ndarray) -> dict[str, np.ndarray]:
     """The weight ``name`` (float ``[out, in]``) in ``fmt``: its codes and its scale."""
     codes, scales = (quantize_fp8 if fmt == FP8 else quantize_fp4)(np.asarray(value, np.float32))
-    return {name: codes, pretrained._scale_name(name): scales}
+    return {name: codes, names.scale_name(name): scales}
 
 
 def released_tensors(model: SpeculativeModel, expert_dtype: str = "fp4") -> dict[str, np.ndarray]:
     """Every tensor of ``model`` (float32 or bfloat16 weights) in the released format, by DeepSeek's names
     (see the module; ``expert_dtype``: the routed experts' ``"fp4"`` or ``"fp8"``)."""
-    paths = pretrained.parameter_paths(model)
-    formats = pretrained.released_formats(paths, pretrained.EXPERT_DTYPES[expert_dtype], optional=True)
+    paths = names.parameter_paths(model)
+    formats = released_formats(paths, EXPERT_DTYPES[expert_dtype], optional=True)
     layers = len(model.config.layer_types)
     tensors = {}
     for param, path in paths.items():
         value = np.asarray(variable_at(model, path)[...])
         fmt = formats.get(param)
         if fmt is None:
-            tensors[pretrained.deepseek_name(Part(param), layers)] = _stored_float(param, value)
+            tensors[deepseek_name(Part(param), layers)] = _stored_float(param, value)
             continue
-        if pretrained._layer_suffix(param) in EXPERT_PARAMS:
-            halves = pretrained._halves(param)
+        if names.layer_suffix(param) in EXPERT_PARAMS:
+            halves = names.halves(param)
             for expert in range(value.shape[0]):
                 pieces = np.split(value[expert], len(halves))
                 for half, piece in zip(halves, pieces, strict=True):
-                    name = pretrained.deepseek_name(Part(param, expert, half), layers)
+                    name = deepseek_name(Part(param, expert, half), layers)
                     tensors |= _quantized(fmt, name, piece)
         else:
-            tensors |= _quantized(fmt, pretrained.deepseek_name(Part(param), layers), value)
+            tensors |= _quantized(fmt, deepseek_name(Part(param), layers), value)
     return tensors
 
 
@@ -83,10 +87,10 @@ def released_config(config: dict, expert_dtype: str | None = "fp4") -> dict:
     ``num_hash_layers`` (the hash layers must come first), ``qk_rope_head_dim``, ``rope_scaling`` (the
     compress RoPE's YaRN), one MTP layer, ``quantization_config`` and ``expert_dtype`` (None: the field
     absent)."""
-    ratios = {kind: ratio for ratio, kind in pretrained.RATIO_LAYER_TYPES.items()}
+    ratios = {kind: ratio for ratio, kind in RATIO_LAYER_TYPES.items()}
     mlp = config["mlp_layer_types"]
-    hashed = sum(kind == pretrained.HASH_MOE for kind in mlp)
-    if list(mlp) != [pretrained.HASH_MOE] * hashed + [pretrained.MOE] * (len(mlp) - hashed):
+    hashed = sum(kind == HASH_MOE for kind in mlp)
+    if list(mlp) != [HASH_MOE] * hashed + [MOE] * (len(mlp) - hashed):
         raise ValueError(f"config: DeepSeek's num_hash_layers needs the hash layers first, got {mlp}")
     main, compress = config["rope_parameters"]["main"], config["rope_parameters"]["compress"]
     released = {
@@ -99,7 +103,7 @@ def released_config(config: dict, expert_dtype: str | None = "fp4") -> dict:
         "rope_theta": main["rope_theta"],
         "compress_rope_theta": compress["rope_theta"],
         "num_nextn_predict_layers": 1,
-        "quantization_config": dict(pretrained.QUANTIZATION_CONFIG),
+        "quantization_config": dict(QUANTIZATION_CONFIG),
     }
     if compress.get("rope_type") == "yarn":
         scaling = {k: v for k, v in compress.items() if k not in ("rope_theta", "partial_rotary_factor")}
@@ -117,15 +121,13 @@ def write_released(directory, config: dict, tensors: dict[str, np.ndarray], shar
     weight and its scale in the same shard, as DeepSeek's are) under ``directory`` (made; must not exist)."""
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True)
-    (directory / pretrained.CONFIG).write_text(json.dumps(config, indent=2))
+    (directory / CONFIG).write_text(json.dumps(config, indent=2))
     files = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
-    weights = sorted(
-        name for name in tensors if not name.endswith(pretrained.SCALE) or _weight_of(name) not in tensors
-    )
+    weights = sorted(name for name in tensors if not name.endswith(SCALE) or _weight_of(name) not in tensors)
     weight_map = {}
     for i, name in enumerate(weights):
         weight_map[name] = files[i % shards]
-        scale = pretrained._scale_name(name)
+        scale = names.scale_name(name)
         if scale in tensors:
             weight_map[scale] = files[i % shards]
     for file in files:
@@ -134,10 +136,10 @@ def write_released(directory, config: dict, tensors: dict[str, np.ndarray], shar
             directory / file,
         )
     index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())}, "weight_map": weight_map}
-    (directory / pretrained.INDEX).write_text(json.dumps(index, indent=2))
+    (directory / INDEX).write_text(json.dumps(index, indent=2))
     return directory
 
 
 def _weight_of(scale: str) -> str:
     """The weight a ``.scale`` tensor's name belongs to."""
-    return scale.removesuffix(pretrained.SCALE) + ".weight"
+    return scale.removesuffix(SCALE) + ".weight"

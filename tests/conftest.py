@@ -72,12 +72,13 @@ def release_executables():
 
 @pytest.fixture
 def nothing_placed(monkeypatch):
-    """Fails the test if ``load_pretrained`` places a tensor into the model (every check must come before)."""
+    """Fails the test if the loading pipeline (``load_pretrained``, ``from_hf``) places a tensor into a model
+    (every check must come before)."""
 
     def refuse(*args):
         raise AssertionError("a tensor was placed before the checks failed")
 
-    monkeypatch.setattr(pretrained, "_place", refuse)
+    monkeypatch.setattr(pretrained, "place", refuse)
 
 
 def pytest_unconfigure(config):

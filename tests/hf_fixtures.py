@@ -21,6 +21,7 @@ from safetensors.numpy import save_file
 
 from jax_oc128 import pretrained, released
 from jax_oc128.controller import ONLINE, ForwardMode
+from jax_oc128.loading import names
 from jax_oc128.nn import DeepseekV4Attention, ModelConfig, SpeculativeModel
 from jax_oc128.nn.functional import variable_at
 
@@ -222,7 +223,7 @@ def dequantized_tensors(tensors: dict) -> dict[str, np.ndarray]:
     (its scale dropped), every other tensor as stored."""
     floats = {}
     for name, value in tensors.items():
-        scale = tensors.get(pretrained._scale_name(name)) if name.endswith(".weight") else None
+        scale = tensors.get(names.scale_name(name)) if name.endswith(".weight") else None
         if scale is None:
             if not name.endswith(pretrained.SCALE):
                 floats[name] = value

@@ -4,6 +4,8 @@ nothing in it is unpickled."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import re
 import time
@@ -18,6 +20,7 @@ from jax_oc128.nn import HCA, SLIDING, ModelConfig, SpeculativeModel
 
 EMBED = "['mtp']['embed'].value"  # the shared embedding (stored once, under the first path to it)
 UP = "['target']['blocks'][1]['up'].value"
+REMOVED = object()  # a config field removed (test_bad_metadata_is_refused)
 
 
 def shipped():
@@ -58,33 +61,36 @@ def test_saved_model_loads_back_exactly(tmp_path, fields):
         checkpoint.save(model, tmp_path / "n.npz", config={})
 
 
-def test_earlier_parameter_paths_load(tmp_path):
-    """An HCA layer's compressor parameters stored under their earlier paths (attributes of the attention,
-    as in the shipped file) load into its ``compressor``; a file storing one under both paths is refused."""
-    config = ModelConfig.tiny(
-        vocab_size=40, hidden_size=32, layer_types=(HCA, SLIDING), head_dim=32, rope_dim=8
-    )
-    model = SpeculativeModel(config, rngs=nnx.Rngs(4))
-    checkpoint.save(model, tmp_path / "m.npz")
-    with np.load(tmp_path / "m.npz", allow_pickle=False) as data:
-        tensors = {name: data[name] for name in data.files if name != checkpoint.META}
-        meta = json.loads(data[checkpoint.META].tobytes())
-    earlier = {new: old for old, new in checkpoint.RENAMED.items()}
-    renamed = {}
-    for name, tensor in tensors.items():
-        for new, old in earlier.items():
-            name = name.replace(new, old)
-        renamed[name] = tensor
-    ape = "['target']['blocks'][0]['attn']['compressor_ape'].value"
-    assert ape in renamed and len(renamed) == len(tensors)
-    loaded, _ = checkpoint.load(write(tmp_path / "earlier.npz", renamed, meta))
-    saved, restored = (jax.tree.leaves(nnx.split(m)[1]) for m in (model, loaded))
-    assert len(saved) == len(restored) and all(map(np.array_equal, saved, restored))
-    both = renamed | {ape.replace("compressor_ape", "compressor']['ape"): renamed[ape]}
-    with pytest.raises(
-        ValueError, match=r"tensor \['target'\].*\['compressor'\]\['ape'\]\.value is stored twice"
-    ):
-        checkpoint.load(write(tmp_path / "both.npz", both, meta))
+#: the sha256 of the shipped model's parameters (each one's dtype, shape and bytes, in the state's order) as
+#: shipped before its file was regenerated with today's parameter paths and every config field
+SHIPPED_PARAMETERS = "e068f31b5a7ef0a3b0af58ac825045fe193b3987c19e61dfa8f83dcd723aeb8c"
+
+
+def test_shipped_model_is_stored_as_today():
+    """The shipped file stores every ModelConfig field and each parameter under its path today (the loader
+    reads no earlier layout), and its parameters are those shipped before, bit for bit (so its tokens are
+    too)."""
+    tensors, meta = shipped()
+    assert meta["config"].keys() == {field.name for field in dataclasses.fields(ModelConfig)}
+    model, _ = checkpoint.load()
+    state = nnx.split(model)[1]
+    assert tensors.keys() == {
+        jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(state)
+    }
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(state):
+        value = np.asarray(leaf)
+        digest.update(f"{value.dtype}{value.shape}".encode() + value.tobytes())
+    assert digest.hexdigest() == SHIPPED_PARAMETERS
+
+
+def test_earlier_parameter_paths_are_refused(tmp_path):
+    """An HCA layer's compressor parameters under their paths of earlier files (attributes of the attention):
+    refused, naming them."""
+    tensors, meta = shipped()
+    earlier = {name.replace("['compressor']['", "['compressor_"): value for name, value in tensors.items()}
+    with pytest.raises(ValueError, match=r"missing tensors .*\['compressor'\]\['ape'\]"):
+        checkpoint.load(write(tmp_path / "earlier.npz", earlier, meta))
 
 
 def test_wrong_shape_is_refused(tmp_path):
@@ -147,7 +153,7 @@ def test_huge_config_claimed_by_a_small_file_fails_fast(tmp_path, claim):
         (b"[1, 2]", "__meta__: must be a JSON object with a 'config' object"),
         (b'{"trained_on": "x"}', "__meta__: must be a JSON object with a 'config' object"),
         ({"vocab_sise": 256}, r"config: unknown fields \['vocab_sise'\]"),
-        ({"vocab_size": None}, r"config: missing fields \['vocab_size'\]"),
+        ({"vocab_size": REMOVED}, r"config: missing fields \['vocab_size'\]"),
         ({"vocab_size": "256"}, "config: vocab_size: must be an int, got '256'"),
         ({"max_draft": 0}, r"config: max_draft: must be in \[1, 2\*\*31\)"),
         ({"rms_norm_eps": -1.0}, "config: rms_norm_eps: must be finite and > 0"),
@@ -161,9 +167,9 @@ def test_huge_config_claimed_by_a_small_file_fails_fast(tmp_path, claim):
 )
 def test_bad_metadata_is_refused(tmp_path, meta, match):
     tensors, shipped_meta = shipped()
-    if isinstance(meta, dict):  # changed fields of the shipped config (None: removed)
+    if isinstance(meta, dict):  # changed fields of the shipped config
         config = {**shipped_meta["config"], **meta}
-        meta = {"config": {key: value for key, value in config.items() if value is not None}}
+        meta = {"config": {key: value for key, value in config.items() if value is not REMOVED}}
     with pytest.raises(ValueError, match=match):
         checkpoint.load(write(tmp_path / "bad.npz", tensors, meta))
 

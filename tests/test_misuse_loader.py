@@ -21,6 +21,7 @@ import pytest
 from hf_fixtures import deepseek_named, fixture, target_tensors, tensors_of, write
 
 from jax_oc128 import load_pretrained, pretrained
+from jax_oc128.loading import checker, shards
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +29,13 @@ def small_window():
     """The small-window fixture's config and weights (transformers' names)."""
     config, weights, _ = fixture("small_window")
     return config, weights
+
+
+@pytest.fixture(scope="module")
+def deepseek_tensors():
+    """The small-window model's tensors under DeepSeek's names (made before ``nothing_placed`` guards the
+    test: from_hf places them)."""
+    return deepseek_named(target_tensors("small_window"), 4)
 
 
 @contextlib.contextmanager
@@ -74,7 +82,7 @@ def test_index_over_the_cap(tmp_path, small_window, monkeypatch):
     config, weights = small_window
     directory = write(tmp_path / "ckpt", config, weights, shards=2)
     size = (directory / pretrained.INDEX).stat().st_size
-    monkeypatch.setattr(pretrained, "MAX_INDEX_BYTES", size - 1)
+    monkeypatch.setattr(shards, "MAX_INDEX_BYTES", size - 1)
     with pytest.raises(ValueError, match=rf"index\.json: more than {size - 1} bytes"):
         load_pretrained(directory, max_len=512)
 
@@ -127,20 +135,19 @@ def test_shard_not_a_regular_file(tmp_path, small_window, kind):
 
 
 @pytest.mark.usefixtures("nothing_placed")
-def test_experts_counted_not_listed(tmp_path, small_window):
+def test_experts_counted_not_listed(tmp_path, small_window, deepseek_tensors):
     """n_routed_experts 10**5 on a checkpoint of 4 experts stored one by one (DeepSeek's names): the missing
     expert tensors counted and the first MAX_LISTED named, a short message (before: every missing name
     listed, 1.2 million, and 10**9 experts never finished)."""
     config, _ = small_window
-    named = deepseek_named(target_tensors("small_window"), 4)
-    directory = write(tmp_path / "ckpt", config | {"n_routed_experts": 10**5}, named)
+    directory = write(tmp_path / "ckpt", config | {"n_routed_experts": 10**5}, deepseek_tensors)
     missing = 4 * 3 * (10**5 - 4)  # 4 layers, w1 w2 w3 per expert
     with pytest.raises(
         ValueError, match=rf"missing tensors \({missing}\): layers\.0\.ffn\.experts\.4\.w1"
     ) as e:
         load_pretrained(directory, max_len=512)
     lines = str(e.value).splitlines()  # then the routers' and hash tables' shapes
-    assert lines[1].endswith(f" and {missing - pretrained.MAX_LISTED} more")
+    assert lines[1].endswith(f" and {missing - checker.MAX_LISTED} more")
     assert len(str(e.value)) < 3000
 
 
@@ -350,7 +357,7 @@ def test_shard_replaced_after_the_checks(tmp_path, small_window, monkeypatch, ch
     elif change == "gone":
         del replaced["lm_head.weight"]
     replacement = write(tmp_path / "replacement", config, replaced) / pretrained.SINGLE
-    checks = pretrained._check_tensors
+    checks = pretrained.check_tensors
 
     def check_then_replace(*args):
         checks(*args)
@@ -360,7 +367,7 @@ def test_shard_replaced_after_the_checks(tmp_path, small_window, monkeypatch, ch
         else:
             replacement.replace(file)
 
-    monkeypatch.setattr(pretrained, "_check_tensors", check_then_replace)
+    monkeypatch.setattr(pretrained, "check_tensors", check_then_replace)
     match = {
         "shape": r"lm_head\.weight: now shape \(3, 5\) and dtype BF16, checked as \(64, 32\) and BF16",
         "dtype": r"lm_head\.weight: now shape \(64, 32\) and dtype F16, checked as \(64, 32\) and BF16",
@@ -369,3 +376,136 @@ def test_shard_replaced_after_the_checks(tmp_path, small_window, monkeypatch, ch
     }[change]
     with unblocked(file), pytest.raises(ValueError, match=match):
         load_pretrained(directory, max_len=512)
+
+
+@pytest.mark.parametrize("change", ["gone", "fifo"])
+def test_shard_replaced_while_it_is_read(tmp_path, small_window, monkeypatch, change):
+    """The checkpoint's file replaced (its lm_head gone, or a FIFO in its place) after the loader opened it
+    for the reads: every tensor is read from the descriptor the checks were made on, so the model holds the
+    checked weights (before: the loader reopened the file by its path for each tensor's offsets, a bare
+    KeyError for the gone tensor, and an open of the FIFO that blocked)."""
+    config, weights = small_window
+    directory = write(tmp_path / "ckpt", config, weights)
+    file = directory / pretrained.SINGLE
+    gone = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+    replacement = write(tmp_path / "replacement", config, gone)
+    read_after = []  # the tensors read after the replacement
+
+    class Replacing(shards.Shard):
+        def read(self, name, *args):
+            if not read_after and not name.endswith("tid2eid"):  # the first read of the placing pass
+                file.unlink()
+                if change == "fifo":
+                    os.mkfifo(file)
+                else:
+                    (replacement / pretrained.SINGLE).replace(file)
+            if not name.endswith("tid2eid"):
+                read_after.append(name)
+            return super().read(name, *args)
+
+    monkeypatch.setattr(pretrained, "Shard", Replacing)
+    with unblocked(file):
+        model = load_pretrained(directory, dtype="float32", max_len=512)
+    assert "lm_head.weight" in read_after[1:]
+    got = tensors_of(model)
+    for name in ("lm_head.weight", "model.norm.weight", "model.layers.3.self_attn.q_b_proj.weight"):
+        assert np.array_equal(got[name], weights[name])
+
+
+def _raw_safetensors(file: pathlib.Path, entries: dict[str, dict], data: bytes) -> None:
+    """A safetensors file of the header ``entries`` (name -> dtype, shape, data_offsets) and ``data``, as
+    written by hand (what safetensors' writer would refuse to write)."""
+    header = json.dumps(entries).encode()
+    file.write_bytes(len(header).to_bytes(8, "little") + header + data)
+
+
+@pytest.mark.parametrize("dtype", ["FOO", "F8", 3])
+@pytest.mark.usefixtures("nothing_placed")
+def test_unknown_dtype_names_the_tensor(tmp_path, small_window, dtype):
+    """A shard header giving a tensor a dtype that safetensors has not: "tensor X: unknown dtype FOO"
+    (before: safetensors' own parse error, cut short, naming no tensor)."""
+    config, weights = small_window
+    directory = write(tmp_path / "ckpt", config, weights, shards=2)
+    name = "lm_head.weight"
+    shard = directory / json.loads((directory / pretrained.INDEX).read_text())["weight_map"][name]
+    _raw_safetensors(shard, {name: {"dtype": dtype, "shape": [2], "data_offsets": [0, 8]}}, bytes(8))
+    shown = dtype if isinstance(dtype, str) else repr(dtype)
+    with pytest.raises(ValueError, match=rf"{shard.name}: tensor lm_head\.weight: unknown dtype {shown}$"):
+        load_pretrained(directory, max_len=512)
+
+
+@pytest.mark.parametrize(
+    ("offsets", "match"),
+    [
+        ([0, 9], r"data_offsets \[0, 9\] outside"),
+        ([0, 4], r"4 bytes for shape \(2,\) of F32"),
+        ([4], "\\[begin, end\\]"),
+    ],
+)
+@pytest.mark.usefixtures("nothing_placed")
+def test_bad_data_offsets_name_the_tensor(tmp_path, small_window, offsets, match):
+    """A tensor's bytes past the file's end, too few for its shape, or not a pair: named."""
+    config, weights = small_window
+    directory = write(tmp_path / "ckpt", config, weights)
+    entries = {"lm_head.weight": {"dtype": "F32", "shape": [2], "data_offsets": offsets}}
+    _raw_safetensors(directory / pretrained.SINGLE, entries, bytes(8))
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor lm_head\.weight: .*" + match):
+        load_pretrained(directory, max_len=512)
+
+
+@pytest.mark.parametrize("shard", ["", ".."])
+@pytest.mark.usefixtures("nothing_placed")
+def test_index_mapping_to_no_file_names_the_tensor(tmp_path, small_window, shard):
+    """An index mapping a tensor to "" or "..": refused naming the tensor (before: "" was the directory
+    itself, refused as "not a regular file" naming no tensor)."""
+    config, weights = small_window
+    directory = write(tmp_path / "ckpt", config, weights, shards=2)
+    index = json.loads((directory / pretrained.INDEX).read_text())
+    index["weight_map"]["lm_head.weight"] = shard
+    (directory / pretrained.INDEX).write_text(json.dumps(index))
+    with pytest.raises(
+        ValueError, match=rf"weight_map\[lm_head\.weight\]: must be a file name .*, got '{shard}'"
+    ):
+        load_pretrained(directory, max_len=512)
+
+
+HOSTILE = {
+    "newline": ("x\n  missing tensors (0): none", r"x\n  missing tensors (0): none"),
+    "escape": ("x\x1b[2Jy", r"x\x1b[2Jy"),
+    "nul": ("x\x00y", r"x\x00y"),
+    "right-to-left": ("x\u202eyz", r"x\u202eyz"),
+    "backslash": ("x\\ny", r"x\\ny"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+@pytest.mark.usefixtures("nothing_placed")
+def test_tensor_names_are_escaped_in_messages(tmp_path, small_window, case):
+    """An unexpected tensor whose name holds a newline (forging a line of the message), ESC, NUL, a
+    right-to-left mark or a backslash: the message shows it escaped (checks.shown), one line per problem
+    (before: printed as is)."""
+    config, weights = small_window
+    name, escaped = HOSTILE[case]
+    directory = write(tmp_path / "ckpt", config, weights | {name: np.zeros(1, np.float32)})
+    with pytest.raises(ValueError) as error:
+        load_pretrained(directory, max_len=512)
+    message = str(error.value)
+    assert message.endswith(f"unexpected tensors (1): {escaped}")
+    assert name not in message and len(message.splitlines()) == 2
+
+
+@pytest.mark.parametrize("index", ["\u0660", "\uff10", "00", "01"])
+@pytest.mark.usefixtures("nothing_placed")
+def test_layer_indices_are_ascii_digits(tmp_path, small_window, index):
+    """A layer's tensor under a layer index of an Arabic-Indic or fullwidth zero, or with a leading zero:
+    an unexpected tensor, and layer 0's missing (before: ``\\d`` matched, and int() read it as layer 0)."""
+    config, weights = small_window
+    name = "model.layers.0.input_layernorm.weight"
+    renamed = {k: v for k, v in weights.items() if k != name} | {
+        name.replace(".0.", f".{index}.", 1): weights[name]
+    }
+    with pytest.raises(
+        ValueError, match=rf"unexpected tensors \(1\): model\.layers\.{index}\.input"
+    ) as error:
+        load_pretrained(write(tmp_path / "ckpt", config, renamed), max_len=512)
+    assert "missing tensors (1): model.layers.0.input_layernorm.weight" in str(error.value)

@@ -130,7 +130,7 @@ def test_cache_is_donated_under_jit():
 
 def test_missing_weight_is_named():
     weights = attention_weights(1)
-    with pytest.raises(KeyError, match="sinks"):
+    with pytest.raises(ValueError, match=r"weights: missing tensors \[model\.layers\.1\.self_attn\.sinks\]"):
         DeepseekV4Attention.from_hf(MODEL.attention(MODEL.layer_types[1]), 1, weights)
 
 

@@ -12,9 +12,9 @@ from flax import nnx
 
 from jax_oc128 import checkpoint
 from jax_oc128.controller import ONLINE
+from jax_oc128.loading.hf_config import from_deepseek
 from jax_oc128.nn import CSA, HCA, SLIDING, Block, DeepseekV4Model, ModelConfig, default_draft_head
 from jax_oc128.nn.moe import HASH_MOE, MOE
-from jax_oc128.pretrained import _from_deepseek
 
 #: what DeepSeek-V4-Flash's and -Pro's released config.json share (DeepSeek's field names; the values from
 #: the published files, /work/shared/notes/DEEPSEEK_V4_AT_SCALE.md). Their quantization_config (FP8/FP4) is
@@ -94,7 +94,7 @@ def test_preset_is_the_released_config(name):
     converted as the loader converts them), and its layer counts are the released ones."""
     preset, released = PRESETS[name]
     config = preset()
-    assert config == ModelConfig.from_hf(_from_deepseek(released, 1))
+    assert config == ModelConfig.from_hf(from_deepseek(released, 1))
     ratios = released["compress_ratios"][:-1]
     assert [config.layer_types.count(kind) for kind in (SLIDING, CSA, HCA)] == [
         ratios.count(r) for r in (0, 4, 128)

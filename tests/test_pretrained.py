@@ -30,6 +30,7 @@ from oracle import rel_err
 
 from jax_oc128 import load_pretrained, pretrained
 from jax_oc128.engine import Engine
+from jax_oc128.loading import names
 from jax_oc128.nn import SLIDING, ModelConfig, SpeculativeModel, kv_cache
 
 HF_CHECKPOINT = FIXTURES / "v4_small_window_hf"
@@ -431,4 +432,4 @@ def test_bad_directories_are_named(tmp_path, nothing_placed):
 )
 def test_deepseek_names(name, part):
     """Names as DeepSeek-V4-Flash's checkpoint has them (and a transformers one) resolve to the parameter."""
-    assert pretrained._part(name, LAYERS) == pretrained.Part(*part)
+    assert names.part(name, LAYERS) == pretrained.Part(*part)

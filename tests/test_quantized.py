@@ -36,6 +36,7 @@ from oracle import rel_err
 
 from jax_oc128 import load_pretrained, pretrained, released
 from jax_oc128.engine import Engine
+from jax_oc128.loading import names
 from jax_oc128.nn import ModelConfig, SpeculativeModel, moe, quant
 from jax_oc128.nn.functional import variable_at
 from jax_oc128.nn.quant import FP4, FP8, QuantizedArray
@@ -100,14 +101,14 @@ def test_e8m0_edge_exponents():
     values = np.asarray(quant.scale_values(np.array([0, 1, 127, 254, 255], np.uint8)))
     assert values[:4].tolist() == [2.0**-127, 2.0**-126, 1.0, 2.0**127] and np.isnan(values[4])
     for fmt, (low, high) in quant.EXPONENTS.items():
-        quant.check_exponents(np.array([low, high], np.uint8), fmt, "t")
+        quant.check_scales(np.array([low, high], np.uint8), fmt, "t")
         assert np.isfinite(np.float32(quant.LARGEST[fmt]) * np.exp2(np.float32(high - 127)))
         assert np.exp2(np.float64(low - 127)) * (2.0**-9 if fmt == FP8 else 0.5) >= 2.0**-126
         for bad in (0, low - 1, high + 1, 254, 255):
             with pytest.raises(
-                ValueError, match=rf"layers\.0\.w\.scale: e8m0 scale exponents must be in \[{low}"
+                ValueError, match=rf"layers\.0\.w\.scale: scales must be in .*, got e8m0 exponent {bad}$"
             ):
-                quant.check_exponents(np.array([127, bad], np.uint8), fmt, "layers.0.w.scale")
+                quant.check_scales(np.array([127, bad], np.uint8), fmt, "layers.0.w.scale")
 
 
 @pytest.mark.parametrize("fmt", [FP8, FP4])
@@ -269,24 +270,31 @@ def test_mtp_drafts_from_the_quantized_checkpoint(load, float32_logits):
     assert plain.tokens == greedy.tolist()
 
 
-def test_fp8_experts_with_float32_scales(tmp_path, checkpoints):
-    """``expert_dtype: fp8`` (the Base checkpoints): FP8 experts with float32 block scales load as FP8
-    QuantizedArrays whose dequantized experts are the formula's."""
-    _, tensors, _ = checkpoints
-    config = quantized_config()
+def base_checkpoint(tensors: dict) -> dict[str, np.ndarray]:
+    """The released checkpoint's ``tensors`` as a Base checkpoint stores them: its experts FP8 with float32
+    block scales (the same values re-quantized)."""
     base = {}
     for name, value in tensors.items():
-        match = pretrained.EXPERT_NAME.search(name.removesuffix(pretrained.SCALE) + ".weight")
+        match = names.EXPERT_NAME.search(name.removesuffix(pretrained.SCALE) + ".weight")
         if match is None:
             base[name] = value
         elif name.endswith(".weight"):
             floats = dequantized_tensors(
-                {name: value, pretrained._scale_name(name): tensors[pretrained._scale_name(name)]}
+                {name: value, names.scale_name(name): tensors[names.scale_name(name)]}
             )
             codes, scales = quant.quantize_fp8(floats[name])
             base[name] = codes
-            base[pretrained._scale_name(name)] = np.exp2(scales.view(np.uint8) - 127.0).astype(np.float32)
-    directory = released.write_released(tmp_path / "base", released.released_config(config, "fp8"), base)
+            base[names.scale_name(name)] = np.exp2(scales.view(np.uint8) - 127.0).astype(np.float32)
+    return base
+
+
+def test_fp8_experts_with_float32_scales(tmp_path, checkpoints):
+    """``expert_dtype: fp8`` (the Base checkpoints): FP8 experts with float32 block scales load as FP8
+    QuantizedArrays whose dequantized experts are the formula's."""
+    base = base_checkpoint(checkpoints[1])
+    directory = released.write_released(
+        tmp_path / "base", released.released_config(quantized_config(), "fp8"), base
+    )
     model = load_pretrained(directory, dtype="float32", max_len=512, max_draft=4)
     experts = model.target.blocks[2].moe.experts_down[...]
     assert experts.fmt == FP8 and experts.scales.dtype == jnp.float32
@@ -295,6 +303,25 @@ def test_fp8_experts_with_float32_scales(tmp_path, checkpoints):
         scale = np.log2(base[name + ".scale"]).astype(np.int64) + 127
         want = formula(base[name + ".weight"].astype(np.float64), scale, (128, 128))
         assert np.array_equal(np.asarray(quant.dequantize(experts[expert])), want)
+
+
+@pytest.mark.parametrize("value", [1e-42, 3e38, 2.0**-118, 0.0, -1.0, np.nan, np.inf])
+def test_float32_scales_out_of_range_are_refused(tmp_path, checkpoints, value):
+    """A float32 expert scale that is subnormal (1e-42: the expert's weights flushed to zero), huge (3e38:
+    inf weights, NaN logits), just below the e8m0 path's range, zero, negative, NaN or infinite: refused by
+    the e8m0 scales' rule (quant.check_scales), naming the tensor (before: only > 0 and finite were
+    checked)."""
+    base = base_checkpoint(checkpoints[1])
+    name = "layers.2.ffn.experts.1.w2.scale"
+    base[name] = base[name].copy()
+    base[name][0, 0] = value
+    directory = released.write_released(
+        tmp_path / "base", released.released_config(quantized_config(), "fp8"), base
+    )
+    with pytest.raises(
+        ValueError, match=rf"tensor {re.escape(name)}: scales must be in \[2\^-117, 2\^119\] for fp8"
+    ):
+        load_pretrained(directory, dtype="float32", max_len=512, max_draft=4)
 
 
 BAD_CONFIGS = {
@@ -374,7 +401,8 @@ def test_scale_exponents_out_of_range_are_named(tmp_path, checkpoints):
     bad["layers.2.ffn.experts.3.w1.scale"] = scale.view(ml_dtypes.float8_e8m0fnu)
     directory = released.write_released(tmp_path / "nan", released.released_config(config), bad)
     with pytest.raises(
-        ValueError, match=r"tensor layers\.2\.ffn\.experts\.3\.w1\.scale: e8m0 scale exponents must"
+        ValueError,
+        match=r"tensor layers\.2\.ffn\.experts\.3\.w1\.scale: scales must be in .*, got e8m0 exponent 255$",
     ):
         load_pretrained(directory, max_len=512, max_draft=4)
 

@@ -10,7 +10,9 @@ from hf_fixtures import fixture
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
-from jax_oc128.nn import ModelConfig, SpeculativeModel, sharding
+from jax_oc128.loading.names import parameter_paths
+from jax_oc128.nn import ModelConfig, SpeculativeModel, sharding, weights
+from jax_oc128.nn.functional import build_abstract
 from jax_oc128.nn.quant import FP4, FP8, QuantizedArray
 
 
@@ -79,3 +81,32 @@ def test_quantized_parameters_split_their_scales_with_their_codes():
         jax.tree_util.GetAttrKey("scales"),
     )
     assert sharding.path_names(path) == ("o_b_proj",)
+
+
+def test_each_parameter_is_declared_once():
+    """Every parameter of the full DeepSeek-V4 model and its MTP layer has exactly one declaration in
+    jax_oc128.nn.weights (one transformers name each, and each name one parameter), and each rule of
+    PARAM_RULES is a declared parameter's logical axes."""
+    config = ModelConfig.from_hf(fixture("small_window")[0], max_len=512)
+    model = build_abstract(lambda rngs: SpeculativeModel(config, rngs=rngs))
+    state = nnx.state(model)
+    declared = parameter_paths(model)
+    shared = {("mtp", "embed"): ("target", "embed"), ("mtp", "lm_head"): ("target", "lm_head")}  # (the
+    # MTP layer shares the target's embedding and head; the state keeps each under its first path)
+    params = {
+        shared.get(names, names)
+        for names in (
+            tuple(str(step) for step in sharding.path_names(path))
+            for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]
+        )
+    }
+    paths = [tuple(str(step) for step in path) for path in declared.values()]
+    assert len(set(paths)) == len(paths) and set(paths) == params
+    scopes = (weights.TOP, weights.LAYER, weights.MTP)
+    for scope in scopes:
+        names = [w.hf for w in scope if w.hf is not None] + [n for w in scope for n in w.deepseek]
+        attributes = [w.path for w in scope]
+        assert len(set(attributes)) == len(attributes)
+        assert len({w.hf for w in scope if w.hf is not None}) == sum(w.hf is not None for w in scope), names
+    rules = {tail for tail, _ in sharding.PARAM_RULES}
+    assert rules == {w.path for scope in scopes for w in scope if w.axes}

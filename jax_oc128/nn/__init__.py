@@ -8,7 +8,6 @@ experts (:mod:`~jax_oc128.nn.moe`, its kernel :mod:`~jax_oc128.nn.grouped_matmul
 from jax_oc128.nn.attention import (
     CSA,
     HCA,
-    HF_WEIGHT_NAMES,
     SLIDING,
     AttentionCache,
     AttentionConfig,
@@ -28,7 +27,6 @@ from jax_oc128.nn.rope import RopeConfig
 __all__ = [
     "CSA",
     "HCA",
-    "HF_WEIGHT_NAMES",
     "SLIDING",
     "AttentionCache",
     "AttentionConfig",

@@ -33,7 +33,8 @@ import numpy as np
 from flax import nnx
 
 from jax_oc128.controller import ONLINE, Backend, ForwardMode
-from jax_oc128.nn import csa, hca, kv_cache
+from jax_oc128.nn import csa, kv_cache
+from jax_oc128.nn import weights as nn_weights
 from jax_oc128.nn.csa import CSACompressor, IndexerConfig
 from jax_oc128.nn.functional import FULL, assign_weights, normal_param, ones_param, rms_norm, zeros_param
 from jax_oc128.nn.hca import HCACompressor, batch_slots
@@ -307,20 +308,6 @@ def prepare_forward(backend: Backend, compressed, mode: ForwardMode, positions, 
     return backend.controller.prepare_forward(compressed, mode, batch_slots(lengths), positions[:, 0])
 
 
-# transformers state-dict name (within the layer's self_attn) -> attribute, for every layer (the compressors'
-# in hca.HF_WEIGHT_NAMES and csa.HF_WEIGHT_NAMES)
-HF_WEIGHT_NAMES = {
-    "q_a_proj.weight": "q_a_proj",
-    "q_a_norm.weight": "q_a_norm",
-    "q_b_proj.weight": "q_b_proj",
-    "kv_proj.weight": "kv_proj",
-    "kv_norm.weight": "kv_norm",
-    "o_a_proj.weight": "o_a_proj",
-    "o_b_proj.weight": "o_b_proj",
-    "sinks": "sinks",
-}
-
-
 class DeepseekV4Attention(nnx.Module):
     """DeepSeek-V4 attention (sliding, CSA or HCA) with explicit caches.
 
@@ -380,13 +367,6 @@ class DeepseekV4Attention(nnx.Module):
                 rngs=rngs,
             )
 
-    def hf_weight_paths(self) -> dict[str, tuple[str, ...]]:
-        """transformers state-dict name (within the layer's ``self_attn``) -> attribute path of this layer."""
-        compressor = {HCA: hca.HF_WEIGHT_NAMES, CSA: csa.HF_WEIGHT_NAMES}.get(self.config.layer_type, {})
-        return {name: (attr,) for name, attr in HF_WEIGHT_NAMES.items()} | {
-            name: ("compressor", attr) for name, attr in compressor.items()
-        }
-
     @classmethod
     def from_hf(cls, config: AttentionConfig, layer_idx: int, weights: dict, **kwargs) -> DeepseekV4Attention:
         """A layer with transformers weights.
@@ -400,7 +380,11 @@ class DeepseekV4Attention(nnx.Module):
         """
         module = cls(config, rngs=kwargs.pop("rngs", nnx.Rngs(0)), **kwargs)
         given = {name.split("self_attn.")[-1]: value for name, value in weights.items()}
-        assign_weights(module, module.hf_weight_paths(), given, f"model.layers.{layer_idx}.self_attn.")
+        paths = {
+            name.removeprefix("self_attn."): path
+            for name, path in nn_weights.hf_paths(module, nn_weights.LAYER, within=("attn",)).items()
+        }
+        assign_weights(module, paths, given, f"model.layers.{layer_idx}.self_attn.")
         return module
 
     def init_cache(self, batch: int, max_len: int | None = None) -> AttentionCache:

@@ -18,29 +18,6 @@ from jax_oc128.nn.moe import HASH_MOE, MOE, MoEConfig, check_dispatch
 from jax_oc128.nn.rope import RopeConfig
 from jax_oc128.rules import MAX_DRAFT
 
-#: the fields added with the full DeepSeek-V4 layout (its layout, the draft head's presence, the weights'
-#: dtype) and since (the caches' storage): a checkpoint written before they existed has
-#: :meth:`ModelConfig.tiny`'s values of them
-V4_FIELDS = (
-    "mlp_layer_types",
-    "num_experts",
-    "num_experts_per_tok",
-    "routed_scaling_factor",
-    "swiglu_limit",
-    "moe_dispatch",
-    "hc_mult",
-    "hc_sinkhorn_iters",
-    "hc_eps",
-    "index_n_heads",
-    "index_head_dim",
-    "index_topk",
-    "compress_rope_factor",
-    "compress_rope_original_max_position_embeddings",
-    "mtp",
-    "dtype",
-    "kv_cache_dtype",
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_oc128.nn import hca, kv_cache
+from jax_oc128.nn import kv_cache
 from jax_oc128.nn.functional import FULL, normal_param, ones_param, rms_norm, zeros_param
 from jax_oc128.nn.linear import linear
 from jax_oc128.reference import pool
@@ -58,8 +58,8 @@ class IndexerConfig:
 
 
 class CSACompressor(nnx.Module):
-    """The CSA compressor and indexer parameters of one attention layer (transformers' names in
-    :data:`HF_WEIGHT_NAMES`).
+    """The CSA compressor and indexer parameters of one attention layer (named in
+    :data:`jax_oc128.nn.weights.LAYER`).
 
     Args:
       hidden_size, head_dim, q_lora_rank, rms_norm_eps: the attention layer's.
@@ -217,15 +217,3 @@ class CSACompressor(nnx.Module):
         selected = kv_cache.decode(kv_cache.take(entries, (jnp.arange(batch)[:, None, None], picks)))
         valid = top > -jnp.inf
         return jnp.where(valid[..., None], selected, 0.0), valid
-
-
-# transformers state-dict name (within the layer's self_attn) -> attribute of the CSA compressor: the HCA
-# compressor's names, then the indexer's
-HF_WEIGHT_NAMES = hca.HF_WEIGHT_NAMES | {
-    "compressor.indexer.kv_proj.weight": "indexer_kv_proj",
-    "compressor.indexer.gate_proj.weight": "indexer_gate_proj",
-    "compressor.indexer.position_bias": "indexer_ape",
-    "compressor.indexer.kv_norm.weight": "indexer_kv_norm",
-    "compressor.indexer.q_b_proj.weight": "indexer_q_b_proj",
-    "compressor.indexer.scorer.weights_proj.weight": "indexer_weights_proj",
-}

@@ -124,13 +124,6 @@ class DeepseekV4MTP(BlockHead):
         self.hc_head = HyperHead(config.hc_mult, size, config.hc_eps, config.rms_norm_eps, rngs=rngs)
         self.norm = ones_param(size)
 
-    def weight_paths(self) -> dict[str, tuple]:
-        """Tensor name (within the layer's prefix, ``mtp.0.``: DeepSeek's names for the layer's own tensors,
-        transformers' for its block's) -> attribute path of this head."""
-        paths = {name: (attr,) for name, attr in MTP_WEIGHT_NAMES.items()}
-        paths |= {f"hc_head_{name}": ("hc_head", name) for name in ("fn", "base", "scale")}
-        return paths | {name: ("block", *path) for name, path in self.block.hf_weight_paths().items()}
-
     def __call__(
         self, tokens, hidden, positions, cache: AttentionCache, *, lengths=None, tree=None, nodes=None
     ):
@@ -146,16 +139,6 @@ class DeepseekV4MTP(BlockHead):
         )
         logits = output_logits(self.hc_head(h), self.norm[...], self.lm_head[...], c.rms_norm_eps)
         return logits, flatten_streams(h), cache
-
-
-#: DeepSeek's name of an MTP layer's own tensor (within ``mtp.{i}.``) -> attribute of :class:`DeepseekV4MTP`
-MTP_WEIGHT_NAMES = {
-    "enorm.weight": "embed_norm",
-    "hnorm.weight": "hidden_norm",
-    "e_proj.weight": "embed_proj",
-    "h_proj.weight": "hidden_proj",
-    "norm.weight": "norm",
-}
 
 
 def default_draft_head(config: ModelConfig) -> str | None:
@@ -204,7 +187,9 @@ class SpeculativeModel(nnx.Module):
         untrained draft head (a :class:`DeepseekV4MTP`) drawn from ``rngs``: transformers has no MTP layers
         (:func:`jax_oc128.load_pretrained` loads a checkpoint's)."""
         target = DeepseekV4Model.from_hf(config, weights, **kwargs)
-        return cls(target.config, backend=target.backend, rngs=rngs, target=target)
+        return cls(
+            dataclasses.replace(target.config, mtp=True), backend=target.backend, rngs=rngs, target=target
+        )
 
     # the protocol's static facts: the config's
     vocab_size = property(lambda self: self.config.vocab_size)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_oc128.checks import shown
 from jax_oc128.nn.quant import matrix
 
 FULL = jax.lax.Precision.HIGHEST  # float32 matmuls stay float32 (on GPUs the default would allow TF32)
@@ -123,16 +124,18 @@ def variable_at(module: nnx.Module, path: tuple) -> nnx.Variable:
 
 def assign_weights(module: nnx.Module, paths: dict, weights: dict, prefix: str = "") -> None:
     """Set ``module``'s variables from ``weights`` (name -> array), ``paths`` mapping each expected name to
-    the attribute path (a tuple of attribute names and list indices) of its variable. Every expected name
-    must be given with the variable's shape and kind (integer or floating), and no other; each error names
-    the tensor (``prefix`` + name). Everything is checked before the first variable is set."""
+    the attribute path (a tuple of attribute names and list indices) of its variable: one layer's (a whole
+    model loads by :func:`jax_oc128.pretrained.load_weights`). Every expected name must be given with the
+    variable's shape and kind (integer or floating), and no other; each ValueError names the tensor
+    (``prefix`` + name). Everything is checked before the first variable is set."""
     for problem, names in (
         ("missing", paths.keys() - weights.keys()),
         ("unexpected", weights.keys() - paths.keys()),
     ):
         if names:
-            error = KeyError if problem == "missing" else ValueError
-            raise error(f"weights: {problem} tensors {sorted(prefix + name for name in names)}")
+            raise ValueError(
+                f"weights: {problem} tensors [{', '.join(shown(prefix + n) for n in sorted(names))}]"
+            )
     variables = {}
     for name, path in paths.items():
         variable = variable_at(module, path)

@@ -23,8 +23,8 @@ from jax_oc128.rules import BLOCK, batch_slots
 
 
 class HCACompressor(nnx.Module):
-    """The HCA compressor of one attention layer: its parameters (transformers' names in
-    :data:`HF_WEIGHT_NAMES`) and its layer ``layer`` of the model's C128 state.
+    """The HCA compressor of one attention layer: its parameters (named in
+    :data:`jax_oc128.nn.weights.LAYER`) and its layer ``layer`` of the model's C128 state.
 
     Args:
       hidden_size, head_dim, rms_norm_eps: the attention layer's.
@@ -87,13 +87,3 @@ class HCACompressor(nnx.Module):
             )
         normed = rms_norm(entries[0], self.kv_norm[...], self.eps)
         return compressed, self.rope.apply(normed, jnp.maximum(blocks, 0) * BLOCK), blocks
-
-
-# transformers state-dict name (within the layer's self_attn) -> attribute of the HCA compressor (the CSA
-# compressor's start with them)
-HF_WEIGHT_NAMES = {
-    "compressor.kv_proj.weight": "kv_proj",
-    "compressor.gate_proj.weight": "gate_proj",
-    "compressor.position_bias": "ape",
-    "compressor.kv_norm.weight": "kv_norm",
-}

@@ -32,13 +32,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_oc128.controller import ONLINE, Backend, ForwardMode
-from jax_oc128.nn import moe
 from jax_oc128.nn.attention import HCA, AttentionCache, DeepseekV4Attention, prepare_forward
 from jax_oc128.nn.config import ModelConfig
-from jax_oc128.nn.functional import assign_weights, build_abstract, normal_param, ones_param, rms_norm
+from jax_oc128.nn.functional import normal_param, ones_param, rms_norm
 from jax_oc128.nn.hyper_connections import HyperConnection, HyperHead
 from jax_oc128.nn.linear import linear, swiglu
-from jax_oc128.nn.moe import MoE, check_expert_ids
+from jax_oc128.nn.moe import MoE
 from jax_oc128.tree import check_tree
 
 
@@ -174,26 +173,6 @@ class Block(nnx.Module):
                 return self.moe(x, tokens)
             return swiglu(x, self.gate[...], self.up[...], self.down[...])
 
-    def hf_weight_paths(self) -> dict[str, tuple]:
-        """transformers state-dict name (within ``model.layers.{i}.``) -> attribute path of this block."""
-        paths = {"input_layernorm.weight": ("attn_norm",), "post_attention_layernorm.weight": ("mlp_norm",)}
-        paths |= {f"self_attn.{name}": ("attn", *path) for name, path in self.attn.hf_weight_paths().items()}
-        if hasattr(self, "moe"):
-            paths |= {
-                f"mlp.{name}": ("moe", attr)
-                for name, attr in moe.HF_WEIGHT_NAMES.items()
-                if hasattr(self.moe, attr)
-            }
-        else:
-            raise NotImplementedError(
-                "a dense MLP layer has no transformers counterpart (DeepSeek-V4 layers are MoE)"
-            )
-        if hasattr(self, "attn_hc"):
-            paths |= {
-                f"{hc}.{name}": (hc, name) for hc in ("attn_hc", "ffn_hc") for name in ("fn", "base", "scale")
-            }
-        return paths
-
 
 def flatten_streams(streams):
     """The residual streams ``[batch, T, hc_mult, hidden]`` as one hidden state ``[batch, T, hc_mult *
@@ -228,42 +207,13 @@ class DeepseekV4Model(nnx.Module):
     @classmethod
     def from_hf(cls, config: dict, weights: dict, *, backend: Backend = ONLINE, **kwargs) -> DeepseekV4Model:
         """The model of a transformers ``DeepseekV4ForCausalLM``: its ``config`` (``to_dict()``) and its
-        ``weights``, the full state dict (name -> numpy array; ``mtp.*`` tensors, which transformers drops,
-        are not expected). Every tensor is checked (missing, unexpected, shape, integer or floating) before
-        any is set, each error naming it; ``kwargs``: ``max_len``, ``max_draft``, ``dtype`` of
-        :meth:`ModelConfig.from_hf`."""
-        model_config = ModelConfig.from_hf(config, **kwargs)
-        model = build_abstract(lambda rngs: cls(model_config, backend=backend, rngs=rngs))
-        paths = model.hf_weight_paths()
-        graphdef, abstract = nnx.split(model)
-        model = nnx.merge(graphdef, jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), abstract))
-        assign_weights(model, paths, weights)
-        for i, block in enumerate(model.blocks):
-            table = getattr(getattr(block, "moe", None), "tid2eid", None)
-            if table is not None:
-                name = f"model.layers.{i}.mlp.gate.tid2eid"
-                check_expert_ids(table[...], model_config.num_experts, f"weights[{name!r}]")
-        return model
+        ``weights``, the full state dict (name -> numpy array), loaded by the pipeline of
+        :func:`jax_oc128.load_pretrained` (:func:`jax_oc128.pretrained.load_weights`: every tensor checked
+        before any is placed, one ValueError naming each at fault); ``kwargs``: ``max_len``, ``max_draft``,
+        ``dtype`` of :meth:`ModelConfig.from_hf`."""
+        from jax_oc128.pretrained import load_weights  # (the loading pipeline imports the model)
 
-    def hf_weight_paths(self) -> dict[str, tuple]:
-        """transformers state-dict name -> attribute path of this model (its config must have MoE layers and
-        hyper-connections, as every DeepSeek-V4 has)."""
-        if not hasattr(self, "hc_head"):
-            raise NotImplementedError("a model without hyper-connections has no transformers counterpart")
-        paths = {
-            "model.embed_tokens.weight": ("embed",),
-            "lm_head.weight": ("lm_head",),
-            "model.norm.weight": ("norm",),
-            "model.hc_head.hc_fn": ("hc_head", "fn"),
-            "model.hc_head.hc_base": ("hc_head", "base"),
-            "model.hc_head.hc_scale": ("hc_head", "scale"),
-        }
-        for i, block in enumerate(self.blocks):
-            paths |= {
-                f"model.layers.{i}.{name}": ("blocks", i, *path)
-                for name, path in block.hf_weight_paths().items()
-            }
-        return paths
+        return load_weights(config, weights, backend=backend, **kwargs).target
 
     def init_cache(self, batch: int, pages: int | None = None, page_size: int = 0) -> ModelCache:
         """An empty cache for ``batch`` rows (slots), paged with ``pages`` pages of ``page_size`` tokens:

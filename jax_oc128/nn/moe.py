@@ -204,16 +204,3 @@ def check_expert_ids(table, num_experts: int, name: str) -> None:
     table = np.asarray(table)
     if table.size and not (table.min() >= 0 and table.max() < num_experts):
         raise ValueError(f"{name}: expert ids must be in [0, {num_experts})")
-
-
-# transformers state-dict name (within the layer's mlp) -> attribute
-HF_WEIGHT_NAMES = {
-    "gate.weight": "router_weight",
-    "gate.e_score_correction_bias": "e_score_correction_bias",
-    "gate.tid2eid": "tid2eid",
-    "experts.gate_up_proj": "experts_gate_up",
-    "experts.down_proj": "experts_down",
-    "shared_experts.gate_proj.weight": "shared_gate",
-    "shared_experts.up_proj.weight": "shared_up",
-    "shared_experts.down_proj.weight": "shared_down",
-}

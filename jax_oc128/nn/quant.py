@@ -16,8 +16,8 @@ gives its float matrix, exactly (an e4m3 or e2m1 code times a power of two is a 
 number, where normal); between calls the device holds the codes and scales only. Inside a jitted matmul
 XLA writes the dequantized matrix to memory and reads it back (it does not fuse the decoding into its
 matmul's operand); the kernels of :mod:`~jax_oc128.nn.grouped_matmul` read the codes and scales only.
-:func:`check_exponents` is the range of exponents the loader accepts (every code's value a normal finite
-float32).
+:func:`check_scales` is the range of scales the loader accepts, e8m0 or float32 (every code's value a normal
+finite float32).
 
 :func:`quantize_fp8` and :func:`quantize_fp4` are DeepSeek's quantization (per block: amax, clamped below at
 1e-4, over the format's largest value, rounded up to a power of two; codes rounded to nearest even), which
@@ -178,15 +178,25 @@ def scale_values(scales) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.float32)
 
 
-def check_exponents(exponents: np.ndarray, fmt: str, name: str) -> None:
-    """The e8m0 exponents (uint8) of a tensor of format ``fmt`` lie in :data:`EXPONENTS` ``[fmt]``, where
-    every code's value is a normal finite float32; a ValueError naming the tensor (``name``) otherwise (an
-    exponent of 255 is NaN; DeepSeek's quantization writes none outside, :data:`MIN_AMAX`)."""
+def check_scales(scales: np.ndarray, fmt: str, name: str) -> None:
+    """The scales of a tensor of format ``fmt``, e8m0 exponents (uint8) or float32 values (the Base
+    checkpoints' FP8 experts), lie in ``[2^(low - 127), 2^(high - 127)]`` for ``(low, high)`` =
+    :data:`EXPONENTS` ``[fmt]``: one rule for both, where every code's value is a normal finite float32; a
+    ValueError naming the tensor (``name``) otherwise (e8m0 255 and a float32 NaN are out; DeepSeek's
+    quantization writes none outside, :data:`MIN_AMAX`)."""
     low, high = EXPONENTS[fmt]
-    if exponents.size and not (exponents.min() >= low and exponents.max() <= high):
+    if not scales.size:
+        return
+    if scales.dtype == np.uint8:
+        inside = (scales >= low) & (scales <= high)
+    else:
+        inside = (scales >= np.ldexp(1.0, low - E8M0_BIAS)) & (scales <= np.ldexp(1.0, high - E8M0_BIAS))
+    if not np.all(inside):
+        bad = scales.reshape(-1)[np.argmin(inside.reshape(-1))]
+        got = f"e8m0 exponent {bad}" if scales.dtype == np.uint8 else f"{float(bad)!r}"
         raise ValueError(
-            f"{name}: e8m0 scale exponents must be in [{low}, {high}] for {fmt} (every value a normal finite "
-            f"float32), got [{exponents.min()}, {exponents.max()}]"
+            f"{name}: scales must be in [2^{low - E8M0_BIAS}, 2^{high - E8M0_BIAS}] for {fmt} (e8m0 "
+            f"exponents [{low}, {high}]: every value a normal finite float32), got {got}"
         )
 
 

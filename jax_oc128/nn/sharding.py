@@ -24,26 +24,26 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_oc128.checks import check_int
+from jax_oc128.nn import weights
 from jax_oc128.nn.quant import FP4, GROUP, QuantizedArray
 from jax_oc128.state import CompressState, OfflineState
 
 DATA, MODEL = "data", "model"
 
+#: each logical axis of :mod:`jax_oc128.nn.weights` -> the mesh axis it splits over
+LOGICAL_AXES = {
+    weights.HEADS: MODEL,
+    weights.GROUPS: MODEL,
+    weights.MLP: MODEL,
+    weights.EXPERT: MODEL,
+    weights.VOCAB: MODEL,
+}
 #: parameter path (its last names) -> the split of its axes: the first rule whose names end the path applies
-PARAM_RULES = (
-    (("attn", "q_b_proj"), P(MODEL, None)),  # [heads * head_dim, q_lora_rank]: heads
-    (("attn", "sinks"), P(MODEL)),  # [heads]
-    (("attn", "o_a_proj"), P(MODEL, None)),  # [o_groups * o_lora_rank, heads * head_dim / o_groups]: groups
-    (("attn", "o_b_proj"), P(None, MODEL)),  # [hidden, o_groups * o_lora_rank]: groups, summed
-    (("gate",), P(MODEL, None)),  # the dense SwiGLU MLP: [mlp_hidden, hidden]
-    (("up",), P(MODEL, None)),
-    (("down",), P(None, MODEL)),  # [hidden, mlp_hidden], summed
-    (("moe", "experts_gate_up"), P(MODEL, None, None)),  # [experts, 2 * intermediate, hidden]: experts
-    (("moe", "experts_down"), P(MODEL, None, None)),  # [experts, hidden, intermediate]
-    (("moe", "shared_gate"), P(MODEL, None)),
-    (("moe", "shared_up"), P(MODEL, None)),
-    (("moe", "shared_down"), P(None, MODEL)),
-    (("lm_head",), P(MODEL, None)),  # [vocab, hidden]: the vocabulary
+#: (each parameter's logical axes, :class:`jax_oc128.nn.weights.Weight`, on the mesh)
+PARAM_RULES = tuple(
+    (weight.path, P(*(LOGICAL_AXES.get(axis) for axis in weight.axes)))
+    for weight in (*weights.TOP, *weights.LAYER, *weights.MTP)
+    if weight.axes
 )
 
 #: the slot axis of each array of the compressed states (the arrays of every other cache: their first axis)
