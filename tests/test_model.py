@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 from models import MODEL_CONFIG
 
-from jax_oc128.controller import OFFLINE, ONLINE, ForwardMode
+from jax_oc128.controller import OFFLINE, ONLINE, ForwardMode, backend_of
 from jax_oc128.nn import (
     CSA,
     DRAFT_HEADS,
@@ -84,6 +84,19 @@ def test_backend_must_be_an_object():
     with pytest.raises(TypeError, match="backend"):
         DeepseekV4Model(MODEL_CONFIG, backend="online", rngs=nnx.Rngs(0))
     assert DeepseekV4Model(MODEL_CONFIG, backend=ONLINE, rngs=nnx.Rngs(0)).backend is ONLINE
+
+
+@pytest.mark.parametrize("backend", [ONLINE, OFFLINE], ids=["online", "offline"])
+def test_the_cache_state_names_its_controller(backend):
+    """No layer holds a backend: the model's cache holds its backend's state, whose type names it."""
+    model = DeepseekV4Model(MODEL_CONFIG, backend=backend, rngs=nnx.Rngs(0))
+    layers = [
+        module for block in model.blocks for module in (block.attn, getattr(block.attn, "compressor", None))
+    ]
+    assert not any(hasattr(module, "backend") for module in layers)
+    assert backend_of(model.init_cache(2).compressed) is backend
+    with pytest.raises(TypeError, match=r"^compressed: a CompressState or OfflineState"):
+        backend_of(model.init_cache(2))
 
 
 @pytest.mark.parametrize(

@@ -240,6 +240,12 @@ def test_tree_misuse():
         ForwardBatch.create(positions[:, :2], mode=VERIFY, tree=TREES[0], nodes=(0, 1))
     with pytest.raises(TypeError, match=r"^mode: a jax_oc128.ForwardMode"):
         ForwardBatch.create(positions, mode="verify")
+    with pytest.raises(ValueError, match=r"^nodes: only with a tree"):
+        ForwardBatch.create(positions, mode=VERIFY, nodes=tuple(range(8)))
+    with pytest.raises(ValueError, match=r"^positions: \[batch, T\], got shape \(8,\)"):
+        ForwardBatch.create(positions[0])
+    with pytest.raises(ValueError, match=r"^lengths: \[batch\] = \[2\], got shape \(3,\)"):
+        ForwardBatch.create(positions, lengths=jnp.ones(3, jnp.int32))
     hca = DeepseekV4Attention(MODEL.attention(HCA), max_draft=MAX_DRAFT, rngs=nnx.Rngs(0))
     level = ForwardBatch.create(positions[:, :2], mode=VERIFY, tree=TREES[0], nodes=(1, 2))
     with pytest.raises(

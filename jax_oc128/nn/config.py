@@ -389,7 +389,7 @@ HF_FIXED = {
     "tie_word_embeddings": False,
     "attention_bias": False,
     "mlp_bias": False,
-    "compress_rates": {CSA: 4, HCA: 128},
+    "compress_rates": {CSA.value: 4, HCA.value: 128},
 }
 
 #: :meth:`ModelConfig.tiny`: the shipped model's fields

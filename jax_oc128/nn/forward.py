@@ -20,7 +20,7 @@ from jax_oc128.controller import ForwardMode, State, backend_of
 from jax_oc128.tree import Tree
 
 #: the metadata of a field in the record's tree structure (hashed, known at trace time)
-STATIC = {"static": True}
+_STATIC = {"static": True}
 
 
 def batch_slots(lengths):
@@ -54,9 +54,9 @@ class ForwardBatch:
     positions: jax.Array
     lengths: jax.Array
     page_table: jax.Array | None = None
-    mode: ForwardMode = dataclasses.field(default=ForwardMode.EXTEND, metadata=STATIC)
-    tree: Tree | None = dataclasses.field(default=None, metadata=STATIC)
-    nodes: tuple[int, ...] | None = dataclasses.field(default=None, metadata=STATIC)
+    mode: ForwardMode = dataclasses.field(default=ForwardMode.EXTEND, metadata=_STATIC)
+    tree: Tree | None = dataclasses.field(default=None, metadata=_STATIC)
+    nodes: tuple[int, ...] | None = dataclasses.field(default=None, metadata=_STATIC)
 
     @classmethod
     def create(
@@ -75,10 +75,15 @@ class ForwardBatch:
         as None."""
         if not isinstance(mode, ForwardMode):
             raise TypeError(f"mode: a jax_oc128.ForwardMode, got {mode!r}")
+        if jnp.ndim(positions) != 2:
+            raise ValueError(f"positions: [batch, T], got shape {jnp.shape(positions)}")
         batch, tokens = positions.shape
+        if lengths is not None and jnp.shape(lengths) != (batch,):
+            raise ValueError(f"lengths: [batch] = [{batch}], got shape {jnp.shape(lengths)}")
         lengths = jnp.full((batch,), tokens, jnp.int32) if lengths is None else lengths
         if tree is None:
-            nodes = None
+            if nodes is not None:
+                raise ValueError(f"nodes: only with a tree, got {nodes} and tree None")
         else:
             nodes = _check_tree_call(tree, nodes, tokens, mode)
             if tree.is_chain:  # the chain's kernels and masks: its nodes are consecutive positions
@@ -126,9 +131,9 @@ def prepare_forward(compressed: State | None, forward_batch: ForwardBatch) -> St
     hands it to each layer's verify kernel. None (no C128 layer) stays None."""
     if compressed is None:
         return None
+    seq_lens = forward_batch.positions[:, 0]
     controller = backend_of(compressed).controller
-    fb = forward_batch
-    return controller.prepare_forward(compressed, fb.mode, fb.slots, fb.positions[:, 0])
+    return controller.prepare_forward(compressed, forward_batch.mode, forward_batch.slots, seq_lens)
 
 
 def commit_verify(compressed: State, seq_lens, accept_lens) -> State:
