@@ -261,3 +261,19 @@ def test_tree_misuse():
             hca.init_compressed(BATCH, OFFLINE),
             ForwardBatch.create(positions, mode=VERIFY, tree=TREES[0]),
         )
+
+
+def test_the_forward_record():
+    """The record is a pytree of its arrays (mode, tree and nodes are its static structure); a chain given as
+    a tree is stored as the chain; ``base`` is the root's position, for a draft level too."""
+    _, positions = tree_inputs(TREES[0], 100, 5)
+    verify = ForwardBatch.create(positions, mode=VERIFY, tree=TREES[0])
+    assert verify.nodes == tuple(range(MAX_DRAFT)) and verify.every_node
+    assert len(jax.tree.leaves(verify)) == 2  # positions, lengths (no page table)
+    assert jax.tree.structure(verify) != jax.tree.structure(ForwardBatch.create(positions, mode=VERIFY))
+    np.testing.assert_array_equal(verify.base, positions[:, :1])
+    chain = ForwardBatch.create(positions[:, :4], mode=VERIFY, tree=Tree.chain(4))
+    assert chain.tree is None and chain.nodes is None
+    level = ForwardBatch.create(positions[:, 1:3], mode=ForwardMode.DRAFT_EXTEND, tree=TREES[0], nodes=(1, 2))
+    np.testing.assert_array_equal(level.base, jnp.full((BATCH, 1), 100))
+    assert not level.every_node
