@@ -54,11 +54,19 @@ import dataclasses
 import enum
 from typing import Protocol
 
+import jax
 import jax.numpy as jnp
 
 from jax_oc128 import ops
 from jax_oc128.rules import commits_pending, committed_bank, drop_index, lazy_commits, valid_rows
 from jax_oc128.state import CompressState, OfflineState
+
+#: a C128 state of either backend
+State = CompressState | OfflineState
+#: ``(state, entries, entry_blocks)``: what ``write_prefix`` and ``compress`` return
+Written = tuple[State, jax.Array, jax.Array]
+#: ``(max, sum, mean)`` float32 ``[layers, bs, D]``: what ``open_state`` returns
+OpenBlock = tuple[jax.Array, jax.Array, jax.Array]
 
 
 class ForwardMode(enum.Enum):
@@ -128,7 +136,7 @@ def verifying_slots(verify_rows, slots):
     return jnp.where(in_range & begun, slots, -1)
 
 
-def _close_verify(cs, slots, seq_lens, layer: int, layers_written: int, tokens: int):
+def _close_verify(cs: State, slots, seq_lens, layer: int, layers_written: int, tokens: int) -> State:
     """After a write_prefix of layers ``layer .. layer + layers_written - 1``: the call that covers the
     state's last layer closes the verify (its rows' slots begun no more; the online state's verify becomes
     pending, with its N = ``tokens``)."""
@@ -170,7 +178,7 @@ class Controller:
 
     def prepare_forward(
         self, cs: CompressState, mode: ForwardMode, slots, seq_lens, verify_bs=None, accept_banks=None
-    ):
+    ) -> CompressState:
         """Before a forward of ``slots`` at their current ``seq_lens``; rows ``>= verify_bs`` are padding.
         ``accept_banks``: the banks the commits of the rows' pending verifies keep, after a tree verify
         (default: the chain's).
@@ -195,7 +203,9 @@ class Controller:
         )
         return self.commit(cs, rows, verify_lens, accept_lens, accept_banks)
 
-    def write_prefix(self, cs: CompressState, kv_score, seq_lens, slots, ape, *, layer: int = 0, tree=None):
+    def write_prefix(
+        self, cs: CompressState, kv_score, seq_lens, slots, ape, *, layer: int = 0, tree=None
+    ) -> Written:
         """The verify's bank writes for layers ``layer .. layer + Lk - 1`` (all layers in one call when
         ``kv_score`` has them all), each row first committing its slot's pending verify where
         prepare_forward recorded it (``to_commit``, keeping ``to_commit_banks``), in the same kernel.
@@ -241,13 +251,15 @@ class Controller:
             to_commit=cs.to_commit.at[index].set(-1, mode="drop"),
         )
 
-    def compress(self, cs: CompressState, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0):
+    def compress(
+        self, cs: CompressState, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0
+    ) -> Written:
         """An extend or decode forward's compression. Returns ``(cs, entries [Lk, bs, T//128+1, D],
         entry_blocks [bs, T//128+1])``."""
         banks, entries, blocks = ops.compress(cs.banks, kv_score, seq_lens, new_lens, slots, ape, layer=layer)
         return cs.replace(banks=banks), entries, blocks
 
-    def open_state(self, cs: CompressState, slots, seq_lens, ape, accept_banks=None):
+    def open_state(self, cs: CompressState, slots, seq_lens, ape, accept_banks=None) -> OpenBlock:
         """``(max, sum, mean)`` float32 ``[layers, bs, D]`` of each row's open block at ``seq_lens``, as it
         is once the slot's next forward at ``seq_lens`` commits what is pending, keeping ``accept_banks``
         (default: the chain's) (meaningless where ``seq_lens % 128 == 0``)."""
@@ -277,7 +289,7 @@ class OfflineController:
 
     def prepare_forward(
         self, cs: OfflineState, mode: ForwardMode, slots, seq_lens, verify_bs=None, accept_banks=None
-    ):
+    ) -> OfflineState:
         """``TARGET_VERIFY`` begins the verify (:meth:`begin_verify`, rows ``>= verify_bs`` padding); other
         modes change nothing (nothing is ever pending)."""
         _check_prepare_forward_args(mode, slots, seq_lens, verify_bs, accept_banks)
@@ -285,7 +297,9 @@ class OfflineController:
             return cs
         return self.begin_verify(cs, active_slots(slots, verify_bs), seq_lens, accept_banks)
 
-    def write_prefix(self, cs: OfflineState, kv_score, seq_lens, slots, ape, *, layer: int = 0, tree=None):
+    def write_prefix(
+        self, cs: OfflineState, kv_score, seq_lens, slots, ape, *, layer: int = 0, tree=None
+    ) -> Written:
         """A chain verify's rows, written as a compress of its N tokens for the rows the begun verify holds
         (:func:`verifying_slots`); ``tree`` must be None. The call that covers the last layer closes it."""
         if tree is not None:
@@ -304,11 +318,13 @@ class OfflineController:
         )
         return cs
 
-    def compress(self, cs: OfflineState, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0):
+    def compress(
+        self, cs: OfflineState, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0
+    ) -> Written:
         """Write the rows by position and pool the blocks they close (:meth:`OfflineState.write`)."""
         return cs.write(kv_score, seq_lens, new_lens, slots, ape, layer=layer)
 
-    def open_state(self, cs: OfflineState, slots, seq_lens, ape, accept_banks=None):
+    def open_state(self, cs: OfflineState, slots, seq_lens, ape, accept_banks=None) -> OpenBlock:
         """``(max, sum, mean)`` float32 ``[layers, bs, D]`` of the open block, pooled from the raw rows."""
         _check_per_row_args(slots=slots, seq_lens=seq_lens, **_given(accept_banks=accept_banks))
         return cs.open_block(slots, seq_lens, ape)
@@ -320,22 +336,26 @@ class CompressController(Protocol):
     it). ``cs`` is the backend's state; every method returns the new state (``write_prefix`` and
     ``compress`` with the entries they closed)."""
 
-    def begin_verify(self, cs, slots, seq_lens, accept_banks=None):
+    def begin_verify(self, cs: State, slots, seq_lens, accept_banks=None) -> State:
         """Begin a verify of ``slots`` at ``seq_lens``; nothing is committed or pending yet."""
 
-    def prepare_forward(self, cs, mode: ForwardMode, slots, seq_lens, verify_bs=None, accept_banks=None):
+    def prepare_forward(
+        self, cs: State, mode: ForwardMode, slots, seq_lens, verify_bs=None, accept_banks=None
+    ) -> State:
         """Before a forward of ``mode``; rows ``>= verify_bs`` are padding."""
 
-    def write_prefix(self, cs, kv_score, seq_lens, slots, ape, *, layer: int = 0, tree=None):
+    def write_prefix(
+        self, cs: State, kv_score, seq_lens, slots, ape, *, layer: int = 0, tree=None
+    ) -> Written:
         """A verify's writes (``tree`` None: a chain) -> ``(cs, entries, entry_blocks)``."""
 
-    def commit(self, cs, slots, seq_lens, accept_lens, accept_banks=None):
+    def commit(self, cs: State, slots, seq_lens, accept_lens, accept_banks=None) -> State:
         """Keep ``accept_lens`` tokens (bank ``accept_banks``) of the pending verify at ``seq_lens``."""
 
-    def compress(self, cs, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0):
+    def compress(self, cs: State, kv_score, seq_lens, new_lens, slots, ape, *, layer: int = 0) -> Written:
         """An extend or decode forward's compression -> ``(cs, entries, entry_blocks)``."""
 
-    def open_state(self, cs, slots, seq_lens, ape, accept_banks=None):
+    def open_state(self, cs: State, slots, seq_lens, ape, accept_banks=None) -> OpenBlock:
         """``(max, sum, mean)`` of each row's open block at ``seq_lens``, what is pending committed."""
 
 
@@ -348,7 +368,7 @@ class Backend:
     state_type: type
     controller: CompressController
 
-    def create(self, layers: int, slots: int, head_dim: int, max_draft: int, dtype=jnp.float32):
+    def create(self, layers: int, slots: int, head_dim: int, max_draft: int, dtype=jnp.float32) -> State:
         """A fresh state of this backend (see :meth:`CompressState.create`)."""
         return self.state_type.create(layers, slots, head_dim, max_draft, dtype)
 
@@ -358,3 +378,14 @@ ONLINE = Backend("online", CompressState, Controller())
 #: the offline baseline: raw rows of the open block, rollback by position
 OFFLINE = Backend("offline", OfflineState, OfflineController())
 BACKENDS = {backend.name: backend for backend in (ONLINE, OFFLINE)}
+
+
+def backend_of(state: State) -> Backend:
+    """The backend of a C128 ``state``, found from its type (one of :data:`BACKENDS`): a state is driven
+    by its own controller, ``backend_of(state).controller``, and nothing else need carry it."""
+    for backend in BACKENDS.values():
+        if type(state) is backend.state_type:
+            return backend
+    raise TypeError(
+        f"compressed: a CompressState or OfflineState (a state of BACKENDS), got {type(state).__name__}"
+    )

@@ -20,7 +20,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from jax_oc128 import pretrained, released
-from jax_oc128.controller import ONLINE, ForwardMode
+from jax_oc128.controller import ForwardMode
 from jax_oc128.loading import names
 from jax_oc128.nn import DeepseekV4Attention, ModelConfig, SpeculativeModel
 from jax_oc128.nn.functional import variable_at
@@ -80,11 +80,11 @@ def attention_weights(index):
     return {k.split("/", 1)[1]: v for k, v in ATTENTION_FIXTURE.items() if k.startswith(prefix) and "." in k}
 
 
-def attention_layer(index, backend=ONLINE, max_draft=4):
-    """Layer ``index`` of the fixture with its weights, on the C128 ``backend``."""
+def attention_layer(index, max_draft=4):
+    """Layer ``index`` of the fixture with its weights."""
     weights = attention_weights(index) | {"sinks": ATTENTION_FIXTURE[f"layer{index}/sinks"]}
     config = ATTENTION_MODEL.attention(ATTENTION_MODEL.layer_types[index])
-    return DeepseekV4Attention.from_hf(config, index, weights, backend=backend, max_draft=max_draft)
+    return DeepseekV4Attention.from_hf(config, index, weights, max_draft=max_draft)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 from models import MODEL_CONFIG
 
-from jax_oc128.controller import OFFLINE, ONLINE, ForwardMode
+from jax_oc128.controller import OFFLINE, ONLINE, ForwardMode, backend_of
 from jax_oc128.nn import (
     CSA,
     HCA,
@@ -88,6 +88,19 @@ def test_backend_must_be_an_object():
     assert DeepseekV4Model(MODEL_CONFIG, backend=ONLINE, rngs=nnx.Rngs(0)).backend is ONLINE
 
 
+@pytest.mark.parametrize("backend", [ONLINE, OFFLINE], ids=["online", "offline"])
+def test_the_cache_state_names_its_controller(backend):
+    """No layer holds a backend: the model's cache holds its backend's state, whose type names it."""
+    model = DeepseekV4Model(MODEL_CONFIG, backend=backend, rngs=nnx.Rngs(0))
+    layers = [
+        module for block in model.blocks for module in (block.attn, getattr(block.attn, "compressor", None))
+    ]
+    assert not any(hasattr(module, "backend") for module in layers)
+    assert backend_of(model.init_cache(2).compressed) is backend
+    with pytest.raises(TypeError, match=r"^compressed: a CompressState or OfflineState"):
+        backend_of(model.init_cache(2))
+
+
 @pytest.mark.parametrize(
     "config, head",
     [(MODEL_CONFIG, MTPHead), (ModelConfig.tiny(hc_mult=2, mlp_layer_types=(MOE,) * 4), DeepseekV4MTP)],
@@ -96,7 +109,7 @@ def test_backend_must_be_an_object():
 def test_draft_head_is_the_registered_head_the_config_calls_for(config, head):
     model = nnx.eval_shape(lambda: SpeculativeModel(config, rngs=nnx.Rngs(0)))
     assert type(model.mtp) is drafter_class(default_draft_head(config)) is head
-    assert model.drafter is model.mtp and model.mtp.block.attn.backend is model.target.backend
+    assert model.drafter is model.mtp
     assert model.mtp.embed is model.target.embed and model.mtp.lm_head is model.target.lm_head
     no_head = ModelConfig.tiny(mtp=False)
     assert (
@@ -107,13 +120,12 @@ def test_draft_head_is_the_registered_head_the_config_calls_for(config, head):
 
 def test_draft_head_by_name():
     """``drafter=`` picks a registered head over the config's default; an unknown name is refused naming
-    the registered ones, a head for a config without one is refused; the head's block takes the target's
-    C128 backend."""
+    the registered ones, a head for a config without one is refused."""
     config = ModelConfig.tiny(hc_mult=2, mlp_layer_types=(MOE,) * 4)
     model = nnx.eval_shape(
         lambda: SpeculativeModel(config, backend=OFFLINE, rngs=nnx.Rngs(0), drafter="mtp_head")
     )
-    assert type(model.mtp) is MTPHead and model.mtp.block.attn.backend is OFFLINE
+    assert type(model.mtp) is MTPHead
     with pytest.raises(
         ValueError, match=r"^drafter: unknown 'medusa'; registered: .*deepseek_v4_mtp, mtp_head"
     ):

@@ -18,7 +18,7 @@ from hf_fixtures import HF_TOL, attention_layer, attention_weights
 from oracle import rel_err
 
 from jax_oc128.controller import OFFLINE, ONLINE, ForwardMode
-from jax_oc128.nn import DeepseekV4Attention, prepare_forward
+from jax_oc128.nn import DeepseekV4Attention, ForwardBatch, commit_verify, prepare_forward
 
 BATCH, PROMPT = X.shape[:2]
 VERIFY = ForwardMode.TARGET_VERIFY
@@ -28,9 +28,10 @@ def positions(start, stop):
     return jnp.broadcast_to(jnp.arange(start, stop, dtype=jnp.int32), (BATCH, stop - start))
 
 
-def init_caches(attn):
-    """The layer's own cache and a compressor state of its own (None for a sliding layer)."""
-    return attn.init_cache(BATCH), attn.init_compressed(BATCH)
+def init_caches(attn, backend=ONLINE):
+    """The layer's own cache and a compressor state of its own on the C128 ``backend`` (None for a sliding
+    layer)."""
+    return attn.init_cache(BATCH), attn.init_compressed(BATCH, backend)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "mode"), donate_argnames="caches")
@@ -39,23 +40,24 @@ def step(graphdef, params, x, pos, caches, lengths=None, mode=ForwardMode.EXTEND
     caches ``(cache, compressed)`` donated."""
     attn = nnx.merge(graphdef, params)
     cache, compressed = caches
-    lengths = jnp.full((x.shape[0],), x.shape[1], jnp.int32) if lengths is None else lengths
-    compressed = prepare_forward(attn.backend, compressed, mode, pos, lengths)
-    y, cache, compressed = attn(x, pos, cache, compressed, lengths=lengths, mode=mode)
+    forward_batch = ForwardBatch.create(pos, lengths=lengths, mode=mode)
+    compressed = prepare_forward(compressed, forward_batch)
+    y, cache, compressed = attn(x, cache, compressed, forward_batch)
     return y, (cache, compressed)
 
 
-def commit(attn, caches, seq_len, accept):
+def commit(caches, seq_len, accept):
     """The eager commit of every row's verify at ``seq_len``, keeping ``accept`` tokens."""
     cache, compressed = caches
     full = functools.partial(jnp.full, (BATCH,), dtype=jnp.int32)
-    return cache, attn.commit(compressed, full(seq_len), full(accept))
+    return cache, commit_verify(compressed, full(seq_len), full(accept))
 
 
-def run(attn, chunks):
-    """Feed X in chunks through the jitted module, the cache donated; outputs concatenated."""
+def run(attn, chunks, backend=ONLINE):
+    """Feed X in chunks through the jitted module (its C128 state on ``backend``), the cache donated;
+    outputs concatenated."""
     graphdef, params = nnx.split(attn)
-    cache, outputs, start = init_caches(attn), [], 0
+    cache, outputs, start = init_caches(attn, backend), [], 0
     for size in chunks:
         y, cache = step(graphdef, params, X[:, start : start + size], positions(start, start + size), cache)
         outputs.append(y)
@@ -79,7 +81,7 @@ CHUNKINGS = {
 def test_matches_transformers(index, mode, backend):
     """Layer outputs and compressed entries (2 closed blocks) equal transformers' within 1e-4 (measured:
     about 5e-7)."""
-    y, cache = run(attention_layer(index, backend), CHUNKINGS[mode])
+    y, cache = run(attention_layer(index), CHUNKINGS[mode], backend)
     assert rel_err(y, FIXTURE[f"layer{index}/{mode}"]) < HF_TOL
     if index == 1:
         hf_entries = FIXTURE["layer1/entries" if mode != "decoded" else "layer1/decode_entries"]
@@ -89,8 +91,8 @@ def test_matches_transformers(index, mode, backend):
 
 
 def test_online_and_offline_backends_agree():
-    y_online, c_online = run(attention_layer(1, ONLINE), CHUNKINGS["chunked"])
-    y_offline, c_offline = run(attention_layer(1, OFFLINE), CHUNKINGS["chunked"])
+    y_online, c_online = run(attention_layer(1), CHUNKINGS["chunked"], ONLINE)
+    y_offline, c_offline = run(attention_layer(1), CHUNKINGS["chunked"], OFFLINE)
     assert rel_err(y_online, y_offline) < 1e-5
     assert rel_err(c_online[0].entries, c_offline[0].entries) < 1e-5
 
@@ -100,10 +102,10 @@ def test_online_and_offline_backends_agree():
 def test_verify_equals_decoding_one_by_one(start, backend):
     """N = 4 tokens verified at once give the outputs of decoding them one by one, also when a block
     closes at the second token (the later drafts see its entry); after commit the cache goes on alike."""
-    attn = attention_layer(1, backend)
+    attn = attention_layer(1)
     graphdef, params = nnx.split(attn)
-    _, cache = run(attn, (start,))
-    _, cache_copy = run(attn, (start,))
+    _, cache = run(attn, (start,), backend)
+    _, cache_copy = run(attn, (start,), backend)
     y_verify, cache = step(
         graphdef, params, X[:, start : start + 4], positions(start, start + 4), cache, mode=VERIFY
     )
@@ -112,7 +114,7 @@ def test_verify_equals_decoding_one_by_one(start, backend):
         y, cache_copy = step(graphdef, params, X[:, p : p + 1], positions(p, p + 1), cache_copy)
         decoded.append(y)
     assert rel_err(y_verify, jnp.concatenate(decoded, axis=1)) < 1e-5
-    cache = commit(attn, cache, start, 4)
+    cache = commit(cache, start, 4)
     nxt = start + 4
     y_after, _ = step(graphdef, params, X[:, nxt : nxt + 1], positions(nxt, nxt + 1), cache)
     y_ref, _ = step(graphdef, params, X[:, nxt : nxt + 1], positions(nxt, nxt + 1), cache_copy)
@@ -156,14 +158,14 @@ def test_rejected_drafts_leave_no_trace(start, backend):
     """Verify 4 tokens whose last two are junk, keep 2 (eager commit), and go on: the outputs equal those of
     a cache that only ever saw the 2 kept tokens (window rows, entries and compressor state of the junk are
     all overwritten or invisible)."""
-    attn = attention_layer(1, backend)
+    attn = attention_layer(1)
     graphdef, params = nnx.split(attn)
-    _, cache = run(attn, (start,))
-    _, clean = run(attn, (start + 2,))
+    _, cache = run(attn, (start,), backend)
+    _, clean = run(attn, (start + 2,), backend)
     junk = jnp.asarray(np.random.default_rng(0).normal(size=(BATCH, 2, X.shape[2])), jnp.float32)
     drafts = jnp.concatenate([X[:, start : start + 2], junk], axis=1)
     _, cache = step(graphdef, params, drafts, positions(start, start + 4), cache, mode=VERIFY)
-    cache = commit(attn, cache, start, 2)
+    cache = commit(cache, start, 2)
     nxt = start + 2
     for mode, width in ((VERIFY, 4), (ForwardMode.DECODE, 1)):  # the next verify, and a decode
         x, pos = X[:, nxt : nxt + width], positions(nxt, nxt + width)

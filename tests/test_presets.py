@@ -11,7 +11,6 @@ import pytest
 from flax import nnx
 
 from jax_oc128 import checkpoint
-from jax_oc128.controller import ONLINE
 from jax_oc128.loading.hf_config import from_deepseek
 from jax_oc128.nn import CSA, HCA, SLIDING, Block, DeepseekV4Model, ModelConfig, default_draft_head
 from jax_oc128.nn.moe import HASH_MOE, MOE
@@ -125,7 +124,7 @@ def target_parameters(config: ModelConfig) -> tuple[int, int]:
     blocks = {}
     for layer, kinds in enumerate(zip(config.layer_types, config.mlp_layer_types, strict=True)):
         if kinds not in blocks:
-            block = nnx.eval_shape(lambda layer=layer: Block(config, layer, ONLINE, 0, rngs=nnx.Rngs(0)))
+            block = nnx.eval_shape(lambda layer=layer: Block(config, layer, rngs=nnx.Rngs(0)))
             blocks[kinds] = _sizes(block, config.num_experts)
         total, routed = total + blocks[kinds][0], routed + blocks[kinds][1]
     unpicked = routed * (1 - config.num_experts_per_tok / config.num_experts)

@@ -17,8 +17,8 @@ from hf_fixtures import ATTENTION_MODEL as MODEL
 from hf_fixtures import ATTENTION_X as X
 from hf_fixtures import attention_layer
 
-from jax_oc128.controller import OFFLINE, ForwardMode
-from jax_oc128.nn import DeepseekV4Attention, prepare_forward
+from jax_oc128.controller import OFFLINE, ForwardMode, backend_of
+from jax_oc128.nn import DeepseekV4Attention, ForwardBatch, prepare_forward
 from jax_oc128.nn.attention import CSA, HCA
 from jax_oc128.tree import Tree
 
@@ -61,11 +61,9 @@ def forward(graphdef, params, x, positions, caches, mode=ForwardMode.EXTEND, tre
     """One forward of the layer, the controller's transition first (as a model runs it)."""
     attn = nnx.merge(graphdef, params)
     cache, compressed = caches
-    lengths = jnp.full((x.shape[0],), x.shape[1], jnp.int32)
-    compressed = prepare_forward(attn.backend, compressed, mode, positions, lengths)
-    y, cache, compressed = attn(
-        x, positions, cache, compressed, lengths=lengths, mode=mode, tree=tree, nodes=nodes
-    )
+    forward_batch = ForwardBatch.create(positions, mode=mode, tree=tree, nodes=nodes)
+    compressed = prepare_forward(compressed, forward_batch)
+    y, cache, compressed = attn(x, cache, compressed, forward_batch)
     return y, (cache, compressed)
 
 
@@ -100,7 +98,7 @@ def commit(graphdef, params, caches, prefix, accept, banks=None):
         return caches
     slots = jnp.arange(BATCH, dtype=jnp.int32)
     seq = jnp.full((BATCH,), prefix, jnp.int32)
-    controller = nnx.merge(graphdef, params).backend.controller
+    controller = backend_of(compressed).controller
     return cache, controller.commit(compressed, slots, seq, jnp.asarray(accept, jnp.int32), banks)
 
 
@@ -231,29 +229,51 @@ def test_a_chain_drafted_as_a_tree_is_the_chain():
 
 
 def test_tree_misuse():
-    attn = make_layer(0)
     x, positions = tree_inputs(TREES[0], 100, 5)
-    cache = attn.init_cache(BATCH)
     with pytest.raises(ValueError, match=r"^tree: only for a verify"):
-        attn(x, positions, cache, tree=TREES[0])
+        ForwardBatch.create(positions, tree=TREES[0])
     with pytest.raises(ValueError, match=r"^tree: 4 nodes for 8 tokens"):
-        attn(x, positions, cache, mode=VERIFY, tree=Tree.chain(4))
+        ForwardBatch.create(positions, mode=VERIFY, tree=Tree.chain(4))
     with pytest.raises(TypeError, match=r"^tree: a jax_oc128.tree.Tree"):
-        attn(x, positions, cache, mode=VERIFY, tree=(-1, 0))
+        ForwardBatch.create(positions, mode=VERIFY, tree=(-1, 0))
+    with pytest.raises(ValueError, match=r"^nodes: all of the tree's nodes or distinct nodes of one depth"):
+        ForwardBatch.create(positions[:, :2], mode=VERIFY, tree=TREES[0], nodes=(0, 1))
+    with pytest.raises(TypeError, match=r"^mode: a jax_oc128.ForwardMode"):
+        ForwardBatch.create(positions, mode="verify")
+    with pytest.raises(ValueError, match=r"^nodes: only with a tree"):
+        ForwardBatch.create(positions, mode=VERIFY, nodes=tuple(range(8)))
+    with pytest.raises(ValueError, match=r"^positions: \[batch, T\], got shape \(8,\)"):
+        ForwardBatch.create(positions[0])
+    with pytest.raises(ValueError, match=r"^lengths: \[batch\] = \[2\], got shape \(3,\)"):
+        ForwardBatch.create(positions, lengths=jnp.ones(3, jnp.int32))
     hca = DeepseekV4Attention(MODEL.attention(HCA), max_draft=MAX_DRAFT, rngs=nnx.Rngs(0))
+    level = ForwardBatch.create(positions[:, :2], mode=VERIFY, tree=TREES[0], nodes=(1, 2))
     with pytest.raises(
         ValueError, match=r"^nodes: an heavily_compressed_attention layer verifies every node"
     ):
-        hca(x[:, :2], positions[:, :2], hca.init_cache(BATCH), mode=VERIFY, tree=TREES[0], nodes=(1, 2))
-    offline = DeepseekV4Attention(
-        MODEL.attention(MODEL.layer_types[1]), backend=OFFLINE, max_draft=MAX_DRAFT, rngs=nnx.Rngs(0)
-    )
+        hca(x[:, :2], hca.init_cache(BATCH), hca.init_compressed(BATCH), level)
+    with pytest.raises(ValueError, match=r"^compressed: an HCA layer needs the C128 state"):
+        hca(x, hca.init_cache(BATCH), None, ForwardBatch.create(positions, mode=VERIFY, tree=TREES[0]))
     with pytest.raises(ValueError, match=r"^tree: the offline C128 state verifies chains only"):
-        offline(
+        hca(
             x,
-            positions,
-            offline.init_cache(BATCH),
-            offline.init_compressed(BATCH),
-            mode=VERIFY,
-            tree=TREES[0],
+            hca.init_cache(BATCH),
+            hca.init_compressed(BATCH, OFFLINE),
+            ForwardBatch.create(positions, mode=VERIFY, tree=TREES[0]),
         )
+
+
+def test_the_forward_record():
+    """The record is a pytree of its arrays (mode, tree and nodes are its static structure); a chain given as
+    a tree is stored as the chain; ``base`` is the root's position, for a draft level too."""
+    _, positions = tree_inputs(TREES[0], 100, 5)
+    verify = ForwardBatch.create(positions, mode=VERIFY, tree=TREES[0])
+    assert verify.nodes == tuple(range(MAX_DRAFT)) and verify.every_node
+    assert len(jax.tree.leaves(verify)) == 2  # positions, lengths (no page table)
+    assert jax.tree.structure(verify) != jax.tree.structure(ForwardBatch.create(positions, mode=VERIFY))
+    np.testing.assert_array_equal(verify.base, positions[:, :1])
+    chain = ForwardBatch.create(positions[:, :4], mode=VERIFY, tree=Tree.chain(4))
+    assert chain.tree is None and chain.nodes is None
+    level = ForwardBatch.create(positions[:, 1:3], mode=ForwardMode.DRAFT_EXTEND, tree=TREES[0], nodes=(1, 2))
+    np.testing.assert_array_equal(level.base, jnp.full((BATCH, 1), 100))
+    assert not level.every_node

@@ -2,8 +2,9 @@
 (:mod:`~jax_oc128.nn.hca`) and the CSA compressor and indexer (:mod:`~jax_oc128.nn.csa`), RoPE
 (:mod:`~jax_oc128.nn.rope`), hyper-connections (:mod:`~jax_oc128.nn.hyper_connections`), the mixture of
 experts (:mod:`~jax_oc128.nn.moe`, its kernel :mod:`~jax_oc128.nn.grouped_matmul`), the linear layers
-(:mod:`~jax_oc128.nn.linear`), the decoder (:mod:`~jax_oc128.nn.model`) and its config
-(:mod:`~jax_oc128.nn.config`), the draft heads and the speculative model (:mod:`~jax_oc128.nn.draft`)."""
+(:mod:`~jax_oc128.nn.linear`), the decoder (:mod:`~jax_oc128.nn.model`), its config
+(:mod:`~jax_oc128.nn.config`) and its forward record (:mod:`~jax_oc128.nn.forward`), the draft heads and
+the speculative model (:mod:`~jax_oc128.nn.draft`)."""
 
 from jax_oc128.nn.attention import (
     CSA,
@@ -12,16 +13,16 @@ from jax_oc128.nn.attention import (
     AttentionCache,
     AttentionConfig,
     DeepseekV4Attention,
-    batch_slots,
-    prepare_forward,
+    LayerType,
 )
 from jax_oc128.nn.config import ModelConfig
 from jax_oc128.nn.csa import CSACompressor
 from jax_oc128.nn.draft import DeepseekV4MTP, DraftHead, MTPHead, SpeculativeModel, default_draft_head
+from jax_oc128.nn.forward import ForwardBatch, batch_slots, commit_verify, prepare_forward
 from jax_oc128.nn.hca import HCACompressor
 from jax_oc128.nn.hyper_connections import HyperConnection, HyperHead
 from jax_oc128.nn.model import Block, DeepseekV4Model, ModelCache
-from jax_oc128.nn.moe import MoE
+from jax_oc128.nn.moe import MlpType, MoE
 from jax_oc128.nn.rope import RopeConfig
 
 __all__ = [
@@ -36,16 +37,20 @@ __all__ = [
     "DeepseekV4MTP",
     "DeepseekV4Model",
     "DraftHead",
+    "ForwardBatch",
     "HCACompressor",
     "HyperConnection",
     "HyperHead",
+    "LayerType",
     "MTPHead",
+    "MlpType",
     "MoE",
     "ModelCache",
     "ModelConfig",
     "RopeConfig",
     "SpeculativeModel",
     "batch_slots",
+    "commit_verify",
     "default_draft_head",
     "prepare_forward",
 ]

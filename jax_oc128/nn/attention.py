@@ -9,16 +9,19 @@ and come out as pytrees (donate them to the enclosing jit).
 A CSA layer keeps its compressor's raw rows, entries and indexer keys in its own
 :class:`AttentionCache`. The C128 compressor state is not the layer's: one layer-stacked state
 (:class:`~jax_oc128.CompressState` or :class:`~jax_oc128.OfflineState`) holds every C128 layer of a
-model, and each layer writes its own ``compress_layer`` of it. The controller's once-per-forward transition
-runs before the layers (:func:`prepare_forward`), so a standalone layer is driven like this::
+model, and each layer writes its own ``compress_layer`` of it. What one forward's layers read (mode,
+positions, lengths, tree, page table) is its :class:`~jax_oc128.nn.forward.ForwardBatch`; the controller's
+once-per-forward transition runs before the layers (:func:`~jax_oc128.nn.forward.prepare_forward`), so a
+standalone layer is driven like this::
 
-    compressed = prepare_forward(attn.backend, compressed, mode, positions, lengths)
-    y, cache, compressed = attn(x, positions, cache, compressed, lengths=lengths, mode=mode)
-    compressed = attn.commit(compressed, seq_lens, accept_lens)  # after a verify: eager, or leave it pending
+    forward_batch = ForwardBatch.create(positions, lengths=lengths, mode=mode)
+    compressed = prepare_forward(compressed, forward_batch)  # compressed = attn.init_compressed(batch) first
+    y, cache, compressed = attn(x, cache, compressed, forward_batch)
+    compressed = commit_verify(compressed, seq_lens, accept_lens)  # after a verify: eager, or leave pending
 
-Shapes: ``x`` ``[batch, T, hidden]`` float32 (the layer input after its input norm), ``positions``
-``[batch, T]`` int32, consecutive per row, ``lengths`` ``[batch]`` int32. Batch row b is slot b of the
-compressed state. Activations are float32; the weights are float32 or bfloat16, their matmuls accumulating
+Shapes: ``x`` ``[batch, T, hidden]`` float32 (the layer input after its input norm); positions and lengths as
+:class:`~jax_oc128.nn.forward.ForwardBatch` has them. Batch row b is slot b of the compressed state.
+Activations are float32; the weights are float32 or bfloat16, their matmuls accumulating
 in float32 (:mod:`~jax_oc128.nn.functional`); the caches are stored as the config's ``cache_dtypes`` say
 (float32, bfloat16 or FP8 entries, :mod:`~jax_oc128.nn.kv_cache`) and read back in float32.
 """
@@ -26,25 +29,36 @@ in float32 (:mod:`~jax_oc128.nn.functional`); the caches are stored as the confi
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_oc128.controller import ONLINE, Backend, ForwardMode
+from jax_oc128.controller import ONLINE, Backend, State
 from jax_oc128.nn import csa, kv_cache
 from jax_oc128.nn import weights as nn_weights
 from jax_oc128.nn.csa import CSACompressor, IndexerConfig
+from jax_oc128.nn.forward import ForwardBatch
 from jax_oc128.nn.functional import FULL, assign_weights, normal_param, ones_param, rms_norm, zeros_param
-from jax_oc128.nn.hca import HCACompressor, batch_slots
+from jax_oc128.nn.hca import HCACompressor
 from jax_oc128.nn.kv_cache import CacheDtypes
 from jax_oc128.nn.linear import linear
 from jax_oc128.nn.rope import RopeConfig
 from jax_oc128.rules import BLOCK, drop_index
 from jax_oc128.tree import Tree, check_tree
 
-SLIDING, HCA, CSA = "sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"
+
+class LayerType(enum.StrEnum):
+    """An attention layer's type; a member equals the string configs hold (transformers' names)."""
+
+    SLIDING = "sliding_attention"
+    HCA = "heavily_compressed_attention"  # C128
+    CSA = "compressed_sparse_attention"  # ratio 4, with the lightning indexer
+
+
+SLIDING, HCA, CSA = LayerType.SLIDING, LayerType.HCA, LayerType.CSA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +67,7 @@ class AttentionConfig:
     <jax_oc128.nn.ModelConfig.attention>` (of transformers' ``DeepseekV4Config`` by
     :meth:`ModelConfig.from_hf <jax_oc128.nn.ModelConfig.from_hf>`)."""
 
-    layer_type: str
+    layer_type: LayerType
     hidden_size: int
     num_heads: int
     head_dim: int
@@ -223,35 +237,17 @@ class AttentionCache:
         )
 
 
-def _check_tree_call(tree, nodes, tokens: int, mode: ForwardMode, layer_type: str) -> tuple[int, ...]:
-    """A tree call's ``tree`` and ``nodes`` (default: every node) checked against its ``tokens``, ``mode``
-    and layer type; returns the nodes."""
-    if not isinstance(tree, Tree):
-        raise TypeError(f"tree: a jax_oc128.tree.Tree or None, got {type(tree).__name__}")
-    if mode not in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND):
-        raise ValueError(f"tree: only for a verify or a draft (TARGET_VERIFY, DRAFT_EXTEND), got mode {mode}")
-    nodes = tuple(range(tree.size)) if nodes is None else tuple(nodes)
-    if len(nodes) != tokens:
-        raise ValueError(f"tree: {len(nodes)} nodes for {tokens} tokens")
-    depths = {int(tree.depths[n]) for n in nodes if 0 <= n < tree.size}
-    if len(set(nodes)) != len(nodes) or (len(depths) != 1 and nodes != tuple(range(tree.size))):
-        raise ValueError(f"nodes: all of the tree's nodes or distinct nodes of one depth, got {nodes}")
-    if layer_type != SLIDING and nodes != tuple(range(tree.size)):
-        raise ValueError(f"nodes: an {layer_type} layer verifies every node of the tree at once, got {nodes}")
-    return nodes
-
-
-def _window_visibility(tree, nodes, base, window_positions, positions, key_positions, sliding_window: int):
-    """``[batch, T, R + T]`` bool: what the T tokens at ``positions`` see of the window ring's R rows
-    (``window_positions``) and of themselves (``key_positions`` ``[batch, R + T]`` both's positions), within
-    the sliding window. Of the ring, the rows before the root (``base`` ``[batch, 1]`` its position: rows
-    at or past it hold rejected drafts of an earlier verify, positions this call rewrites), and for a tree
-    the rows of the tokens' ancestors that earlier calls of the tree wrote (node m at row ``(base + m) %
-    R``); of the new tokens, their ancestors (a chain's: the tokens before them, by position)."""
+def _window_visibility(forward_batch: ForwardBatch, window_positions, sliding_window: int):
+    """``[batch, T, R + T]`` bool: what the T tokens of ``forward_batch`` see of the window ring's R rows
+    (``window_positions`` ``[batch, R]``) and of themselves, within the sliding window. Of the ring, the
+    rows before the root (rows at or past it hold rejected drafts of an earlier verify, positions this call
+    rewrites), and for a tree the rows of the tokens' ancestors that earlier calls of the tree wrote (node m
+    at row ``(base + m) % R``); of the new tokens, their ancestors (a chain's: the tokens before them, by
+    position)."""
+    fb = forward_batch
+    positions, tree, nodes, base = fb.positions, fb.tree, fb.nodes, fb.base
     ring_size, (batch, tokens) = window_positions.shape[1], positions.shape
-    if (
-        tree is None
-    ):  # a chain's earlier calls wrote positions before base, its ancestry is the position order
+    if tree is None:  # a chain's earlier calls wrote positions before base; its ancestry: the position order
         ring, new = False, True
     else:
         sees = np.asarray(tree.mask)[list(nodes)]  # [T, N]: ancestors or self
@@ -268,23 +264,26 @@ def _window_visibility(tree, nodes, base, window_positions, positions, key_posit
         ],
         axis=2,
     )
+    key_positions = jnp.concatenate([window_positions, positions], axis=1)
     t, k = positions[:, :, None], key_positions[:, None, :]
     return seen & (k >= 0) & (k <= t) & (k > t - sliding_window)
 
 
-def _valid(lengths, x):
-    """``[batch, T, 1]`` bool: the valid tokens of ``x`` ``[batch, T, ...]``, the first ``lengths`` of each
-    row. Padding sees no entry (its entries could be ones no valid token wrote: a page's earlier contents)."""
-    return (jnp.arange(x.shape[1])[None] < lengths[:, None])[..., None]
+def _valid(forward_batch: ForwardBatch):
+    """``[batch, T, 1]`` bool: the valid tokens, the first ``lengths`` of each row. Padding sees no entry
+    (its entries could be ones no valid token wrote: a page's earlier contents)."""
+    positions, lengths = forward_batch.positions, forward_batch.lengths
+    return (jnp.arange(positions.shape[1])[None] < lengths[:, None])[..., None]
 
 
-def _entries_visibility(tree, positions, base, stored: int, rate: int, closed):
-    """What the T tokens at ``positions`` see of an HCA or CSA layer's entries (blocks or windows of
+def _entries_visibility(forward_batch: ForwardBatch, stored: int, rate: int, closed):
+    """What the T tokens of ``forward_batch`` see of an HCA or CSA layer's entries (blocks or windows of
     ``rate`` tokens): ``[batch, T, stored]`` bool for a chain, of the ``stored`` entries by index those
     complete at or before the token (its call stored those it closed); ``[batch, N, stored + N]`` for a tree
-    verify, of the stored entries those complete before the root (``base`` ``[batch, 1]`` its position),
-    then of the nodes' own entries (``closed`` ``[batch, N]`` the index each node closed, -1 for none) those
-    its ancestors or itself closed."""
+    verify, of the stored entries those complete before the root, then of the nodes' own entries
+    (``closed`` ``[batch, N]`` the index each node closed, -1 for none) those its ancestors or itself
+    closed."""
+    positions, tree, base = forward_batch.positions, forward_batch.tree, forward_batch.base
     if tree is None:
         return jnp.arange(stored) < ((positions + 1) // rate)[..., None]
     before_root = jnp.arange(stored)[None, None, :] < base[:, :, None] // rate  # [batch, 1, stored]
@@ -298,22 +297,11 @@ def _entries_visibility(tree, positions, base, stored: int, rate: int, closed):
     )
 
 
-def prepare_forward(backend: Backend, compressed, mode: ForwardMode, positions, lengths):
-    """The controller's once-per-forward transition of the C128 state before a forward of ``mode`` over
-    ``positions`` ``[batch, T]`` with ``lengths`` ``[batch]``: commits what is pending for the rows (one
-    launch for all layers), or for a verify hands it to each layer's verify kernel. ``compressed`` None
-    (no C128 layer) stays None."""
-    if compressed is None:
-        return None
-    return backend.controller.prepare_forward(compressed, mode, batch_slots(lengths), positions[:, 0])
-
-
 class DeepseekV4Attention(nnx.Module):
     """DeepSeek-V4 attention (sliding, CSA or HCA) with explicit caches.
 
     Args:
       config: the layer's :class:`AttentionConfig`.
-      backend: the C128 compressor backend (:data:`~jax_oc128.controller.ONLINE` or ``OFFLINE``).
       max_draft: the most tokens a verify call may feed (banks of the online state).
       compress_layer: an HCA layer's index in the model's layer-stacked compressor state (the number of
         HCA layers before it); unused for sliding layers.
@@ -324,14 +312,11 @@ class DeepseekV4Attention(nnx.Module):
         self,
         config: AttentionConfig,
         *,
-        backend: Backend = ONLINE,
         max_draft: int = 4,
         compress_layer: int = 0,
         rngs: nnx.Rngs,
     ):
-        if not isinstance(backend, Backend):
-            raise TypeError(f"backend: a jax_oc128.controller.Backend (ONLINE or OFFLINE), got {backend!r}")
-        self.config, self.backend, self.max_draft = config, backend, max_draft
+        self.config, self.max_draft = config, max_draft
         c = config
         self.q_a_proj = normal_param(rngs, c.q_lora_rank, c.hidden_size, dtype=c.dtype)
         self.q_a_norm = ones_param(c.q_lora_rank)
@@ -349,7 +334,6 @@ class DeepseekV4Attention(nnx.Module):
                 c.head_dim,
                 c.rms_norm_eps,
                 c.rope,
-                backend=backend,
                 layer=compress_layer,
                 max_draft=max_draft,
                 dtype=c.dtype,
@@ -376,7 +360,7 @@ class DeepseekV4Attention(nnx.Module):
           layer_idx: the layer's index in the model (the weights' names).
           weights: that layer's state-dict entries (numpy arrays), named as in transformers, with or without
             the ``model.layers.{i}.self_attn.`` prefix.
-          kwargs: ``backend``, ``max_draft``, ``compress_layer``, ``rngs`` of the constructor.
+          kwargs: ``max_draft``, ``compress_layer``, ``rngs`` of the constructor.
         """
         module = cls(config, rngs=kwargs.pop("rngs", nnx.Rngs(0)), **kwargs)
         given = {name.split("self_attn.")[-1]: value for name, value in weights.items()}
@@ -392,64 +376,45 @@ class DeepseekV4Attention(nnx.Module):
         ``max_position_embeddings``): :meth:`AttentionCache.create` of this layer's config."""
         return AttentionCache.create(self.config, self.max_draft, batch, max_len)
 
-    def init_compressed(self, batch: int):
-        """A fresh C128 state for this layer alone (``compress_layer + 1`` layers, ``batch`` slots), for
-        standalone use (in a model the model makes one for all its HCA layers); None but for an HCA layer."""
+    def init_compressed(self, batch: int, backend: Backend = ONLINE) -> State | None:
+        """A fresh C128 state of ``backend`` for this layer alone (``compress_layer + 1`` layers, ``batch``
+        slots), for standalone use (in a model the model makes one for all its HCA layers); None but for an
+        HCA layer."""
         if self.config.layer_type != HCA:
             return None
-        return self.compressor.init_state(batch)
+        return self.compressor.init_state(batch, backend)
 
-    def __call__(
-        self,
-        x,
-        positions,
-        cache: AttentionCache,
-        compressed=None,
-        *,
-        lengths=None,
-        mode=ForwardMode.EXTEND,
-        tree: Tree | None = None,
-        nodes: tuple[int, ...] | None = None,
-        page_table=None,
-    ):
+    def __call__(self, x, cache: AttentionCache, compressed: State | None, forward_batch: ForwardBatch):
         """Attention over the window, the new tokens (causal) and the visible compressed entries.
 
         Args:
-          x: ``[batch, T, hidden]`` float32; positions: ``[batch, T]`` int32.
+          x: ``[batch, T, hidden]`` float32.
           cache: this layer's :class:`AttentionCache`.
-          compressed: the prepared (:func:`prepare_forward`) layer-stacked compressor state; HCA layers
-            only, sliding layers pass it through.
-          lengths: ``[batch]`` int32 (default: all T), the valid tokens of each row; the rest is padding, and
-            a row of length 0 leaves its caches untouched (outputs of padding are meaningless).
-          mode: static :class:`~jax_oc128.controller.ForwardMode`. ``TARGET_VERIFY``: the T tokens are a
-            chain verify (1 <= T <= max_draft, rows of length T or 0): the compressor writes its banks, and
-            the caller then keeps ``accept`` of them with :meth:`commit` or leaves them pending (the row's
-            next forward commits them from its positions).
-          tree: a static :class:`~jax_oc128.tree.Tree` for a tree verify (``mode`` TARGET_VERIFY) or a
-            level of a tree draft (DRAFT_EXTEND, sliding layers). Token i is node ``nodes[i]`` at ``base +
-            tree.depths[nodes[i]]`` (``base`` the root's position) and attends to the window before the
-            root, to its ancestors among the tokens (``tree.mask``), to the ring rows of its ancestors that
-            earlier calls of this tree wrote, and (HCA, CSA) to the entries complete before the root and
-            those its ancestors or itself closed; node n's window row goes to ring row
-            ``(base + n) % R`` until :meth:`AttentionCache.keep_path` keeps the accepted path. None, or a
-            chain (:attr:`Tree.is_chain`, run as None): the tokens are a chain (consecutive positions,
-            causal).
-          nodes: static, the tree's nodes the T tokens are: every node (the default, a verify) or distinct
-            nodes of one depth (a draft level).
-          page_table: None (the dense layout), or ``[batch, max_pages]`` int32: the pages of the pool
-            (``cache.entries``, ``cache.index_keys``) holding each row's entries (-1: none; writes there are
-            dropped), :mod:`~jax_oc128.nn.kv_cache`.
+          compressed: the prepared (:func:`~jax_oc128.nn.forward.prepare_forward`) layer-stacked compressor
+            state; HCA layers only, other layers pass it through.
+          forward_batch: the forward's :class:`~jax_oc128.nn.forward.ForwardBatch`. Its mode
+            ``TARGET_VERIFY``: the compressor writes its banks, and the caller then keeps ``accept`` of them
+            (:func:`~jax_oc128.nn.forward.commit_verify`) or leaves them pending (the row's next forward
+            commits them from its positions). Its tree (a verify; a draft level: sliding layers only):
+            token i is node ``nodes[i]`` at ``base + tree.depths[nodes[i]]`` (``base`` the root's position)
+            and attends to the window before the root, to its ancestors among the tokens (``tree.mask``), to
+            the ring rows of its ancestors that earlier calls of this tree wrote, and (HCA, CSA) to the
+            entries complete before the root and those its ancestors or itself closed; node n's window row
+            goes to ring row ``(base + n) % R`` until :meth:`AttentionCache.keep_path` keeps the accepted
+            path. Without a tree the tokens are a chain (consecutive positions, causal). Its page table: the
+            pages of the pool (``cache.entries``, ``cache.index_keys``) holding each row's entries.
 
         Returns:
           ``(y [batch, T, hidden], cache, compressed)``.
         """
-        c = self.config
+        c, fb, positions = self.config, forward_batch, forward_batch.positions
         batch, tokens, _ = x.shape
-        lengths = jnp.full((batch,), tokens, jnp.int32) if lengths is None else lengths
-        if tree is not None:
-            nodes = _check_tree_call(tree, nodes, tokens, mode, c.layer_type)
-            if tree.is_chain:  # the chain's kernels and masks: its nodes are consecutive positions
-                tree = None
+        if c.layer_type != SLIDING and not fb.every_node:
+            raise ValueError(
+                f"nodes: an {c.layer_type} layer verifies every node of the tree at once, got {fb.nodes}"
+            )
+        if c.layer_type == HCA and compressed is None:
+            raise ValueError("compressed: an HCA layer needs the C128 state (init_compressed), got None")
         q_res = rms_norm(linear(x, self.q_a_proj[...]), self.q_a_norm[...], c.rms_norm_eps)
         q = linear(q_res, self.q_b_proj[...], name=("attn", "q_b_proj")).reshape(
             batch, tokens, c.num_heads, c.head_dim
@@ -460,18 +425,11 @@ class DeepseekV4Attention(nnx.Module):
         )
         kv = kv_cache.round_trip(kv, cache.window)  # as the window stores it
 
-        # the root's position: the chain's first token's, a tree's node 0's
-        base = positions[:, :1] - (0 if tree is None else int(tree.depths[nodes[0]]))
         keys = jnp.concatenate([kv_cache.decode(cache.window), kv], axis=1)
-        key_positions = jnp.concatenate([cache.window_positions, positions], axis=1)
-        visible = _window_visibility(
-            tree, nodes, base, cache.window_positions, positions, key_positions, c.sliding_window
-        )
+        visible = _window_visibility(fb, cache.window_positions, c.sliding_window)
         if c.layer_type == HCA:
             with jax.named_scope("compressor"):
-                cache, compressed, entries, seen_entries = self._compress(
-                    x, positions, lengths, cache, compressed, mode, tree, base, page_table
-                )
+                cache, compressed, entries, seen_entries = self._compress(x, cache, compressed, fb)
             keys = jnp.concatenate([keys, entries], axis=1)
             visible = jnp.concatenate([visible, seen_entries], axis=2)
         scale = c.head_dim**-0.5
@@ -479,9 +437,7 @@ class DeepseekV4Attention(nnx.Module):
         logits = jnp.where(visible[:, None], logits, -jnp.inf)
         if c.layer_type == CSA:  # the indexer's picks, per query
             with jax.named_scope("compressor"):
-                cache, selected, picked = self._compress_sparse(
-                    x, q_res, positions, lengths, cache, tree, base, page_table
-                )
+                cache, selected, picked = self._compress_sparse(x, q_res, cache, fb)
             picked_logits = jnp.einsum("bthd,btkd->bhtk", q, selected, precision=FULL) * scale
             logits = jnp.concatenate([logits, jnp.where(picked[:, None], picked_logits, -jnp.inf)], axis=-1)
         sink = self.sinks[...][None, :, None]
@@ -497,13 +453,14 @@ class DeepseekV4Attention(nnx.Module):
         # [batch, tokens, groups, o_lora_rank]
         o_a = linear(grouped, self.o_a_proj[...], groups=c.o_groups, name=("attn", "o_a_proj"))
         y = linear(o_a.reshape(batch, tokens, -1), self.o_b_proj[...], name=("attn", "o_b_proj"))
-        ring = positions if tree is None else base + jnp.asarray(nodes)[None]
-        return y, self._update_window(cache, kv, positions, ring, lengths), compressed
+        return y, self._update_window(cache, kv, fb), compressed
 
-    def _update_window(self, cache, kv, positions, ring, lengths):
-        """Write the last ``R`` valid new rows into the window ring (row ``ring % R``: the position, or a
-        tree node's row)."""
-        window = cache.window.shape[1]
+    def _update_window(self, cache, kv, forward_batch: ForwardBatch):
+        """Write the last ``R`` valid new rows into the window ring (row ``ring % R``, ``ring`` the
+        position, or a tree node's row)."""
+        fb, window = forward_batch, cache.window.shape[1]
+        positions, lengths = fb.positions, fb.lengths
+        ring = positions if fb.tree is None else fb.base + jnp.asarray(fb.nodes)[None]
         t = jnp.arange(positions.shape[1])[None]
         write = (t < lengths[:, None]) & (t >= lengths[:, None] - window)
         index = jnp.where(write, ring % window, window)
@@ -514,17 +471,16 @@ class DeepseekV4Attention(nnx.Module):
             window_positions=cache.window_positions.at[rows, index].set(positions, mode="drop"),
         )
 
-    def _compress(self, x, positions, lengths, cache, compressed, mode, tree, base, page_table):
+    def _compress(self, x, cache, compressed, forward_batch: ForwardBatch):
         """An HCA layer's compressor (:class:`~jax_oc128.nn.hca.HCACompressor`) on its layer of the
         prepared state; the entries it closed stored (a tree verify's by node in ``tree_entries``, until
         :meth:`AttentionCache.keep_path`). Returns ``(cache, compressed, entries [batch, E, D], visible
         [batch, T, E])``: the entries the tokens may attend to (zero where no token sees them: a page's
         earlier contents never reach the output) and which of them each sees (:func:`_entries_visibility`)."""
-        if compressed is None:
-            compressed = self.init_compressed(x.shape[0])
-        compressed, closed, blocks = self.compressor(x, positions, lengths, compressed, mode, tree)
+        fb, page_table = forward_batch, forward_batch.page_table
+        compressed, closed, blocks = self.compressor(x, compressed, fb)
         stored = kv_cache.slot_entries(cache.entries, page_table)
-        if tree is None:  # the chain's kernels give the entries by block index
+        if fb.tree is None:  # the chain's kernels give the entries by block index
             index = jnp.where(blocks >= 0, blocks, stored)
             at = kv_cache.locate(cache.entries, page_table, jnp.arange(x.shape[0])[:, None], index)
             cache = dataclasses.replace(cache, entries=kv_cache.store(cache.entries, at, closed))
@@ -534,28 +490,25 @@ class DeepseekV4Attention(nnx.Module):
             cache = dataclasses.replace(cache, tree_entries=kv_cache.put_nodes(cache.tree_entries, closed))
             view = kv_cache.slot_view(cache.entries, page_table)
             entries = jnp.concatenate([kv_cache.decode(view), kv_cache.decode(closed)], axis=1)
-        visible = _entries_visibility(tree, positions, base, stored, BLOCK, blocks) & _valid(lengths, x)
+        visible = _entries_visibility(fb, stored, BLOCK, blocks) & _valid(fb)
         entries = jnp.where(jnp.any(visible, axis=1)[..., None], entries, 0.0)
         return cache, compressed, entries, visible
 
-    def _compress_sparse(self, x, q_res, positions, lengths, cache, tree, base, page_table):
+    def _compress_sparse(self, x, q_res, cache, forward_batch: ForwardBatch):
         """A CSA layer's compressor and indexer (:mod:`~jax_oc128.nn.csa`): fold the new tokens into the
         cache (a tree verify's windows by node in ``tree_entries``, ``tree_index_keys``), then pick each
         query's entries among those it sees (:func:`_entries_visibility`). Returns ``(cache, selected
         [batch, T, k, D], picked [batch, T, k] bool)``."""
-        compressor, stored = self.compressor, kv_cache.slot_entries(cache.entries, page_table)
-        if tree is None:
-            rows, entries, keys = compressor.compress(
-                x, positions, lengths, cache.rows, cache.entries, cache.index_keys, page_table
-            )
+        fb, page_table, compressor = forward_batch, forward_batch.page_table, self.compressor
+        stored = kv_cache.slot_entries(cache.entries, page_table)
+        if fb.tree is None:
+            rows, entries, keys = compressor.compress(x, cache.rows, cache.entries, cache.index_keys, fb)
             cache = dataclasses.replace(cache, rows=rows, entries=entries, index_keys=keys)
             entries = kv_cache.slot_view(entries, page_table)
             keys = kv_cache.slot_view(keys, page_table)
             windows = None
         else:
-            rows, node_entries, node_keys, windows = compressor.compress_tree(
-                x, tree, base[:, 0], lengths, cache.rows
-            )
+            rows, node_entries, node_keys, windows = compressor.compress_tree(x, cache.rows, fb)
             node_entries = kv_cache.encode(node_entries, cache.tree_entries)
             node_keys = kv_cache.encode(node_keys, cache.tree_index_keys)
             cache = dataclasses.replace(
@@ -568,12 +521,6 @@ class DeepseekV4Attention(nnx.Module):
                 kv_cache.slot_view(cache.entries, page_table), node_entries, axis=1
             )
             keys = kv_cache.concatenate(kv_cache.slot_view(cache.index_keys, page_table), node_keys, axis=1)
-        visible = _entries_visibility(tree, positions, base, stored, csa.RATE, windows) & _valid(lengths, x)
-        selected, picked = compressor.select(x, q_res, positions, entries, keys, visible)
+        visible = _entries_visibility(fb, stored, csa.RATE, windows) & _valid(fb)
+        selected, picked = compressor.select(x, q_res, fb.positions, entries, keys, visible)
         return cache, selected, picked
-
-    def commit(self, compressed, seq_lens, accept_lens):
-        """Keep ``accept_lens`` ``[batch]`` tokens of the verify at ``seq_lens`` (the eager commit), in every
-        layer of ``compressed`` at once."""
-        slots = jnp.arange(seq_lens.shape[0], dtype=jnp.int32)
-        return self.backend.controller.commit(compressed, slots, seq_lens, accept_lens)

@@ -10,7 +10,7 @@ import math
 
 from jax_oc128.checks import check_int
 from jax_oc128.nn import quant
-from jax_oc128.nn.attention import CSA, HCA, SLIDING, AttentionConfig
+from jax_oc128.nn.attention import CSA, HCA, SLIDING, AttentionConfig, LayerType
 from jax_oc128.nn.csa import IndexerConfig
 from jax_oc128.nn.functional import DTYPES
 from jax_oc128.nn.kv_cache import CacheDtypes, check_kv_cache_dtype
@@ -94,7 +94,8 @@ class ModelConfig:
         for i, layer_type in enumerate(self.layer_types):
             if layer_type not in (SLIDING, CSA, HCA):
                 raise ValueError(
-                    f"layer_types[{i}]: must be {SLIDING!r}, {CSA!r} or {HCA!r}, got {layer_type!r}"
+                    f"layer_types[{i}]: must be {SLIDING.value!r}, {CSA.value!r} or {HCA.value!r}, "
+                    f"got {layer_type!r}"
                 )
         if self.mlp_layer_types is not None:
             if not isinstance(self.mlp_layer_types, tuple) or len(self.mlp_layer_types) != len(
@@ -107,7 +108,7 @@ class ModelConfig:
             for i, mlp_type in enumerate(self.mlp_layer_types):
                 if mlp_type not in (MOE, HASH_MOE):
                     raise ValueError(
-                        f"mlp_layer_types[{i}]: must be {MOE!r} or {HASH_MOE!r}, got {mlp_type!r}"
+                        f"mlp_layer_types[{i}]: must be {MOE.value!r} or {HASH_MOE.value!r}, got {mlp_type!r}"
                     )
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(
@@ -216,7 +217,8 @@ class ModelConfig:
         return cls(**(values | sliced | fields))
 
     def attention(self, layer_type: str) -> AttentionConfig:
-        """The :class:`~jax_oc128.nn.AttentionConfig` of a layer of ``layer_type``."""
+        """The :class:`~jax_oc128.nn.AttentionConfig` of a layer of ``layer_type`` (a
+        :class:`~jax_oc128.nn.LayerType` or its string)."""
         if layer_type == SLIDING:
             rope = RopeConfig(self.rope_dim, self.rope_theta)
         else:  # YaRN's attention factor is 1 here, as transformers forces it for V4
@@ -230,7 +232,7 @@ class ModelConfig:
         if layer_type == CSA:
             indexer = IndexerConfig(self.index_n_heads, self.index_head_dim, self.index_topk)
         return AttentionConfig(
-            layer_type=layer_type,
+            layer_type=LayerType(layer_type),
             hidden_size=self.hidden_size,
             num_heads=self.num_heads,
             head_dim=self.head_dim,
@@ -354,7 +356,7 @@ HF_FIXED = {
     "tie_word_embeddings": False,
     "attention_bias": False,
     "mlp_bias": False,
-    "compress_rates": {CSA: 4, HCA: 128},
+    "compress_rates": {CSA.value: 4, HCA.value: 128},
 }
 
 #: :meth:`ModelConfig.tiny`: the shipped model's fields

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_oc128.nn import kv_cache
+from jax_oc128.nn.forward import ForwardBatch
 from jax_oc128.nn.functional import FULL, normal_param, ones_param, rms_norm, zeros_param
 from jax_oc128.nn.linear import linear
 from jax_oc128.reference import pool
@@ -110,21 +111,24 @@ class CSACompressor(nnx.Module):
         gate = self._by_half(linear(x, self.gate_proj[...]), linear(x, self.indexer_gate_proj[...]))
         return kv_cache.round_trip(jnp.concatenate([kv, gate], axis=-1), ring)
 
-    def compress(self, x, positions, lengths, rows, entries, keys, page_table=None):
-        """Fold the new tokens into the state: pool every window they close, then write their raw rows.
+    def compress(self, x, rows, entries, keys, forward_batch: ForwardBatch):
+        """Fold the new tokens (a chain: consecutive positions) into the state: pool every window they
+        close, then write their raw rows.
 
         Args:
-          x: ``[batch, T, hidden]``; positions: ``[batch, T]`` int32, consecutive; lengths: ``[batch]``.
+          x: ``[batch, T, hidden]``.
           rows: ``[batch, ring, row_width]``; entries: ``[batch, E, head_dim]``; keys: ``[batch, E,
             index_head_dim]``, by window index; each stored in its cache format
-            (:mod:`~jax_oc128.nn.kv_cache`). Paged (``page_table`` ``[batch, max_pages]`` int32): the entries
-            and keys are pools of pages, written through the page table.
+            (:mod:`~jax_oc128.nn.kv_cache`). Paged (the record's ``page_table``): the entries and keys are
+            pools of pages, written through the page table.
+          forward_batch: the forward's :class:`~jax_oc128.nn.forward.ForwardBatch`.
 
         Returns:
           ``(rows, entries, keys)`` updated.
         """
         batch, tokens, _ = x.shape
-        ring = rows.shape[1]
+        ring, positions, lengths = rows.shape[1], forward_batch.positions, forward_batch.lengths
+        page_table = forward_batch.page_table
         new = self._rows(x, rows)
         seq_lens = positions[:, 0]
         windows = seq_lens[:, None] // RATE + jnp.arange((tokens + RATE - 1) // RATE + 1)  # [batch, W]
@@ -148,18 +152,19 @@ class CSACompressor(nnx.Module):
         )
         return rows, entries, keys
 
-    def compress_tree(self, x, tree, base, lengths, rows):
-        """A tree verify's windows (``tree`` a :class:`~jax_oc128.tree.Tree` of the T tokens, node k at
-        ``base + depths[k]``, ``base`` ``[batch]`` the root's position): each node that closes a window pools
-        it from the nodes of its own path and the ring's earlier rows. Nothing is written by window index
-        (branches close the same window differently); node k's raw row goes to ring row ``(base + k) % ring``
-        until the attention's ``keep_path``.
+    def compress_tree(self, x, rows, forward_batch: ForwardBatch):
+        """A tree verify's windows (the record's tree, the T tokens every node: node k at ``base +
+        depths[k]``, ``base`` the root's position): each node that closes a window pools it from the nodes
+        of its own path and the ring's earlier rows. Nothing is written by window index (branches close the
+        same window differently); node k's raw row goes to ring row ``(base + k) % ring`` until the
+        attention's ``keep_path``.
 
         Returns ``(rows, entries [batch, T, head_dim], keys [batch, T, index_head_dim], windows [batch, T])``:
         per node the entry and indexer key (float32) of the window it closes, and that window's index (-1 if
         none)."""
         batch, tokens, _ = x.shape
-        ring = rows.shape[1]
+        ring, tree, lengths = rows.shape[1], forward_batch.tree, forward_batch.lengths
+        base = forward_batch.base[:, 0]
         new = self._rows(x, rows)
         positions = base[:, None] + jnp.asarray(tree.depths)  # [batch, T]
         windows = positions // RATE

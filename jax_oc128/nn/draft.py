@@ -28,6 +28,7 @@ from flax import nnx
 from jax_oc128.controller import ONLINE, Backend, ForwardMode
 from jax_oc128.nn.attention import HCA, SLIDING, AttentionCache
 from jax_oc128.nn.config import ModelConfig
+from jax_oc128.nn.forward import ForwardBatch
 from jax_oc128.nn.functional import normal_param, ones_param, rms_norm
 from jax_oc128.nn.hyper_connections import HyperHead
 from jax_oc128.nn.linear import linear
@@ -81,8 +82,6 @@ class MTPHead(BlockHead):
         self.block = Block(
             dataclasses.replace(config, layer_types=(SLIDING,), mlp_layer_types=None, hc_mult=None),
             0,
-            target.backend,
-            0,
             rngs=rngs,
         )
 
@@ -94,9 +93,10 @@ class MTPHead(BlockHead):
         h = linear(
             jnp.concatenate([e, rms_norm(hidden, self.hidden_norm[...], self.eps)], axis=-1), self.proj[...]
         )
-        h, cache, _ = self.block(
-            h, tokens, positions, cache, None, lengths, ForwardMode.DRAFT_EXTEND, tree, nodes
+        forward_batch = ForwardBatch.create(
+            positions, lengths=lengths, mode=ForwardMode.DRAFT_EXTEND, tree=tree, nodes=nodes
         )
+        h, cache, _ = self.block(h, tokens, cache, None, forward_batch)
         return output_logits(h, self.norm[...], self.lm_head[...], self.eps), h, cache
 
 
@@ -120,7 +120,7 @@ class DeepseekV4MTP(BlockHead):
         self.embed_proj = normal_param(rngs, size, size, dtype=config.dtype)
         self.hidden_proj = normal_param(rngs, size, size, dtype=config.dtype)
         layer = dataclasses.replace(config, layer_types=(SLIDING,), mlp_layer_types=(MOE,))
-        self.block = Block(layer, 0, target.backend, 0, rngs=rngs)
+        self.block = Block(layer, 0, rngs=rngs)
         self.hc_head = HyperHead(config.hc_mult, size, config.hc_eps, config.rms_norm_eps, rngs=rngs)
         self.norm = ones_param(size)
 
@@ -134,9 +134,10 @@ class DeepseekV4MTP(BlockHead):
         streams = hidden.reshape(*hidden.shape[:-1], c.hc_mult, c.hidden_size)
         h = linear(rms_norm(streams, self.hidden_norm[...], c.rms_norm_eps), self.hidden_proj[...])
         h = h + linear(e, self.embed_proj[...])[..., None, :]
-        h, cache, _ = self.block(
-            h, tokens, positions, cache, None, lengths, ForwardMode.DRAFT_EXTEND, tree, nodes
+        forward_batch = ForwardBatch.create(
+            positions, lengths=lengths, mode=ForwardMode.DRAFT_EXTEND, tree=tree, nodes=nodes
         )
+        h, cache, _ = self.block(h, tokens, cache, None, forward_batch)
         logits = output_logits(self.hc_head(h), self.norm[...], self.lm_head[...], c.rms_norm_eps)
         return logits, flatten_streams(h), cache
 

@@ -7,8 +7,9 @@ RMSNorm and RoPE at position ``128 b``. It exists once token ``128 b + 127`` has
 
 State: the pooling of each row's open block is the model's layer-stacked C128 state (online banks or offline
 raw rows, :mod:`jax_oc128.controller`); this compressor folds its tokens into its own layer of it through the
-backend's controller, and returns the entries they close. Activations, pooling and state are float32; the
-projections' weights are float32 or bfloat16 (:mod:`~jax_oc128.nn.functional`).
+state's controller (:func:`~jax_oc128.controller.backend_of`), and returns the entries they close.
+Activations, pooling and state are float32; the projections' weights are float32 or bfloat16
+(:mod:`~jax_oc128.nn.functional`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_oc128.controller import Backend, ForwardMode
+from jax_oc128.controller import ONLINE, Backend, ForwardMode, State, backend_of
+from jax_oc128.nn.forward import ForwardBatch
 from jax_oc128.nn.functional import normal_param, ones_param, rms_norm, zeros_param
 from jax_oc128.nn.linear import linear
-from jax_oc128.rules import BLOCK, batch_slots
+from jax_oc128.rules import BLOCK
 
 
 class HCACompressor(nnx.Module):
@@ -29,7 +31,6 @@ class HCACompressor(nnx.Module):
     Args:
       hidden_size, head_dim, rms_norm_eps: the attention layer's.
       rope: the layer's (compress) :class:`~jax_oc128.nn.RopeConfig`, for the entries.
-      backend: the C128 state's :class:`~jax_oc128.controller.Backend`.
       layer: the layer's index in the model's layer-stacked state (the number of HCA layers before it).
       max_draft: the most tokens a verify may feed (banks of a state made by :meth:`init_state`).
       dtype: the projections' weights' (a name in :data:`~jax_oc128.nn.functional.DTYPES`).
@@ -42,31 +43,30 @@ class HCACompressor(nnx.Module):
         rms_norm_eps,
         rope,
         *,
-        backend: Backend,
         layer: int,
         max_draft: int,
         dtype: str = "float32",
         rngs,
     ):
         self.head_dim, self.eps, self.rope = head_dim, rms_norm_eps, rope
-        self.backend, self.layer, self.max_draft = backend, layer, max_draft
+        self.layer, self.max_draft = layer, max_draft
         self.kv_proj = normal_param(rngs, head_dim, hidden_size, dtype=dtype)
         self.gate_proj = normal_param(rngs, head_dim, hidden_size, dtype=dtype)
         self.ape = zeros_param(BLOCK, head_dim)
         self.kv_norm = ones_param(head_dim)
 
-    def init_state(self, batch: int):
-        """A fresh C128 state of ``layer + 1`` layers and ``batch`` slots (for a layer used on its own)."""
-        return self.backend.create(self.layer + 1, batch, self.head_dim, self.max_draft)
+    def init_state(self, batch: int, backend: Backend = ONLINE) -> State:
+        """A fresh C128 state of ``backend``, ``layer + 1`` layers and ``batch`` slots (for a layer used on
+        its own)."""
+        return backend.create(self.layer + 1, batch, self.head_dim, self.max_draft)
 
-    def __call__(self, x, positions, lengths, compressed, mode: ForwardMode, tree=None):
+    def __call__(self, x, compressed: State, forward_batch: ForwardBatch):
         """Fold the new tokens into this layer of the prepared state (``prepare_forward`` ran): compress them,
-        or (``mode`` TARGET_VERIFY) write the verify's banks, of the chain or of ``tree`` (a
-        :class:`~jax_oc128.tree.Tree` of the T tokens).
+        or (mode TARGET_VERIFY) write the verify's banks, of the chain or of the record's tree.
 
         Args:
-          x: ``[batch, T, hidden]``; positions: ``[batch, T]`` int32 (a tree's: the root's + depth);
-            lengths: ``[batch]`` int32, batch row b being slot b of ``compressed``.
+          x: ``[batch, T, hidden]``; compressed: the layer-stacked state, batch row b its slot b;
+            forward_batch: the forward's :class:`~jax_oc128.nn.forward.ForwardBatch`.
 
         Returns:
           ``(compressed, entries [batch, K, head_dim], blocks [batch, K])``: the normed, rotated entries of
@@ -75,15 +75,15 @@ class HCACompressor(nnx.Module):
           path).
         """
         kv_score = jnp.concatenate([linear(x, self.kv_proj[...]), linear(x, self.gate_proj[...])], -1)[None]
-        ape, seq_lens, slots = self.ape[...][None], positions[:, 0], batch_slots(lengths)
-        controller = self.backend.controller
-        if mode is ForwardMode.TARGET_VERIFY:
+        fb, ape = forward_batch, self.ape[...][None]
+        seq_lens, slots, controller = fb.positions[:, 0], fb.slots, backend_of(compressed).controller
+        if fb.mode is ForwardMode.TARGET_VERIFY:
             compressed, entries, blocks = controller.write_prefix(
-                compressed, kv_score, seq_lens, slots, ape, layer=self.layer, tree=tree
+                compressed, kv_score, seq_lens, slots, ape, layer=self.layer, tree=fb.tree
             )
         else:
             compressed, entries, blocks = controller.compress(
-                compressed, kv_score, seq_lens, lengths, slots, ape, layer=self.layer
+                compressed, kv_score, seq_lens, fb.lengths, slots, ape, layer=self.layer
             )
         normed = rms_norm(entries[0], self.kv_norm[...], self.eps)
         return compressed, self.rope.apply(normed, jnp.maximum(blocks, 0) * BLOCK), blocks

@@ -25,15 +25,15 @@ accumulated in float32: :mod:`~jax_oc128.nn.functional`), the caches as ``ModelC
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_oc128.controller import ONLINE, Backend, ForwardMode
-from jax_oc128.nn.attention import HCA, AttentionCache, DeepseekV4Attention, prepare_forward
+from jax_oc128.controller import ONLINE, Backend, ForwardMode, State, backend_of
+from jax_oc128.nn.attention import HCA, AttentionCache, DeepseekV4Attention
 from jax_oc128.nn.config import ModelConfig
+from jax_oc128.nn.forward import ForwardBatch, commit_verify, prepare_forward
 from jax_oc128.nn.functional import normal_param, ones_param, rms_norm
 from jax_oc128.nn.hyper_connections import HyperConnection, HyperHead
 from jax_oc128.nn.linear import linear, swiglu
@@ -58,7 +58,7 @@ class ModelCache:
     """
 
     layers: tuple[AttentionCache, ...]
-    compressed: object
+    compressed: State | None
     page_table: jax.Array | None = None
 
     @classmethod
@@ -99,20 +99,17 @@ class Block(nnx.Module):
     added to the residual, or with ``hc_mult`` inside its hyper-connection over the residual streams.
 
     Args:
-      config: the model's config; layer: the layer's index in it.
-      backend: the C128 compressor backend; compress_layer: the layer's index among the HCA layers.
+      config: the model's config; layer: the layer's index in it (an HCA layer writes layer
+        ``config.layer_types[:layer].count(HCA)`` of the model's C128 state).
     """
 
-    def __init__(
-        self, config: ModelConfig, layer: int, backend: Backend, compress_layer: int, *, rngs: nnx.Rngs
-    ):
+    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs):
         self.eps = config.rms_norm_eps
         self.attn_norm = ones_param(config.hidden_size)
         self.attn = DeepseekV4Attention(
             config.attention(config.layer_types[layer]),
-            backend=backend,
             max_draft=config.max_draft,
-            compress_layer=compress_layer,
+            compress_layer=config.layer_types[:layer].count(HCA),
             rngs=rngs,
         )
         self.mlp_norm = ones_param(config.hidden_size)
@@ -129,26 +126,19 @@ class Block(nnx.Module):
             self.ffn_hc = HyperConnection(*hc, rngs=rngs)
 
     def __call__(
-        self, h, tokens, positions, cache, compressed, lengths, mode, tree=None, nodes=None, page_table=None
+        self, h, tokens, cache: AttentionCache, compressed: State | None, forward_batch: ForwardBatch
     ):
         """``h`` the residual ``[batch, T, hidden]`` (or the streams ``[batch, T, hc_mult, hidden]``) of
-        ``tokens`` ``[batch, T]`` -> ``(h, cache, compressed)``; ``tree``, ``nodes``: a tree verify or draft;
-        ``page_table``: the model's (:class:`~jax_oc128.nn.DeepseekV4Attention`)."""
+        ``tokens`` ``[batch, T]`` in the forward of ``forward_batch``
+        (:class:`~jax_oc128.nn.forward.ForwardBatch`) -> ``(h, cache, compressed)``: the layer's cache and
+        the model's C128 state (None without C128 layers) in and out
+        (:class:`~jax_oc128.nn.DeepseekV4Attention`)."""
 
         def attention(x):
             nonlocal cache, compressed
             with jax.named_scope("attention"):
-                y, cache, compressed = self.attn(
-                    rms_norm(x, self.attn_norm[...], self.eps),
-                    positions,
-                    cache,
-                    compressed,
-                    lengths=lengths,
-                    mode=mode,
-                    tree=tree,
-                    nodes=nodes,
-                    page_table=page_table,
-                )
+                x = rms_norm(x, self.attn_norm[...], self.eps)
+                y, cache, compressed = self.attn(x, cache, compressed, forward_batch)
             return y
 
         h = self._residual(getattr(self, "attn_hc", None), h, attention)
@@ -187,16 +177,16 @@ def output_logits(hidden, norm, lm_head, eps):
 
 
 class DeepseekV4Model(nnx.Module):
-    """The target model; ``backend`` selects the C128 compressor state (online banks or offline rows)."""
+    """The target model; ``backend`` selects the C128 compressor state (online banks or offline rows) that
+    its caches hold (:meth:`init_cache`); the layers drive it through its own controller
+    (:func:`~jax_oc128.controller.backend_of`)."""
 
     def __init__(self, config: ModelConfig, *, backend: Backend = ONLINE, rngs: nnx.Rngs):
+        if not isinstance(backend, Backend):
+            raise TypeError(f"backend: a jax_oc128.controller.Backend (ONLINE or OFFLINE), got {backend!r}")
         self.config, self.backend = config, backend
         self.embed = normal_param(rngs, config.vocab_size, config.hidden_size, scale=0.5, dtype=config.dtype)
-        # each layer's index among the C128 layers (the layers before it of type HCA)
-        compress_layers = itertools.accumulate((t == HCA for t in config.layer_types[:-1]), initial=0)
-        self.blocks = nnx.List(
-            [Block(config, layer, backend, index, rngs=rngs) for layer, index in enumerate(compress_layers)]
-        )
+        self.blocks = nnx.List([Block(config, layer, rngs=rngs) for layer in range(len(config.layer_types))])
         if config.hyper_connections:
             self.hc_head = HyperHead(
                 config.hc_mult, config.hidden_size, config.hc_eps, config.rms_norm_eps, rngs=rngs
@@ -235,16 +225,16 @@ class DeepseekV4Model(nnx.Module):
         ``(logits [batch, T, vocab], hidden [batch, T, draft_hidden_size], cache)``; ``hidden`` is what the
         draft head takes, the last block's output (with hyper-connections its residual streams, flattened,
         before their final collapse)."""
-        lengths = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32) if lengths is None else lengths
-        compressed = prepare_forward(self.backend, cache.compressed, mode, positions, lengths)
+        forward_batch = ForwardBatch.create(
+            positions, lengths=lengths, mode=mode, tree=tree, page_table=cache.page_table
+        )
+        compressed = prepare_forward(cache.compressed, forward_batch)
         h = self.embed[...][tokens].astype(jnp.float32)
         if self.config.hyper_connections:
             h = jnp.broadcast_to(h[..., None, :], (*h.shape[:-1], self.config.hc_mult, h.shape[-1]))
         layers = []
         for block, layer in zip(self.blocks, cache.layers, strict=True):
-            h, layer, compressed = block(
-                h, tokens, positions, layer, compressed, lengths, mode, tree, page_table=cache.page_table
-            )
+            h, layer, compressed = block(h, tokens, layer, compressed, forward_batch)
             layers.append(layer)
         cache = ModelCache(tuple(layers), compressed, cache.page_table)
         if self.config.hyper_connections:
@@ -269,7 +259,7 @@ class DeepseekV4Model(nnx.Module):
             return cache
         slots = jnp.where(nodes >= 0, jnp.arange(nodes.shape[0], dtype=jnp.int32), -1)
         accept = jnp.asarray(tree.depths)[jnp.maximum(nodes, 0)] + 1
-        compressed = self.backend.controller.commit(
+        compressed = backend_of(cache.compressed).controller.commit(
             cache.compressed, slots, first_positions, accept, accept_banks=nodes + 1
         )
         return dataclasses.replace(cache, compressed=compressed)
@@ -279,6 +269,4 @@ class DeepseekV4Model(nnx.Module):
         eager commit): one launch for all C128 layers."""
         if cache.compressed is None:
             return cache
-        slots = jnp.arange(seq_lens.shape[0], dtype=jnp.int32)
-        compressed = self.backend.controller.commit(cache.compressed, slots, seq_lens, accept_lens)
-        return dataclasses.replace(cache, compressed=compressed)
+        return dataclasses.replace(cache, compressed=commit_verify(cache.compressed, seq_lens, accept_lens))

@@ -19,6 +19,7 @@ matmul on every platform (the Pallas kernel in interpret mode off GPUs; XLA's ra
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 
 import jax
@@ -32,7 +33,15 @@ from jax_oc128.nn.functional import FULL, linear_jnp, normal_param, param, zeros
 from jax_oc128.nn.linear import linear, swiglu
 from jax_oc128.nn.sharding import MODEL, traced_model_devices
 
-MOE, HASH_MOE = "moe", "hash_moe"
+
+class MlpType(enum.StrEnum):
+    """A layer's MLP type (``ModelConfig.mlp_layer_types``); a member equals the string configs hold."""
+
+    MOE = "moe"  # top-k routed
+    HASH_MOE = "hash_moe"  # routed by a table of the token id
+
+
+MOE, HASH_MOE = MlpType.MOE, MlpType.HASH_MOE
 
 
 @dataclasses.dataclass(frozen=True)
