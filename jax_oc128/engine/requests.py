@@ -110,6 +110,7 @@ class RequestScheduler:
         self.owner: dict[int, int] = {}  # slot -> request id, as of the last output read
         self._unread = collections.deque()  # dispatched, not yet read: (owner of its slots, its output)
         self._written = np.zeros(engine.slots, np.int64)  # paged: the tokens each slot may have written
+        self._released = False  # paged: pages released since the page table was last sent
         self._temperature = None  # the running batch's
         self._exclusive = False  # the running batch is one seeded sampled request
         self._finished: dict[int, str] = {}  # ended since the last step returned
@@ -175,9 +176,8 @@ class RequestScheduler:
         if self._waiting and self._unread:  # which slots are free: read everything
             self._read_all(out)
         pool, engine = self.page_pool, self.engine
-        free = [slot for slot in range(engine.slots) if slot not in self.owner]
-        changed = pool is not None and any([pool.release(slot) for slot in free if pool.holds(slot)])
-        admitted = self._admit(free)
+        changed, self._released = self._released, False
+        admitted = self._admit([slot for slot in range(engine.slots) if slot not in self.owner])
         if pool is not None:  # the pages of what the next dispatch can write
             for slot in [*self.owner, *admitted]:
                 self._written[slot] += engine.steps_per_dispatch * self.width
@@ -282,6 +282,8 @@ class RequestScheduler:
         for slot, owner in list(self.owner.items()):
             if owner == request:
                 del self.owner[slot]
+                if self.page_pool is not None:  # the table is sent before the next dispatch
+                    self._released |= self.page_pool.release(slot)
         self._finished[request] = reason
 
     def close(self):
