@@ -4,6 +4,10 @@ heavy is imported until the command runs."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import socket
+import threading
+import time
 
 from jax_oc128.rules import MAX_DRAFT
 
@@ -106,6 +110,35 @@ def _default_tree(n: int):
     from jax_oc128.tree import Tree
 
     return Tree.default(n)
+
+
+@contextlib.contextmanager
+def running(server, host: str = "127.0.0.1", port: int = 0, timeout: float = 120):
+    """Serve ``server`` (a :class:`~jax_oc128.serve.app.Server`) under uvicorn in a thread while the block
+    runs (port 0: a free one); yields the base URL. For tests and benchmarks."""
+    import uvicorn
+
+    from jax_oc128.serve.app import create_app
+
+    sock = socket.socket()
+    sock.bind((host, port))
+    # log_config None: the logging of the process as it is (none bound to the streams of the moment)
+    uv = uvicorn.Server(uvicorn.Config(create_app(server), log_config=None, log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while not uv.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.05)
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        uv.should_exit = True
+        thread.join(timeout)
+        sock.close()
+        if thread.is_alive():
+            raise RuntimeError("the server did not stop")
 
 
 def serve(parser: argparse.ArgumentParser, args) -> int:
