@@ -242,3 +242,24 @@ def test_speculative_server_gives_the_plain_greedy_text(plain):
         for prompt, tokens in zip(PROMPTS[:3], expected[:3], strict=True):
             done = api.completions.create(model="shipped", prompt=prompt, max_tokens=NEW, temperature=0)
             assert done.choices[0].text == server.tokenizer.decode(tokens)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-len", "5000"], "argument --max-len: the shipped model holds 4096 tokens"),
+        (["--draft", "9"], "argument --draft: num_tokens: must be in [2, 8"),
+        (["--tree", "17"], "argument --tree: at most 16"),
+        (
+            ["--pages", "4", "--page-size", "200"],
+            "argument --page-size: page_size: must be a multiple of 128",
+        ),
+        (["--slots", "0"], "argument --slots: must be >= 1, got 0"),
+        (["--draft", "2", "--tree", "3"], "argument --tree: not allowed with argument --draft"),
+    ],
+)
+def test_serve_flags_are_checked(flags, message, capsys):
+    """A bad flag of ``serve`` is argparse's error naming it, before the server starts."""
+    with pytest.raises(SystemExit):
+        build(*flags)
+    assert message in capsys.readouterr().err

@@ -79,6 +79,9 @@ def build(parser: argparse.ArgumentParser, args):
     n = args.draft or args.tree or 1
     if n > MAX_DRAFT:
         parser.error(f"argument --{'draft' if args.draft else 'tree'}: at most {MAX_DRAFT}")
+    speculation = f"--{'draft' if args.draft else 'tree'}"
+    flags = {"num_tokens": speculation, "tree": speculation, "slots": "--slots", "pages": "--pages"}
+    flags |= {"page_size": "--page-size", "path": "path"}
     try:
         if args.path is None:
             model, _ = checkpoint.load()
@@ -101,7 +104,8 @@ def build(parser: argparse.ArgumentParser, args):
         tree = None if args.tree is None else _default_tree(args.tree)
         scheduler = RequestScheduler(engine, num_tokens=args.draft, tree=tree)
     except (OSError, ValueError, NotImplementedError) as error:
-        parser.error(str(error))
+        name = str(error).split(":")[0]
+        parser.error(f"argument {flags.get(name, 'path')}: {error}")
     max_len = args.max_len or model.config.max_len
     return Server(scheduler, tokenizer, args.served_model_name or name, max_len, args.max_queued)
 
