@@ -1,4 +1,4 @@
-"""Command line: ``python -m jax_oc128 demo | generate | info``."""
+"""Command line: ``python -m jax_oc128 demo | generate | serve | info``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import time
 from jax_oc128.engine import STEPS_PER_DISPATCH
 from jax_oc128.nn.kv_cache import KV_CACHE_DTYPES
 from jax_oc128.rules import MAX_DRAFT
+from jax_oc128.serve import cli as serve_cli
 
 
 def info() -> str:
@@ -474,7 +475,11 @@ def _command(argv) -> int:
         default=STEPS_PER_DISPATCH,
         help="K: decoding steps per on-device loop (the text arrives K steps at a time)",
     )
+    server = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/serving.md)")
+    serve_cli.add_arguments(server)
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve_cli.serve(server, args)
     if args.command == "info":
         print(info(), flush=True)
         return 0

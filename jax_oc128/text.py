@@ -274,3 +274,36 @@ def _compile(source: str, file: pathlib.Path):
         return environment.from_string(source)
     except jinja2.TemplateError as error:
         raise ValueError(f"{file}: chat_template: not a Jinja template ({error})") from None
+
+
+#: the chat template of :func:`byte_tokenizer`: ``role: content`` lines, the assistant's turn opened
+BYTE_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def byte_tokenizer() -> TextTokenizer:
+    """The byte-level tokenizer of the shipped model (vocabulary 256): a text's ids are its UTF-8 bytes and
+    ids decode as those bytes; no BOS or EOS token; a ``role: content`` chat template
+    (:data:`BYTE_CHAT_TEMPLATE`). Built with the ``tokenizers`` package (GPT-2's byte-level pre-tokenizer
+    and decoder over a vocabulary of the 256 bytes, no merges)."""
+    # GPT-2's printable stand-in of each byte (tokenizers' ByteLevel): bytes that print stand for
+    # themselves, the others for 256, 257, ... in byte order
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    others = (b for b in range(256) if b not in printable)
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + k) for k, b in enumerate(others)}
+    vocab = {chars[b]: b for b in range(256)}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [], fuse_unk=False))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    directory = pathlib.Path("<bytes>")
+    return TextTokenizer(
+        tokenizer,
+        None,
+        (),
+        False,
+        BYTE_CHAT_TEMPLATE,
+        directory,
+        _compile(BYTE_CHAT_TEMPLATE, directory / CHAT_TEMPLATE),
+    )

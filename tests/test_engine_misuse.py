@@ -411,7 +411,7 @@ def test_numpy_scalars_and_bytes_reach_the_device_as_checked(engine, monkeypatch
     _, _, tokens, lengths, budgets, stops, temperature = calls["prefill"]
     np.testing.assert_array_equal(tokens[SLOTS - 1, :4], [1, 2, 3, 0])
     np.testing.assert_array_equal(lengths, [0, 3])
-    np.testing.assert_array_equal(budgets, [budget] * SLOTS)
+    np.testing.assert_array_equal(budgets, [0, budget])  # the rows of no new request: 0
     np.testing.assert_array_equal(stops, [0, VOCAB - 1, *[-1] * (MAX_STOP_TOKENS - 2)])
     assert tokens.dtype == lengths.dtype == budgets.dtype == stops.dtype == np.int32
     assert temperature == 0.0 and isinstance(temperature, float)

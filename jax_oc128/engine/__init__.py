@@ -15,11 +15,14 @@ buffer while the next one runs, and admits waiting requests between dispatches.
 Modules: :mod:`~jax_oc128.engine.steps` (the device steps: prefill, the plain and the speculative step, the
 stop rule, the loop), :mod:`~jax_oc128.engine.placement` (one device or a mesh, and the jitted functions),
 :mod:`~jax_oc128.engine.arguments` (the host-side checks of every argument),
-:mod:`~jax_oc128.engine.state` (the decode state and the outputs), :mod:`~jax_oc128.engine.scheduler`
-(:class:`Engine`, the host scheduler).
+:mod:`~jax_oc128.engine.state` (the decode state and the outputs), :mod:`~jax_oc128.engine.requests`
+(:class:`RequestScheduler`: requests added and aborted at any time, continuous batching),
+:mod:`~jax_oc128.engine.scheduler` (:class:`Engine`, the host scheduler; ``generate`` a loop over a
+:class:`RequestScheduler`).
 """
 
 from jax_oc128.engine.arguments import MAX_SEED, MAX_STOP_TOKENS
+from jax_oc128.engine.requests import RequestScheduler, SamplingParams, StepOutput
 from jax_oc128.engine.scheduler import GPU_LOOP_OPTIONS, STEPS_PER_DISPATCH, Engine
 from jax_oc128.engine.state import DecodeOutput, DecodeState, Result
 
@@ -31,5 +34,8 @@ __all__ = [
     "DecodeOutput",
     "DecodeState",
     "Engine",
+    "RequestScheduler",
     "Result",
+    "SamplingParams",
+    "StepOutput",
 ]

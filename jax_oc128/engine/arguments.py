@@ -297,14 +297,12 @@ def check_page_table(page_table, shape: tuple[int, int], pages, mesh) -> np.ndar
     return table.astype(np.int32)
 
 
-def check_requests_fit(tokens, pool) -> None:
-    """Every request (``tokens[i]`` the most tokens request i writes: prompt + max_new_tokens + N) fits in a
-    device's pool of ``pool`` (a :class:`~jax_oc128.engine.pages.PagePool`), else ValueError naming the
-    first that does not."""
-    for i, n in enumerate(tokens):
-        if pool.pages_for(n) > pool.per_shard:
-            raise ValueError(
-                f"prompts[{i}]: needs {pool.pages_for(n)} pages of {pool.page_size} tokens (prompt + "
-                f"max_new_tokens + N = {n} tokens), more than the {pool.per_shard} of a device's pool "
-                f"(Engine(..., pages=))"
-            )
+def check_request_fits(name: str, tokens: int, pool) -> None:
+    """A request (named ``name`` in errors) writing at most ``tokens`` tokens (prompt + max_new_tokens + N)
+    fits in a device's pool of ``pool`` (a :class:`~jax_oc128.engine.pages.PagePool`), else ValueError."""
+    if pool.pages_for(tokens) > pool.per_shard:
+        raise ValueError(
+            f"{name}: needs {pool.pages_for(tokens)} pages of {pool.page_size} tokens (prompt + "
+            f"max_new_tokens + N = {tokens} tokens), more than the {pool.per_shard} of a device's pool "
+            f"(Engine(..., pages=))"
+        )

@@ -82,6 +82,11 @@ class PagePool:
         self._reservation[slot] = self._held[slot] = 0
         return held > 0
 
+    @property
+    def free_pages(self) -> int:
+        """Pages held by no slot, over all devices."""
+        return sum(map(len, self._free))
+
     def holds(self, slot: int) -> bool:
         """Whether ``slot`` has a reservation."""
         return bool(self._reservation[slot])

@@ -5,7 +5,6 @@ slots between dispatches while it reads each dispatch's output as the next one r
 
 from __future__ import annotations
 
-import collections
 import functools
 import itertools
 import os
@@ -18,7 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jax_oc128.engine import arguments, placement
-from jax_oc128.engine.pages import PagePool
+from jax_oc128.engine.requests import RequestScheduler, SamplingParams
 from jax_oc128.engine.state import DecodeOutput, DecodeState, Result, init_state, restart, set_page_table
 from jax_oc128.nn import sharding
 from jax_oc128.protocols import Model
@@ -214,17 +213,31 @@ class Engine:
         stops = arguments.stop_array(arguments.check_stop_tokens(stop_tokens, self.model))
         temperature = arguments.check_temperature(temperature)
         prompts = arguments.check_assignments(assignments, self.slots, self.model, longest_prompt)
+        budgets = dict.fromkeys(prompts, max_new_tokens)
+        return self._prefill_rows(state, prompts, budgets, stops, temperature)
+
+    def _prefill_rows(self, state, prompts: dict, budgets: dict, stops, temperature: float):
+        """:meth:`prefill` of checked arguments: ``prompts`` {slot: ``[length]`` int32}, ``budgets`` {slot:
+        max new tokens}, ``stops`` ``[MAX_STOP_TOKENS]`` int32 (``arguments.stop_array``)."""
         longest = max(map(len, prompts.values()))
         width = -(-longest // self.prompt_bucket) * self.prompt_bucket
         if self.prefill_chunk is not None:  # whole chunks
             width = -(-width // self.prefill_chunk) * self.prefill_chunk
         tokens = np.zeros((self.slots, width), np.int32)
         lengths = np.zeros(self.slots, np.int32)
+        rows_budget = np.zeros(self.slots, np.int32)
         for slot, prompt in prompts.items():
             tokens[slot, : len(prompt)], lengths[slot] = prompt, len(prompt)
-        budgets = np.full(self.slots, max_new_tokens, np.int32)
-        rows = (self._placement.host_rows(x) for x in (tokens, lengths, budgets))
+            rows_budget[slot] = budgets[slot]
+        rows = (self._placement.host_rows(x) for x in (tokens, lengths, rows_budget))
         return self._prefill(self.params, state, *rows, stops, temperature)
+
+    def _take_state(self, seed: np.uint32) -> DecodeState:
+        """The decode state :meth:`generate` keeps between calls (taken: the next taker gets a new one), its
+        slots made idle and its key ``jax.random.key(seed)``: no allocation, and the decode loop's CUDA graph
+        sees the same buffers as before; the first call allocates it (and compiles the restart)."""
+        state, self._idle_state = self._idle_state, None
+        return self._restart(self.init_state(seed) if state is None else state, seed)
 
     def decode(
         self,
@@ -303,104 +316,25 @@ class Engine:
         prompts = arguments.check_prompts(prompts, self.model, longest_prompt)
         if not prompts:
             return Result([], steps=0, dispatches=0, seconds=0.0, mean_accepted=0.0)
-        width = 1 if tree is None else tree.size  # the tokens a step writes
-        pool = None
-        if self.pages is not None:
-            shards = 1 if self.mesh is None else self.mesh.shape[sharding.DATA]
-            pool = PagePool(
-                self.pages, self.page_size, self.slots, self.model.max_len // self.page_size, shards
-            )
-            needs = [len(prompt) + max_new_tokens + width for prompt in prompts]
-            arguments.check_requests_fit(needs, pool)
-            self.page_pool = pool
+        params = SamplingParams(max_new_tokens, temperature, stop_tokens)
         start = time.perf_counter()
-        # the last call's state, its slots made idle (a slot is cleared when a request takes it): no
-        # allocation, and the decode loop's CUDA graph sees the same buffers as before; the first call
-        # allocates it (and compiles the restart with everything else)
-        state, self._idle_state = self._idle_state, None
-        state = self._restart(self.init_state(seed) if state is None else state, seed)
-        requests = _Requests(len(prompts), progress, stream)
-        waiting = collections.deque(range(len(prompts)))
-        unread = collections.deque()  # dispatched, not yet read: (owner of its slots, its output)
-        options = dict(tree=tree, temperature=temperature, stop_tokens=stop_tokens)
-        written = np.zeros(self.slots, np.int64)  # paged: the tokens each slot may have written
-        while waiting or requests.owner:
-            free = [slot for slot in range(self.slots) if slot not in requests.owner]
-            admitted = {}
-            changed = pool is not None and any([pool.release(slot) for slot in free if pool.holds(slot)])
-            for slot in free:
-                if not waiting:
-                    break
-                if pool is not None:  # the next request waits until its device has its pages
-                    if not pool.can_reserve(slot, needs[waiting[0]]):
-                        pool.waits += 1
-                        continue
-                    pool.reserve(slot, needs[waiting[0]])
-                    written[slot] = len(prompts[waiting[0]])
-                admitted[slot] = waiting.popleft()
-            if pool is not None:  # the pages of what the next dispatch can write
-                for slot in [*requests.owner, *admitted]:
-                    written[slot] += self.steps_per_dispatch * width
-                    changed |= pool.grow(slot, int(written[slot]))
-                if changed:
-                    state = self._set_page_table(state, self._placement.host_rows(pool.table))
-            if admitted:
-                assignments = {slot: prompts[request] for slot, request in admitted.items()}
-                state, output = self.prefill(state, assignments, max_new_tokens, **options)
-                requests.owner.update(admitted)
-                unread.append((admitted, output))
-            if not requests.owner:  # paged: every slot is free and the next request still has no pages
-                raise RuntimeError("paged engine: no request runs and none can be admitted (a bug)")
-            state, output = self.decode(state, waiting=bool(waiting), **options)
-            requests.dispatches += 1
-            for leaf in jax.tree.leaves(output):
-                leaf.copy_to_host_async()
-            unread.append((dict(requests.owner), output))
-            # read everything but this dispatch, which runs meanwhile; all of it when a slot must be freed
-            while len(unread) > (0 if waiting else 1):
-                requests.read(*unread.popleft())
-        self._idle_state = state
-        return requests.result(time.perf_counter() - start)
-
-
-class _Requests:
-    """:meth:`Engine.generate`'s host side of its requests: their outputs, which request owns which slot
-    (as of the last output read), and the counts of the dispatches read.
-
-    Args:
-      count: the number of requests; progress: None, or called with the tokens generated so far after each
-        output read; stream: None, or called with a request and the tokens it gained from an output read.
-    """
-
-    def __init__(self, count: int, progress, stream):
-        self.outputs = [[] for _ in range(count)]
-        self.owner = {}  # slot -> request
-        self.progress = progress
-        self.stream = stream
-        self.dispatches = 0
-        self.totals = collections.Counter()
-
-    def read(self, owner: dict, output: DecodeOutput) -> None:
-        """Take a dispatch's (or a prefill's) tokens for the requests that owned its slots (``owner``, slot
-        -> request, at dispatch); free the slots whose request ended."""
-        host = jax.device_get(output)  # the copies started at dispatch
-        self.totals.update(
-            steps=int(host.steps), slot_steps=int(host.slot_steps), accepted=int(host.accepted)
-        )
-        for slot, request in owner.items():
-            new = []
-            for step in range(host.tokens.shape[0]):  # counts are 0 past the steps run
-                new.extend(host.tokens[step, slot, : host.counts[step, slot]].tolist())
-            self.outputs[request].extend(new)
-            if self.stream is not None and new:
-                self.stream(request, new)
-            if not host.active[slot]:
-                self.owner.pop(
-                    slot, None
-                )  # (a request that ended at its prefill is in the next snapshot too)
-        if self.progress is not None:
-            self.progress(sum(map(len, self.outputs)))
-
-    def result(self, seconds: float) -> Result:
-        mean = self.totals["accepted"] / max(1, self.totals["slot_steps"])
-        return Result(self.outputs, self.totals["steps"], self.dispatches, seconds, mean)
+        scheduler = RequestScheduler(self, tree=tree, seed=seed)
+        outputs = [[] for _ in prompts]
+        try:
+            for i, prompt in enumerate(prompts):  # every request fits the pages, before anything runs
+                scheduler.check_request(prompt, params, f"prompts[{i}]")
+            self.page_pool = scheduler.page_pool
+            ids = {scheduler.add_request(prompt, params): i for i, prompt in enumerate(prompts)}
+            while scheduler.busy:
+                for request, new in scheduler.step().tokens.items():
+                    outputs[ids[request]].extend(new)
+                    if stream is not None:
+                        stream(ids[request], new)
+                if progress is not None:
+                    progress(sum(map(len, outputs)))
+        finally:
+            scheduler.close()
+        totals = scheduler.totals
+        mean = totals["accepted"] / max(1, totals["slot_steps"])
+        seconds = time.perf_counter() - start
+        return Result(outputs, totals["steps"], scheduler.dispatches, seconds, mean)

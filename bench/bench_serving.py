@@ -1,0 +1,163 @@
+"""Serving benchmark in the manner of SGLang's ``bench_serving``: a ``jax-oc128 serve`` in this process (its
+flags as the command takes them), requests streamed to it over HTTP with Poisson arrivals at each of
+``--rates`` (requests/s; ``inf``: all at once), reporting per rate TTFT, time per output token (TPOT) and
+end-to-end latency at p50 and p99, request and output-token throughput.
+
+Workloads (``--dataset``): ``random``, prompts of random token ids of ``--input-len`` tokens (lengths drawn
+uniformly down to ``--range-ratio`` of it); ``shared-prefix``, each prompt a common ``--prefix-len``-token
+prefix then a random suffix of that length. Every request asks ``--output-len`` greedy tokens and no stop, so
+each gives exactly that many. With ``--offline``, ``Engine.generate`` of the same prompts is timed too (its
+output tokens/s: the serving overhead's baseline).
+
+    python bench/bench_serving.py --slots 8 --pages 256 --rates 2 8 inf --num-prompts 64
+    python bench/bench_serving.py PATH --draft 2 --dataset shared-prefix --prefix-len 4096 --output json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+
+import httpx
+import numpy as np
+
+from jax_oc128.serve import cli
+
+
+def workload(args, vocab: int) -> list[list[int]]:
+    """The prompts of ``args``' dataset, token ids in [0, ``vocab``)."""
+    rng = random.Random(args.bench_seed)
+    low = max(1, int(args.input_len * args.range_ratio))
+    prefix = [rng.randrange(vocab) for _ in range(args.prefix_len)] if args.dataset == "shared-prefix" else []
+    return [
+        prefix + [rng.randrange(vocab) for _ in range(rng.randint(low, args.input_len))]
+        for _ in range(args.num_prompts)
+    ]
+
+
+async def one(http: httpx.AsyncClient, model: str, prompt: list[int], new: int) -> dict:
+    """Stream one completion; its TTFT, end-to-end latency and output tokens (from the usage)."""
+    body = dict(model=model, prompt=prompt, max_tokens=new, temperature=0, stream=True)
+    body["stream_options"] = {"include_usage": True}
+    start = time.perf_counter()
+    first, tokens = None, 0
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["text"] and first is None:
+                first = time.perf_counter() - start
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter() - start
+    first = end if first is None else first
+    return dict(ttft=first, e2e=end, tokens=tokens, tpot=(end - first) / max(1, tokens - 1))
+
+
+async def run_rate(base: str, model: str, prompts, new: int, rate: float, seed: int) -> dict:
+    """Send ``prompts`` at Poisson arrivals of ``rate`` per second; the rate's metrics."""
+    rng = np.random.default_rng(seed)
+    limits = httpx.Limits(max_connections=len(prompts))
+    async with httpx.AsyncClient(base_url=base, timeout=None, limits=limits) as http:
+        start = time.perf_counter()
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(one(http, model, prompt, new)))
+            if math.isfinite(rate):
+                await asyncio.sleep(rng.exponential(1 / rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    tokens = sum(r["tokens"] for r in results)
+
+    def percentiles(key):
+        values = [r[key] * 1000 for r in results]
+        return {
+            f"{key}_p50_ms": float(np.percentile(values, 50)),
+            f"{key}_p99_ms": float(np.percentile(values, 99)),
+        }
+
+    return dict(
+        rate=rate,
+        requests=len(results),
+        duration_s=duration,
+        request_per_s=len(results) / duration,
+        output_tokens=tokens,
+        output_tokens_per_s=tokens / duration,
+        **percentiles("ttft"),
+        **percentiles("tpot"),
+        **percentiles("e2e"),
+    )
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    cli.add_arguments(parser)
+    parser.add_argument("--dataset", choices=["random", "shared-prefix"], default="random")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: the common prefix")
+    parser.add_argument("--range-ratio", type=float, default=1.0, help="input lengths from this fraction up")
+    parser.add_argument("--rates", type=float, nargs="+", default=[4.0, 16.0, math.inf])
+    parser.add_argument("--bench-seed", type=int, default=0)
+    parser.add_argument("--offline", action="store_true", help="time Engine.generate of the same prompts")
+    parser.add_argument("--output", choices=["table", "json"], default="table")
+    args = parser.parse_args(argv)
+    args.port = 0
+    server = cli.build(parser, args)
+    engine = server.scheduler.engine
+    prompts = workload(args, engine.model.config.vocab_size)
+    rows = []
+    if args.offline:
+        options = dict(tree=server.scheduler.tree)
+        engine.generate(prompts[:1], args.output_len, **options)  # compiles
+        result = engine.generate(prompts, args.output_len, **options)
+        tokens = sum(map(len, result.tokens))
+        rows.append(
+            dict(
+                rate="offline",
+                requests=len(prompts),
+                duration_s=result.seconds,
+                output_tokens=tokens,
+                output_tokens_per_s=tokens / result.seconds,
+            )
+        )
+    with cli.running(server) as base:
+        asyncio.run(run_rate(base, server.model_name, prompts[:1], args.output_len, math.inf, 0))  # compiles
+        for rate in args.rates:
+            rows.append(
+                asyncio.run(
+                    run_rate(base, server.model_name, prompts, args.output_len, rate, args.bench_seed)
+                )
+            )
+    if args.output == "json":
+        print(json.dumps(rows, indent=1))
+    else:
+        keys = [
+            "rate",
+            "requests",
+            "duration_s",
+            "output_tokens_per_s",
+            "ttft_p50_ms",
+            "ttft_p99_ms",
+            "tpot_p50_ms",
+            "tpot_p99_ms",
+            "e2e_p50_ms",
+            "e2e_p99_ms",
+        ]
+        print(" ".join(f"{k:>14s}" for k in keys))
+        for row in rows:
+            cells = [row.get(k, "") for k in keys]
+            print(" ".join(f"{c:>14.2f}" if isinstance(c, float) else f"{c!s:>14s}" for c in cells))
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,292 @@
+"""The request-level scheduler: :class:`RequestScheduler` takes requests at any time
+(:meth:`~RequestScheduler.add_request`), runs them in an :class:`~jax_oc128.engine.Engine`'s slots with
+continuous batching (:meth:`~RequestScheduler.step`: admit, prefill, one dispatch of K decoding steps, read)
+and drops them on :meth:`~RequestScheduler.abort`. :meth:`Engine.generate` is a loop over it.
+
+Per-request parameters and what the device allows:
+
+- ``max_new_tokens``: each slot's own budget, on the device.
+- ``stop_tokens``: the device ends rows at one set of stop tokens per dispatch, so it is given the stop
+  tokens every running request shares; each request's other stop tokens are applied on the host (its tokens
+  cut after the first, the request ended and its slot freed at the next step).
+- ``temperature``: static in the compiled steps (one compilation per temperature) and one per dispatch, so
+  requests are batched by temperature: a batch runs at its first request's temperature, and a waiting
+  request of another temperature (first in line) stops admissions until the running batch drains; the
+  requests are admitted in arrival order.
+- ``seed``: the device draws from one PRNG key for all slots, so a sampled request (temperature > 0) with a
+  seed runs alone, the key reset to its seed: its tokens are ``Engine.generate([prompt], seed=seed)``'s.
+  Sampled requests without a seed share the batch and its key (not reproducible one by one).
+
+A slot freed on the host (an abort, a host-side stop) may still run on the device until a new request's
+prefill clears it or its budget ends: its tokens are dropped, and with paged caches its pages are released
+and its page-table row cleared (its writes go nowhere).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+
+import jax
+import numpy as np
+
+from jax_oc128.engine import arguments
+from jax_oc128.engine.pages import PagePool
+from jax_oc128.engine.state import DecodeOutput
+from jax_oc128.nn import sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """A request's parameters.
+
+    Attributes:
+      max_new_tokens: an int in [1, max_len - N - 1].
+      temperature: a number >= 0 (0: greedy).
+      stop_tokens: at most :data:`~jax_oc128.engine.MAX_STOP_TOKENS` token ids; the first generated ends the
+        request (it is its last token).
+      seed: None, or an int in [0, 2**32): a sampled request with a seed runs alone (module docstring).
+    """
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    stop_tokens: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What one :meth:`RequestScheduler.step` read.
+
+    Attributes:
+      tokens: request id -> its new tokens, in order (only requests that gained some).
+      finished: request id -> why it ended: ``"stop"`` (a stop token), ``"length"`` (max_new_tokens) or
+        ``"abort"``.
+    """
+
+    tokens: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    finished: dict[int, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class _Request:
+    prompt: np.ndarray
+    params: SamplingParams
+    needs: int  # the most tokens it writes: prompt + max_new_tokens + N
+
+    @property
+    def exclusive(self) -> bool:
+        return self.params.temperature > 0 and self.params.seed is not None
+
+
+class RequestScheduler:
+    """Requests over ``engine``'s slots, speculating with ``num_tokens`` / ``tree`` (as
+    :meth:`Engine.generate` takes them) for all requests, the PRNG key first ``jax.random.key(seed)``.
+
+    It takes the engine's idle decode state (the one :meth:`Engine.generate` keeps between calls) and gives
+    it back on :meth:`close`. All methods are called from one thread.
+
+    Attributes:
+      page_pool: paged engines, the :class:`~jax_oc128.engine.pages.PagePool` of its slots (else None).
+      dispatches: decode dispatches run.
+      totals: counts of the dispatches read (``steps``, ``slot_steps``, ``accepted``).
+    """
+
+    def __init__(self, engine, *, num_tokens=None, tree=None, seed=0):
+        self.engine = engine
+        self.tree = arguments.check_speculation(num_tokens, tree, engine.model)
+        self.width = 1 if self.tree is None else self.tree.size  # the tokens a step writes
+        self.page_pool = None
+        if engine.pages is not None:
+            shards = 1 if engine.mesh is None else engine.mesh.shape[sharding.DATA]
+            pages, size = engine.pages, engine.page_size
+            self.page_pool = PagePool(pages, size, engine.slots, engine.model.max_len // size, shards)
+        self.state = engine._take_state(arguments.check_seed(seed))
+        self._ids = itertools.count()
+        self._requests: dict[int, _Request] = {}
+        self._waiting: collections.deque[int] = collections.deque()
+        self.owner: dict[int, int] = {}  # slot -> request id, as of the last output read
+        self._unread = collections.deque()  # dispatched, not yet read: (owner of its slots, its output)
+        self._written = np.zeros(engine.slots, np.int64)  # paged: the tokens each slot may have written
+        self._released = False  # paged: pages released since the page table was last sent
+        self._temperature = None  # the running batch's
+        self._exclusive = False  # the running batch is one seeded sampled request
+        self._finished: dict[int, str] = {}  # ended since the last step returned
+        self.dispatches = 0
+        self.totals = collections.Counter()
+
+    def check_request(self, prompt, params: SamplingParams, name: str = "prompt") -> tuple[np.ndarray, int]:
+        """``prompt`` (named ``name`` in errors) and ``params`` checked as :meth:`Engine.generate` checks
+        them (TypeError / ValueError naming the argument), and that the request fits a device's page pool;
+        no state read or changed (any thread). Returns the prompt as int32 and the most tokens it writes."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params: must be a SamplingParams, got {type(params).__name__}")
+        model = self.engine.model
+        longest = arguments.check_max_new_tokens(params.max_new_tokens, self.tree, model)
+        arguments.check_temperature(params.temperature)
+        arguments.check_stop_tokens(params.stop_tokens, model)
+        if params.seed is not None:
+            arguments.check_seed(params.seed)
+        ids = arguments.check_prompt(name, prompt, model, longest)
+        needs = len(ids) + params.max_new_tokens + self.width
+        if self.page_pool is not None:
+            arguments.check_request_fits(name, needs, self.page_pool)
+        return ids, needs
+
+    def add_request(self, prompt, params: SamplingParams) -> int:
+        """Queue a request (checked by :meth:`check_request`); it joins the running batch at a coming
+        :meth:`step`. Returns its id."""
+        ids, needs = self.check_request(prompt, params)
+        request = next(self._ids)
+        params = dataclasses.replace(
+            params,
+            temperature=float(params.temperature),
+            stop_tokens=tuple(map(int, params.stop_tokens)),
+        )
+        self._requests[request] = _Request(ids, params, needs)
+        self._waiting.append(request)
+        return request
+
+    def abort(self, request: int) -> None:
+        """End ``request`` (waiting or running; an unknown or ended id is ignored): its tokens stop, its slot
+        and pages are free from the next :meth:`step`, and that step reports it finished (``"abort"``)."""
+        if request not in self._requests:
+            return
+        if request in self._waiting:
+            self._waiting.remove(request)
+        self._end(request, "abort")
+
+    @property
+    def busy(self) -> bool:
+        """Whether requests wait or run (:meth:`step` has work)."""
+        return bool(self._waiting or self.owner or self._unread)
+
+    @property
+    def waiting(self) -> int:
+        """Requests not yet admitted."""
+        return len(self._waiting)
+
+    def step(self) -> StepOutput:
+        """Admit waiting requests into the free slots and prefill them, run one dispatch of up to K decoding
+        steps of the running requests and read the outputs (each dispatch's is read while the next runs,
+        all of them when requests wait). Returns what was read and the requests that ended."""
+        out = StepOutput()
+        if self._waiting and self._unread:  # which slots are free: read everything
+            self._read_all(out)
+        pool, engine = self.page_pool, self.engine
+        changed, self._released = self._released, False
+        admitted = self._admit([slot for slot in range(engine.slots) if slot not in self.owner])
+        if pool is not None:  # the pages of what the next dispatch can write
+            for slot in [*self.owner, *admitted]:
+                self._written[slot] += engine.steps_per_dispatch * self.width
+                changed |= pool.grow(slot, int(self._written[slot]))
+            if changed:
+                self.state = engine._set_page_table(self.state, engine._placement.host_rows(pool.table))
+        running = [*self.owner.values(), *admitted.values()]
+        stops = arguments.stop_array(
+            tuple(set.intersection(*(set(self._requests[r].params.stop_tokens) for r in running)))
+            if running
+            else ()
+        )
+        if admitted:
+            prompts = {slot: self._requests[r].prompt for slot, r in admitted.items()}
+            budgets = {slot: self._requests[r].params.max_new_tokens for slot, r in admitted.items()}
+            self.state, output = engine._prefill_rows(self.state, prompts, budgets, stops, self._temperature)
+            self.owner.update(admitted)
+            self._unread.append((admitted, output))
+        if self.owner:
+            self.state, output = engine._decode(
+                engine.params,
+                self.state,
+                stops,
+                np.bool_(bool(self._waiting)),
+                engine.steps_per_dispatch,
+                self.tree,
+                self._temperature,
+            )
+            self.dispatches += 1
+            for leaf in jax.tree.leaves(output):
+                leaf.copy_to_host_async()
+            self._unread.append((dict(self.owner), output))
+        elif self._waiting and not self._unread:  # paged: every slot is free and the first still has no pages
+            raise RuntimeError("paged engine: no request runs and none can be admitted (a bug)")
+        # read everything but this dispatch, which runs meanwhile; all of it when a slot must be freed
+        while len(self._unread) > (0 if self._waiting else 1) or (self._unread and not self.owner):
+            self._read(out, *self._unread.popleft())
+        out.finished, self._finished = self._finished, {}
+        return out
+
+    def _admit(self, free: list[int]) -> dict[int, int]:
+        """Waiting requests into the ``free`` slots, in arrival order, while they share the running batch's
+        temperature (module docstring); returns slot -> request."""
+        pool = self.page_pool
+        if not self.owner:  # a new batch: the first waiting request sets it
+            self._temperature, self._exclusive = None, False
+        admitted = {}
+        for slot in free:
+            if not self._waiting or self._exclusive:
+                break
+            request = self._requests[self._waiting[0]]
+            if self._temperature is None:
+                self._temperature = request.params.temperature
+                if request.exclusive:  # it runs alone, on its own key
+                    self._exclusive = True
+                    self.state = self.engine._restart(self.state, np.uint32(request.params.seed))
+            elif request.params.temperature != self._temperature or request.exclusive:
+                break
+            if pool is not None:  # the next request waits until its device has its pages
+                if not pool.can_reserve(slot, request.needs):
+                    pool.waits += 1
+                    continue
+                pool.reserve(slot, request.needs)
+                self._written[slot] = len(request.prompt)
+            admitted[slot] = self._waiting.popleft()
+        if not admitted and not self.owner:
+            self._temperature = None
+        return admitted
+
+    def _read_all(self, out: StepOutput) -> None:
+        while self._unread:
+            self._read(out, *self._unread.popleft())
+
+    def _read(self, out: StepOutput, owner: dict, output: DecodeOutput) -> None:
+        """Take a dispatch's (or a prefill's) tokens for the requests that owned its slots (``owner``, slot
+        -> request, at dispatch) and still run; end the requests whose rows ended or that met a stop token
+        of their own."""
+        host = jax.device_get(output)  # the copies started at dispatch
+        self.totals.update(
+            steps=int(host.steps), slot_steps=int(host.slot_steps), accepted=int(host.accepted)
+        )
+        for slot, request in owner.items():
+            if self.owner.get(slot) != request:  # ended (an abort, a host-side stop) since
+                continue
+            params = self._requests[request].params
+            new = []
+            for step in range(host.tokens.shape[0]):  # counts are 0 past the steps run
+                new.extend(host.tokens[step, slot, : host.counts[step, slot]].tolist())
+            stop = next((i for i, t in enumerate(new) if t in params.stop_tokens), None)
+            if stop is not None:
+                new = new[: stop + 1]
+            if new:
+                out.tokens.setdefault(request, []).extend(new)
+            if stop is not None:
+                self._end(request, "stop")
+            elif not host.active[slot]:
+                self._end(request, "length")
+
+    def _end(self, request: int, reason: str) -> None:
+        """``request`` ended for ``reason``: its slot (if any) free on the host."""
+        del self._requests[request]
+        for slot, owner in list(self.owner.items()):
+            if owner == request:
+                del self.owner[slot]
+                if self.page_pool is not None:  # the table is sent before the next dispatch
+                    self._released |= self.page_pool.release(slot)
+        self._finished[request] = reason
+
+    def close(self):
+        """Give the decode state back to the engine (its slots idle at its next use); the scheduler is
+        done."""
+        self._read_all(StepOutput())
+        self.engine._idle_state, self.state = self.state, None

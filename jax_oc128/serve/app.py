@@ -1,0 +1,289 @@
+"""The FastAPI application: OpenAI's ``/v1/completions``, ``/v1/chat/completions`` (both streamed as
+server-sent events or not), ``/v1/models`` and ``/health`` over a :class:`~jax_oc128.serve.worker.Worker`.
+
+Each request is checked here, on the HTTP side (OpenAI's names in the errors, the engine untouched), then
+handed to the device thread; its tokens come back through an ``asyncio.Queue``. Stop strings are matched
+on the decoded text here (the text held back while it could still begin one); a client that disconnects
+aborts its request."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from sse_starlette.sse import EventSourceResponse
+
+from jax_oc128.engine import MAX_STOP_TOKENS
+from jax_oc128.engine.requests import RequestScheduler, SamplingParams
+from jax_oc128.serve.protocol import ChatRequest, CompletionRequest, RequestError, parse
+from jax_oc128.serve.worker import Handle, QueueFull, Worker
+
+#: the engine's argument names as the OpenAI API names them
+_FIELDS = {"max_new_tokens": "max_tokens", "stop_tokens": "stop_token_ids", "temperature": "temperature"}
+#: OpenAI's default temperature
+DEFAULT_TEMPERATURE = 1.0
+#: how often a non-streamed request checks that its client is still there, in seconds
+DISCONNECT_POLL = 0.25
+
+
+class Server:
+    """What the endpoints share: the engine's scheduler in a :class:`Worker`, the tokenizer, the served
+    model's name and the longest request (``max_len`` tokens: prompt + max_tokens + N)."""
+
+    def __init__(
+        self, scheduler: RequestScheduler, tokenizer, model_name: str, max_len: int, max_queued: int
+    ):
+        self.scheduler, self.tokenizer, self.model_name = scheduler, tokenizer, model_name
+        self.max_len = max_len
+        self.worker = Worker(scheduler, scheduler.engine.slots + max_queued)
+
+    def request(self, body, prompt, prompt_field: str, max_tokens) -> tuple[list[int], SamplingParams]:
+        """A parsed request's prompt ids and parameters, checked against the engine (RequestError naming
+        the field)."""
+        if body.model != self.model_name:
+            raise RequestError(f"model: this server serves {self.model_name!r}, got {body.model!r}", "model")
+        width = self.scheduler.width
+        room = self.max_len - len(prompt) - width
+        if max_tokens is None:
+            max_tokens = room
+        if max_tokens < 1:
+            raise RequestError(f"max_tokens: must be >= 1, got {max_tokens}", "max_tokens")
+        if max_tokens > self.max_len - width - 1:
+            limit = self.max_len - width - 1
+            raise RequestError(
+                f"max_tokens: at most {limit} (max_len - N - 1), got {max_tokens}", "max_tokens"
+            )
+        if room < max_tokens:
+            raise RequestError(
+                f"{prompt_field}: {len(prompt)} tokens, with max_tokens {max_tokens} and N {width} more than "
+                f"max_len {self.max_len}",
+                prompt_field,
+            )
+        stop_ids = list(dict.fromkeys([*(body.stop_token_ids or []), *self.tokenizer.eos_token_ids]))
+        if len(stop_ids) > MAX_STOP_TOKENS:
+            raise RequestError(
+                f"stop_token_ids: at most {MAX_STOP_TOKENS} with the EOS tokens, got {len(stop_ids)}",
+                "stop_token_ids",
+            )
+        temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
+        params = SamplingParams(max_tokens, temperature, tuple(stop_ids), body.seed)
+        try:
+            ids, _ = self.scheduler.check_request(prompt, params)
+        except (TypeError, ValueError) as error:
+            name = str(error).split(":")[0]
+            field = prompt_field if name == "prompt" else _FIELDS.get(name, name)
+            raise RequestError(f"{field}:{str(error)[len(name) + 1 :]}", field) from None
+        return ids.tolist(), params
+
+
+def stop_strings(body) -> list[str]:
+    """The request's ``stop`` as a list of non-empty strings."""
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if any(not stop for stop in stops):
+        raise RequestError("stop: the strings must not be empty", "stop")
+    return stops
+
+
+class Run:
+    """One request on the HTTP side: submitted to the worker, its text as it arrives
+    (:meth:`pieces`)."""
+
+    def __init__(self, server: Server, prompt: list[int], params: SamplingParams, stops: list[str]):
+        self.server, self.stops = server, stops
+        self.queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def sink(tokens, finished):
+            with contextlib.suppress(RuntimeError):  # the event loop closed (the server stopping)
+                loop.call_soon_threadsafe(self.queue.put_nowait, (tokens, finished))
+
+        self.handle = Handle(prompt, params, sink)
+        self.prompt_tokens, self.completion_tokens = len(prompt), 0
+        self.done = False
+        try:
+            server.worker.submit(self.handle)
+        except QueueFull as error:
+            raise RequestError(str(error), None, 503, "server_busy") from None
+
+    async def pieces(self):
+        """Yield ``(text, finish_reason)``: text as the tokens complete it, ``finish_reason`` None until the
+        last piece (``"stop"`` or ``"length"``)."""
+        text = self.server.tokenizer.decode_stream()
+        hold = max((len(stop) - 1 for stop in self.stops), default=0)
+        pending = ""
+        while True:
+            tokens, finished = await self.queue.get()
+            self.completion_tokens += len(tokens)
+            pending += text.push(tokens)
+            if finished:
+                pending += text.finish()
+            found = [(pending.find(stop), stop) for stop in self.stops if stop in pending]
+            if found:
+                self.done = True
+                if not finished:
+                    self.server.worker.abort(self.handle)
+                yield pending[: min(found)[0]], "stop"
+                return
+            if finished:
+                self.done = True
+                yield pending, finished
+                return
+            cut = len(pending) - hold
+            if cut > 0:
+                yield pending[:cut], None
+                pending = pending[cut:]
+
+    def abort(self) -> None:
+        if not self.done:
+            self.done = True
+            self.server.worker.abort(self.handle)
+
+    def usage(self) -> dict:
+        total = self.prompt_tokens + self.completion_tokens
+        return dict(
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, total_tokens=total
+        )
+
+
+def create_app(server: Server) -> FastAPI:
+    """The application over ``server``; its worker runs while the application does (its lifespan)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        server.worker.start()
+        try:
+            yield
+        finally:
+            server.worker.stop()
+
+    app = FastAPI(title="jax_oc128", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(RequestError)
+    async def request_error(request, error: RequestError):
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.get("/health")
+    async def health():
+        worker = server.worker
+        pool = server.scheduler.page_pool
+        body = dict(
+            status="ok" if worker.alive and worker.error is None else "failed",
+            outstanding=worker.outstanding,
+            finished=dict(worker.finished),
+            free_pages=None if pool is None else pool.free_pages,
+        )
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        model = dict(id=server.model_name, object="model", created=0, owned_by="jax_oc128")
+        return {"object": "list", "data": [model]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = parse(CompletionRequest, await _json(request))
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise RequestError("prompt: one prompt per request", "prompt")
+            prompt = prompt[0]
+        ids = server.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        ids, params = server.request(body, ids, "prompt", body.max_tokens)
+        return await _respond(request, server, body, Run(server, ids, params, stop_strings(body)), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = parse(ChatRequest, await _json(request))
+        messages = [dict(role=m.role, content=m.text()) for m in body.messages]
+        try:
+            text = server.tokenizer.apply_chat_template(messages)
+        except ValueError as error:
+            raise RequestError(f"messages: {error}", "messages") from None
+        ids = server.tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        ids, params = server.request(body, ids, "messages", max_tokens)
+        return await _respond(request, server, body, Run(server, ids, params, stop_strings(body)), chat=True)
+
+    return app
+
+
+async def _json(request: Request):
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise RequestError(f"the request body is not JSON ({error})", None) from None
+
+
+def _chunk(kind: str, run_id: str, model: str, text, finish, chat: bool, first=False) -> dict:
+    if chat:
+        delta = {} if text is None else {"content": text}
+        if first:
+            delta = {"role": "assistant", "content": ""}
+        choice = dict(index=0, delta=delta, logprobs=None, finish_reason=finish)
+    else:
+        choice = dict(index=0, text=text or "", logprobs=None, finish_reason=finish)
+    return dict(id=run_id, object=kind, created=int(time.time()), model=model, choices=[choice])
+
+
+async def _respond(request: Request, server: Server, body, run: Run, chat: bool):
+    """The response to ``body`` of ``run``: streamed (server-sent events, ending ``[DONE]``) or whole."""
+    run_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    model = server.model_name
+    if body.stream:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        usage = body.stream_options is not None and body.stream_options.include_usage
+
+        async def events():
+            try:
+                if chat:
+                    yield json.dumps(_chunk(kind, run_id, model, None, None, chat, first=True))
+                async for text, finish in run.pieces():
+                    if text:
+                        yield json.dumps(_chunk(kind, run_id, model, text, None, chat))
+                    if finish:
+                        yield json.dumps(_chunk(kind, run_id, model, None, finish, chat))
+                if usage:
+                    last = _chunk(kind, run_id, model, None, None, chat) | {
+                        "choices": [],
+                        "usage": run.usage(),
+                    }
+                    yield json.dumps(last)
+                yield "[DONE]"
+            finally:  # the client gone: the generator is closed early
+                run.abort()
+
+        return EventSourceResponse(events(), ping=15)
+
+    async def collect():
+        pieces, reason = [], None
+        async for text, finish in run.pieces():
+            pieces.append(text)
+            reason = finish
+        return "".join(pieces), reason
+
+    task = asyncio.ensure_future(collect())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                return JSONResponse({}, status_code=499)  # nobody reads it
+    finally:
+        run.abort()
+    text, reason = task.result()
+    if chat:
+        choice = dict(
+            index=0, message=dict(role="assistant", content=text), logprobs=None, finish_reason=reason
+        )
+    else:
+        choice = dict(index=0, text=text, logprobs=None, finish_reason=reason)
+    kind = "chat.completion" if chat else "text_completion"
+    return dict(
+        id=run_id, object=kind, created=int(time.time()), model=model, choices=[choice], usage=run.usage()
+    )

@@ -1,0 +1,156 @@
+"""``jax-oc128 serve [PATH]``: its flags (:func:`add_arguments`) and the command (:func:`serve`). Nothing
+heavy is imported until the command runs."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import socket
+import threading
+import time
+
+from jax_oc128.rules import MAX_DRAFT
+
+#: decoding steps per dispatch when serving: a new request waits up to a dispatch for its slot, so fewer than
+#: the engine's batch default (64)
+SERVE_STEPS_PER_DISPATCH = 16
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an int, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``serve`` subcommand's flags on ``parser``."""
+    parser.add_argument(
+        "path",
+        nargs="?",
+        default=None,
+        help="a Hugging Face checkpoint directory (default: the shipped byte-level model)",
+    )
+    speculation = parser.add_mutually_exclusive_group()
+    speculation.add_argument("--draft", type=_at_least(2), metavar="N", help="speculate with a chain of N")
+    speculation.add_argument("--tree", type=_at_least(2), metavar="N", help="the default draft tree of N")
+    parser.add_argument("--slots", type=_at_least(1), default=8, help="requests decoded together")
+    parser.add_argument(
+        "--pages", type=_at_least(1), default=None, help="paged caches of this many pages (default: dense)"
+    )
+    parser.add_argument("--page-size", type=_at_least(128), default=256, help="tokens per page")
+    parser.add_argument(
+        "--max-len",
+        type=_at_least(2),
+        default=None,
+        help="the longest request, prompt + max_tokens + N (default: 4096, the shipped model's)",
+    )
+    parser.add_argument(
+        "--max-queued", type=_at_least(0), default=256, help="requests waiting beyond the slots (then 503)"
+    )
+    parser.add_argument(
+        "--steps-per-dispatch",
+        type=_at_least(1),
+        default=SERVE_STEPS_PER_DISPATCH,
+        help="K: decoding steps per on-device loop",
+    )
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="of a checkpoint")
+    parser.add_argument(
+        "--served-model-name", default=None, help="default: the directory's name or 'shipped'"
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=_at_least(0), default=8000)
+
+
+def build(parser: argparse.ArgumentParser, args):
+    """The server of ``args`` (:class:`~jax_oc128.serve.app.Server`), argparse's error for a bad flag."""
+    from jax_oc128 import checkpoint
+    from jax_oc128.engine import Engine
+    from jax_oc128.engine.requests import RequestScheduler
+    from jax_oc128.serve.app import Server
+    from jax_oc128.text import byte_tokenizer, load_tokenizer
+
+    n = args.draft or args.tree or 1
+    if n > MAX_DRAFT:
+        parser.error(f"argument --{'draft' if args.draft else 'tree'}: at most {MAX_DRAFT}")
+    speculation = f"--{'draft' if args.draft else 'tree'}"
+    flags = {"num_tokens": speculation, "tree": speculation, "slots": "--slots", "pages": "--pages"}
+    flags |= {"page_size": "--page-size", "path": "path"}
+    try:
+        if args.path is None:
+            model, _ = checkpoint.load()
+            tokenizer, name = byte_tokenizer(), "shipped"
+            if args.max_len is not None and args.max_len > model.config.max_len:
+                parser.error(f"argument --max-len: the shipped model holds {model.config.max_len} tokens")
+        else:
+            from jax_oc128.pretrained import load_pretrained
+
+            tokenizer = load_tokenizer(args.path)
+            model = load_pretrained(args.path, dtype=args.dtype, max_len=args.max_len or 4096, max_draft=n)
+            name = args.path.rstrip("/").split("/")[-1]
+        engine = Engine(
+            model,
+            args.slots,
+            steps_per_dispatch=args.steps_per_dispatch,
+            pages=args.pages,
+            page_size=args.page_size,
+        )
+        tree = None if args.tree is None else _default_tree(args.tree)
+        scheduler = RequestScheduler(engine, num_tokens=args.draft, tree=tree)
+    except (OSError, ValueError, NotImplementedError) as error:
+        name = str(error).split(":")[0]
+        parser.error(f"argument {flags.get(name, 'path')}: {error}")
+    max_len = args.max_len or model.config.max_len
+    return Server(scheduler, tokenizer, args.served_model_name or name, max_len, args.max_queued)
+
+
+def _default_tree(n: int):
+    from jax_oc128.tree import Tree
+
+    return Tree.default(n)
+
+
+@contextlib.contextmanager
+def running(server, host: str = "127.0.0.1", port: int = 0, timeout: float = 120):
+    """Serve ``server`` (a :class:`~jax_oc128.serve.app.Server`) under uvicorn in a thread while the block
+    runs (port 0: a free one); yields the base URL. For tests and benchmarks."""
+    import uvicorn
+
+    from jax_oc128.serve.app import create_app
+
+    sock = socket.socket()
+    sock.bind((host, port))
+    # log_config None: the logging of the process as it is (none bound to the streams of the moment)
+    uv = uvicorn.Server(uvicorn.Config(create_app(server), log_config=None, log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while not uv.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.05)
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        uv.should_exit = True
+        thread.join(timeout)
+        sock.close()
+        if thread.is_alive():
+            raise RuntimeError("the server did not stop")
+
+
+def serve(parser: argparse.ArgumentParser, args) -> int:
+    """Run the server of ``args`` until interrupted."""
+    import uvicorn
+
+    from jax_oc128.serve.app import create_app
+
+    server = build(parser, args)
+    uvicorn.run(create_app(server), host=args.host, port=args.port, log_level="info")
+    return 0

@@ -1,0 +1,128 @@
+"""The request-level scheduler (jax_oc128.engine.requests) on the shipped model: requests added between
+steps join the running batch with their own budgets and stop tokens and give generate's greedy tokens; an
+abort frees the slot and the pages at once; a seeded sampled request runs alone with generate's tokens; bad
+requests are refused naming the argument."""
+
+from __future__ import annotations
+
+import pytest
+
+from jax_oc128 import checkpoint
+from jax_oc128.engine import Engine
+from jax_oc128.engine.requests import RequestScheduler, SamplingParams
+
+PROMPTS = [b"Return the number of items", b"Open the file and", b"Create a new thread", b"Raise an error"]
+PAGES = 6
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """The shipped model, 2 slots, K = 4, paged (6 pages of 256 tokens)."""
+    model, _ = checkpoint.load()
+    return Engine(model, 2, steps_per_dispatch=4, pages=PAGES, page_size=256)
+
+
+@pytest.fixture(scope="module")
+def expected(engine):
+    """generate's greedy 24 tokens of each prompt."""
+    return engine.generate(PROMPTS, 24).tokens
+
+
+def drain(scheduler, outputs, reasons, steps=None):
+    """Step until idle (or ``steps`` steps), collecting tokens and end reasons by request id."""
+    for _ in range(steps or 1000):
+        if not scheduler.busy:
+            return
+        out = scheduler.step()
+        for request, tokens in out.tokens.items():
+            outputs.setdefault(request, []).extend(tokens)
+        reasons.update(out.finished)
+    assert steps, "the scheduler did not become idle"
+
+
+def test_requests_join_the_running_batch(engine, expected):
+    """Requests added after steps ran, each with its own max_new_tokens and stop tokens (one shared by no
+    other request: cut on the host), give generate's tokens up to their budget or stop token; the pages are
+    all free afterwards."""
+    scheduler = RequestScheduler(engine)
+    outputs, reasons = {}, {}
+    stop = expected[1][5]
+    try:
+        first = scheduler.add_request(PROMPTS[0], SamplingParams(24))
+        drain(scheduler, outputs, reasons, steps=1)
+        second = scheduler.add_request(PROMPTS[1], SamplingParams(20, stop_tokens=(stop,)))
+        third = scheduler.add_request(PROMPTS[2], SamplingParams(7))
+        drain(scheduler, outputs, reasons, steps=1)
+        fourth = scheduler.add_request(PROMPTS[3], SamplingParams(13))
+        drain(scheduler, outputs, reasons)
+        assert scheduler.page_pool.free_pages == PAGES and not scheduler.owner
+    finally:
+        scheduler.close()
+    cut = expected[1].index(stop) + 1
+    assert outputs[second] == expected[1][:cut] and reasons[second] == "stop"
+    assert outputs[third] == expected[2][:7] and reasons[third] == "length"
+    assert outputs[fourth] == expected[3][:13] and reasons[fourth] == "length"
+    assert outputs[first] == expected[0] and reasons[first] == "length"
+
+
+def test_abort_frees_the_slot_and_pages(engine, expected):
+    """An aborted running request ends at once ("abort"), its slot and pages taken by a waiting request that
+    gives generate's tokens; an aborted waiting request never runs."""
+    scheduler = RequestScheduler(engine)
+    outputs, reasons = {}, {}
+    try:
+        running = [scheduler.add_request(p, SamplingParams(24)) for p in PROMPTS[:2]]
+        waiting = scheduler.add_request(PROMPTS[2], SamplingParams(24))
+        never = scheduler.add_request(PROMPTS[3], SamplingParams(24))
+        drain(scheduler, outputs, reasons, steps=1)
+        scheduler.abort(running[0])
+        scheduler.abort(never)
+        assert scheduler.page_pool.free_pages == PAGES - 1  # the other running request's page
+        drain(scheduler, outputs, reasons)
+        assert scheduler.page_pool.free_pages == PAGES
+    finally:
+        scheduler.close()
+    assert reasons[running[0]] == reasons[never] == "abort" and never not in outputs
+    assert outputs[running[0]] == expected[0][: len(outputs[running[0]])]
+    assert outputs[running[1]] == expected[1] and outputs[waiting] == expected[2]
+
+
+def test_a_seeded_sampled_request_runs_alone(engine, expected):
+    """A sampled request with a seed, queued behind greedy ones, gives generate's tokens at that seed; the
+    greedy ones keep theirs."""
+    offline = engine.generate([PROMPTS[3]], 16, temperature=0.7, seed=3).tokens[0]
+    scheduler = RequestScheduler(engine)
+    outputs, reasons = {}, {}
+    try:
+        greedy = scheduler.add_request(PROMPTS[0], SamplingParams(24))
+        sampled = scheduler.add_request(PROMPTS[3], SamplingParams(16, temperature=0.7, seed=3))
+        other = scheduler.add_request(PROMPTS[1], SamplingParams(24))
+        drain(scheduler, outputs, reasons)
+    finally:
+        scheduler.close()
+    assert outputs[sampled] == offline
+    assert outputs[greedy] == expected[0] and outputs[other] == expected[1]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "error", "match"),
+    [
+        (b"x", SamplingParams(0), ValueError, r"max_new_tokens: must be in \[1, "),
+        (b"x", SamplingParams(4, temperature=-1.0), ValueError, "temperature: must be finite and >= 0"),
+        (b"x", SamplingParams(4, stop_tokens=(256,)), ValueError, r"stop_tokens: ids must be in \[0, 256\)"),
+        (b"x", SamplingParams(4, seed=-1), ValueError, r"seed: must be in \[0, "),
+        ([300], SamplingParams(4), ValueError, r"prompt: token ids must be in \[0, 256\)"),
+        (b"", SamplingParams(4), ValueError, "prompt: length 0 must be in"),
+        (b"x" * 1600, SamplingParams(4), ValueError, "prompt: needs 7 pages of 256 tokens"),
+        (b"x", (4,), TypeError, "params: must be a SamplingParams"),
+    ],
+)
+def test_bad_requests_are_refused_naming_the_argument(engine, prompt, params, error, match):
+    """Nothing is queued for a refused request."""
+    scheduler = RequestScheduler(engine)
+    try:
+        with pytest.raises(error, match=match):
+            scheduler.add_request(prompt, params)
+        assert not scheduler.busy
+    finally:
+        scheduler.close()
