@@ -183,10 +183,15 @@ def _prompt(text: str) -> str:
 
 
 def _nonempty(text: str) -> str:
-    """An argparse type: non-empty text."""
+    """An argparse type: non-empty valid Unicode text (an argument of bytes that are not UTF-8 is not)."""
+    from jax_oc128.text import check_text
+
     if not text:
         raise argparse.ArgumentTypeError("must be non-empty text")
-    return text
+    try:
+        return check_text("text", text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("text: ")) from None
 
 
 def _file(text: str) -> pathlib.Path:
@@ -302,6 +307,48 @@ def generate(args, tokenizer, model, prompt: list[int], display: _GenerateDispla
     return result, arrivals
 
 
+def _max_len(parser, args, prompt: int, n: int) -> int:
+    """The caches' length for ``generate``: ``--max-len``, else the prompt's ``prompt`` tokens, the new
+    tokens and a verify's ``n`` in whole 128-token blocks (as the prefill pads; one length for many
+    prompts, fewer compilations), at most the model's positions (``max_position_embeddings``). Refused by
+    argparse, naming the flag: ``--max-len`` past the positions, a request that does not fit, and
+    ``--kv-cache-dtype`` where the checkpoint's config does not take it (what else is wrong with the
+    config, :func:`~jax_oc128.load_pretrained` reports)."""
+    from jax_oc128.nn import ModelConfig
+    from jax_oc128.pretrained import CONFIG, _read_config
+
+    try:
+        config = _read_config(pathlib.Path(args.path) / CONFIG)[0]
+    except (OSError, ValueError) as error:
+        parser.error(f"argument path: {error}")
+    positions = config.get("max_position_embeddings")
+    if not isinstance(positions, int) or isinstance(positions, bool) or positions < 1:
+        positions = None  # load_pretrained names the field
+    if args.max_len is not None and positions is not None and args.max_len > positions:
+        parser.error(f"argument --max-len: at most the model's max_position_embeddings ({positions})")
+    limit, what = (args.max_len, "--max-len") if args.max_len else (positions, "max_position_embeddings")
+    need = prompt + args.max_new_tokens + n
+    if limit is not None and need > limit:
+        parser.error(
+            f"argument --max-new-tokens: the prompt's {prompt} tokens + {args.max_new_tokens} new tokens + "
+            f"N ({n}) are {need} positions, more than the {limit} of {what}"
+        )
+    max_len = args.max_len or -(-need // 128) * 128
+    max_len = max_len if positions is None else min(max_len, positions)
+    if args.kv_cache_dtype != "auto":
+        options = dict(max_len=max_len, max_draft=n)
+        try:
+            ModelConfig.from_hf(config, **options, kv_cache_dtype=args.kv_cache_dtype)
+        except (TypeError, ValueError, NotImplementedError) as error:
+            try:
+                ModelConfig.from_hf(config, **options)
+            except (TypeError, ValueError, NotImplementedError):
+                pass  # the config's own fault: load_pretrained names it
+            else:
+                parser.error(f"argument --kv-cache-dtype: {CONFIG}: {error}")
+    return max_len
+
+
 def _generate_command(parser, args) -> int:
     """``generate``: every flag checked (argparse's error, status 2) before the model runs: what the
     tokenizer tells before the checkpoint loads, what the model tells (its MTP layer, its vocabulary)
@@ -316,16 +363,15 @@ def _generate_command(parser, args) -> int:
         parser.error(f"argument path: {error}")
     try:
         prompt = tokenizer.encode(args.prompt, chat=args.chat)
-    except ValueError as error:
-        parser.error(f"argument --chat: {error}")
+    except ValueError as error:  # the chat template's, or the tokenizer's
+        parser.error(f"argument {'--chat' if str(error).startswith('chat:') else '--prompt'}: {error}")
     if not prompt:
         parser.error(f"argument --prompt: {args.prompt!r} is no tokens")
     if len(tokenizer.eos_token_ids) > MAX_STOP_TOKENS:
         ids = tokenizer.eos_token_ids
         parser.error(f"argument path: at most {MAX_STOP_TOKENS} EOS tokens, the tokenizer has {len(ids)}")
     n = args.draft or args.tree or 1
-    # the caches hold the prompt, the new tokens and a verify's N (in whole 128-token blocks, as prefill pads)
-    max_len = -(-(len(prompt) + args.max_new_tokens + n) // 128) * 128
+    max_len = _max_len(parser, args, len(prompt), n)
     display = _GenerateDisplay(args.max_new_tokens)
 
     def refuse(message):
@@ -444,6 +490,14 @@ def _command(argv) -> int:
     )
     text.add_argument(
         "--max-new-tokens", type=_int_in(1), default=256, metavar="M", help="at most this many (EOS stops)"
+    )
+    text.add_argument(
+        "--max-len",
+        type=_int_in(1),
+        default=None,
+        metavar="L",
+        help="the caches' length, at most the model's max_position_embeddings (default: the prompt, "
+        "--max-new-tokens and N, in whole blocks of 128)",
     )
     text.add_argument("--temperature", type=_temperature, default=0.0, help="0: greedy")
     text.add_argument("--seed", type=_int_in(0, 2**32 - 1), default=0, help="of the sampling")

@@ -130,6 +130,11 @@ def test_chat_template(checkpoints, tmp_path):
     (tmp_path / text.CHAT_TEMPLATE).write_text("{{ ().__class__.__base__.__subclasses__() }}")
     with pytest.raises(ValueError, match=r"chat: the chat template of .* failed .*unsafe"):
         load_tokenizer(tmp_path).encode("hi", chat=True)
+    # a runtime error names the template's file (before: a bare ZeroDivisionError)
+    (tmp_path / text.CHAT_TEMPLATE).write_text("{{ 1 / 0 }}")
+    match = r"chat: the chat template of .*chat_template\.jinja failed \(ZeroDivisionError: division by zero"
+    with pytest.raises(ValueError, match=match):
+        load_tokenizer(tmp_path).encode("hi", chat=True)
     (tmp_path / text.CHAT_TEMPLATE).unlink()
     write_tokenizer(tmp_path, template=None)
     with pytest.raises(ValueError, match=r"chat: .* has no chat template \(chat_template.jinja"):
@@ -165,6 +170,10 @@ BAD_FILES = {
     "chat_template not Jinja": (
         {text.CHAT_TEMPLATE: "{% for %}"},
         r"chat_template\.jinja: chat_template: not a Jinja template",
+    ),
+    "tokenizer.json without tokens": (  # before: loaded, then encode raised a bare Exception
+        {text.TOKENIZER: '{"version": "1.0", "model": {"type": "Unigram", "unk_id": null, "vocab": []}}'},
+        r"tokenizer\.json: has no tokens",
     ),
     "eos id past the vocabulary": (
         {text.GENERATION_CONFIG: '{"eos_token_id": [1, 64]}'},
@@ -275,11 +284,20 @@ BAD_GENERATE = [
     ("--prompt", "{mtp}", ["--prompt="]),
     ("--prefill-chunk", "{mtp}", ["--prefill-chunk", "0"]),
     ("--kv-cache-dtype", "{mtp}", ["--kv-cache-dtype", "float16"]),
+    # before: "argument path" (index_head_dim 16 is no whole FP4 group of 32)
+    ("--kv-cache-dtype", "{mtp}", ["--kv-cache-dtype", "fp8_fp4"]),
+    ("--prompt", "{mtp}", ["--prompt", "caf\udce9"]),  # b"caf\xe9" as argv: before, a TypeError
+    ("--temperature", "{mtp}", ["--temperature", "1" + "0" * 400]),
+    # max_position_embeddings is 512: before, 10**8 sized the caches and ran out of memory
+    ("--max-new-tokens", "{mtp}", ["--max-new-tokens", str(10**8)]),
+    ("--max-new-tokens", "{mtp}", ["--max-new-tokens", str(10**12)]),  # before: "argument path"
+    ("--max-new-tokens", "{mtp}", ["--max-len", "128", "--max-new-tokens", "126"]),
+    ("--max-len", "{mtp}", ["--max-len", "513"]),
 ]
 
 
 @pytest.mark.parametrize(
-    "flag, path, args", BAD_GENERATE, ids=[" ".join([p, *a]) for _, p, a in BAD_GENERATE]
+    "flag, path, args", BAD_GENERATE, ids=[" ".join([p, *a])[:60] for _, p, a in BAD_GENERATE]
 )
 def test_bad_generate_input_is_refused_before_the_model_runs(checkpoints, tmp_path, flag, path, args, capsys):
     bare, untemplated = tmp_path / "bare", tmp_path / "untemplated"

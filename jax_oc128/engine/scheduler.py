@@ -107,7 +107,7 @@ class Engine:
       number: this engine's number in the process (from 1), carried by its decode states
         (:attr:`DecodeState.engine`): another engine's state is refused, even one of the same layout.
       page_pool: paged, the last :meth:`generate` call's :class:`~jax_oc128.engine.pages.PagePool` (None
-        before, and for dense caches).
+        before, and for dense caches); once the call returns, every page is back in it.
     """
 
     def __init__(
@@ -353,6 +353,10 @@ class Engine:
             # read everything but this dispatch, which runs meanwhile; all of it when a slot must be freed
             while len(unread) > (0 if waiting else 1):
                 requests.read(*unread.popleft())
+        if pool is not None:  # every request ended: the pages of the last ones back to the pool
+            for slot in range(self.slots):
+                if pool.holds(slot):
+                    pool.release(slot)
         self._idle_state = state
         return requests.result(time.perf_counter() - start)
 
