@@ -372,6 +372,7 @@ class _Requests:
 
     def __init__(self, count: int, progress, stream):
         self.outputs = [[] for _ in range(count)]
+        self.steps = [0] * count  # per request, the steps that gave it tokens
         self.owner = {}  # slot -> request
         self.progress = progress
         self.stream = stream
@@ -390,6 +391,7 @@ class _Requests:
             for step in range(host.tokens.shape[0]):  # counts are 0 past the steps run
                 new.extend(host.tokens[step, slot, : host.counts[step, slot]].tolist())
             self.outputs[request].extend(new)
+            self.steps[request] += int(np.count_nonzero(host.counts[:, slot]))
             if self.stream is not None and new:
                 self.stream(request, new)
             if not host.active[slot]:
@@ -401,4 +403,4 @@ class _Requests:
 
     def result(self, seconds: float) -> Result:
         mean = self.totals["accepted"] / max(1, self.totals["slot_steps"])
-        return Result(self.outputs, self.totals["steps"], self.dispatches, seconds, mean)
+        return Result(self.outputs, self.totals["steps"], self.dispatches, seconds, mean, self.steps)
