@@ -222,7 +222,7 @@ def generated(checkpoints):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Engine, "generate", recording)
-        chunked = ["--draft", "3", "--prefill-chunk", "8", "--kv-cache-dtype", "float32"]
+        chunked = ["--draft", "3", "--prefill-chunk", "8", "--kv-cache-dtype", "float32", "--mesh", "data=1"]
         for mode, flags in (("plain", []), ("draft", chunked)):
             recorded = []
             out, err = _run_in_process(["generate", str(checkpoints["mtp"]), *GENERATE, *flags])
@@ -276,9 +276,11 @@ def test_generate_several_prompts_as_jsonl(checkpoints, generated, tmp_path):
 
 
 def test_generate_greedy_text_is_the_same_with_a_chain(generated):
-    """... and with the prompt prefilled in chunks: --prefill-chunk and --kv-cache-dtype reach the engine."""
+    """... and with the prompt prefilled in chunks on a mesh of one device: --prefill-chunk,
+    --kv-cache-dtype and --mesh reach the engine."""
     out, err, tokens, _, _, engine = generated["draft"]
     assert engine.prefill_chunk == 8 and engine.model.config.kv_cache_dtype == "float32"
+    assert dict(engine.mesh.shape) == {"data": 1, "model": 1}
     assert (out, tokens) == (generated["plain"][0], generated["plain"][2])
     assert float(err.split("mean accepted length ")[1]) >= 1.0
 
