@@ -88,8 +88,8 @@ def _max_len(parser, args, prompt: int, n: int) -> int:
     need = prompt + args.max_new_tokens + n
     if limit is not None and need > limit:
         parser.error(
-            f"argument --max-new-tokens: the prompt's {prompt} tokens + {args.max_new_tokens} new tokens + "
-            f"N ({n}) are {need} positions, more than the {limit} of {what}"
+            f"argument --max-new-tokens: the (longest) prompt's {prompt} tokens + {args.max_new_tokens} new "
+            f"tokens + N ({n}) are {need} positions, more than the {limit} of {what}"
         )
     max_len = args.max_len or -(-need // 128) * 128
     max_len = max_len if positions is None else min(max_len, positions)
