@@ -431,7 +431,7 @@ def _command(argv) -> int:
     if args.command == "info":
         print(info(), flush=True)
         return 0
-    _use_compile_cache(not args.no_compile_cache)
+    _use_compile_cache(not getattr(args, "no_compile_cache", False))  # a command without the flag: on
     if args.command == "generate":
         from jax_oc128 import generate_command
 
