@@ -1,4 +1,4 @@
-"""Command line: ``python -m jax_oc128 demo | generate | serve | info``."""
+"""Command line: ``jax-oc128`` (or ``python -m jax_oc128``) ``demo | generate | serve | info``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import math
 import os
 import pathlib
 import sys
-import time
 
 from jax_oc128.engine import STEPS_PER_DISPATCH
 from jax_oc128.nn.kv_cache import KV_CACHE_DTYPES
@@ -184,10 +183,15 @@ def _prompt(text: str) -> str:
 
 
 def _nonempty(text: str) -> str:
-    """An argparse type: non-empty text."""
+    """An argparse type: non-empty valid Unicode text (an argument of bytes that are not UTF-8 is not)."""
+    from jax_oc128.text import check_text
+
     if not text:
         raise argparse.ArgumentTypeError("must be non-empty text")
-    return text
+    try:
+        return check_text("text", text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("text: ")) from None
 
 
 def _file(text: str) -> pathlib.Path:
@@ -216,154 +220,6 @@ def _model_problem(args, config, prompts) -> str | None:
     return None
 
 
-class _GenerateDisplay:
-    """What ``generate`` shows on stderr where it is a terminal (nothing elsewhere): a spinner while the
-    checkpoint loads and the first token is computed; then, where stdout is not that terminal, a bar of the
-    tokens generated (the text is the display where it is). Transient: gone when it stops."""
-
-    def __init__(self, total: int):
-        from rich.console import Console
-
-        self.console = Console(stderr=True)
-        self.on = self.console.is_terminal
-        self.bar = self.on and not sys.stdout.isatty()
-        self.total = total
-        self.status = self.console.status("") if self.on else None
-        self.progress = None
-
-    def phase(self, text: str) -> None:
-        if self.status is not None:
-            self.status.update(text)
-            self.status.start()
-
-    def tokens(self, done: int) -> None:
-        """``done`` tokens generated: the spinner ends (before the first text is written), the bar moves."""
-        if self.status is not None:
-            self.status.stop()
-            self.status = None
-        if self.bar and self.progress is None:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-            self.progress = Progress(
-                TextColumn("generating"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("tokens"),
-                console=self.console,
-                auto_refresh=False,  # no refresh thread: the engine's dispatch loop keeps the interpreter
-                transient=True,
-                redirect_stdout=False,  # the text goes to stdout, not above the bar
-                redirect_stderr=False,
-            )
-            self.progress.start()
-            self.task = self.progress.add_task("", total=self.total)
-        if self.progress is not None:
-            self.progress.update(self.task, completed=done, refresh=True)
-
-    def stop(self) -> None:
-        for display in (self.status, self.progress):
-            if display is not None:
-                display.stop()
-
-
-def generate(args, tokenizer, model, prompt: list[int], display: _GenerateDisplay):
-    """Generate from the token ids ``prompt`` with ``model`` as ``args`` say, the text written to stdout as
-    the tokens arrive (and a newline at the end); ``(result, seconds to the first token)``."""
-    from jax_oc128.engine import Engine
-    from jax_oc128.tree import Tree
-
-    engine = Engine(
-        model,
-        slots=1,
-        steps_per_dispatch=min(args.steps_per_dispatch, args.max_new_tokens),
-        prefill_chunk=args.prefill_chunk,
-    )
-    text = tokenizer.decode_stream()
-    arrivals = []  # (seconds since the start, tokens generated so far)
-    start = time.perf_counter()
-
-    def stream(request, tokens):
-        arrivals.append((time.perf_counter() - start, (arrivals[-1][1] if arrivals else 0) + len(tokens)))
-        display.tokens(arrivals[-1][1])
-        sys.stdout.write(text.push(tokens))
-        sys.stdout.flush()
-
-    result = engine.generate(
-        [prompt],
-        args.max_new_tokens,
-        num_tokens=args.draft,
-        tree=None if args.tree is None else Tree.default(args.tree),
-        temperature=args.temperature,
-        stop_tokens=tokenizer.eos_token_ids,
-        seed=args.seed,
-        stream=stream,
-    )
-    display.stop()
-    print(text.finish(), flush=True)
-    return result, arrivals
-
-
-def _generate_command(parser, args) -> int:
-    """``generate``: every flag checked (argparse's error, status 2) before the model runs: what the
-    tokenizer tells before the checkpoint loads, what the model tells (its MTP layer, its vocabulary)
-    once loaded."""
-    from jax_oc128.engine import MAX_STOP_TOKENS
-    from jax_oc128.pretrained import load_pretrained
-    from jax_oc128.text import load_tokenizer
-
-    try:
-        tokenizer = load_tokenizer(args.path)
-    except ValueError as error:
-        parser.error(f"argument path: {error}")
-    try:
-        prompt = tokenizer.encode(args.prompt, chat=args.chat)
-    except ValueError as error:
-        parser.error(f"argument --chat: {error}")
-    if not prompt:
-        parser.error(f"argument --prompt: {args.prompt!r} is no tokens")
-    if len(tokenizer.eos_token_ids) > MAX_STOP_TOKENS:
-        ids = tokenizer.eos_token_ids
-        parser.error(f"argument path: at most {MAX_STOP_TOKENS} EOS tokens, the tokenizer has {len(ids)}")
-    n = args.draft or args.tree or 1
-    # the caches hold the prompt, the new tokens and a verify's N (in whole 128-token blocks, as prefill pads)
-    max_len = -(-(len(prompt) + args.max_new_tokens + n) // 128) * 128
-    display = _GenerateDisplay(args.max_new_tokens)
-
-    def refuse(message):
-        display.stop()  # before argparse prints
-        parser.error(message)
-
-    try:
-        display.phase(f"loading {args.path}")
-        try:
-            model = load_pretrained(
-                args.path, dtype=args.dtype, max_len=max_len, max_draft=n, kv_cache_dtype=args.kv_cache_dtype
-            )
-        except (OSError, ValueError, NotImplementedError) as error:
-            refuse(f"argument path: {error}")
-        if n > 1 and model.mtp is None:
-            refuse(
-                f"argument --{'draft' if args.draft else 'tree'}: {args.path} has no MTP layer (plain only)"
-            )
-        vocab = model.config.vocab_size
-        for name, ids in (("--prompt", prompt), ("path", tokenizer.eos_token_ids)):
-            if ids and max(ids) >= vocab:
-                refuse(
-                    f"argument {name}: token {max(ids)} of the tokenizer is not in the model's vocabulary "
-                    f"[0, {vocab})"
-                )
-        display.phase(f"compiling, then the prefill of {len(prompt)} prompt tokens")
-        result, arrivals = generate(args, tokenizer, model, prompt, display)
-    finally:
-        display.stop()
-    (first, first_count), (last, count) = arrivals[0], arrivals[-1]
-    line = f"{count} tokens in {result.seconds:.2f} s: the first after {first:.2f} s (compilation included)"
-    if count > first_count:
-        line += f", then {(count - first_count) / (last - first):.1f} tokens/s"
-    print(f"{line}; mean accepted length {result.mean_accepted:.2f}", file=sys.stderr, flush=True)
-    return 0
-
-
 def main(argv=None) -> int:
     """Run the command of ``argv`` (default: the process's arguments); the exit status. Output into a pipe
     whose reader has gone (``jax-oc128 info | true``, ``demo | head -1``) ends the command quietly, status 0:
@@ -380,11 +236,71 @@ def main(argv=None) -> int:
         return 0
 
 
+def compile_cache_dir() -> pathlib.Path:
+    """The command line's persistent compilation cache: ``$XDG_CACHE_HOME/jax_oc128/xla``, by default
+    ``~/.cache/jax_oc128/xla``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "jax_oc128" / "xla"
+
+
+def _use_compile_cache(enabled: bool) -> None:
+    """JAX's persistent compilation cache in :func:`compile_cache_dir`, every executable in it (JAX's
+    default keeps only those that took a second to compile), so that a second run of the same shapes loads
+    them instead of compiling; JAX's own settings are kept (``JAX_COMPILATION_CACHE_DIR``: that directory,
+    as JAX's options say; ``JAX_ENABLE_COMPILATION_CACHE=false``: none). ``enabled`` False
+    (``--no-compile-cache``): no persistent cache."""
+    import jax
+
+    if not enabled:
+        jax.config.update("jax_enable_compilation_cache", False)
+    elif jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", str(compile_cache_dir()))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each option's default at the end of its help, where it has one (not None or False) that the help
+    does not already state."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        unset = default is None or default is False or default == argparse.SUPPRESS
+        if not unset and "default" not in text and action.option_strings:
+            shown = " ".join(map(str, default)) if isinstance(default, list) else default
+            text += f" (default: {shown})"
+        return text
+
+
+def _program() -> str:
+    """The command's name as invoked: ``jax-oc128`` (the installed script) or ``python -m jax_oc128``."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "python -m jax_oc128" if name in ("", "__main__.py", "-c") else name
+
+
 def _command(argv) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jax_oc128", description=__doc__)
+    version = importlib.metadata.version("jax_oc128")
+    parser = argparse.ArgumentParser(
+        prog=_program(),
+        description="DeepSeek-V4 with online C128 KV compression under speculative decoding, in JAX.",
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="versions, backend and registered native targets")
-    run = commands.add_parser("demo", help="generate with and without speculation and report")
+    compiling = argparse.ArgumentParser(add_help=False)
+    compiling.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help=f"compile everything again (default: executables cached in {compile_cache_dir()}, "
+        "$JAX_COMPILATION_CACHE_DIR where set)",
+    )
+    run = commands.add_parser(
+        "demo",
+        help="generate with and without speculation and report",
+        parents=[compiling],
+        formatter_class=_HelpFormatter,
+    )
     run.add_argument(
         "--prompt",
         type=_prompt,
@@ -419,12 +335,30 @@ def _command(argv) -> int:
         "--model", type=_file, default=None, help="a checkpoint (default: the one shipped in the package)"
     )
     text = commands.add_parser(
-        "generate", help="stream text from a prompt with a DeepSeek-V4 checkpoint and its tokenizer"
+        "generate",
+        help="stream text from a prompt with a DeepSeek-V4 checkpoint and its tokenizer",
+        parents=[compiling],
+        formatter_class=_HelpFormatter,
     )
     text.add_argument(
         "path", help="a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json)"
     )
-    text.add_argument("--prompt", type=_nonempty, required=True, metavar="TEXT", help="the prompt's text")
+    source = text.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", type=_nonempty, metavar="TEXT", help="the prompt's text, streamed back")
+    source.add_argument(
+        "--prompts-file",
+        metavar="FILE",
+        help='several prompts, one per line: a JSON string or an object with a "prompt" string (and an '
+        '"id"); -: stdin. Out: one JSON object per prompt (text, tokens, times, acceptance)',
+    )
+    text.add_argument(
+        "--stop",
+        type=_nonempty,
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="end the text before this string, exactly (repeat for several; cut after decoding)",
+    )
     text.add_argument(
         "--chat", action="store_true", help="the prompt as a user message in the checkpoint's chat template"
     )
@@ -446,8 +380,27 @@ def _command(argv) -> int:
     text.add_argument(
         "--max-new-tokens", type=_int_in(1), default=256, metavar="M", help="at most this many (EOS stops)"
     )
+    text.add_argument(
+        "--max-len",
+        type=_int_in(1),
+        default=None,
+        metavar="L",
+        help="the caches' length, at most the model's max_position_embeddings (default: the prompt, "
+        "--max-new-tokens and N, in whole blocks of 128)",
+    )
     text.add_argument("--temperature", type=_temperature, default=0.0, help="0: greedy")
     text.add_argument("--seed", type=_int_in(0, 2**32 - 1), default=0, help="of the sampling")
+    text.add_argument(
+        "--mesh",
+        metavar="data=D,model=M",
+        help="run on D x M devices: the requests split over D, the weights over M (default: one device)",
+    )
+    text.add_argument(
+        "--slots",
+        type=_int_in(1),
+        metavar="S",
+        help="requests decoded together (default: the prompts, at most 8; rounded up to a multiple of D)",
+    )
     text.add_argument(
         "--dtype",
         choices=["float32", "bfloat16"],
@@ -475,16 +428,24 @@ def _command(argv) -> int:
         default=STEPS_PER_DISPATCH,
         help="K: decoding steps per on-device loop (the text arrives K steps at a time)",
     )
-    server = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/serving.md)")
+    server = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (docs/serving.md)",
+        parents=[compiling],
+        formatter_class=_HelpFormatter,
+    )
     serve_cli.add_arguments(server)
     args = parser.parse_args(argv)
-    if args.command == "serve":
-        return serve_cli.serve(server, args)
     if args.command == "info":
         print(info(), flush=True)
         return 0
+    _use_compile_cache(not getattr(args, "no_compile_cache", False))  # a command without the flag: on
+    if args.command == "serve":
+        return serve_cli.serve(server, args)
     if args.command == "generate":
-        return _generate_command(text, args)
+        from jax_oc128 import generate_command
+
+        return generate_command.run(text, args)
     if len(set(args.draft)) < len(args.draft):
         run.error(f"argument --draft: each N at most once, got {args.draft}")
     if args.tree is None:

@@ -13,9 +13,8 @@ optionally:
 - ``generation_config.json``: ``eos_token_id`` (an int or a list), the tokens that end a generation; without
   it, ``tokenizer_config.json``'s ``eos_token``.
 
-A chat template is rendered as transformers renders it (jinja2's sandbox, ``trim_blocks`` and
-``lstrip_blocks``, ``loopcontrols``, the ``raise_exception`` and ``strftime_now`` globals, a ``tojson`` that
-does not escape HTML). DeepSeek-V4 as first released ships its chat encoding as Python (``encoding/``):
+A chat template is rendered as transformers renders it, with bounded work (:mod:`jax_oc128.chat_template`).
+DeepSeek-V4 as first released ships its chat encoding as Python (``encoding/``):
 that is code of the checkpoint and is never run here; such a checkpoint takes raw prompts (its release later
 added ``chat_template.jinja``).
 """
@@ -23,7 +22,6 @@ added ``chat_template.jinja``).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import os
 import pathlib
@@ -32,6 +30,7 @@ import tokenizers
 from tokenizers.decoders import DecodeStream
 
 from jax_oc128 import files
+from jax_oc128.chat_template import compile_template
 
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -77,15 +76,20 @@ class TextTokenizer:
         one user message in the chat template, with the assistant's turn opened (``add_generation_prompt``),
         tokenized as rendered (the template writes its own BOS). A ValueError naming ``chat`` when the
         checkpoint has no chat template."""
-        if not isinstance(text, str):
-            raise TypeError(f"text: must be a str, got {type(text).__name__}")
+        check_text("text", text)
         if chat:
             rendered = self.apply_chat_template([{"role": "user", "content": text}])
-            return self.tokenizer.encode(rendered, add_special_tokens=False).ids
-        ids = self.tokenizer.encode(text, add_special_tokens=True).ids
+            return self._encode(rendered, add_special_tokens=False)
+        ids = self._encode(text, add_special_tokens=True)
         if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        except Exception as error:  # the package raises Exception for what its model cannot encode
+            raise ValueError(f"text: {self.directory / TOKENIZER} cannot encode it ({error})") from None
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         """The chat template rendered over ``messages`` (``[{"role": ..., "content": ...}, ...]``) with
@@ -95,20 +99,16 @@ class TextTokenizer:
                 f"chat: {self.directory} has no chat template ({CHAT_TEMPLATE}, or chat_template in "
                 f"{TOKENIZER_CONFIG}); pass the prompt as raw text"
             )
-        import jinja2
 
         def token(i):
             return None if i is None else self.tokenizer.id_to_token(i)
 
-        try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=token(self.bos_token_id),
-                eos_token=token(self.eos_token_ids[0] if self.eos_token_ids else None),
-            )
-        except jinja2.TemplateError as error:
-            raise ValueError(f"chat: the chat template of {self.directory} failed ({error})") from None
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=token(self.bos_token_id),
+            eos_token=token(self.eos_token_ids[0] if self.eos_token_ids else None),
+        )
 
     def decode(self, ids) -> str:
         """The text of the token ids ``ids``, special tokens left out."""
@@ -151,6 +151,21 @@ class TextStream:
         return self._text[-1]
 
 
+def check_text(name: str, text) -> str:
+    """``text`` a str that is valid Unicode (no lone surrogate: what ``os.fsdecode`` makes of bytes that are
+    not UTF-8), else TypeError / ValueError naming ``name``."""
+    if not isinstance(text, str):
+        raise TypeError(f"{name}: must be a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"{name}: not valid Unicode text ({text[error.start : error.start + 1]!r} at {error.start}: "
+            "bytes that are not UTF-8?)"
+        ) from None
+    return text
+
+
 def load_tokenizer(path) -> TextTokenizer:
     """The tokenizer of the checkpoint directory ``path``: its ``tokenizer.json`` through the ``tokenizers``
     package, the BOS and EOS tokens and the chat template of its ``tokenizer_config.json``,
@@ -171,6 +186,8 @@ def load_tokenizer(path) -> TextTokenizer:
         tokenizer = tokenizers.Tokenizer.from_str(json.dumps(spec))
     except Exception as error:  # the package raises Exception for any malformed tokenizer
         raise ValueError(f"{file}: not a tokenizer the tokenizers package reads ({error})") from None
+    if tokenizer.get_vocab_size(with_added_tokens=True) == 0:
+        raise ValueError(f"{file}: has no tokens (an empty vocabulary encodes nothing)")
     config = _optional_json(directory / TOKENIZER_CONFIG)
     if not isinstance(config, dict):
         raise ValueError(f"{directory / TOKENIZER_CONFIG}: must be a JSON object")
@@ -194,7 +211,7 @@ def load_tokenizer(path) -> TextTokenizer:
         add_bos,
         source,
         directory,
-        None if source is None else _compile(source, template),
+        None if source is None else compile_template(source, template),
     )
 
 
@@ -249,33 +266,6 @@ def _chat_template(directory: pathlib.Path, config: dict) -> tuple[str | None, p
     return template, (None if template is None else file)
 
 
-def _compile(source: str, file: pathlib.Path):
-    """The chat template ``source`` (of ``file``) compiled in jinja2's immutable sandbox, with what
-    transformers gives templates."""
-    import jinja2
-    import jinja2.ext
-    import jinja2.sandbox
-
-    def raise_exception(message):
-        raise jinja2.TemplateError(message)
-
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(
-            value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
-    environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    environment.filters["tojson"] = tojson
-    environment.globals["raise_exception"] = raise_exception
-    environment.globals["strftime_now"] = lambda format: datetime.datetime.now().strftime(format)
-    try:
-        return environment.from_string(source)
-    except jinja2.TemplateError as error:
-        raise ValueError(f"{file}: chat_template: not a Jinja template ({error})") from None
-
-
 #: the chat template of :func:`byte_tokenizer`: ``role: content`` lines, the assistant's turn opened
 BYTE_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
@@ -305,5 +295,5 @@ def byte_tokenizer() -> TextTokenizer:
         False,
         BYTE_CHAT_TEMPLATE,
         directory,
-        _compile(BYTE_CHAT_TEMPLATE, directory / CHAT_TEMPLATE),
+        compile_template(BYTE_CHAT_TEMPLATE, directory / CHAT_TEMPLATE),
     )

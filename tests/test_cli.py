@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from harness import count_compiles
 
 from jax_oc128 import __main__ as cli
 from jax_oc128 import checkpoint
+from jax_oc128.generate_command import StopStrings
 
 
 def run_cli(*args, env=None):
@@ -150,3 +152,22 @@ def test_output_into_a_closed_pipe_is_quiet(args):
     err = process.stderr.read()
     assert process.wait(timeout=300) == 0, err
     assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err
+
+
+def test_stop_strings_cut_exactly_however_the_text_arrives():
+    """The text up to the first stop string (of any), never containing one, whatever the pieces."""
+    rng = random.Random(0)
+    for _ in range(500):
+        text = "".join(rng.choice("abc") for _ in range(rng.randrange(0, 30)))
+        word = lambda: "".join(rng.choice("abc") for _ in range(rng.randrange(1, 5)))  # noqa: E731
+        stops = [word() for _ in range(rng.randrange(1, 3))]
+        found = [i for i in (text.find(stop) for stop in stops) if i >= 0]
+        expected = text[: min(found)] if found else text
+        cut, pieces, i = StopStrings(stops), [], 0
+        while i < len(text):
+            k = rng.randrange(1, 6)
+            pieces.append(cut.push(text[i : i + k]))
+            i += k
+        pieces.append(cut.finish())
+        assert "".join(pieces) == expected and cut.stopped == bool(found), (text, stops, pieces)
+        assert not any(stop in "".join(pieces) for stop in stops)

@@ -224,6 +224,12 @@ CASES = [
         "temperature: must be finite",
     ),
     ("generate temperature inf", generate(temperature=np.inf), ValueError, "temperature: must be finite"),
+    (
+        "generate temperature 10**400",  # before: a bare OverflowError from float()
+        generate(temperature=10**400),
+        ValueError,
+        "temperature: must be finite and >= 0, got an int of 401 digits",
+    ),
     ("generate temperature True", generate(temperature=True), TypeError, "temperature: must be a number"),
     ("generate temperature '1'", generate(temperature="1"), TypeError, "temperature: must be a number"),
     (

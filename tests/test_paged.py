@@ -82,6 +82,9 @@ def test_paged_tokens_are_the_dense_tokens(dense_engine):
     for options in (dict(), dict(num_tokens=4), dict(tree=(-1, 0, 0, 1))):
         assert engine.generate(prompts(), 100, **options).tokens == expected, options
         handed_out |= engine.page_pool.handed_out
+        pool = engine.page_pool  # every page back once generate returns (before: the last reservations)
+        assert not any(map(pool.holds, range(3))) and np.all(pool.table == -1)
+        assert pool.can_reserve(0, 7 * 128)
     never = [page for page in range(7) if (0, page) not in handed_out]
     assert never and never[-1] == 6, handed_out
     for layer in engine._idle_state.cache.layers[1:]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import pathlib
 import random
 import shutil
@@ -130,6 +131,11 @@ def test_chat_template(checkpoints, tmp_path):
     (tmp_path / text.CHAT_TEMPLATE).write_text("{{ ().__class__.__base__.__subclasses__() }}")
     with pytest.raises(ValueError, match=r"chat: the chat template of .* failed .*unsafe"):
         load_tokenizer(tmp_path).encode("hi", chat=True)
+    # a runtime error names the template's file (before: a bare ZeroDivisionError)
+    (tmp_path / text.CHAT_TEMPLATE).write_text("{{ 1 / 0 }}")
+    match = r"chat: the chat template of .*chat_template\.jinja failed \(ZeroDivisionError: division by zero"
+    with pytest.raises(ValueError, match=match):
+        load_tokenizer(tmp_path).encode("hi", chat=True)
     (tmp_path / text.CHAT_TEMPLATE).unlink()
     write_tokenizer(tmp_path, template=None)
     with pytest.raises(ValueError, match=r"chat: .* has no chat template \(chat_template.jinja"):
@@ -165,6 +171,10 @@ BAD_FILES = {
     "chat_template not Jinja": (
         {text.CHAT_TEMPLATE: "{% for %}"},
         r"chat_template\.jinja: chat_template: not a Jinja template",
+    ),
+    "tokenizer.json without tokens": (  # before: loaded, then encode raised a bare Exception
+        {text.TOKENIZER: '{"version": "1.0", "model": {"type": "Unigram", "unk_id": null, "vocab": []}}'},
+        r"tokenizer\.json: has no tokens",
     ),
     "eos id past the vocabulary": (
         {text.GENERATION_CONFIG: '{"eos_token_id": [1, 64]}'},
@@ -212,7 +222,7 @@ def generated(checkpoints):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Engine, "generate", recording)
-        chunked = ["--draft", "3", "--prefill-chunk", "8", "--kv-cache-dtype", "float32"]
+        chunked = ["--draft", "3", "--prefill-chunk", "8", "--kv-cache-dtype", "float32", "--mesh", "data=1"]
         for mode, flags in (("plain", []), ("draft", chunked)):
             recorded = []
             out, err = _run_in_process(["generate", str(checkpoints["mtp"]), *GENERATE, *flags])
@@ -240,27 +250,83 @@ def test_generate_streams_the_decode_of_its_tokens(checkpoints, generated):
     assert engine.prefill_chunk is None and engine.model.config.kv_cache_dtype == "auto"
 
 
+def test_generate_several_prompts_as_jsonl(checkpoints, generated, tmp_path):
+    """--prompts-file: one JSON object per prompt, in order, with its text cut before a --stop string (each
+    request's own), its tokens, finish reason, times and tokens per step; 3 requests through 2 slots."""
+    plain_text, tokens = generated["plain"][0].removesuffix("\n"), generated["plain"][2]
+    pairs = (plain_text[i : i + 2] for i in range(3, len(plain_text)))
+    stop = next(pair for pair in pairs if "\ufffd" not in pair)
+    requests = [PROMPT, {"id": "x", "prompt": "Open the file"}, {"prompt": PROMPT}]
+    lines = [json.dumps(request) for request in requests]
+    (tmp_path / "prompts.jsonl").write_text("\n\n".join(lines))  # blank lines are skipped
+    file = tmp_path / "prompts.jsonl"
+    flags = ["--prompts-file", str(file), "--stop", stop, "--stop", "\x00", "--slots", "2"]
+    out, err = _run_in_process(["generate", str(checkpoints["mtp"]), *GENERATE[2:], *flags])
+    first, other, again = map(json.loads, out.splitlines())
+    assert first["text"] == plain_text[: plain_text.index(stop)] and stop not in first["text"]
+    assert (first["tokens"], first["finish_reason"], first["tokens_per_step"]) == (len(tokens), "stop", 1.0)
+    assert first["prompt_tokens"] == len(load_tokenizer(checkpoints["mtp"]).encode(PROMPT))
+    assert 0 < first["first_token_seconds"] <= first["seconds"]
+    assert (other["index"], other["id"], again["index"]) == (1, "x", 2) and "id" not in again
+    assert {k: v for k, v in again.items() if "seconds" not in k} == {
+        k: v for k, v in first.items() if "seconds" not in k
+    } | {"index": 2}
+    assert other["finish_reason"] in ("stop", "length") and 1 <= other["tokens"] <= 24
+    assert "3 prompts, " in err and err.count("\n") == 1
+
+
 def test_generate_greedy_text_is_the_same_with_a_chain(generated):
-    """... and with the prompt prefilled in chunks: --prefill-chunk and --kv-cache-dtype reach the engine."""
+    """... and with the prompt prefilled in chunks on a mesh of one device: --prefill-chunk,
+    --kv-cache-dtype and --mesh reach the engine."""
     out, err, tokens, _, _, engine = generated["draft"]
     assert engine.prefill_chunk == 8 and engine.model.config.kv_cache_dtype == "float32"
+    assert dict(engine.mesh.shape) == {"data": 1, "model": 1}
     assert (out, tokens) == (generated["plain"][0], generated["plain"][2])
     assert float(err.split("mean accepted length ")[1]) >= 1.0
 
 
-def test_generate_from_the_shell(checkpoints, generated):
+def test_generate_from_the_shell(checkpoints, generated, tmp_path):
     """As a user runs it (one process), with a draft tree: the plain greedy text, the report on stderr, no
-    progress display in a pipe."""
+    progress display in a pipe; its executables in the persistent compilation cache under
+    ``$XDG_CACHE_HOME`` (no JAX_COMPILATION_CACHE_DIR set)."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     result = subprocess.run(
         [sys.executable, "-m", "jax_oc128", "generate", str(checkpoints["mtp"]), *GENERATE, "--tree", "4"],
         capture_output=True,
         text=True,
         timeout=300,
+        env=env | {"XDG_CACHE_HOME": str(tmp_path)},
     )
     assert result.returncode == 0, result.stderr
+    cached = list((tmp_path / "jax_oc128" / "xla").iterdir())
+    assert len(cached) >= 4, cached  # the placement, the restart, the prefill and the decode loop at least
     assert result.stdout == generated["plain"][0]
     assert result.stderr.count("\n") == 1 and "mean accepted length" in result.stderr, result.stderr
     assert float(result.stderr.split("mean accepted length ")[1]) >= 1.0
+
+
+def test_compile_cache_flags(tmp_path, monkeypatch):
+    """The command line's cache: $XDG_CACHE_HOME/jax_oc128/xla (all executables) unless JAX's settings name
+    another or none; --no-compile-cache turns JAX's off."""
+    import jax
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cli.compile_cache_dir() == tmp_path / "jax_oc128" / "xla"
+    names = ("enable_compilation_cache", "compilation_cache_dir", "persistent_cache_min_compile_time_secs")
+    saved = {name: getattr(jax.config, f"jax_{name}") for name in names}
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        cli._use_compile_cache(True)
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "jax_oc128" / "xla")
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
+        jax.config.update("jax_compilation_cache_dir", "/elsewhere")
+        cli._use_compile_cache(True)
+        assert jax.config.jax_compilation_cache_dir == "/elsewhere"  # JAX_COMPILATION_CACHE_DIR's
+        cli._use_compile_cache(False)
+        assert not jax.config.jax_enable_compilation_cache
+    finally:
+        for name, value in saved.items():
+            jax.config.update(f"jax_{name}", value)
 
 
 #: (the flag named, generate's arguments after the checkpoint's; {dir}: a checkpoint without a tokenizer)
@@ -275,11 +341,27 @@ BAD_GENERATE = [
     ("--prompt", "{mtp}", ["--prompt="]),
     ("--prefill-chunk", "{mtp}", ["--prefill-chunk", "0"]),
     ("--kv-cache-dtype", "{mtp}", ["--kv-cache-dtype", "float16"]),
+    # before: "argument path" (index_head_dim 16 is no whole FP4 group of 32)
+    ("--kv-cache-dtype", "{mtp}", ["--kv-cache-dtype", "fp8_fp4"]),
+    ("--prompt", "{mtp}", ["--prompt", "caf\udce9"]),  # b"caf\xe9" as argv: before, a TypeError
+    ("--temperature", "{mtp}", ["--temperature", "1" + "0" * 400]),
+    # max_position_embeddings is 512: before, 10**8 sized the caches and ran out of memory
+    ("--max-new-tokens", "{mtp}", ["--max-new-tokens", str(10**8)]),
+    ("--max-new-tokens", "{mtp}", ["--max-new-tokens", str(10**12)]),  # before: "argument path"
+    ("--max-new-tokens", "{mtp}", ["--max-len", "128", "--max-new-tokens", "126"]),
+    ("--max-len", "{mtp}", ["--max-len", "513"]),
+    ("--stop", "{mtp}", ["--stop="]),
+    ("--mesh", "{mtp}", ["--mesh", "data=2,tensor=2"]),
+    ("--mesh", "{mtp}", ["--mesh", "data=64"]),  # more devices than there are
+    ("--prompts-file", "{mtp}", ["--prompts-file", "{tmp}/absent.jsonl"]),
+    ("--prompts-file", "{mtp}", ["--prompts-file", "{tmp}/bad.jsonl"]),  # line 2 not JSON
+    ("--prompts-file", "{mtp}", ["--prompts-file", "{tmp}/blank.jsonl"]),  # no prompt
+    ("--prompts-file", "{mtp}", ["--prompts-file", "{tmp}/number.jsonl"]),  # {"prompt": 5}
 ]
 
 
 @pytest.mark.parametrize(
-    "flag, path, args", BAD_GENERATE, ids=[" ".join([p, *a]) for _, p, a in BAD_GENERATE]
+    "flag, path, args", BAD_GENERATE, ids=[" ".join([p, *a])[:60] for _, p, a in BAD_GENERATE]
 )
 def test_bad_generate_input_is_refused_before_the_model_runs(checkpoints, tmp_path, flag, path, args, capsys):
     bare, untemplated = tmp_path / "bare", tmp_path / "untemplated"
@@ -287,7 +369,11 @@ def test_bad_generate_input_is_refused_before_the_model_runs(checkpoints, tmp_pa
     shutil.copytree(checkpoints["plain"], untemplated)
     write_tokenizer(untemplated, template=None)
     folders = {"bare": bare, "untemplated": untemplated, **checkpoints}
-    argv = ["generate", path.format(**folders), *(["--prompt", PROMPT] if flag != "--prompt" else []), *args]
+    for name, lines in (("bad", ['"A"', "{"]), ("blank", ["", " "]), ("number", ['{"prompt": 5}'])):
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    prompt = [] if flag in ("--prompt", "--prompts-file") else ["--prompt", PROMPT]
+    args = [arg.format(tmp=tmp_path) for arg in args]
+    argv = ["generate", path.format(**folders), *prompt, *args]
     with count_compiles() as compiles, pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
     assert exit_info.value.code == 2

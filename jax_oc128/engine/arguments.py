@@ -141,9 +141,15 @@ def check_temperature(temperature) -> float:
     """A finite number >= 0 (bools refused), as a float (a static argument of the jitted functions)."""
     if not isinstance(temperature, int | float | np.integer | np.floating) or isinstance(temperature, bool):
         raise TypeError(f"temperature: must be a number, got {temperature!r}")
-    if not 0 <= temperature < math.inf:
-        raise ValueError(f"temperature: must be finite and >= 0, got {temperature}")
-    return float(temperature)
+    try:
+        value = float(temperature)  # an int past float's range overflows
+    except OverflowError:
+        value = math.inf
+    if not 0 <= value < math.inf:
+        huge = isinstance(temperature, int) and value == math.inf
+        shown = f"an int of {len(str(temperature))} digits" if huge else temperature
+        raise ValueError(f"temperature: must be finite and >= 0, got {shown}")
+    return value
 
 
 def check_stop_tokens(stop_tokens, model) -> tuple[int, ...]:

@@ -63,10 +63,12 @@ class StepOutput:
       tokens: request id -> its new tokens, in order (only requests that gained some).
       finished: request id -> why it ended: ``"stop"`` (a stop token), ``"length"`` (max_new_tokens) or
         ``"abort"``.
+      steps: request id -> the steps (its prefill one of them) that gave it the tokens read.
     """
 
     tokens: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     finished: dict[int, str] = dataclasses.field(default_factory=dict)
+    steps: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -262,14 +264,17 @@ class RequestScheduler:
             if self.owner.get(slot) != request:  # ended (an abort, a host-side stop) since
                 continue
             params = self._requests[request].params
-            new = []
+            new, steps = [], 0
             for step in range(host.tokens.shape[0]):  # counts are 0 past the steps run
-                new.extend(host.tokens[step, slot, : host.counts[step, slot]].tolist())
-            stop = next((i for i, t in enumerate(new) if t in params.stop_tokens), None)
-            if stop is not None:
-                new = new[: stop + 1]
+                kept = host.tokens[step, slot, : host.counts[step, slot]].tolist()
+                stop = next((i for i, t in enumerate(kept) if t in params.stop_tokens), None)
+                new.extend(kept if stop is None else kept[: stop + 1])
+                steps += bool(kept)
+                if stop is not None:
+                    break
             if new:
                 out.tokens.setdefault(request, []).extend(new)
+                out.steps[request] = out.steps.get(request, 0) + steps
             if stop is not None:
                 self._end(request, "stop")
             elif not host.active[slot]:

@@ -110,7 +110,7 @@ class Engine:
       number: this engine's number in the process (from 1), carried by its decode states
         (:attr:`DecodeState.engine`): another engine's state is refused, even one of the same layout.
       page_pool: paged, the last :meth:`generate` call's :class:`~jax_oc128.engine.pages.PagePool` (None
-        before, and for dense caches).
+        before, and for dense caches); once the call returns, every page is back in it.
     """
 
     def __init__(
@@ -320,13 +320,17 @@ class Engine:
         start = time.perf_counter()
         scheduler = RequestScheduler(self, tree=tree, seed=seed)
         outputs = [[] for _ in prompts]
+        steps = [0] * len(prompts)  # per request, the steps that gave it tokens
         try:
             for i, prompt in enumerate(prompts):  # every request fits the pages, before anything runs
                 scheduler.check_request(prompt, params, f"prompts[{i}]")
             self.page_pool = scheduler.page_pool
             ids = {scheduler.add_request(prompt, params): i for i, prompt in enumerate(prompts)}
             while scheduler.busy:
-                for request, new in scheduler.step().tokens.items():
+                read = scheduler.step()
+                for request, count in read.steps.items():
+                    steps[ids[request]] += count
+                for request, new in read.tokens.items():
                     outputs[ids[request]].extend(new)
                     if stream is not None:
                         stream(ids[request], new)
@@ -337,4 +341,4 @@ class Engine:
         totals = scheduler.totals
         mean = totals["accepted"] / max(1, totals["slot_steps"])
         seconds = time.perf_counter() - start
-        return Result(outputs, totals["steps"], scheduler.dispatches, seconds, mean)
+        return Result(outputs, totals["steps"], scheduler.dispatches, seconds, mean, steps)

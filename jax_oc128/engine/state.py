@@ -75,6 +75,8 @@ class Result:
       dispatches: on-device loops run.
       seconds: the call's wall time.
       mean_accepted: tokens a slot gains per step (1 for plain decoding).
+      request_steps: per prompt, the steps that gave it tokens (its prefill one of them): ``len(tokens[i]) /
+        request_steps[i]`` is its tokens per step.
     """
 
     tokens: list[list[int]]
@@ -82,6 +84,7 @@ class Result:
     dispatches: int
     seconds: float
     mean_accepted: float
+    request_steps: list[int] = dataclasses.field(default_factory=list)
 
 
 def init_state(model: Model, slots: int, engine: int, seed, pages=None, page_size: int = 0) -> DecodeState:
