@@ -496,17 +496,18 @@ class DeepseekV4Attention(nnx.Module):
         fb, page_table = forward_batch, forward_batch.page_table
         compressed, closed, blocks = self.compressor(x, compressed, fb)
         stored = kv_cache.slot_entries(cache.entries, page_table)
+        read = fb.read_entries(stored, BLOCK)
         if fb.tree is None:  # the chain's kernels give the entries by block index
             index = jnp.where(blocks >= 0, blocks, stored)
             at = kv_cache.locate(cache.entries, page_table, jnp.arange(x.shape[0])[:, None], index)
             cache = dataclasses.replace(cache, entries=kv_cache.store(cache.entries, at, closed))
-            entries = kv_cache.decode(kv_cache.slot_view(cache.entries, page_table))
+            entries = kv_cache.decode(kv_cache.slot_view(cache.entries, page_table, read))
         else:  # a tree verify's by node
             closed = kv_cache.encode(closed, cache.tree_entries)
             cache = dataclasses.replace(cache, tree_entries=kv_cache.put_nodes(cache.tree_entries, closed))
-            view = kv_cache.slot_view(cache.entries, page_table)
+            view = kv_cache.slot_view(cache.entries, page_table, read)
             entries = jnp.concatenate([kv_cache.decode(view), kv_cache.decode(closed)], axis=1)
-        visible = _entries_visibility(fb, stored, BLOCK, blocks) & _valid(fb)
+        visible = _entries_visibility(fb, read, BLOCK, blocks) & _valid(fb)
         entries = jnp.where(jnp.any(visible, axis=1)[..., None], entries, 0.0)
         return cache, compressed, entries, visible
 
@@ -516,12 +517,12 @@ class DeepseekV4Attention(nnx.Module):
         query's entries among those it sees (:func:`_entries_visibility`). Returns ``(cache, selected
         [batch, T, k, D], picked [batch, T, k] bool)``."""
         fb, page_table, compressor = forward_batch, forward_batch.page_table, self.compressor
-        stored = kv_cache.slot_entries(cache.entries, page_table)
+        read = fb.read_entries(kv_cache.slot_entries(cache.entries, page_table), csa.RATE)
         if fb.tree is None:
             rows, entries, keys = compressor.compress(x, cache.rows, cache.entries, cache.index_keys, fb)
             cache = dataclasses.replace(cache, rows=rows, entries=entries, index_keys=keys)
-            entries = kv_cache.slot_view(entries, page_table)
-            keys = kv_cache.slot_view(keys, page_table)
+            entries = kv_cache.slot_view(entries, page_table, read)
+            keys = kv_cache.slot_view(keys, page_table, read)
             windows = None
         else:
             rows, node_entries, node_keys, windows = compressor.compress_tree(x, cache.rows, fb)
@@ -534,9 +535,11 @@ class DeepseekV4Attention(nnx.Module):
                 tree_index_keys=kv_cache.put_nodes(cache.tree_index_keys, node_keys),
             )
             entries = kv_cache.concatenate(
-                kv_cache.slot_view(cache.entries, page_table), node_entries, axis=1
+                kv_cache.slot_view(cache.entries, page_table, read), node_entries, axis=1
             )
-            keys = kv_cache.concatenate(kv_cache.slot_view(cache.index_keys, page_table), node_keys, axis=1)
-        visible = _entries_visibility(fb, stored, csa.RATE, windows) & _valid(fb)
+            keys = kv_cache.concatenate(
+                kv_cache.slot_view(cache.index_keys, page_table, read), node_keys, axis=1
+            )
+        visible = _entries_visibility(fb, read, csa.RATE, windows) & _valid(fb)
         selected, picked = compressor.select(x, q_res, fb.positions, entries, keys, visible)
         return cache, selected, picked
