@@ -166,8 +166,8 @@ def test_context_bucket():
 def test_context_errors():
     """A context that is not a positive int, or past the model's max_len, is refused naming it."""
     positions = jnp.zeros((1, 1), jnp.int32)
-    for bad in (0, -256, 256.0, True):
-        with pytest.raises(ValueError, match="context: None or a positive int"):
+    for bad, error in ((0, ValueError), (-256, ValueError), (256.0, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="context: None or a positive int"):
             ForwardBatch.create(positions, context=bad)
     model = DeepseekV4Model(CONFIG, rngs=nnx.Rngs(2))
     with pytest.raises(ValueError, match="context: 2048 exceeds the model's max_len 1024"):

@@ -81,10 +81,10 @@ class ForwardBatch:
         as None. ``context``: None or a positive int (see the class doc)."""
         if not isinstance(mode, ForwardMode):
             raise TypeError(f"mode: a jax_oc128.ForwardMode, got {mode!r}")
-        if context is not None and (not isinstance(context, int) or isinstance(context, bool) or context < 1):
-            raise ValueError(
-                f"context: None or a positive int (a static bound on the positions), got {context!r}"
-            )
+        if context is not None and (not isinstance(context, int) or isinstance(context, bool)):
+            raise TypeError(f"context: None or a positive int (a static bound), got {type(context).__name__}")
+        if context is not None and context < 1:
+            raise ValueError(f"context: None or a positive int (a static bound), got {context}")
         batch, tokens = positions.shape
         lengths = jnp.full((batch,), tokens, jnp.int32) if lengths is None else lengths
         if tree is None:
@@ -126,8 +126,8 @@ def context_bucket(longest: int, max_len: int, floor: int = 256) -> int:
     cache's page size), so that every bucket covers whole blocks and pages.
 
     The contract (the host's; nothing on the device checks it): ``longest`` is at least every row's position
-    plus every token the dispatch may add to it (K decode steps of a draft and a verify each: K * (max_draft
-    + 1)). A row past its bucket reads entries as missing: wrong logits, no error.
+    plus every token the dispatch may add to it (K steps of up to N verified tokens each: K * N). A row
+    past its bucket reads entries as missing: wrong logits, no error.
 
     Raises:
       ValueError: ``longest`` past ``max_len`` (naming both), or a ``floor`` that is not a positive multiple
