@@ -18,7 +18,7 @@ from jax_oc128.nn.attention import (
 from jax_oc128.nn.config import ModelConfig
 from jax_oc128.nn.csa import CSACompressor
 from jax_oc128.nn.draft import DeepseekV4MTP, DraftHead, MTPHead, SpeculativeModel, default_draft_head
-from jax_oc128.nn.forward import ForwardBatch, batch_slots, commit_verify, prepare_forward
+from jax_oc128.nn.forward import ForwardBatch, batch_slots, commit_verify, context_bucket, prepare_forward
 from jax_oc128.nn.hca import HCACompressor
 from jax_oc128.nn.hyper_connections import HyperConnection, HyperHead
 from jax_oc128.nn.model import Block, DeepseekV4Model, ModelCache
@@ -51,6 +51,7 @@ __all__ = [
     "SpeculativeModel",
     "batch_slots",
     "commit_verify",
+    "context_bucket",
     "default_draft_head",
     "prepare_forward",
 ]

@@ -59,6 +59,8 @@ class LayerType(enum.StrEnum):
 
 
 SLIDING, HCA, CSA = LayerType.SLIDING, LayerType.HCA, LayerType.CSA
+#: queries per block of a chain's window attention (:func:`_window_keys`)
+QUERY_BLOCK = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,8 +267,49 @@ def _window_visibility(forward_batch: ForwardBatch, window_positions, sliding_wi
         axis=2,
     )
     key_positions = jnp.concatenate([window_positions, positions], axis=1)
-    t, k = positions[:, :, None], key_positions[:, None, :]
-    return seen & (k >= 0) & (k <= t) & (k > t - sliding_window)
+    return seen & _in_window(positions[:, :, None], key_positions[:, None, :], sliding_window)
+
+
+def _in_window(t, k, sliding_window: int):
+    """Whether a query at position ``t`` sees a key at ``k`` (broadcastable int32; -1: no key): ``t -
+    sliding_window < k <= t``."""
+    return (k >= 0) & (k <= t) & (k > t - sliding_window)
+
+
+def _window_keys(forward_batch: ForwardBatch, ring, window_positions, kv, sliding_window: int):
+    """The window attention's keys by query block: ``(keys [batch, n, K, D], visible [batch, n, B, K] bool)``,
+    query ``i * B + j`` (of ``n * B >= T``, the last block padded) seeing ``keys[:, i]`` where ``visible[:, i,
+    j]``. The keys are the ring's R rows (``ring`` ``[batch, R, D]`` float32, ``window_positions`` ``[batch,
+    R]``) and the T new ones (``kv`` ``[batch, T, D]``). A tree or a chain of at most :data:`QUERY_BLOCK`
+    tokens is one block of every key (:func:`_window_visibility`); a longer chain is banded, block i of
+    ``B = QUERY_BLOCK`` queries over the ring and the ``sliding_window - 1 + B`` new keys that end with its
+    own, so that the logits are ``[T, R + sliding_window - 1 + B]``, bounded by the block, not ``[T, R +
+    T]``."""
+    fb, (batch, ring_size, dim), tokens = forward_batch, ring.shape, kv.shape[1]
+    if fb.tree is not None or tokens <= QUERY_BLOCK:
+        keys = jnp.concatenate([ring, kv], axis=1)
+        return keys[:, None], _window_visibility(fb, window_positions, sliding_window)[:, None]
+    block, span = QUERY_BLOCK, sliding_window - 1
+    blocks = -(-tokens // block)
+    pad = blocks * block - tokens
+    # [ring | span missing keys | new | pad missing keys]: block i reads the ring and the span + B keys from
+    # the new key i * B - span
+    index = np.concatenate(
+        [
+            np.broadcast_to(np.arange(ring_size), (blocks, ring_size)),
+            ring_size + block * np.arange(blocks)[:, None] + np.arange(span + block),
+        ],
+        axis=1,
+    )
+    missing = jnp.full((batch, span), -1, jnp.int32)
+    key_positions = jnp.concatenate([window_positions, missing, fb.positions, missing[:, :pad]], axis=1)
+    empty = jnp.zeros((batch, span + pad, dim), kv.dtype)
+    keys = jnp.concatenate([ring, empty[:, :span], kv, empty[:, span:]], axis=1)[:, index]
+    k = key_positions[:, index]  # [batch, n, K]
+    # of the ring, the rows before the root (the rest hold rejected drafts); every new key
+    seen = jnp.where(jnp.asarray(index < ring_size), k < fb.base[:, :, None], True)
+    t = jnp.pad(fb.positions, ((0, 0), (0, pad)), constant_values=-1).reshape(batch, blocks, block, 1)
+    return keys, seen[:, :, None, :] & _in_window(t, k[:, :, None, :], sliding_window)
 
 
 def _valid(forward_batch: ForwardBatch):
@@ -425,28 +468,41 @@ class DeepseekV4Attention(nnx.Module):
         )
         kv = kv_cache.round_trip(kv, cache.window)  # as the window stores it
 
-        keys = jnp.concatenate([kv_cache.decode(cache.window), kv], axis=1)
-        visible = _window_visibility(fb, cache.window_positions, c.sliding_window)
+        keys, visible = _window_keys(
+            fb, kv_cache.decode(cache.window), cache.window_positions, kv, c.sliding_window
+        )
+        scale = c.head_dim**-0.5
+        blocks, block = visible.shape[1:3]
+        q_blocks = jnp.pad(q, ((0, 0), (0, blocks * block - tokens), (0, 0), (0, 0)))
+        q_blocks = q_blocks.reshape(batch, blocks, block, *q.shape[2:])
+        logits = jnp.einsum("bnthd,bnkd->bhntk", q_blocks, keys, precision=FULL) * scale
+        logits = jnp.where(visible[:, None], logits, -jnp.inf)
+        logits = logits.reshape(batch, c.num_heads, blocks * block, -1)[:, :, :tokens]
+        parts = [logits]  # the window's; then an HCA layer's entries or a CSA layer's picks, per query
         if c.layer_type == HCA:
             with jax.named_scope("compressor"):
                 cache, compressed, entries, seen_entries = self._compress(x, cache, compressed, fb)
-            keys = jnp.concatenate([keys, entries], axis=1)
-            visible = jnp.concatenate([visible, seen_entries], axis=2)
-        scale = c.head_dim**-0.5
-        logits = jnp.einsum("bthd,bkd->bhtk", q, keys, precision=FULL) * scale
-        logits = jnp.where(visible[:, None], logits, -jnp.inf)
-        if c.layer_type == CSA:  # the indexer's picks, per query
+            entry_logits = jnp.einsum("bthd,bed->bhte", q, entries, precision=FULL) * scale
+            parts.append(jnp.where(seen_entries[:, None], entry_logits, -jnp.inf))
+        if c.layer_type == CSA:
             with jax.named_scope("compressor"):
                 cache, selected, picked = self._compress_sparse(x, q_res, cache, fb)
             picked_logits = jnp.einsum("bthd,btkd->bhtk", q, selected, precision=FULL) * scale
-            logits = jnp.concatenate([logits, jnp.where(picked[:, None], picked_logits, -jnp.inf)], axis=-1)
+            parts.append(jnp.where(picked[:, None], picked_logits, -jnp.inf))
+        logits = jnp.concatenate(parts, axis=-1)
         sink = self.sinks[...][None, :, None]
         top = jnp.maximum(jnp.max(logits, axis=-1), sink)
         weights = jnp.exp(logits - top[..., None])
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + jnp.exp(sink - top)[..., None])
-        out = jnp.einsum("bhtk,bkd->bthd", weights[..., : keys.shape[1]], keys, precision=FULL)
+        window, rest = weights[..., : keys.shape[2]], weights[..., keys.shape[2] :]
+        window = jnp.pad(window, ((0, 0), (0, 0), (0, blocks * block - tokens), (0, 0)))
+        window = window.reshape(batch, c.num_heads, blocks, block, -1)
+        out = jnp.einsum("bhntk,bnkd->bnthd", window, keys, precision=FULL)
+        out = out.reshape(batch, blocks * block, *out.shape[3:])[:, :tokens]
+        if c.layer_type == HCA:
+            out += jnp.einsum("bhte,bed->bthd", rest, entries, precision=FULL)
         if c.layer_type == CSA:
-            out += jnp.einsum("bhtk,btkd->bthd", weights[..., keys.shape[1] :], selected, precision=FULL)
+            out += jnp.einsum("bhtk,btkd->bthd", rest, selected, precision=FULL)
         out = c.rope.apply(out, positions, inverse=True)
 
         grouped = out.reshape(batch, tokens, c.o_groups, -1)
@@ -480,17 +536,18 @@ class DeepseekV4Attention(nnx.Module):
         fb, page_table = forward_batch, forward_batch.page_table
         compressed, closed, blocks = self.compressor(x, compressed, fb)
         stored = kv_cache.slot_entries(cache.entries, page_table)
+        read = fb.read_entries(stored, BLOCK)
         if fb.tree is None:  # the chain's kernels give the entries by block index
             index = jnp.where(blocks >= 0, blocks, stored)
             at = kv_cache.locate(cache.entries, page_table, jnp.arange(x.shape[0])[:, None], index)
             cache = dataclasses.replace(cache, entries=kv_cache.store(cache.entries, at, closed))
-            entries = kv_cache.decode(kv_cache.slot_view(cache.entries, page_table))
+            entries = kv_cache.decode(kv_cache.slot_view(cache.entries, page_table, read))
         else:  # a tree verify's by node
             closed = kv_cache.encode(closed, cache.tree_entries)
             cache = dataclasses.replace(cache, tree_entries=kv_cache.put_nodes(cache.tree_entries, closed))
-            view = kv_cache.slot_view(cache.entries, page_table)
+            view = kv_cache.slot_view(cache.entries, page_table, read)
             entries = jnp.concatenate([kv_cache.decode(view), kv_cache.decode(closed)], axis=1)
-        visible = _entries_visibility(fb, stored, BLOCK, blocks) & _valid(fb)
+        visible = _entries_visibility(fb, read, BLOCK, blocks) & _valid(fb)
         entries = jnp.where(jnp.any(visible, axis=1)[..., None], entries, 0.0)
         return cache, compressed, entries, visible
 
@@ -500,12 +557,12 @@ class DeepseekV4Attention(nnx.Module):
         query's entries among those it sees (:func:`_entries_visibility`). Returns ``(cache, selected
         [batch, T, k, D], picked [batch, T, k] bool)``."""
         fb, page_table, compressor = forward_batch, forward_batch.page_table, self.compressor
-        stored = kv_cache.slot_entries(cache.entries, page_table)
+        read = fb.read_entries(kv_cache.slot_entries(cache.entries, page_table), csa.RATE)
         if fb.tree is None:
             rows, entries, keys = compressor.compress(x, cache.rows, cache.entries, cache.index_keys, fb)
             cache = dataclasses.replace(cache, rows=rows, entries=entries, index_keys=keys)
-            entries = kv_cache.slot_view(entries, page_table)
-            keys = kv_cache.slot_view(keys, page_table)
+            entries = kv_cache.slot_view(entries, page_table, read)
+            keys = kv_cache.slot_view(keys, page_table, read)
             windows = None
         else:
             rows, node_entries, node_keys, windows = compressor.compress_tree(x, cache.rows, fb)
@@ -518,9 +575,11 @@ class DeepseekV4Attention(nnx.Module):
                 tree_index_keys=kv_cache.put_nodes(cache.tree_index_keys, node_keys),
             )
             entries = kv_cache.concatenate(
-                kv_cache.slot_view(cache.entries, page_table), node_entries, axis=1
+                kv_cache.slot_view(cache.entries, page_table, read), node_entries, axis=1
             )
-            keys = kv_cache.concatenate(kv_cache.slot_view(cache.index_keys, page_table), node_keys, axis=1)
-        visible = _entries_visibility(fb, stored, csa.RATE, windows) & _valid(fb)
+            keys = kv_cache.concatenate(
+                kv_cache.slot_view(cache.index_keys, page_table, read), node_keys, axis=1
+            )
+        visible = _entries_visibility(fb, read, csa.RATE, windows) & _valid(fb)
         selected, picked = compressor.select(x, q_res, fb.positions, entries, keys, visible)
         return cache, selected, picked

@@ -44,6 +44,10 @@ class ForwardBatch:
         draft (DRAFT_EXTEND), None for a chain (a chain given as a tree runs as the chain: same positions).
       nodes: static, the tree's nodes the T tokens are: every node (a verify) or distinct nodes of one
         depth (a draft level); None for a chain.
+      context: static, the forward's context bound: every row's position + its tokens is at most
+        ``context`` (the host's promise, :func:`context_bucket`), so every cache read touches only the first
+        ``context`` positions of each slot (:meth:`read_entries`); None: all ``max_len``. The window ring
+        is bounded by the window already; writes are as without it.
     """
 
     positions: jax.Array
@@ -52,6 +56,7 @@ class ForwardBatch:
     mode: ForwardMode = dataclasses.field(default=ForwardMode.EXTEND, metadata=_STATIC)
     tree: Tree | None = dataclasses.field(default=None, metadata=_STATIC)
     nodes: tuple[int, ...] | None = dataclasses.field(default=None, metadata=_STATIC)
+    context: int | None = dataclasses.field(default=None, metadata=_STATIC)
 
     @classmethod
     def create(
@@ -63,15 +68,20 @@ class ForwardBatch:
         tree: Tree | None = None,
         nodes: tuple[int, ...] | None = None,
         page_table=None,
+        context: int | None = None,
     ) -> ForwardBatch:
         """The record of a forward of the tokens at ``positions`` ``[batch, T]`` int32; ``lengths``
         ``[batch]`` int32 (default: all T). ``tree`` and ``nodes`` (default: every node) are checked
         against T and ``mode``; a chain (:attr:`Tree.is_chain <jax_oc128.tree.Tree.is_chain>`) is stored
-        as None."""
+        as None. ``context``: None or a positive int (see the class doc)."""
         if not isinstance(mode, ForwardMode):
             raise TypeError(f"mode: a jax_oc128.ForwardMode, got {mode!r}")
         if jnp.ndim(positions) != 2:
             raise ValueError(f"positions: [batch, T], got shape {jnp.shape(positions)}")
+        if context is not None and (not isinstance(context, int) or isinstance(context, bool)):
+            raise TypeError(f"context: None or a positive int (a static bound), got {type(context).__name__}")
+        if context is not None and context < 1:
+            raise ValueError(f"context: None or a positive int (a static bound), got {context}")
         batch, tokens = positions.shape
         if lengths is not None and jnp.shape(lengths) != (batch,):
             raise ValueError(f"lengths: [batch] = [{batch}], got shape {jnp.shape(lengths)}")
@@ -83,13 +93,18 @@ class ForwardBatch:
             nodes = _check_tree_call(tree, nodes, tokens, mode)
             if tree.is_chain:  # the chain's kernels and masks: its nodes are consecutive positions
                 tree, nodes = None, None
-        return cls(positions, lengths, page_table, mode, tree, nodes)
+        return cls(positions, lengths, page_table, mode, tree, nodes, context)
 
     @property
     def slots(self):
         """``[batch]`` int32: each row's slot of the C128 state, -1 for rows of length 0
         (:func:`batch_slots`)."""
         return batch_slots(self.lengths)
+
+    def read_entries(self, stored: int, rate: int) -> int:
+        """How many of a slot's ``stored`` entries of ``rate`` tokens each (static) this forward reads: those
+        a token below the context bound can see, ``context // rate``, at most ``stored``."""
+        return stored if self.context is None else min(stored, self.context // rate)
 
     @property
     def base(self):
@@ -102,6 +117,30 @@ class ForwardBatch:
     def every_node(self) -> bool:
         """Whether the tokens are every node of the tree (a verify; True for a chain)."""
         return self.tree is None or self.nodes == tuple(range(self.tree.size))
+
+
+def context_bucket(longest: int, max_len: int, floor: int = 256) -> int:
+    """The context bound (:attr:`ForwardBatch.context`) of a dispatch whose rows reach at most ``longest``
+    positions: ``floor * 2^k``, the least at least ``longest``, capped at ``max_len`` (a bounded set of
+    compilations: ``log2(max_len / floor) + 1`` buckets). ``floor``: a multiple of 128 (and of a paged
+    cache's page size), so that every bucket covers whole blocks and pages.
+
+    The contract (the host's; nothing on the device checks it): ``longest`` is at least every row's position
+    plus every token the dispatch may add to it (K steps of up to N verified tokens each: K * N). A row
+    past its bucket reads entries as missing: wrong logits, no error.
+
+    Raises:
+      ValueError: ``longest`` past ``max_len`` (naming both), or a ``floor`` that is not a positive multiple
+        of 128.
+    """
+    if floor < 1 or floor % 128:
+        raise ValueError(f"floor: a positive multiple of 128 (whole C128 blocks), got {floor}")
+    if longest > max_len:
+        raise ValueError(f"longest: {longest} positions exceed max_len {max_len}")
+    bucket = floor
+    while bucket < longest:
+        bucket *= 2
+    return min(bucket, max_len)
 
 
 def _check_tree_call(tree, nodes, tokens: int, mode: ForwardMode) -> tuple[int, ...]:

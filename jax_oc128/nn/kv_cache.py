@@ -23,9 +23,11 @@ are: the exact path, the oracle of the others.
 slot, ``[batch, max_entries, ...]`` (dense, the oracle), or in a pool of pages shared by all slots,
 ``[pages, per_page, ...]`` (``per_page`` entries of ``page_size`` tokens), addressed through a page table
 ``[batch, max_pages]`` int32 of page indices (-1: no page). :func:`slot_view` reads a slot's entries in
-order and :func:`locate` gives where an entry goes; with the page table None both are the dense layout's
-own indexing, so one code path serves both. A page is never cleared: a stored value no query sees is read
-as zero (attention masks what it reads), so whatever a page held before does not leak.
+order (its first ``count``: under a forward's context bound,
+:attr:`~jax_oc128.nn.forward.ForwardBatch.context`, no entry past it is read, dense or paged) and
+:func:`locate` gives where an entry goes; with the page table None both are the dense layout's own indexing,
+so one code path serves both. A page is never cleared: a stored value no query sees is read as zero
+(attention masks what it reads), so whatever a page held before does not leak.
 """
 
 from __future__ import annotations
@@ -236,18 +238,21 @@ def clear(stored, index):
     return put(stored, index, jax.tree.map(lambda leaf: jnp.zeros((), leaf.dtype), stored))
 
 
-def slot_view(stored, page_table):
-    """A stored cache's entries per slot in order: ``stored`` itself (``[batch, E, ...]``) for the dense
-    layout (``page_table`` None), else the pool ``[pages, per_page, ...]`` gathered through ``page_table``
-    ``[batch, max_pages]`` int32 into ``[batch, max_pages * per_page, ...]``, zeros where a slot has no page
-    (-1)."""
+def slot_view(stored, page_table, count: int | None = None):
+    """A stored cache's first ``count`` entries per slot in order (default: all, :func:`slot_entries`):
+    ``stored[:, :count]`` for the dense layout (``page_table`` None), else the pool ``[pages, per_page,
+    ...]`` gathered through the first ``ceil(count / per_page)`` columns of ``page_table`` ``[batch,
+    max_pages]`` int32 into ``[batch, count, ...]``, zeros where a slot has no page (-1). Nothing past
+    ``count`` is read."""
+    count = slot_entries(stored, page_table) if count is None else count
     if page_table is None:
-        return stored
+        return jax.tree.map(lambda leaf: leaf[:, :count], stored)
 
     def gather(leaf):
-        index = jnp.where(page_table >= 0, page_table, leaf.shape[0])
+        columns = page_table[:, : -(-count // leaf.shape[1])]
+        index = jnp.where(columns >= 0, columns, leaf.shape[0])
         pages = jnp.take(leaf, index, axis=0, mode="fill", fill_value=0)
-        return pages.reshape(page_table.shape[0], -1, *leaf.shape[2:])
+        return pages.reshape(page_table.shape[0], -1, *leaf.shape[2:])[:, :count]
 
     return jax.tree.map(gather, stored)
 

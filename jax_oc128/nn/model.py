@@ -215,19 +215,30 @@ class DeepseekV4Model(nnx.Module):
         return output_logits(hidden, self.norm[...], self.lm_head[...], self.config.rms_norm_eps)
 
     def __call__(
-        self, tokens, positions, cache: ModelCache, *, lengths=None, mode=ForwardMode.EXTEND, tree=None
+        self,
+        tokens,
+        positions,
+        cache: ModelCache,
+        *,
+        lengths=None,
+        mode=ForwardMode.EXTEND,
+        tree=None,
+        context: int | None = None,
     ):
         """A forward of ``mode`` (static :class:`~jax_oc128.controller.ForwardMode`: EXTEND or DECODE fold
         the tokens into the caches; TARGET_VERIFY writes a verify's banks, kept by :meth:`commit` or
         committed lazily by the rows' next forward; with ``tree``, a static :class:`~jax_oc128.tree.Tree`,
         the tokens are its nodes at ``positions`` = the root's + depth, then :meth:`keep_path`; a chain
-        runs as ``tree=None``). Returns
+        runs as ``tree=None``; ``context``, static: the forward's context bound, at most ``max_len``,
+        :attr:`ForwardBatch.context <jax_oc128.nn.forward.ForwardBatch.context>`). Returns
         ``(logits [batch, T, vocab], hidden [batch, T, draft_hidden_size], cache)``; ``hidden`` is what the
         draft head takes, the last block's output (with hyper-connections its residual streams, flattened,
         before their final collapse)."""
         forward_batch = ForwardBatch.create(
-            positions, lengths=lengths, mode=mode, tree=tree, page_table=cache.page_table
+            positions, lengths=lengths, mode=mode, tree=tree, page_table=cache.page_table, context=context
         )
+        if context is not None and context > self.config.max_len:
+            raise ValueError(f"context: {context} exceeds the model's max_len {self.config.max_len}")
         compressed = prepare_forward(cache.compressed, forward_batch)
         h = self.embed[...][tokens].astype(jnp.float32)
         if self.config.hyper_connections:

@@ -1,0 +1,98 @@
+"""The banded window attention (nn.attention._window_keys): a chain longer than a query block attends in
+blocks over ``[T, R + window - 1 + block]`` keys; its outputs and caches equal the dense ``[T, R + T]`` path's
+(the same code with one block of every key, its twin here), and its temporaries follow the block, not T."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from models import MODEL_CONFIG
+
+from jax_oc128.controller import ForwardMode
+from jax_oc128.nn import CSA, HCA, SLIDING, DeepseekV4Attention, ForwardBatch, prepare_forward
+from jax_oc128.nn import attention as attention_module
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
+import window_memory
+
+CONFIG = dataclasses.replace(
+    MODEL_CONFIG, index_n_heads=2, index_head_dim=16, index_topk=8, sliding_window=16
+)
+# float32 rounding: the banded softmax sums and contractions skip the masked keys the dense ones add as zeros
+TOL = dict(rtol=2e-6, atol=2e-6)
+
+
+def run(layer, chunks):
+    """The layer's outputs over chunks of random inputs from position 0 (row 0 every token of each chunk,
+    row 1 7 fewer), each row's valid ones concatenated, and its cache after them; jitted afresh
+    (QUERY_BLOCK is read at trace)."""
+    graphdef, params = nnx.split(layer)
+
+    @jax.jit
+    def step(caches, x, first, lengths):
+        cache, compressed = caches
+        positions = first[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)
+        fb = ForwardBatch.create(positions, lengths=lengths, mode=ForwardMode.EXTEND)
+        y, cache, compressed = nnx.merge(graphdef, params)(x, cache, prepare_forward(compressed, fb), fb)
+        return y, (cache, compressed)
+
+    rng = np.random.default_rng(3)
+    caches, outputs, first = (layer.init_cache(2), layer.init_compressed(2)), [[], []], np.zeros(2, np.int32)
+    for tokens in chunks:
+        x = jnp.asarray(rng.standard_normal((2, tokens, CONFIG.hidden_size)), jnp.float32)
+        lengths = np.asarray([tokens, tokens - 7], np.int32)
+        y, caches = step(caches, x, jnp.asarray(first), jnp.asarray(lengths))
+        for row in range(2):
+            outputs[row].append(np.asarray(y[row, : lengths[row]]))
+        first += lengths
+    return [np.concatenate(row) for row in outputs], caches[0]
+
+
+@pytest.mark.parametrize("layer_type", [SLIDING, HCA, CSA])
+def test_banded_equals_dense(layer_type, monkeypatch):
+    """Chunks of 300 (three blocks, the last padded) and 140 tokens (the ring read by the first block), row 1
+    7 tokens shorter in each: the outputs of the valid tokens and the caches equal the dense path's."""
+    layer = DeepseekV4Attention(CONFIG.attention(layer_type), max_draft=CONFIG.max_draft, rngs=nnx.Rngs(4))
+    banded, banded_cache = run(layer, (300, 140))
+    monkeypatch.setattr(attention_module, "QUERY_BLOCK", 1 << 30)  # the dense twin: [T, R + T]
+    dense, dense_cache = run(layer, (300, 140))
+    for row in range(2):
+        assert np.isfinite(banded[row]).all()
+        np.testing.assert_allclose(banded[row], dense[row], **TOL, err_msg=f"row {row}")
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), banded_cache, dense_cache)
+
+
+def test_band_shapes():
+    """A chain of 300 tokens: 3 blocks of 128 queries, each over the ring's R rows and window - 1 + 128 new
+    keys; a chain of 128 tokens is one block of every key."""
+    c = CONFIG.attention(SLIDING)
+    ring = CONFIG.sliding_window + CONFIG.max_draft
+    for tokens, shape in ((300, (3, 128, ring + 15 + 128)), (128, (1, 128, ring + 128))):
+        fb = ForwardBatch.create(jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32), (1, tokens)))
+        keys, visible = attention_module._window_keys(
+            fb,
+            jnp.zeros((1, ring, c.head_dim)),
+            jnp.full((1, ring), -1),
+            jnp.ones((1, tokens, c.head_dim)),
+            16,
+        )
+        assert visible.shape[1:] == shape and keys.shape[1:3] == (shape[0], shape[2])
+        # every query sees itself and the window - 1 tokens before it, nothing else
+        assert (visible.sum(-1).reshape(-1)[:tokens] == np.minimum(np.arange(tokens) + 1, 16)).all()
+
+
+def test_window_memory_grows_with_the_chunk(capsys):
+    """bench/window_memory.py (V4-Flash's sliding layer, compiled from shapes): the temporaries of a chunk of
+    1024 are at most 2.2x those of 512, linear in the chunk (the dense form's were 3.6x: 161 / 578 MiB)."""
+    window_memory.main(["--chunks", "512", "1024"])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [row[0] for row in rows] == ["| 512", "| 1024"]
+    small, large = (float(row[1].rstrip(" |")) for row in rows)
+    assert 0 < large <= 2.2 * small
