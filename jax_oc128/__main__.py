@@ -11,6 +11,7 @@ import os
 import pathlib
 import sys
 
+from jax_oc128.checks import int_argument
 from jax_oc128.engine import STEPS_PER_DISPATCH
 from jax_oc128.nn.kv_cache import KV_CACHE_DTYPES
 from jax_oc128.rules import MAX_DRAFT
@@ -146,22 +147,6 @@ def demo(args, model, meta, prompts) -> str:
         f"offline {offline / 1024:.1f} KiB ({offline / online:.1f}x)"
     )
     return "\n".join(lines)
-
-
-def _int_in(low: int, high: int | None = None):
-    """An argparse type: an int in ``[low, high]`` (``high`` None: no upper bound)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an int, got {text!r}") from None
-        if value < low or (high is not None and value > high):
-            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-            raise argparse.ArgumentTypeError(f"must be an int {bound}, got {value}")
-        return value
-
-    return parse
 
 
 def _temperature(text: str) -> float:
@@ -307,13 +292,17 @@ def _command(argv) -> int:
         action="append",
         help="an ASCII prompt (repeat for several; default: four built in)",
     )
-    run.add_argument("--tokens", type=_int_in(1), default=160, help="new tokens per prompt")
+    run.add_argument("--tokens", type=int_argument(1), default=160, help="new tokens per prompt")
     run.add_argument(
-        "--draft", type=_int_in(2), nargs="+", default=[2, 4], help="N of the speculative runs (each >= 2)"
+        "--draft",
+        type=int_argument(2),
+        nargs="+",
+        default=[2, 4],
+        help="N of the speculative runs (each >= 2)",
     )
     run.add_argument(
         "--tree",
-        type=_int_in(2, MAX_DRAFT),
+        type=int_argument(2, MAX_DRAFT),
         nargs="*",
         default=None,
         help="N of the tree speculative runs, each the default draft tree of N nodes (default: 8 with the "
@@ -323,14 +312,16 @@ def _command(argv) -> int:
     run.add_argument(
         "--backend", choices=["online", "offline"], default="online", help="C128 compressor state"
     )
-    run.add_argument("--batch", type=_int_in(1), default=4, help="slots (at most one per prompt is used)")
+    run.add_argument(
+        "--batch", type=int_argument(1), default=4, help="slots (at most one per prompt is used)"
+    )
     run.add_argument(
         "--steps-per-dispatch",
-        type=_int_in(1),
+        type=int_argument(1),
         default=STEPS_PER_DISPATCH,
         help="K: decoding steps per on-device loop (1: the host reads every step; at most --tokens used)",
     )
-    run.add_argument("--seed", type=_int_in(0, 2**32 - 1), default=0, help="of the sampling")
+    run.add_argument("--seed", type=int_argument(0, 2**32 - 1), default=0, help="of the sampling")
     run.add_argument(
         "--model", type=_file, default=None, help="a checkpoint (default: the one shipped in the package)"
     )
@@ -365,31 +356,35 @@ def _command(argv) -> int:
     speculation = text.add_mutually_exclusive_group()
     speculation.add_argument(
         "--draft",
-        type=_int_in(2, MAX_DRAFT),
+        type=int_argument(2, MAX_DRAFT),
         default=None,
         metavar="N",
         help="speculate with a chain of N (the MTP layer)",
     )
     speculation.add_argument(
         "--tree",
-        type=_int_in(2, MAX_DRAFT),
+        type=int_argument(2, MAX_DRAFT),
         default=None,
         metavar="N",
         help="speculate with the default draft tree of N",
     )
     text.add_argument(
-        "--max-new-tokens", type=_int_in(1), default=256, metavar="M", help="at most this many (EOS stops)"
+        "--max-new-tokens",
+        type=int_argument(1),
+        default=256,
+        metavar="M",
+        help="at most this many (EOS stops)",
     )
     text.add_argument(
         "--max-len",
-        type=_int_in(1),
+        type=int_argument(1),
         default=None,
         metavar="L",
         help="the caches' length, at most the model's max_position_embeddings (default: the prompt, "
         "--max-new-tokens and N, in whole blocks of 128)",
     )
     text.add_argument("--temperature", type=_temperature, default=0.0, help="0: greedy")
-    text.add_argument("--seed", type=_int_in(0, 2**32 - 1), default=0, help="of the sampling")
+    text.add_argument("--seed", type=int_argument(0, 2**32 - 1), default=0, help="of the sampling")
     text.add_argument(
         "--mesh",
         metavar="data=D,model=M",
@@ -397,7 +392,7 @@ def _command(argv) -> int:
     )
     text.add_argument(
         "--slots",
-        type=_int_in(1),
+        type=int_argument(1),
         metavar="S",
         help="requests decoded together (default: the prompts, at most 8; rounded up to a multiple of D)",
     )
@@ -416,7 +411,7 @@ def _command(argv) -> int:
     )
     text.add_argument(
         "--prefill-chunk",
-        type=_int_in(1),
+        type=int_argument(1),
         default=None,
         metavar="C",
         help="prefill the prompt C tokens at a time (default: in one forward; a long prompt's activations "
@@ -424,7 +419,7 @@ def _command(argv) -> int:
     )
     text.add_argument(
         "--steps-per-dispatch",
-        type=_int_in(1),
+        type=int_argument(1),
         default=STEPS_PER_DISPATCH,
         help="K: decoding steps per on-device loop (the text arrives K steps at a time)",
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 
 
@@ -21,6 +23,23 @@ def check_int(name: str, value, low: int, high: int | None = None, bound: str = 
     if high is not None and not low <= value <= high:
         raise ValueError(f"{name}: must be in [{low}, {high}{bound}], got {value}")
     return int(value)
+
+
+def int_argument(low: int, high: int | None = None):
+    """An argparse type: the text as an int in ``[low, high]`` (``high`` None: no upper bound), refused with
+    :func:`check_int`'s wording (``argparse.ArgumentTypeError``; argparse names the flag)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an int, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    return parse
 
 
 #: the most characters of a file's or a user's string that a message shows (:func:`shown`)

@@ -9,24 +9,12 @@ import socket
 import threading
 import time
 
+from jax_oc128.checks import int_argument
 from jax_oc128.rules import MAX_DRAFT
 
 #: decoding steps per dispatch when serving: a new request waits up to a dispatch for its slot, so fewer than
 #: the engine's batch default (64)
 SERVE_STEPS_PER_DISPATCH = 16
-
-
-def _at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an int, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,25 +26,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a Hugging Face checkpoint directory (default: the shipped byte-level model)",
     )
     speculation = parser.add_mutually_exclusive_group()
-    speculation.add_argument("--draft", type=_at_least(2), metavar="N", help="speculate with a chain of N")
-    speculation.add_argument("--tree", type=_at_least(2), metavar="N", help="the default draft tree of N")
-    parser.add_argument("--slots", type=_at_least(1), default=8, help="requests decoded together")
+    speculation.add_argument("--draft", type=int_argument(2), metavar="N", help="speculate with a chain of N")
+    speculation.add_argument("--tree", type=int_argument(2), metavar="N", help="the default draft tree of N")
+    parser.add_argument("--slots", type=int_argument(1), default=8, help="requests decoded together")
     parser.add_argument(
-        "--pages", type=_at_least(1), default=None, help="paged caches of this many pages (default: dense)"
+        "--pages", type=int_argument(1), default=None, help="paged caches of this many pages (default: dense)"
     )
-    parser.add_argument("--page-size", type=_at_least(128), default=256, help="tokens per page")
+    parser.add_argument("--page-size", type=int_argument(128), default=256, help="tokens per page")
     parser.add_argument(
         "--max-len",
-        type=_at_least(2),
+        type=int_argument(2),
         default=None,
         help="the longest request, prompt + max_tokens + N (default: 4096, the shipped model's)",
     )
     parser.add_argument(
-        "--max-queued", type=_at_least(0), default=256, help="requests waiting beyond the slots (then 503)"
+        "--max-queued", type=int_argument(0), default=256, help="requests waiting beyond the slots (then 503)"
     )
     parser.add_argument(
         "--steps-per-dispatch",
-        type=_at_least(1),
+        type=int_argument(1),
         default=SERVE_STEPS_PER_DISPATCH,
         help="K: decoding steps per on-device loop",
     )
@@ -65,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--served-model-name", default=None, help="default: the directory's name or 'shipped'"
     )
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=_at_least(0), default=8000)
+    parser.add_argument("--port", type=int_argument(0), default=8000)
 
 
 def build(parser: argparse.ArgumentParser, args):
