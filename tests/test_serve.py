@@ -111,28 +111,65 @@ def test_seeded_sampling_is_reproducible(plain):
 
 
 BAD = [
-    ("/v1/completions", '{"model": "shipped", "prompt": "x",', None),
-    ("/v1/completions", {"model": "shipped", "prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"model": "shipped", "prompt": "x", "max_tokens": 1023}, "max_tokens"),
-    ("/v1/completions", {"model": "shipped", "prompt": "x", "max_tokens": "5"}, "max_tokens"),
-    ("/v1/completions", {"model": "shipped", "prompt": "x" * 1020, "max_tokens": 8}, "prompt"),
-    ("/v1/completions", {"model": "shipped", "prompt": [1, 256]}, "prompt"),
-    ("/v1/completions", {"model": "shipped", "prompt": ["a", "b"]}, "prompt"),
-    ("/v1/completions", {"model": "shipped", "prompt": "x", "n": 2}, "n"),
-    ("/v1/completions", {"model": "shipped", "prompt": "x", "top_p": 0.5}, "top_p"),
-    ("/v1/completions", {"model": "shipped", "prompt": "x", "temperature": -1}, "temperature"),
-    ("/v1/completions", {"model": "shipped", "prompt": "x", "stop_token_ids": [999]}, "stop_token_ids"),
-    ("/v1/completions", {"model": "shipped", "prompt": "x", "stop": [""]}, "stop"),
-    ("/v1/completions", {"model": "other", "prompt": "x"}, "model"),
-    ("/v1/completions", {"model": "shipped"}, "prompt"),
-    ("/v1/chat/completions", {"model": "shipped", "messages": []}, "messages"),
-    ("/v1/chat/completions", {"model": "shipped", "messages": [{"role": "user"}], "seed": -1}, "seed"),
+    ("/v1/completions", '{"model": "shipped", "prompt": "x",', None, "the request body is not JSON"),
+    (
+        "/v1/completions",
+        {"model": "shipped", "prompt": "x", "max_tokens": 0},
+        "max_tokens",
+        "max_tokens: must be in [1, 1022 = max_len - N - 1], got 0",
+    ),
+    (
+        "/v1/completions",
+        {"model": "shipped", "prompt": "x", "max_tokens": 1023},
+        "max_tokens",
+        "max_tokens: must be in [1, 1022 = max_len - N - 1], got 1023",
+    ),
+    ("/v1/completions", {"model": "shipped", "prompt": "x", "max_tokens": "5"}, "max_tokens", None),
+    (
+        "/v1/completions",
+        {"model": "shipped", "prompt": "x" * 1020, "max_tokens": 8},
+        "prompt",
+        "prompt: length 1020 must be in [1, 1015 = max_len - max_new_tokens - N]",
+    ),
+    (
+        "/v1/completions",
+        {"model": "shipped", "prompt": [1, 256]},
+        "prompt",
+        "prompt: token ids must be in [0, 256), got 256",
+    ),
+    (
+        "/v1/completions",
+        {"model": "shipped", "prompt": ["a", "b"]},
+        "prompt",
+        "prompt: one prompt per request",
+    ),
+    ("/v1/completions", {"model": "shipped", "prompt": "x", "n": 2}, "n", None),
+    ("/v1/completions", {"model": "shipped", "prompt": "x", "top_p": 0.5}, "top_p", None),
+    ("/v1/completions", {"model": "shipped", "prompt": "x", "temperature": -1}, "temperature", None),
+    (
+        "/v1/completions",
+        {"model": "shipped", "prompt": "x", "stop_token_ids": [999]},
+        "stop_token_ids",
+        "stop_token_ids: ids must be in [0, 256), got 999",
+    ),
+    ("/v1/completions", {"model": "shipped", "prompt": "x", "stop": [""]}, "stop", None),
+    ("/v1/completions", {"model": "other", "prompt": "x"}, "model", None),
+    ("/v1/completions", {"model": "shipped"}, "prompt", None),
+    ("/v1/chat/completions", {"model": "shipped", "messages": []}, "messages", None),
+    ("/v1/chat/completions", {"model": "shipped", "messages": [{"role": "user"}], "seed": -1}, "seed", None),
+    (
+        "/v1/chat/completions",
+        {"model": "shipped", "messages": [{"role": "user", "content": "x" * 1020}], "max_tokens": 8},
+        "messages",
+        "messages: length 1038 must be in [1, 1015 = max_len - max_new_tokens - N]",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("path", "body", "param"), BAD, ids=[f"{p}-{b}"[:60] for p, b, _ in BAD])
-def test_bad_requests_are_400_naming_the_field(plain, path, body, param):
-    """Each bad request: 400, an OpenAI error body naming the field, nothing queued or run."""
+@pytest.mark.parametrize(("path", "body", "param", "message"), BAD, ids=[f"{p}-{b}"[:60] for p, b, *_ in BAD])
+def test_bad_requests_are_400_naming_the_field(plain, path, body, param, message):
+    """Each bad request: 400, an OpenAI error body naming the field (the message starting with it; the
+    scheduler's wording where it checks), nothing queued or run."""
     _, base, _, _ = plain
     before = wait_idle(base)
     send = dict(content=body) if isinstance(body, str) else dict(json=body)
@@ -140,7 +177,8 @@ def test_bad_requests_are_400_naming_the_field(plain, path, body, param):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error
-    assert param is None or error["message"].startswith(param), error
+    assert param is None or error["message"].startswith(f"{param}:"), error
+    assert message is None or error["message"].startswith(message), error
     assert httpx.get(f"{base}/health").json() == before
 
 
@@ -247,7 +285,10 @@ def test_speculative_server_gives_the_plain_greedy_text(plain):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--max-len", "5000"], "argument --max-len: the shipped model holds 4096 tokens"),
+        (
+            ["--max-len", "5000"],
+            "argument --max-len: max_len: must be in [1, 4096 = the checkpoint's], got 5000",
+        ),
         (["--draft", "9"], "argument --draft: num_tokens: must be in [2, 8"),
         (["--tree", "17"], "argument --tree: at most 16"),
         (

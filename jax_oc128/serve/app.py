@@ -18,13 +18,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
+from jax_oc128.checks import NamedError
 from jax_oc128.engine import MAX_STOP_TOKENS
 from jax_oc128.engine.requests import RequestScheduler, SamplingParams
 from jax_oc128.serve.protocol import ChatRequest, CompletionRequest, RequestError, parse
 from jax_oc128.serve.worker import Handle, QueueFull, Worker
 
-#: the engine's argument names as the OpenAI API names them
+#: the scheduler's argument names (``checks.NamedError.argument``) as the OpenAI API names them; the prompt's
+#: is the request's field (``prompt`` or ``messages``)
 _FIELDS = {"max_new_tokens": "max_tokens", "stop_tokens": "stop_token_ids", "temperature": "temperature"}
+_FIELDS |= {"seed": "seed"}
 #: OpenAI's default temperature
 DEFAULT_TEMPERATURE = 1.0
 #: how often a non-streamed request checks that its client is still there, in seconds
@@ -32,38 +35,21 @@ DISCONNECT_POLL = 0.25
 
 
 class Server:
-    """What the endpoints share: the engine's scheduler in a :class:`Worker`, the tokenizer, the served
-    model's name and the longest request (``max_len`` tokens: prompt + max_tokens + N)."""
+    """What the endpoints share: the engine's scheduler in a :class:`Worker`, the tokenizer and the served
+    model's name; the longest request is the model's ``max_len`` tokens (prompt + max_tokens + N)."""
 
-    def __init__(
-        self, scheduler: RequestScheduler, tokenizer, model_name: str, max_len: int, max_queued: int
-    ):
+    def __init__(self, scheduler: RequestScheduler, tokenizer, model_name: str, max_queued: int):
         self.scheduler, self.tokenizer, self.model_name = scheduler, tokenizer, model_name
-        self.max_len = max_len
         self.worker = Worker(scheduler, scheduler.engine.slots + max_queued)
 
     def request(self, body, prompt, prompt_field: str, max_tokens) -> tuple[list[int], SamplingParams]:
-        """A parsed request's prompt ids and parameters, checked against the engine (RequestError naming
-        the field)."""
+        """A parsed request's prompt ids and parameters, checked by the scheduler
+        (:meth:`RequestScheduler.check_request`: a RequestError naming the field; ``max_tokens`` None: the
+        rest of ``max_len``)."""
         if body.model != self.model_name:
             raise RequestError(f"model: this server serves {self.model_name!r}, got {body.model!r}", "model")
-        width = self.scheduler.width
-        room = self.max_len - len(prompt) - width
         if max_tokens is None:
-            max_tokens = room
-        if max_tokens < 1:
-            raise RequestError(f"max_tokens: must be >= 1, got {max_tokens}", "max_tokens")
-        if max_tokens > self.max_len - width - 1:
-            limit = self.max_len - width - 1
-            raise RequestError(
-                f"max_tokens: at most {limit} (max_len - N - 1), got {max_tokens}", "max_tokens"
-            )
-        if room < max_tokens:
-            raise RequestError(
-                f"{prompt_field}: {len(prompt)} tokens, with max_tokens {max_tokens} and N {width} more than "
-                f"max_len {self.max_len}",
-                prompt_field,
-            )
+            max_tokens = max(1, self.scheduler.engine.model.max_len - len(prompt) - self.scheduler.width)
         stop_ids = list(dict.fromkeys([*(body.stop_token_ids or []), *self.tokenizer.eos_token_ids]))
         if len(stop_ids) > MAX_STOP_TOKENS:
             raise RequestError(
@@ -73,11 +59,10 @@ class Server:
         temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
         params = SamplingParams(max_tokens, temperature, tuple(stop_ids), body.seed)
         try:
-            ids, _ = self.scheduler.check_request(prompt, params)
-        except (TypeError, ValueError) as error:
-            name = str(error).split(":")[0]
-            field = prompt_field if name == "prompt" else _FIELDS.get(name, name)
-            raise RequestError(f"{field}:{str(error)[len(name) + 1 :]}", field) from None
+            ids, _ = self.scheduler.check_request(prompt, params, prompt_field)
+        except NamedError as error:
+            field = _FIELDS.get(error.argument, error.argument)
+            raise RequestError(f"{field}{str(error)[len(error.argument) :]}", field) from None
         return ids.tolist(), params
 
 
