@@ -2,7 +2,7 @@
 flags as the command takes them), requests streamed to it over HTTP by a client in a process of its own (so
 that the measurement is the server's) with Poisson arrivals at each of ``--rates`` (requests/s; ``inf``: all
 at once), reporting per rate TTFT, time per output token (TPOT) and end-to-end latency at p50 and p99,
-request and output-token throughput, and the server's SSE events per request.
+request and output-token throughput, the server's SSE events per request and decode dispatches.
 
 Workloads (``--dataset``): ``random``, prompts of random token ids of ``--input-len`` tokens (lengths drawn
 uniformly down to ``--range-ratio`` of it); ``shared-prefix``, each prompt a common ``--prefix-len``-token
@@ -102,10 +102,9 @@ async def run_rate(base: str, model: str, prompts, new: int, rate: float, seed: 
     )
 
 
-def client(base: str, model: str, prompts, new: int, rates, seed: int) -> list[dict]:
-    """The client process: one request to warm up (compilations), then each rate's metrics."""
-    asyncio.run(run_rate(base, model, prompts[:1], new, math.inf, 0))
-    return [asyncio.run(run_rate(base, model, prompts, new, rate, seed)) for rate in rates]
+def client(base: str, model: str, prompts, new: int, rate: float, seed: int) -> dict:
+    """In the client's process: :func:`run_rate`."""
+    return asyncio.run(run_rate(base, model, prompts, new, rate, seed))
 
 
 def main(argv=None) -> list[dict]:
@@ -139,12 +138,17 @@ def main(argv=None) -> list[dict]:
                 duration_s=result.seconds,
                 output_tokens=tokens,
                 output_tokens_per_s=tokens / result.seconds,
+                dispatches=result.dispatches,
             )
         )
     spawn = multiprocessing.get_context("spawn")  # (no fork of a process running JAX's threads)
     with cli.running(server) as base, ProcessPoolExecutor(1, mp_context=spawn) as pool:
-        job = (base, server.model_name, prompts, args.output_len, args.rates, args.bench_seed)
-        rows += pool.submit(client, *job).result()
+        pool.submit(client, base, server.model_name, prompts[:1], args.output_len, math.inf, 0).result()
+        for rate in args.rates:  # (the first request compiled)
+            before = server.scheduler.dispatches
+            job = (base, server.model_name, prompts, args.output_len, rate, args.bench_seed)
+            rows.append(pool.submit(client, *job).result())
+            rows[-1]["dispatches"] = server.scheduler.dispatches - before
     if args.output == "json":
         print(json.dumps(rows, indent=1))
     else:
@@ -160,6 +164,7 @@ def main(argv=None) -> list[dict]:
             "e2e_p50_ms",
             "e2e_p99_ms",
             "events_per_request",
+            "dispatches",
         ]
         print(" ".join(f"{k:>14s}" for k in keys))
         for row in rows:

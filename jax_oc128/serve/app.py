@@ -28,8 +28,12 @@ from jax_oc128.serve.worker import Handle, QueueFull, Worker
 
 #: the scheduler's argument names (``checks.NamedError.argument``) as the OpenAI API names them; the prompt's
 #: is the request's field (``prompt`` or ``messages``)
-_FIELDS = {"max_new_tokens": "max_tokens", "stop_tokens": "stop_token_ids", "temperature": "temperature"}
-_FIELDS |= {"seed": "seed"}
+_FIELDS = {
+    "max_new_tokens": "max_tokens",
+    "stop_tokens": "stop_token_ids",
+    "temperature": "temperature",
+    "seed": "seed",
+}
 #: OpenAI's default temperature
 DEFAULT_TEMPERATURE = 1.0
 #: how often a non-streamed request checks that its client is still there, in seconds
