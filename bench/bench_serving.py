@@ -1,7 +1,8 @@
 """Serving benchmark in the manner of SGLang's ``bench_serving``: a ``jax-oc128 serve`` in this process (its
-flags as the command takes them), requests streamed to it over HTTP with Poisson arrivals at each of
-``--rates`` (requests/s; ``inf``: all at once), reporting per rate TTFT, time per output token (TPOT) and
-end-to-end latency at p50 and p99, request and output-token throughput.
+flags as the command takes them), requests streamed to it over HTTP by a client in a process of its own (so
+that the measurement is the server's) with Poisson arrivals at each of ``--rates`` (requests/s; ``inf``: all
+at once), reporting per rate TTFT, time per output token (TPOT) and end-to-end latency at p50 and p99,
+request and output-token throughput, the server's SSE events per request and decode dispatches.
 
 Workloads (``--dataset``): ``random``, prompts of random token ids of ``--input-len`` tokens (lengths drawn
 uniformly down to ``--range-ratio`` of it); ``shared-prefix``, each prompt a common ``--prefix-len``-token
@@ -10,6 +11,7 @@ each gives exactly that many. With ``--offline``, ``Engine.generate`` of the sam
 output tokens/s: the serving overhead's baseline).
 
     python bench/bench_serving.py --slots 8 --pages 256 --rates 2 8 inf --num-prompts 64
+    python bench/bench_serving.py --rates inf --num-prompts 64 --input-len 128 --output-len 64 --offline
     python bench/bench_serving.py PATH --draft 2 --dataset shared-prefix --prefix-len 4096 --output json
 """
 
@@ -19,9 +21,11 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
 import random
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import httpx
 import numpy as np
@@ -45,12 +49,13 @@ async def one(http: httpx.AsyncClient, model: str, prompt: list[int], new: int) 
     body = dict(model=model, prompt=prompt, max_tokens=new, temperature=0, stream=True)
     body["stream_options"] = {"include_usage": True}
     start = time.perf_counter()
-    first, tokens = None, 0
+    first, tokens, events = None, 0, 0
     async with http.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
+            events += 1
             chunk = json.loads(line[6:])
             if chunk["choices"] and chunk["choices"][0]["text"] and first is None:
                 first = time.perf_counter() - start
@@ -58,7 +63,7 @@ async def one(http: httpx.AsyncClient, model: str, prompt: list[int], new: int) 
                 tokens = chunk["usage"]["completion_tokens"]
     end = time.perf_counter() - start
     first = end if first is None else first
-    return dict(ttft=first, e2e=end, tokens=tokens, tpot=(end - first) / max(1, tokens - 1))
+    return dict(ttft=first, e2e=end, tokens=tokens, tpot=(end - first) / max(1, tokens - 1), events=events)
 
 
 async def run_rate(base: str, model: str, prompts, new: int, rate: float, seed: int) -> dict:
@@ -90,10 +95,16 @@ async def run_rate(base: str, model: str, prompts, new: int, rate: float, seed: 
         request_per_s=len(results) / duration,
         output_tokens=tokens,
         output_tokens_per_s=tokens / duration,
+        events_per_request=sum(r["events"] for r in results) / len(results),
         **percentiles("ttft"),
         **percentiles("tpot"),
         **percentiles("e2e"),
     )
+
+
+def client(base: str, model: str, prompts, new: int, rate: float, seed: int) -> dict:
+    """In the client's process: :func:`run_rate`."""
+    return asyncio.run(run_rate(base, model, prompts, new, rate, seed))
 
 
 def main(argv=None) -> list[dict]:
@@ -127,16 +138,17 @@ def main(argv=None) -> list[dict]:
                 duration_s=result.seconds,
                 output_tokens=tokens,
                 output_tokens_per_s=tokens / result.seconds,
+                dispatches=result.dispatches,
             )
         )
-    with cli.running(server) as base:
-        asyncio.run(run_rate(base, server.model_name, prompts[:1], args.output_len, math.inf, 0))  # compiles
-        for rate in args.rates:
-            rows.append(
-                asyncio.run(
-                    run_rate(base, server.model_name, prompts, args.output_len, rate, args.bench_seed)
-                )
-            )
+    spawn = multiprocessing.get_context("spawn")  # (no fork of a process running JAX's threads)
+    with cli.running(server) as base, ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        pool.submit(client, base, server.model_name, prompts[:1], args.output_len, math.inf, 0).result()
+        for rate in args.rates:  # (the first request compiled)
+            before = server.scheduler.dispatches
+            job = (base, server.model_name, prompts, args.output_len, rate, args.bench_seed)
+            rows.append(pool.submit(client, *job).result())
+            rows[-1]["dispatches"] = server.scheduler.dispatches - before
     if args.output == "json":
         print(json.dumps(rows, indent=1))
     else:
@@ -151,6 +163,8 @@ def main(argv=None) -> list[dict]:
             "tpot_p99_ms",
             "e2e_p50_ms",
             "e2e_p99_ms",
+            "events_per_request",
+            "dispatches",
         ]
         print(" ".join(f"{k:>14s}" for k in keys))
         for row in rows:

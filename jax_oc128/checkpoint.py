@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_oc128.checks import shown
+from jax_oc128.checks import check_int, shown
 from jax_oc128.controller import ONLINE, Backend
 from jax_oc128.nn import ModelConfig, SpeculativeModel
 from jax_oc128.nn.functional import build_abstract
@@ -68,11 +68,13 @@ def save(model: SpeculativeModel, path, **metadata) -> None:
     )
 
 
-def load(path=DEFAULT_MODEL, *, backend: Backend = ONLINE) -> tuple[SpeculativeModel, dict]:
+def load(
+    path=DEFAULT_MODEL, *, backend: Backend = ONLINE, max_len: int | None = None
+) -> tuple[SpeculativeModel, dict]:
     """The model stored at ``path`` (default: the shipped one) with the C128 compressor ``backend``, and its
-    metadata. Raises :class:`ValueError` (naming the file, and the field or tensor) for a file that is not
-    such a checkpoint, before anything of the model's size is allocated; :class:`OSError` if it cannot be
-    read."""
+    metadata; ``max_len``: None (the stored config's) or fewer positions (its caches' length). Raises
+    :class:`ValueError` (naming the file, and the field or tensor) for a file that is not such a checkpoint,
+    before anything of the model's size is allocated; :class:`OSError` if it cannot be read."""
     try:
         archive = zipfile.ZipFile(path)
     except zipfile.BadZipFile as error:
@@ -87,6 +89,9 @@ def load(path=DEFAULT_MODEL, *, backend: Backend = ONLINE) -> tuple[SpeculativeM
             headers[member.removesuffix(".npy")] = _header(archive, member, path)
         meta = _metadata(archive, headers, path)
         config = _config(meta, len(headers) - 1, path)
+        if max_len is not None:
+            longest = check_int("max_len", max_len, 1, config.max_len, " = the checkpoint's")
+            config = dataclasses.replace(config, max_len=longest)
         graphdef, abstract = nnx.split(
             build_abstract(lambda rngs: SpeculativeModel(config, backend=backend, rngs=rngs))
         )

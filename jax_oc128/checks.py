@@ -7,21 +7,44 @@ import argparse
 import numpy as np
 
 
+class NamedError(Exception):
+    """An error of one argument: ``argument`` names it and the message starts with ``"{argument}: "``, so a
+    caller can say it in its own words (the server's field, the command line's flag) without parsing the
+    message. Raised as one of its subclasses, each also the builtin error it refines."""
+
+    def __init__(self, argument: str, message: str):
+        super().__init__(f"{argument}: {message}")
+        self.argument = argument
+
+
+class ArgumentError(NamedError, ValueError):
+    """A bad value of the argument ``argument`` (a ValueError)."""
+
+
+class ArgumentTypeError(NamedError, TypeError):
+    """An argument ``argument`` of the wrong type (a TypeError)."""
+
+
+class ArgumentNotSupported(NamedError, NotImplementedError):
+    """A value of the argument ``argument`` that this model or build does not support (a
+    NotImplementedError)."""
+
+
 def is_int(value) -> bool:
     """An integer (Python or numpy), not a bool."""
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 def check_int(name: str, value, low: int, high: int | None = None, bound: str = "") -> int:
-    """``value`` as an int: ``TypeError`` unless an int (bools refused), ``ValueError`` below ``low`` or above
-    ``high`` (None: no upper bound; ``bound`` says what ``high`` is, e.g. " = max_draft"). The messages
-    start with ``name``."""
+    """``value`` as an int: :class:`ArgumentTypeError` unless an int (bools refused), :class:`ArgumentError`
+    below ``low`` or above ``high`` (None: no upper bound; ``bound`` says what ``high`` is, e.g.
+    " = max_draft"), both naming ``name``."""
     if not is_int(value):
-        raise TypeError(f"{name}: must be an int, got {value!r}")
+        raise ArgumentTypeError(name, f"must be an int, got {value!r}")
     if high is None and value < low:
-        raise ValueError(f"{name}: must be >= {low}, got {value}")
+        raise ArgumentError(name, f"must be >= {low}, got {value}")
     if high is not None and not low <= value <= high:
-        raise ValueError(f"{name}: must be in [{low}, {high}{bound}], got {value}")
+        raise ArgumentError(name, f"must be in [{low}, {high}{bound}], got {value}")
     return int(value)
 
 

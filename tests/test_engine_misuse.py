@@ -6,6 +6,7 @@ edges the checks must let through (an empty batch, the longest prompt, the large
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -15,6 +16,7 @@ from harness import count_compiles
 from jax.sharding import Mesh
 from models import DECODE_CONFIG
 
+from jax_oc128.checks import NamedError
 from jax_oc128.controller import OFFLINE
 from jax_oc128.engine import MAX_STOP_TOKENS, Engine
 from jax_oc128.nn import HCA, SLIDING, SpeculativeModel, sharding
@@ -351,9 +353,11 @@ def test_misuse_raises_before_anything_runs(engine, foreign_states, monkeypatch,
 
     for name in ("_init_state", "_restart", "_prefill", "_decode"):
         monkeypatch.setattr(engine, name, dispatched)
-    with count_compiles() as compiles, pytest.raises(error, match=f"^{match}"):
+    with count_compiles() as compiles, pytest.raises(error, match=f"^{match}") as raised:
         call(engine, state, others)
     assert not compiles, compiles
+    assert isinstance(raised.value, NamedError)  # its argument: what the message starts with
+    assert re.fullmatch(match.split(": ")[0], raised.value.argument), raised.value.argument
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
 
 

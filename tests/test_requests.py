@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from jax_oc128 import checkpoint
+from jax_oc128.checks import ArgumentError, ArgumentTypeError
 from jax_oc128.engine import Engine
 from jax_oc128.engine.requests import RequestScheduler, SamplingParams
 
@@ -107,22 +108,29 @@ def test_a_seeded_sampled_request_runs_alone(engine, expected):
 @pytest.mark.parametrize(
     ("prompt", "params", "error", "match"),
     [
-        (b"x", SamplingParams(0), ValueError, r"max_new_tokens: must be in \[1, "),
-        (b"x", SamplingParams(4, temperature=-1.0), ValueError, "temperature: must be finite and >= 0"),
-        (b"x", SamplingParams(4, stop_tokens=(256,)), ValueError, r"stop_tokens: ids must be in \[0, 256\)"),
-        (b"x", SamplingParams(4, seed=-1), ValueError, r"seed: must be in \[0, "),
-        ([300], SamplingParams(4), ValueError, r"prompt: token ids must be in \[0, 256\)"),
-        (b"", SamplingParams(4), ValueError, "prompt: length 0 must be in"),
-        (b"x" * 1600, SamplingParams(4), ValueError, "prompt: needs 7 pages of 256 tokens"),
-        (b"x", (4,), TypeError, "params: must be a SamplingParams"),
+        (b"x", SamplingParams(0), ArgumentError, r"max_new_tokens: must be in \[1, "),
+        (b"x", SamplingParams(4, temperature=-1.0), ArgumentError, "temperature: must be finite and >= 0"),
+        (
+            b"x",
+            SamplingParams(4, stop_tokens=(256,)),
+            ArgumentError,
+            r"stop_tokens: ids must be in \[0, 256\)",
+        ),
+        (b"x", SamplingParams(4, seed=-1), ArgumentError, r"seed: must be in \[0, "),
+        ([300], SamplingParams(4), ArgumentError, r"prompt: token ids must be in \[0, 256\)"),
+        (b"", SamplingParams(4), ArgumentError, "prompt: length 0 must be in"),
+        (b"x" * 1600, SamplingParams(4), ArgumentError, "prompt: needs 7 pages of 256 tokens"),
+        (b"x", (4,), ArgumentTypeError, "params: must be a SamplingParams"),
     ],
 )
 def test_bad_requests_are_refused_naming_the_argument(engine, prompt, params, error, match):
-    """Nothing is queued for a refused request."""
+    """Nothing is queued for a refused request; the error (a ValueError or TypeError) names the argument
+    (``argument``: what the message starts with)."""
     scheduler = RequestScheduler(engine)
     try:
-        with pytest.raises(error, match=match):
+        with pytest.raises(error, match=match) as raised:
             scheduler.add_request(prompt, params)
+        assert raised.value.argument == match.split(":")[0]
         assert not scheduler.busy
     finally:
         scheduler.close()

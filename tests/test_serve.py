@@ -1,12 +1,15 @@
 """``jax-oc128 serve`` live on 127.0.0.1 with the shipped model, through the official ``openai`` client and
-plain HTTP: completions and chat, streamed and not, equal to ``Engine.generate``'s greedy tokens (plain and a
-chain of 3); seeded sampling reproducible and equal to generate's; bad requests refused with 400 naming the
-field and the engine untouched; a full server answers 503 and loses nothing; a load of 200 streamed requests
-from 32 clients, a fifth leaving mid-stream, leaks no slot or page and /health answers throughout."""
+plain HTTP, one server for the module (speculating with a chain of 2, paged caches): completions and chat,
+streamed (one event per step's tokens) and not, equal to ``Engine.generate``'s greedy tokens; stop strings and
+stop token ids with their usage; seeded sampling reproducible and equal to generate's; bad requests refused
+with 400 naming the field and the engine untouched; a full server answers 503 and loses nothing; a load of
+200 streamed requests from 32 clients, a fifth leaving mid-stream, leaks no slot or page and /health answers
+throughout."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import threading
 import time
@@ -16,8 +19,8 @@ import openai
 import pytest
 from serving import build, live, wait_idle
 
-SLOTS, PAGES, MAX_QUEUED = 4, 12, 40
-FLAGS = ("--slots", str(SLOTS), "--pages", str(PAGES), "--steps-per-dispatch", "8")
+SLOTS, PAGES, MAX_QUEUED, K = 4, 12, 40, 8
+FLAGS = ("--draft", "2", "--slots", str(SLOTS), "--pages", str(PAGES), "--steps-per-dispatch", str(K))
 FLAGS += ("--max-queued", str(MAX_QUEUED), "--max-len", "1024")
 PROMPTS = [
     "Return the number of items",
@@ -32,13 +35,15 @@ NEW = 12  # max_tokens of the greedy requests
 
 @pytest.fixture(scope="module")
 def plain():
-    """The plain server (paged caches) and the offline greedy tokens of :data:`PROMPTS` and of the same
-    prompts as chat messages, from its own engine before it serves."""
+    """The server and the greedy tokens of :data:`PROMPTS` and of the same prompts as chat messages, from
+    its own engine's ``generate`` before it serves, with its speculation (one compilation for both; the
+    speculative greedy tokens are the plain ones: tests/test_decode.py)."""
     server = build(*FLAGS)
     tokenizer, engine = server.tokenizer, server.scheduler.engine
     chats = [tokenizer.encode(p, chat=True) for p in PROMPTS]
-    expected = engine.generate([tokenizer.encode(p) for p in PROMPTS], NEW).tokens
-    expected_chat = engine.generate(chats, NEW).tokens
+    tree = server.scheduler.tree
+    expected = engine.generate([tokenizer.encode(p) for p in PROMPTS], NEW, tree=tree).tokens
+    expected_chat = engine.generate(chats, NEW, tree=tree).tokens
     with live(server) as base:
         yield server, base, expected, expected_chat
 
@@ -48,7 +53,9 @@ def client(base: str, cls=openai.OpenAI):
 
 
 def test_completions_and_chat_equal_generate(plain):
-    """Completions and chat, streamed and not, give the text of generate's greedy tokens, with their usage."""
+    """Completions and chat, streamed and not, give the text of generate's greedy tokens, with their usage;
+    a stream sends a step's tokens as one event (at most one per dispatch of K steps, the prefill's first
+    token one more), the last one with the finish reason."""
     server, base, expected, expected_chat = plain
     decode = server.tokenizer.decode
     api = client(base)
@@ -58,10 +65,12 @@ def test_completions_and_chat_equal_generate(plain):
         assert done.choices[0].text == decode(tokens)
         assert done.choices[0].finish_reason == "length"
         assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(prompt.encode()), NEW)
-        chunks = api.completions.create(
-            model="shipped", prompt=prompt, max_tokens=NEW, temperature=0, stream=True
+        chunks = list(
+            api.completions.create(model="shipped", prompt=prompt, max_tokens=NEW, temperature=0, stream=True)
         )
         assert "".join(c.choices[0].text for c in chunks) == decode(tokens)
+        assert all(c.choices[0].text for c in chunks) and len(chunks) <= 1 + math.ceil((NEW - 1) / K)
+        assert [c.choices[0].finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
         messages = [{"role": "user", "content": prompt}]
         done = api.chat.completions.create(model="shipped", messages=messages, max_tokens=NEW, temperature=0)
         assert done.choices[0].message.content == decode(chat_tokens)
@@ -72,19 +81,39 @@ def test_completions_and_chat_equal_generate(plain):
 
 
 def test_stop_strings_and_token_ids(plain):
-    """A stop string cuts the text before it (finish_reason stop); a stop token id ends the request at it,
-    kept, as generate's stop_tokens."""
+    """A stop string cuts the text before it (finish_reason stop), streamed or not, the usage counting the
+    tokens through the one that completes it; a stop token id ends the request at it, kept, as generate's
+    stop_tokens."""
     server, base, expected, _ = plain
     decode = server.tokenizer.decode
     api = client(base)
-    text = decode(expected[0])
-    stop = text[3:5]
-    done = api.completions.create(
-        model="shipped", prompt=PROMPTS[0], max_tokens=NEW, temperature=0, stop=stop
-    )
-    assert done.choices[0].text == text[: text.index(stop)] and done.choices[0].finish_reason == "stop"
+    text = decode(expected[0])  # one token per byte: the stop string's end is its token count
+    for stop in (text[3:5], [text[7:10], text[5:7]]):
+        first = min(text.index(s) for s in ([stop] if isinstance(stop, str) else stop))
+        ends = first + min(
+            len(s) for s in ([stop] if isinstance(stop, str) else stop) if text.startswith(s, first)
+        )
+        done = api.completions.create(
+            model="shipped", prompt=PROMPTS[0], max_tokens=NEW, temperature=0, stop=stop
+        )
+        assert done.choices[0].text == text[:first] and done.choices[0].finish_reason == "stop"
+        assert done.usage.completion_tokens == ends, (stop, done.usage)
+        chunks = list(
+            api.completions.create(
+                model="shipped",
+                prompt=PROMPTS[0],
+                max_tokens=NEW,
+                temperature=0,
+                stop=stop,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert "".join(c.choices[0].text for c in chunks[:-1]) == text[:first]
+        assert chunks[-2].choices[0].finish_reason == "stop" and chunks[-1].usage.completion_tokens == ends
     token = expected[0][4]
-    offline = server.scheduler.engine.generate([PROMPTS[0].encode()], NEW, stop_tokens=[token]).tokens[0]
+    engine, tree = server.scheduler.engine, server.scheduler.tree
+    offline = engine.generate([PROMPTS[0].encode()], NEW, stop_tokens=[token], tree=tree).tokens[0]
     done = api.completions.create(
         model="shipped",
         prompt=PROMPTS[0],
@@ -106,33 +135,71 @@ def test_seeded_sampling_is_reproducible(plain):
         .text
         for _ in range(2)
     ]
-    offline = server.scheduler.engine.generate([PROMPTS[1].encode()], NEW, temperature=0.8, seed=7).tokens[0]
+    sampled = dict(temperature=0.8, seed=7, tree=server.scheduler.tree)
+    offline = server.scheduler.engine.generate([PROMPTS[1].encode()], NEW, **sampled).tokens[0]
     assert texts[0] == texts[1] == server.tokenizer.decode(offline)
 
 
 BAD = [
-    ("/v1/completions", '{"model": "shipped", "prompt": "x",', None),
-    ("/v1/completions", {"model": "shipped", "prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"model": "shipped", "prompt": "x", "max_tokens": 1023}, "max_tokens"),
-    ("/v1/completions", {"model": "shipped", "prompt": "x", "max_tokens": "5"}, "max_tokens"),
-    ("/v1/completions", {"model": "shipped", "prompt": "x" * 1020, "max_tokens": 8}, "prompt"),
-    ("/v1/completions", {"model": "shipped", "prompt": [1, 256]}, "prompt"),
-    ("/v1/completions", {"model": "shipped", "prompt": ["a", "b"]}, "prompt"),
-    ("/v1/completions", {"model": "shipped", "prompt": "x", "n": 2}, "n"),
-    ("/v1/completions", {"model": "shipped", "prompt": "x", "top_p": 0.5}, "top_p"),
-    ("/v1/completions", {"model": "shipped", "prompt": "x", "temperature": -1}, "temperature"),
-    ("/v1/completions", {"model": "shipped", "prompt": "x", "stop_token_ids": [999]}, "stop_token_ids"),
-    ("/v1/completions", {"model": "shipped", "prompt": "x", "stop": [""]}, "stop"),
-    ("/v1/completions", {"model": "other", "prompt": "x"}, "model"),
-    ("/v1/completions", {"model": "shipped"}, "prompt"),
-    ("/v1/chat/completions", {"model": "shipped", "messages": []}, "messages"),
-    ("/v1/chat/completions", {"model": "shipped", "messages": [{"role": "user"}], "seed": -1}, "seed"),
+    ("/v1/completions", '{"model": "shipped", "prompt": "x",', None, "the request body is not JSON"),
+    (
+        "/v1/completions",
+        {"model": "shipped", "prompt": "x", "max_tokens": 0},
+        "max_tokens",
+        "max_tokens: must be in [1, 1021 = max_len - N - 1], got 0",
+    ),
+    (
+        "/v1/completions",
+        {"model": "shipped", "prompt": "x", "max_tokens": 1023},
+        "max_tokens",
+        "max_tokens: must be in [1, 1021 = max_len - N - 1], got 1023",
+    ),
+    ("/v1/completions", {"model": "shipped", "prompt": "x", "max_tokens": "5"}, "max_tokens", None),
+    (
+        "/v1/completions",
+        {"model": "shipped", "prompt": "x" * 1020, "max_tokens": 8},
+        "prompt",
+        "prompt: length 1020 must be in [1, 1014 = max_len - max_new_tokens - N]",
+    ),
+    (
+        "/v1/completions",
+        {"model": "shipped", "prompt": [1, 256]},
+        "prompt",
+        "prompt: token ids must be in [0, 256), got 256",
+    ),
+    (
+        "/v1/completions",
+        {"model": "shipped", "prompt": ["a", "b"]},
+        "prompt",
+        "prompt: one prompt per request",
+    ),
+    ("/v1/completions", {"model": "shipped", "prompt": "x", "n": 2}, "n", None),
+    ("/v1/completions", {"model": "shipped", "prompt": "x", "top_p": 0.5}, "top_p", None),
+    ("/v1/completions", {"model": "shipped", "prompt": "x", "temperature": -1}, "temperature", None),
+    (
+        "/v1/completions",
+        {"model": "shipped", "prompt": "x", "stop_token_ids": [999]},
+        "stop_token_ids",
+        "stop_token_ids: ids must be in [0, 256), got 999",
+    ),
+    ("/v1/completions", {"model": "shipped", "prompt": "x", "stop": [""]}, "stop", None),
+    ("/v1/completions", {"model": "other", "prompt": "x"}, "model", None),
+    ("/v1/completions", {"model": "shipped"}, "prompt", None),
+    ("/v1/chat/completions", {"model": "shipped", "messages": []}, "messages", None),
+    ("/v1/chat/completions", {"model": "shipped", "messages": [{"role": "user"}], "seed": -1}, "seed", None),
+    (
+        "/v1/chat/completions",
+        {"model": "shipped", "messages": [{"role": "user", "content": "x" * 1020}], "max_tokens": 8},
+        "messages",
+        "messages: length 1038 must be in [1, 1014 = max_len - max_new_tokens - N]",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("path", "body", "param"), BAD, ids=[f"{p}-{b}"[:60] for p, b, _ in BAD])
-def test_bad_requests_are_400_naming_the_field(plain, path, body, param):
-    """Each bad request: 400, an OpenAI error body naming the field, nothing queued or run."""
+@pytest.mark.parametrize(("path", "body", "param", "message"), BAD, ids=[f"{p}-{b}"[:60] for p, b, *_ in BAD])
+def test_bad_requests_are_400_naming_the_field(plain, path, body, param, message):
+    """Each bad request: 400, an OpenAI error body naming the field (the message starting with it; the
+    scheduler's wording where it checks), nothing queued or run."""
     _, base, _, _ = plain
     before = wait_idle(base)
     send = dict(content=body) if isinstance(body, str) else dict(json=body)
@@ -140,7 +207,8 @@ def test_bad_requests_are_400_naming_the_field(plain, path, body, param):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error
-    assert param is None or error["message"].startswith(param), error
+    assert param is None or error["message"].startswith(f"{param}:"), error
+    assert message is None or error["message"].startswith(message), error
     assert httpx.get(f"{base}/health").json() == before
 
 
@@ -234,20 +302,13 @@ def test_load_with_disconnects_leaks_nothing(plain):
     assert max(health_times) < 1.0, max(health_times)
 
 
-def test_speculative_server_gives_the_plain_greedy_text(plain):
-    """A server speculating with a chain of 3 (dense caches) gives the plain engine's greedy text."""
-    server, _, expected, _ = plain
-    with live(build("--draft", "3", "--slots", "2", "--steps-per-dispatch", "8")) as base:
-        api = client(base)
-        for prompt, tokens in zip(PROMPTS[:3], expected[:3], strict=True):
-            done = api.completions.create(model="shipped", prompt=prompt, max_tokens=NEW, temperature=0)
-            assert done.choices[0].text == server.tokenizer.decode(tokens)
-
-
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--max-len", "5000"], "argument --max-len: the shipped model holds 4096 tokens"),
+        (
+            ["--max-len", "5000"],
+            "argument --max-len: max_len: must be in [1, 4096 = the checkpoint's], got 5000",
+        ),
         (["--draft", "9"], "argument --draft: num_tokens: must be in [2, 8"),
         (["--tree", "17"], "argument --tree: at most 16"),
         (

@@ -1,7 +1,8 @@
 """The engine's argument checks, on the host before anything is compiled or dispatched: one function per
 concept, shared by :class:`~jax_oc128.engine.Engine`'s constructor, ``init_state``, ``generate``,
-``prefill`` and ``decode``. A wrong type is a TypeError, a wrong value a ValueError, each message starting
-with the argument's name. A decode state is checked against the engine's layout and for donation without
+``prefill`` and ``decode``. A wrong type is a :class:`~jax_oc128.checks.ArgumentTypeError` (a TypeError), a
+wrong value a :class:`~jax_oc128.checks.ArgumentError` (a ValueError), each naming the argument (``argument``,
+and the message's start). A decode state is checked against the engine's layout and for donation without
 reading the device; what it holds (which slots are active) is not checked."""
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jax_oc128.checks import check_int, is_int
+from jax_oc128.checks import (
+    ArgumentError,
+    ArgumentNotSupported,
+    ArgumentTypeError,
+    NamedError,
+    check_int,
+    is_int,
+)
 from jax_oc128.engine.state import DecodeState
 from jax_oc128.nn import sharding
 from jax_oc128.protocols import Drafter, Model, members
@@ -36,25 +44,25 @@ def check_model(model) -> Model:
     None or with every member of :class:`~jax_oc128.protocols.Drafter`."""
     kind = type(model).__name__
     if not isinstance(model, nnx.Module):
-        raise TypeError(
-            f"model: must be a flax.nnx.Module implementing jax_oc128.protocols.Model, got {kind}"
+        raise ArgumentTypeError(
+            "model", f"must be a flax.nnx.Module implementing jax_oc128.protocols.Model, got {kind}"
         )
     missing = [name for name in members(Model) if not hasattr(model, name)]
     if missing:
-        raise TypeError(
-            f"model: must implement jax_oc128.protocols.Model, {kind} has no {', '.join(missing)}"
+        raise ArgumentTypeError(
+            "model", f"must implement jax_oc128.protocols.Model, {kind} has no {', '.join(missing)}"
         )
     for name in ("vocab_size", "max_len", "draft_hidden_size"):
         check_count(f"model.{name}", getattr(model, name))
     check_int("model.max_draft", model.max_draft, 1, MAX_DRAFT)
     if not isinstance(model.verifies_trees, bool):
-        raise TypeError(f"model.verifies_trees: must be a bool, got {model.verifies_trees!r}")
+        raise ArgumentTypeError("model.verifies_trees", f"must be a bool, got {model.verifies_trees!r}")
     drafter = model.drafter
     missing = [] if drafter is None else [name for name in members(Drafter) if not hasattr(drafter, name)]
     if missing:
         kind = type(drafter).__name__
-        raise TypeError(
-            f"model.drafter: must implement jax_oc128.protocols.Drafter, {kind} has no {', '.join(missing)}"
+        raise ArgumentTypeError(
+            "model.drafter", f"must implement jax_oc128.protocols.Drafter, {kind} has no {', '.join(missing)}"
         )
     return model
 
@@ -69,8 +77,8 @@ def check_slots(slots, mesh) -> int:
     None)."""
     slots = check_count("slots", slots)
     if mesh is not None and slots % mesh.shape[sharding.DATA]:
-        raise ValueError(
-            f"slots: must be a multiple of the mesh's data axis ({mesh.shape[sharding.DATA]}), got {slots}"
+        raise ArgumentError(
+            "slots", f"must be a multiple of the mesh's data axis ({mesh.shape[sharding.DATA]}), got {slots}"
         )
     return slots
 
@@ -91,9 +99,10 @@ def check_seed(seed) -> np.uint32:
 def _check_drafter(name: str, value, model: Model) -> None:
     """Speculation (``name`` given as ``value``) needs a drafter: refused for a model without one."""
     if model.drafter is None:
-        raise ValueError(
-            f"{name}: this model has no MTP head (no drafter: e.g. its checkpoint carries no MTP layer), so "
-            f"it decodes plainly only: pass num_tokens=None and tree=None, got {name}={value!r}"
+        raise ArgumentError(
+            name,
+            "this model has no MTP head (no drafter: e.g. its checkpoint carries no MTP layer), so "
+            f"it decodes plainly only: pass num_tokens=None and tree=None, got {name}={value!r}",
         )
 
 
@@ -110,20 +119,22 @@ def check_speculation(num_tokens, tree, model: Model) -> Tree | None:
     tree = tree if isinstance(tree, Tree) else Tree(check_parents(tree, "tree"))
     _check_drafter("tree", tree, model)
     if tree.size < 2:
-        raise ValueError(f"tree: must have drafts (at least 2 nodes), got {tree}")
+        raise ArgumentError("tree", f"must have drafts (at least 2 nodes), got {tree}")
     if tree.size > model.max_draft:
-        raise ValueError(f"tree: at most max_draft = {model.max_draft} nodes, got {tree.size}")
+        raise ArgumentError("tree", f"at most max_draft = {model.max_draft} nodes, got {tree.size}")
     if max(tree.widths) > model.vocab_size:
-        raise ValueError(
-            f"tree: a node has {max(tree.widths)} children, more than the vocabulary's {model.vocab_size} "
-            f"tokens (a node's children are distinct tokens), got {tree}"
+        raise ArgumentError(
+            "tree",
+            f"a node has {max(tree.widths)} children, more than the vocabulary's {model.vocab_size} "
+            f"tokens (a node's children are distinct tokens), got {tree}",
         )
     if num_tokens is not None and num_tokens != tree.size:
-        raise ValueError(f"num_tokens: None or the tree's {tree.size} nodes, got {num_tokens!r}")
+        raise ArgumentError("num_tokens", f"None or the tree's {tree.size} nodes, got {num_tokens!r}")
     if not tree.is_chain and not model.verifies_trees:
-        raise NotImplementedError(
-            f"tree: this model verifies chains only (model.verifies_trees is False: for DeepSeek-V4, the "
-            f"offline C128 state), got {tree}"
+        raise ArgumentNotSupported(
+            "tree",
+            "this model verifies chains only (model.verifies_trees is False: for DeepSeek-V4, the "
+            f"offline C128 state), got {tree}",
         )
     return tree
 
@@ -140,7 +151,7 @@ def check_max_new_tokens(max_new_tokens, tree: Tree | None, model) -> int:
 def check_temperature(temperature) -> float:
     """A finite number >= 0 (bools refused), as a float (a static argument of the jitted functions)."""
     if not isinstance(temperature, int | float | np.integer | np.floating) or isinstance(temperature, bool):
-        raise TypeError(f"temperature: must be a number, got {temperature!r}")
+        raise ArgumentTypeError("temperature", f"must be a number, got {temperature!r}")
     try:
         value = float(temperature)  # an int past float's range overflows
     except OverflowError:
@@ -148,7 +159,7 @@ def check_temperature(temperature) -> float:
     if not 0 <= value < math.inf:
         huge = isinstance(temperature, int) and value == math.inf
         shown = f"an int of {len(str(temperature))} digits" if huge else temperature
-        raise ValueError(f"temperature: must be finite and >= 0, got {shown}")
+        raise ArgumentError("temperature", f"must be finite and >= 0, got {shown}")
     return value
 
 
@@ -158,14 +169,14 @@ def check_stop_tokens(stop_tokens, model) -> tuple[int, ...]:
     if isinstance(stop_tokens, np.ndarray | jax.Array):
         stop_tokens = np.asarray(stop_tokens).tolist()  # a 0-d array gives a scalar, refused below
     if not isinstance(stop_tokens, Collection) or isinstance(stop_tokens, str):
-        raise TypeError(f"stop_tokens: must be a sequence of token ids, got {stop_tokens!r}")
+        raise ArgumentTypeError("stop_tokens", f"must be a sequence of token ids, got {stop_tokens!r}")
     if len(stop_tokens) > MAX_STOP_TOKENS:
-        raise ValueError(f"stop_tokens: at most {MAX_STOP_TOKENS} ids, got {len(stop_tokens)}")
+        raise ArgumentError("stop_tokens", f"at most {MAX_STOP_TOKENS} ids, got {len(stop_tokens)}")
     for token in stop_tokens:
         if not is_int(token):
-            raise TypeError(f"stop_tokens: ids must be ints, got {token!r}")
+            raise ArgumentTypeError("stop_tokens", f"ids must be ints, got {token!r}")
         if not 0 <= token < model.vocab_size:
-            raise ValueError(f"stop_tokens: ids must be in [0, {model.vocab_size}), got {token}")
+            raise ArgumentError("stop_tokens", f"ids must be in [0, {model.vocab_size}), got {token}")
     return tuple(map(int, stop_tokens))
 
 
@@ -180,22 +191,22 @@ def check_prompt(name: str, prompt, model, longest: int) -> np.ndarray:
     if isinstance(prompt, np.ndarray | jax.Array):
         ids = np.asarray(prompt)
         if ids.ndim != 1 or ids.dtype.kind not in "iu":
-            raise TypeError(f"{name}: must be a 1-D integer array, got {ids.dtype}{list(ids.shape)}")
+            raise ArgumentTypeError(name, f"must be a 1-D integer array, got {ids.dtype}{list(ids.shape)}")
     elif isinstance(prompt, Sequence) and not isinstance(prompt, str):
         ids = list(prompt)  # bytes as ints
         for token in ids:
             if not is_int(token):
-                raise TypeError(f"{name}: token ids must be ints, got {token!r}")
+                raise ArgumentTypeError(name, f"token ids must be ints, got {token!r}")
     else:
-        raise TypeError(f"{name}: must be a sequence of token ids, got {type(prompt).__name__}")
+        raise ArgumentTypeError(name, f"must be a sequence of token ids, got {type(prompt).__name__}")
     if not 0 < len(ids) <= longest:
-        raise ValueError(
-            f"{name}: length {len(ids)} must be in [1, {longest} = max_len - max_new_tokens - N]"
+        raise ArgumentError(
+            name, f"length {len(ids)} must be in [1, {longest} = max_len - max_new_tokens - N]"
         )
     low, high = (ids.min(), ids.max()) if isinstance(ids, np.ndarray) else (min(ids), max(ids))
     if low < 0 or high >= model.vocab_size:
         bad = low if low < 0 else high
-        raise ValueError(f"{name}: token ids must be in [0, {model.vocab_size}), got {bad}")
+        raise ArgumentError(name, f"token ids must be in [0, {model.vocab_size}), got {bad}")
     return np.asarray(ids, np.int32)
 
 
@@ -204,7 +215,9 @@ def check_prompts(prompts, model, longest: int) -> list[np.ndarray]:
     :func:`check_prompt` as ``prompts[i]``."""
     if isinstance(prompts, str | bytes | bytearray) or not isinstance(prompts, Sequence | np.ndarray):
         kind = type(prompts).__name__
-        raise TypeError(f"prompts: must be a sequence of prompts (each a sequence of token ids), got {kind}")
+        raise ArgumentTypeError(
+            "prompts", f"must be a sequence of prompts (each a sequence of token ids), got {kind}"
+        )
     return [check_prompt(f"prompts[{i}]", prompt, model, longest) for i, prompt in enumerate(prompts)]
 
 
@@ -212,12 +225,17 @@ def check_assignments(assignments, slots: int, model, longest: int) -> dict[int,
     """``prefill``'s requests: a non-empty mapping from a slot (an int in [0, slots)) to its prompt, checked
     by :func:`check_prompt` as ``assignments[slot]``."""
     if not isinstance(assignments, Mapping):
-        raise TypeError(f"assignments: must be a mapping {{slot: prompt}}, got {type(assignments).__name__}")
+        raise ArgumentTypeError(
+            "assignments", f"must be a mapping {{slot: prompt}}, got {type(assignments).__name__}"
+        )
     if not assignments:
-        raise ValueError("assignments: no request (a mapping {slot: prompt} with at least one entry)")
+        raise ArgumentError("assignments", "no request (a mapping {slot: prompt} with at least one entry)")
     prompts = {}
     for slot, prompt in assignments.items():
-        slot = check_int("assignments: a slot", slot, 0, slots - 1)
+        try:
+            slot = check_int("a slot", slot, 0, slots - 1)
+        except NamedError as error:  # the argument at fault is the mapping
+            raise type(error)("assignments", str(error)) from None
         prompts[slot] = check_prompt(f"assignments[{slot}]", prompt, model, longest)
     return prompts
 
@@ -225,14 +243,14 @@ def check_assignments(assignments, slots: int, model, longest: int) -> dict[int,
 def check_waiting(waiting) -> np.bool_:
     """Whether requests wait for a slot, a bool (numpy's too)."""
     if not isinstance(waiting, bool | np.bool_):
-        raise TypeError(f"waiting: must be a bool, got {waiting!r}")
+        raise ArgumentTypeError("waiting", f"must be a bool, got {waiting!r}")
     return np.bool_(waiting)
 
 
 def check_callback(name: str, value) -> None:
     """``generate``'s callback ``name`` (``progress``, ``stream``), a callable or None."""
     if value is not None and not callable(value):
-        raise TypeError(f"{name}: must be callable or None, got {value!r}")
+        raise ArgumentTypeError(name, f"must be callable or None, got {value!r}")
 
 
 def check_state_is_this_engines(state, layout: DecodeState) -> None:
@@ -240,30 +258,32 @@ def check_state_is_this_engines(state, layout: DecodeState) -> None:
     this engine (``layout.engine``), whose buffers were not donated yet; read on the host only (no device
     sync)."""
     if not isinstance(state, DecodeState):
-        raise TypeError(
-            f"state: must be a DecodeState (from init_state, prefill or decode), got {type(state).__name__}"
+        raise ArgumentTypeError(
+            "state", f"must be a DecodeState (from init_state, prefill or decode), got {type(state).__name__}"
         )
     # the layout first (the more telling error), then the engine that made it
     leaves, tree = jax.tree_util.tree_flatten_with_path(dataclasses.replace(state, engine=layout.engine))
     expected, expected_tree = jax.tree.flatten(layout)
     if tree != expected_tree:
-        raise ValueError("state: not this engine's (its caches have another structure: another model?)")
+        raise ArgumentError("state", "not this engine's (its caches have another structure: another model?)")
     for (path, leaf), want in zip(leaves, expected, strict=True):
         where = f"state{jax.tree_util.keystr(path)}"
         if not isinstance(leaf, jax.Array):
-            raise TypeError(f"state: {where} must be a jax.Array, got {type(leaf).__name__}")
+            raise ArgumentTypeError("state", f"{where} must be a jax.Array, got {type(leaf).__name__}")
         if leaf.shape != want.shape or leaf.dtype != want.dtype:
-            raise ValueError(
-                f"state: not this engine's: {where} is {leaf.dtype}{list(leaf.shape)}, this engine's is "
-                f"{want.dtype}{list(want.shape)} (another slot count or model?)"
+            raise ArgumentError(
+                "state",
+                f"not this engine's: {where} is {leaf.dtype}{list(leaf.shape)}, this engine's is "
+                f"{want.dtype}{list(want.shape)} (another slot count or model?)",
             )
     if state.engine != layout.engine:
-        raise ValueError(
-            f"state: not this engine's: made by engine {state.engine}, this is engine {layout.engine} (of "
-            "the same layout; a state is used by the engine that made it)"
+        raise ArgumentError(
+            "state",
+            f"not this engine's: made by engine {state.engine}, this is engine {layout.engine} (of "
+            "the same layout; a state is used by the engine that made it)",
         )
     if any(leaf.is_deleted() for _, leaf in leaves):
-        raise ValueError("state: already donated to an earlier call; use the state it returned")
+        raise ArgumentError("state", "already donated to an earlier call; use the state it returned")
 
 
 def check_pages(pages, page_size, model, mesh) -> tuple[int | None, int]:
@@ -275,10 +295,10 @@ def check_pages(pages, page_size, model, mesh) -> tuple[int | None, int]:
     pages = check_count("pages", pages)
     devices = 1 if mesh is None else mesh.shape[sharding.DATA]
     if pages % devices:
-        raise ValueError(f"pages: must be a multiple of the mesh's data axis ({devices}), got {pages}")
+        raise ArgumentError("pages", f"must be a multiple of the mesh's data axis ({devices}), got {pages}")
     if page_size % BLOCK or model.max_len % page_size:
-        raise ValueError(
-            f"page_size: must be a multiple of {BLOCK} dividing max_len ({model.max_len}), got {page_size}"
+        raise ArgumentError(
+            "page_size", f"must be a multiple of {BLOCK} dividing max_len ({model.max_len}), got {page_size}"
         )
     return pages, page_size
 
@@ -288,18 +308,22 @@ def check_page_table(page_table, shape: tuple[int, int], pages, mesh) -> np.ndar
     entry -1 or a page of its slot's device's pool, no page held by two slots; as int32. ``pages`` None (a
     dense engine) refuses any."""
     if pages is None:
-        raise ValueError("page_table: this engine's caches are dense (Engine(..., pages=None))")
+        raise ArgumentError("page_table", "this engine's caches are dense (Engine(..., pages=None))")
     table = np.asarray(page_table)
     if table.shape != shape or not np.issubdtype(table.dtype, np.integer):
-        raise ValueError(f"page_table: must be integers of shape {shape}, got {table.dtype} {table.shape}")
+        raise ArgumentError(
+            "page_table", f"must be integers of shape {shape}, got {table.dtype} {table.shape}"
+        )
     devices = 1 if mesh is None else mesh.shape[sharding.DATA]
     per_device = pages // devices
     if np.any((table < -1) | (table >= per_device)):
-        raise ValueError(f"page_table: entries must be -1 or pages in [0, {per_device}) of the slot's device")
+        raise ArgumentError(
+            "page_table", f"entries must be -1 or pages in [0, {per_device}) of the slot's device"
+        )
     for device, rows in enumerate(np.split(table, devices)):
         held = rows[rows >= 0]
         if len(np.unique(held)) != len(held):
-            raise ValueError(f"page_table: a page is held twice (the slots of device {device})")
+            raise ArgumentError("page_table", f"a page is held twice (the slots of device {device})")
     return table.astype(np.int32)
 
 
@@ -307,8 +331,9 @@ def check_request_fits(name: str, tokens: int, pool) -> None:
     """A request (named ``name`` in errors) writing at most ``tokens`` tokens (prompt + max_new_tokens + N)
     fits in a device's pool of ``pool`` (a :class:`~jax_oc128.engine.pages.PagePool`), else ValueError."""
     if pool.pages_for(tokens) > pool.per_shard:
-        raise ValueError(
-            f"{name}: needs {pool.pages_for(tokens)} pages of {pool.page_size} tokens (prompt + "
+        raise ArgumentError(
+            name,
+            f"needs {pool.pages_for(tokens)} pages of {pool.page_size} tokens (prompt + "
             f"max_new_tokens + N = {tokens} tokens), more than the {pool.per_shard} of a device's pool "
-            f"(Engine(..., pages=))"
+            f"(Engine(..., pages=))",
         )

@@ -31,6 +31,7 @@ import itertools
 import jax
 import numpy as np
 
+from jax_oc128.checks import ArgumentTypeError
 from jax_oc128.engine import arguments
 from jax_oc128.engine.pages import PagePool
 from jax_oc128.engine.state import DecodeOutput
@@ -120,10 +121,12 @@ class RequestScheduler:
 
     def check_request(self, prompt, params: SamplingParams, name: str = "prompt") -> tuple[np.ndarray, int]:
         """``prompt`` (named ``name`` in errors) and ``params`` checked as :meth:`Engine.generate` checks
-        them (TypeError / ValueError naming the argument), and that the request fits a device's page pool;
-        no state read or changed (any thread). Returns the prompt as int32 and the most tokens it writes."""
+        them, and that the request fits a device's page pool (:class:`~jax_oc128.checks.ArgumentTypeError` /
+        :class:`~jax_oc128.checks.ArgumentError` naming the argument: ``name``, or a field of ``params`` by
+        its name); no state read or changed (any thread). Returns the prompt as int32 and the most tokens it
+        writes."""
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"params: must be a SamplingParams, got {type(params).__name__}")
+            raise ArgumentTypeError("params", f"must be a SamplingParams, got {type(params).__name__}")
         model = self.engine.model
         longest = arguments.check_max_new_tokens(params.max_new_tokens, self.tree, model)
         arguments.check_temperature(params.temperature)

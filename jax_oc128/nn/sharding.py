@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_oc128.checks import check_int
+from jax_oc128.checks import ArgumentError, ArgumentTypeError, check_int
 from jax_oc128.nn import weights
 from jax_oc128.nn.quant import FP4, GROUP, QuantizedArray
 from jax_oc128.state import CompressState, OfflineState
@@ -63,7 +63,7 @@ def make_mesh(data: int, model: int = 1, devices=None) -> Mesh:
     check_int("data", data, 1)
     check_int("model", model, 1)
     if data * model > len(devices):
-        raise ValueError(f"data: {data} x model {model} devices, but {len(devices)} are available")
+        raise ArgumentError("data", f"{data} x model {model} devices, but {len(devices)} are available")
     return Mesh(np.array(devices[: data * model]).reshape(data, model), (DATA, MODEL))
 
 
@@ -73,9 +73,9 @@ def check_mesh(mesh) -> Mesh:
     array it places a sharding by these rules and splits its steps by ``shard_map``; Explicit axes would
     also type each intermediate array by its sharding, which the model's reshapes of split heads refuse."""
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh: must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        raise ArgumentTypeError("mesh", f"must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if tuple(mesh.axis_names) != (DATA, MODEL):
-        raise ValueError(f"mesh: axes must be ('data', 'model'), got {tuple(mesh.axis_names)}")
+        raise ArgumentError("mesh", f"axes must be ('data', 'model'), got {tuple(mesh.axis_names)}")
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 

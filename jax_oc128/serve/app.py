@@ -1,10 +1,11 @@
 """The FastAPI application: OpenAI's ``/v1/completions``, ``/v1/chat/completions`` (both streamed as
 server-sent events or not), ``/v1/models`` and ``/health`` over a :class:`~jax_oc128.serve.worker.Worker`.
 
-Each request is checked here, on the HTTP side (OpenAI's names in the errors, the engine untouched), then
-handed to the device thread; its tokens come back through an ``asyncio.Queue``. Stop strings are matched
-on the decoded text here (the text held back while it could still begin one); a client that disconnects
-aborts its request."""
+Each request is checked here, on the HTTP side (by the scheduler's checks, OpenAI's names in the errors, the
+engine untouched), then handed to the device thread; its tokens come back in one message per step for all
+requests, and all a request got since its last event go out as one event. Stop strings are matched on the
+decoded text here (``generate_command.StopStrings``: the text held back while it could still begin one); a
+client that disconnects aborts its request."""
 
 from __future__ import annotations
 
@@ -18,13 +19,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
+from jax_oc128.checks import NamedError
 from jax_oc128.engine import MAX_STOP_TOKENS
 from jax_oc128.engine.requests import RequestScheduler, SamplingParams
+from jax_oc128.generate_command import StopStrings
 from jax_oc128.serve.protocol import ChatRequest, CompletionRequest, RequestError, parse
 from jax_oc128.serve.worker import Handle, QueueFull, Worker
 
-#: the engine's argument names as the OpenAI API names them
-_FIELDS = {"max_new_tokens": "max_tokens", "stop_tokens": "stop_token_ids", "temperature": "temperature"}
+#: the scheduler's argument names (``checks.NamedError.argument``) as the OpenAI API names them; the prompt's
+#: is the request's field (``prompt`` or ``messages``)
+_FIELDS = {
+    "max_new_tokens": "max_tokens",
+    "stop_tokens": "stop_token_ids",
+    "temperature": "temperature",
+    "seed": "seed",
+}
 #: OpenAI's default temperature
 DEFAULT_TEMPERATURE = 1.0
 #: how often a non-streamed request checks that its client is still there, in seconds
@@ -32,38 +41,21 @@ DISCONNECT_POLL = 0.25
 
 
 class Server:
-    """What the endpoints share: the engine's scheduler in a :class:`Worker`, the tokenizer, the served
-    model's name and the longest request (``max_len`` tokens: prompt + max_tokens + N)."""
+    """What the endpoints share: the engine's scheduler in a :class:`Worker`, the tokenizer and the served
+    model's name; the longest request is the model's ``max_len`` tokens (prompt + max_tokens + N)."""
 
-    def __init__(
-        self, scheduler: RequestScheduler, tokenizer, model_name: str, max_len: int, max_queued: int
-    ):
+    def __init__(self, scheduler: RequestScheduler, tokenizer, model_name: str, max_queued: int):
         self.scheduler, self.tokenizer, self.model_name = scheduler, tokenizer, model_name
-        self.max_len = max_len
         self.worker = Worker(scheduler, scheduler.engine.slots + max_queued)
 
     def request(self, body, prompt, prompt_field: str, max_tokens) -> tuple[list[int], SamplingParams]:
-        """A parsed request's prompt ids and parameters, checked against the engine (RequestError naming
-        the field)."""
+        """A parsed request's prompt ids and parameters, checked by the scheduler
+        (:meth:`RequestScheduler.check_request`: a RequestError naming the field; ``max_tokens`` None: the
+        rest of ``max_len``)."""
         if body.model != self.model_name:
             raise RequestError(f"model: this server serves {self.model_name!r}, got {body.model!r}", "model")
-        width = self.scheduler.width
-        room = self.max_len - len(prompt) - width
         if max_tokens is None:
-            max_tokens = room
-        if max_tokens < 1:
-            raise RequestError(f"max_tokens: must be >= 1, got {max_tokens}", "max_tokens")
-        if max_tokens > self.max_len - width - 1:
-            limit = self.max_len - width - 1
-            raise RequestError(
-                f"max_tokens: at most {limit} (max_len - N - 1), got {max_tokens}", "max_tokens"
-            )
-        if room < max_tokens:
-            raise RequestError(
-                f"{prompt_field}: {len(prompt)} tokens, with max_tokens {max_tokens} and N {width} more than "
-                f"max_len {self.max_len}",
-                prompt_field,
-            )
+            max_tokens = max(1, self.scheduler.engine.model.max_len - len(prompt) - self.scheduler.width)
         stop_ids = list(dict.fromkeys([*(body.stop_token_ids or []), *self.tokenizer.eos_token_ids]))
         if len(stop_ids) > MAX_STOP_TOKENS:
             raise RequestError(
@@ -73,11 +65,10 @@ class Server:
         temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
         params = SamplingParams(max_tokens, temperature, tuple(stop_ids), body.seed)
         try:
-            ids, _ = self.scheduler.check_request(prompt, params)
-        except (TypeError, ValueError) as error:
-            name = str(error).split(":")[0]
-            field = prompt_field if name == "prompt" else _FIELDS.get(name, name)
-            raise RequestError(f"{field}:{str(error)[len(name) + 1 :]}", field) from None
+            ids, _ = self.scheduler.check_request(prompt, params, prompt_field)
+        except NamedError as error:
+            field = _FIELDS.get(error.argument, error.argument)
+            raise RequestError(f"{field}{str(error)[len(error.argument) :]}", field) from None
         return ids.tolist(), params
 
 
@@ -90,19 +81,14 @@ def stop_strings(body) -> list[str]:
 
 
 class Run:
-    """One request on the HTTP side: submitted to the worker, its text as it arrives
-    (:meth:`pieces`)."""
+    """One request on the HTTP side: submitted to the worker, its text as it arrives (:meth:`pieces`)."""
 
     def __init__(self, server: Server, prompt: list[int], params: SamplingParams, stops: list[str]):
         self.server, self.stops = server, stops
-        self.queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-
-        def sink(tokens, finished):
-            with contextlib.suppress(RuntimeError):  # the event loop closed (the server stopping)
-                loop.call_soon_threadsafe(self.queue.put_nowait, (tokens, finished))
-
-        self.handle = Handle(prompt, params, sink)
+        self._tokens: list[int] = []  # received, not yet taken by pieces
+        self._finished: str | None = None
+        self._arrived = asyncio.Event()
+        self.handle = Handle(prompt, params, self._receive)
         self.prompt_tokens, self.completion_tokens = len(prompt), 0
         self.done = False
         try:
@@ -110,33 +96,53 @@ class Run:
         except QueueFull as error:
             raise RequestError(str(error), None, 503, "server_busy") from None
 
+    def _receive(self, tokens: list[int], finished: str | None) -> None:
+        """The worker's news (on the event loop): kept until :meth:`pieces` takes it."""
+        self._tokens += tokens
+        self._finished = finished
+        self._arrived.set()
+
     async def pieces(self):
-        """Yield ``(text, finish_reason)``: text as the tokens complete it, ``finish_reason`` None until the
-        last piece (``"stop"`` or ``"length"``)."""
-        text = self.server.tokenizer.decode_stream()
-        hold = max((len(stop) - 1 for stop in self.stops), default=0)
-        pending = ""
+        """Yield ``(text, finish_reason)``: the text of all the tokens arrived since the last piece (those of
+        one step or more), ``finish_reason`` None until the last piece (``"stop"`` or ``"length"``); the
+        text is cut before the first stop string, exactly, and ``completion_tokens`` counts the tokens up to
+        the one that completes it."""
+        text, cut = self.server.tokenizer.decode_stream(), StopStrings(self.stops)
+        tokens: list[int] = []  # all of them and their text, for a stop string's count
+        decoded, emitted = [], 0
         while True:
-            tokens, finished = await self.queue.get()
-            self.completion_tokens += len(tokens)
-            pending += text.push(tokens)
-            if finished:
-                pending += text.finish()
-            found = [(pending.find(stop), stop) for stop in self.stops if stop in pending]
-            if found:
+            await self._arrived.wait()
+            self._arrived.clear()
+            new, self._tokens, finished = self._tokens, [], self._finished
+            tokens += new
+            decoded.append(text.push(new) + (text.finish() if finished else ""))
+            piece = cut.finish(decoded[-1]) if finished else cut.push(decoded[-1])
+            emitted += len(piece)
+            if cut.stopped:
                 self.done = True
                 if not finished:
                     self.server.worker.abort(self.handle)
-                yield pending[: min(found)[0]], "stop"
+                whole = "".join(decoded)  # a stop string begins at emitted: where the first one ends
+                end = emitted + min(len(stop) for stop in self.stops if whole.startswith(stop, emitted))
+                self.completion_tokens = self._through(tokens, end)
+                yield piece, "stop"
                 return
+            self.completion_tokens = len(tokens)
             if finished:
                 self.done = True
-                yield pending, finished
+                yield piece, finished
                 return
-            cut = len(pending) - hold
-            if cut > 0:
-                yield pending[:cut], None
-                pending = pending[cut:]
+            if piece:
+                yield piece, None
+
+    def _through(self, tokens: list[int], length: int) -> int:
+        """How many of ``tokens`` decode to the first ``length`` characters (a stop string's end)."""
+        text, decoded = self.server.tokenizer.decode_stream(), 0
+        for count, token in enumerate(tokens, 1):
+            decoded += len(text.push([token]))
+            if decoded >= length:
+                return count
+        return len(tokens)
 
     def abort(self) -> None:
         if not self.done:
@@ -155,7 +161,7 @@ def create_app(server: Server) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        server.worker.start()
+        server.worker.start(asyncio.get_running_loop().call_soon_threadsafe)
         try:
             yield
         finally:
@@ -243,11 +249,8 @@ async def _respond(request: Request, server: Server, body, run: Run, chat: bool)
             try:
                 if chat:
                     yield json.dumps(_chunk(kind, run_id, model, None, None, chat, first=True))
-                async for text, finish in run.pieces():
-                    if text:
-                        yield json.dumps(_chunk(kind, run_id, model, text, None, chat))
-                    if finish:
-                        yield json.dumps(_chunk(kind, run_id, model, None, finish, chat))
+                async for text, finish in run.pieces():  # one event: the text, the end with the last
+                    yield json.dumps(_chunk(kind, run_id, model, text or None, finish, chat))
                 if usage:
                     last = _chunk(kind, run_id, model, None, None, chat) | {
                         "choices": [],

@@ -69,13 +69,11 @@ def build(parser: argparse.ArgumentParser, args):
         parser.error(f"argument --{'draft' if args.draft else 'tree'}: at most {MAX_DRAFT}")
     speculation = f"--{'draft' if args.draft else 'tree'}"
     flags = {"num_tokens": speculation, "tree": speculation, "slots": "--slots", "pages": "--pages"}
-    flags |= {"page_size": "--page-size", "path": "path"}
+    flags |= {"page_size": "--page-size", "max_len": "--max-len"}
     try:
         if args.path is None:
-            model, _ = checkpoint.load()
+            model, _ = checkpoint.load(max_len=args.max_len)
             tokenizer, name = byte_tokenizer(), "shipped"
-            if args.max_len is not None and args.max_len > model.config.max_len:
-                parser.error(f"argument --max-len: the shipped model holds {model.config.max_len} tokens")
         else:
             from jax_oc128.pretrained import load_pretrained
 
@@ -92,10 +90,8 @@ def build(parser: argparse.ArgumentParser, args):
         tree = None if args.tree is None else _default_tree(args.tree)
         scheduler = RequestScheduler(engine, num_tokens=args.draft, tree=tree)
     except (OSError, ValueError, NotImplementedError) as error:
-        name = str(error).split(":")[0]
-        parser.error(f"argument {flags.get(name, 'path')}: {error}")
-    max_len = args.max_len or model.config.max_len
-    return Server(scheduler, tokenizer, args.served_model_name or name, max_len, args.max_queued)
+        parser.error(f"argument {flags.get(getattr(error, 'argument', None), 'path')}: {error}")
+    return Server(scheduler, tokenizer, args.served_model_name or name, args.max_queued)
 
 
 def _default_tree(n: int):

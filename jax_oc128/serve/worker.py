@@ -1,9 +1,12 @@
 """The device thread: :class:`Worker` owns a :class:`~jax_oc128.engine.requests.RequestScheduler` and is the
 only thread that touches it. The HTTP side hands it requests and aborts through a queue and never waits for
-it; the worker calls each request's ``sink`` with its tokens as dispatches are read."""
+it; after each step the worker posts what every request got from it (its tokens of the step's dispatches,
+and how it ended) to the HTTP side in one message, and never waits for that side either."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -19,19 +22,27 @@ class QueueFull(Exception):
 
 
 class Handle:
-    """One request as the HTTP side sees it: ``sink(tokens, finished)`` is called from the device thread
-    with each batch of new tokens (a list of ints) and, last, with the reason it ended (``"stop"``,
-    ``"length"``, ``"abort"``; else None)."""
+    """One request as the HTTP side sees it: ``receive(tokens, finished)`` is called on the HTTP side (by the
+    worker's ``post``) once per step that read tokens for it or ended it: ``tokens`` a list of ints (maybe
+    empty), ``finished`` None or, once and last, the reason it ended (``"stop"``, ``"length"``,
+    ``"abort"``)."""
 
-    def __init__(self, prompt, params: SamplingParams, sink: Callable):
-        self.prompt, self.params, self.sink = prompt, params, sink
+    def __init__(self, prompt, params: SamplingParams, receive: Callable):
+        self.prompt, self.params, self.receive = prompt, params, receive
         self.id: int | None = None  # the scheduler's, once added
-        self.aborted = False
+
+
+def _deliver(news: dict) -> None:
+    """On the HTTP side: each request's news of one step."""
+    for handle, (tokens, finished) in news.items():
+        handle.receive(tokens, finished)
 
 
 class Worker:
     """The device loop over ``scheduler`` in a daemon thread, holding at most ``capacity`` requests
-    (running or waiting) at a time; more are refused (:class:`QueueFull`).
+    (running or waiting) at a time; more are refused (:class:`QueueFull`). ``post(function)`` (given to
+    :meth:`start`) has ``function()`` called on the HTTP side without waiting for it (the event loop's
+    ``call_soon_threadsafe``).
 
     Attributes:
       outstanding: requests submitted and not yet ended.
@@ -48,8 +59,10 @@ class Worker:
         self.finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="jax-oc128-device", daemon=True)
+        self._post: Callable = lambda function: None
 
-    def start(self) -> None:
+    def start(self, post: Callable) -> None:
+        self._post = post
         self._thread.start()
 
     def stop(self) -> None:
@@ -81,31 +94,38 @@ class Worker:
         try:
             while not self._stopping:
                 self._wake.clear()
-                self._take_inbox(handles)
+                news: dict[Handle, tuple[list[int], str | None]] = {}
+                self._take_inbox(handles, news)
+                if self.scheduler.busy:
+                    out = self.scheduler.step()
+                    for request, tokens in out.tokens.items():
+                        news[handles[request]] = (tokens, None)
+                    for request, reason in out.finished.items():
+                        handle = handles.pop(request)
+                        news[handle] = (news.get(handle, ([], None))[0], self._ended(reason))
+                self._send(news)
                 if not self.scheduler.busy:
                     self._wake.wait(0.5)
-                    continue
-                out = self.scheduler.step()
-                for request, tokens in out.tokens.items():
-                    handles[request].sink(tokens, None)
-                for request, reason in out.finished.items():
-                    self._ended(handles.pop(request), reason)
         except BaseException as error:  # the server answers 503 from now on (/health says why)
             log.exception("the device loop failed")
             self.error = error
-            for handle in handles.values():
-                handle.sink([], "abort")
+            self._send({handle: ([], "abort") for handle in handles.values()})
         finally:
             self.scheduler.close()
 
-    def _take_inbox(self, handles: dict[int, Handle]) -> None:
+    def _send(self, news: dict) -> None:
+        """Post ``news`` (handle -> its tokens and end) to the HTTP side, one message for all requests."""
+        if news:
+            with contextlib.suppress(RuntimeError):  # the event loop closed (the server stopping)
+                self._post(functools.partial(_deliver, news))
+
+    def _take_inbox(self, handles: dict[int, Handle], news: dict) -> None:
         while True:
             try:
                 what, handle = self._inbox.get_nowait()
             except queue.Empty:
                 return
             if what == "abort":
-                handle.aborted = True
                 if handle.id is not None:
                     self.scheduler.abort(handle.id)
                 continue
@@ -113,12 +133,13 @@ class Worker:
                 handle.id = self.scheduler.add_request(handle.prompt, handle.params)
             except (TypeError, ValueError):
                 log.exception("a request passed the HTTP side's checks but not the scheduler's")
-                self._ended(handle, "abort")
+                news[handle] = ([], self._ended("abort"))
                 continue
             handles[handle.id] = handle
 
-    def _ended(self, handle: Handle, reason: str) -> None:
+    def _ended(self, reason: str) -> str:
+        """Count a request ended for ``reason``; returns it."""
         with self._lock:
             self.outstanding -= 1
             self.finished[reason] += 1
-        handle.sink([], reason)
+        return reason
