@@ -74,8 +74,8 @@ def build(parser: argparse.ArgumentParser, args):
         if args.path is None:
             model, _ = checkpoint.load()
             tokenizer, name = byte_tokenizer(), "shipped"
-            if args.max_len is not None and args.max_len > model.config.max_len:
-                parser.error(f"argument --max-len: the shipped model holds {model.config.max_len} tokens")
+            if args.max_len is not None and args.max_len > model.max_len:
+                parser.error(f"argument --max-len: the shipped model holds {model.max_len} tokens")
         else:
             from jax_oc128.pretrained import load_pretrained
 
@@ -94,7 +94,7 @@ def build(parser: argparse.ArgumentParser, args):
     except (OSError, ValueError, NotImplementedError) as error:
         name = str(error).split(":")[0]
         parser.error(f"argument {flags.get(name, 'path')}: {error}")
-    max_len = args.max_len or model.config.max_len
+    max_len = args.max_len or model.max_len
     return Server(scheduler, tokenizer, args.served_model_name or name, max_len, args.max_queued)
 
 
