@@ -76,7 +76,11 @@ def model_config(config, where, *, dtype: str = "float32", max_len: int | None =
         raise ValueError(f"{where}: must be a JSON object")
     given = RuntimeConfig(**runtime) if max_len is None else RuntimeConfig(max_len=max_len, **runtime)
     architectures = config.get("architectures") or [DEFAULT_ARCHITECTURE]
-    if not isinstance(architectures, list) or len(architectures) != 1:
+    if (
+        not isinstance(architectures, list)
+        or len(architectures) != 1
+        or not isinstance(architectures[0], str)
+    ):
         raise ValueError(f"{where}: architectures: must be a list of one name, got {architectures!r}")
     try:
         cls = model_class(architectures[0])

@@ -411,7 +411,7 @@ TINY = dict(
 )
 #: what DeepSeek-V4-Flash's and -Pro's released ``config.json`` share, as ModelConfig fields (``mtp`` and
 #: ``dtype`` as :meth:`ModelConfig.from_hf` sets them by default: one MTP layer, ``num_nextn_predict_layers``
-#: 1; their ``max_position_embeddings``, a runtime bound, is :data:`DEEPSEEK_V4_MAX_LEN`)
+#: 1; their ``max_position_embeddings``, a million, is a runtime bound: ``RuntimeConfig.max_len``)
 DEEPSEEK_V4 = dict(
     vocab_size=129280,
     head_dim=512,
@@ -433,8 +433,6 @@ DEEPSEEK_V4 = dict(
     mtp=True,
     dtype="float32",
 )
-#: DeepSeek-V4-Flash's and -Pro's ``max_position_embeddings`` (a million tokens)
-DEEPSEEK_V4_MAX_LEN = 1048576
 #: DeepSeek-V4-Flash's released ``config.json`` as ModelConfig fields (:meth:`ModelConfig.deepseek_v4_flash`):
 #: ``compress_ratios`` 0, 0, then 4 and 128 alternating, ending 4; ``num_hash_layers`` 3
 DEEPSEEK_V4_FLASH = DEEPSEEK_V4 | dict(
