@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_oc128.controller import ForwardMode
-from jax_oc128.nn import CSA, HCA, SLIDING, DeepseekV4Model, ModelConfig, context_bucket
+from jax_oc128.nn import CSA, HCA, SLIDING, DeepseekV4Model, ModelConfig, RuntimeConfig, context_bucket
 
 BATCH = 2
 
@@ -69,8 +69,8 @@ def main(argv=None):
     print("| max_len | forward | context | ms | temp MiB | argument MiB |")
     print("|---|---|---|---|---|---|")
     for max_len in args.max_lens:
-        config = ModelConfig.tiny(layer_types=(SLIDING, CSA, HCA), max_len=max_len)
-        model = DeepseekV4Model(config, rngs=nnx.Rngs(0))
+        config = ModelConfig.tiny(layer_types=(SLIDING, CSA, HCA))
+        model = DeepseekV4Model(config, RuntimeConfig(max_len=max_len), rngs=nnx.Rngs(0))
         context = context_bucket(args.prompt + 1, max_len, floor=args.floor)
         for name, mode, first, tokens in forwards(args.prompt, args.chunk):
             for bound in (context, None):

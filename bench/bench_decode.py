@@ -56,9 +56,9 @@ steps per dispatch:
   its prefill, which the per-step ratio charges to the steps; the table also gives e2e against the device
   time of the same work: seconds / (prefill + result.steps * device time per step).
 
-Caches (``--kv-cache-dtype``, each in turn; default the config's own, ``auto``: the model's dtype):
-``float32``, ``bfloat16``, ``fp8`` or ``fp8_fp4`` (``ModelConfig.kv_cache_dtype``: DeepSeek's FP8 entries and
-FP8 or FP4 indexer keys beside a window in the model's dtype), the parameters shared, not rebuilt. Layout
+Caches (``--kv-cache-dtype``, each in turn; default the runtime's own, ``auto``: the model's dtype):
+``float32``, ``bfloat16``, ``fp8`` or ``fp8_fp4`` (``RuntimeConfig.kv_cache_dtype``: DeepSeek's FP8 entries
+and FP8 or FP4 indexer keys beside a window in the model's dtype), the parameters shared, not rebuilt. Layout
 (``--pages``, each in turn): ``dense`` (the default: every slot holds ``max_len`` tokens of entries) or paged
 (``Engine(pages=P)``, pages of 256 tokens): ``auto`` (the flag alone: P = every slot's pages of the most
 tokens it holds in this run, the device-only dispatches' or ``generate``'s prompt + ``--tokens``) or a count P
@@ -135,7 +135,7 @@ from capacity import PAGE_SIZE
 from jax_oc128 import checkpoint, pretrained
 from jax_oc128.controller import BACKENDS
 from jax_oc128.engine import STEPS_PER_DISPATCH, Engine
-from jax_oc128.nn import ModelConfig, SpeculativeModel, sharding
+from jax_oc128.nn import ModelConfig, RuntimeConfig, SpeculativeModel, sharding
 from jax_oc128.nn import kv_cache as kv
 from jax_oc128.nn.attention import HCA, SLIDING
 from jax_oc128.nn.functional import build_abstract, variable_at
@@ -145,9 +145,11 @@ from jax_oc128.tree import Tree
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "bench_decode.json"
 CONFIGS = ("shipped", "v4flash-attn", "v4flash-slice")
+#: the runtime of the DeepSeek-V4-Flash configs: 4096 tokens, verifies of up to 4
+RUNTIME = RuntimeConfig(max_len=4096, max_draft=4)
 #: DeepSeek-V4-Flash's attention shapes in 6 layers (see the module doc)
 V4FLASH_ATTN = dataclasses.replace(
-    ModelConfig.deepseek_v4_flash(max_len=4096, max_draft=4),
+    ModelConfig.deepseek_v4_flash(),
     vocab_size=4096,
     layer_types=(SLIDING, HCA) * 3,
     mlp_layer_types=None,
@@ -158,9 +160,7 @@ V4FLASH_ATTN = dataclasses.replace(
 def slice_config(layers: int, experts: int) -> ModelConfig:
     """DeepSeek-V4-Flash's first ``layers`` layers with ``experts`` routed experts, in bfloat16 (see the
     module doc)."""
-    return ModelConfig.deepseek_v4_flash(
-        num_layers=layers, num_experts=experts, max_len=4096, max_draft=4, dtype="bfloat16"
-    )
+    return ModelConfig.deepseek_v4_flash(num_layers=layers, num_experts=experts, dtype="bfloat16")
 
 
 #: the default slice: 6 layers, 16 experts
@@ -196,11 +196,11 @@ def build_model(config: str, backend: str, weights: str = "bf16", slice_: ModelC
     if config == "shipped":
         return checkpoint.load(backend=BACKENDS[backend])[0]
     if config == "v4flash-attn":
-        return SpeculativeModel(V4FLASH_ATTN, backend=BACKENDS[backend], rngs=nnx.Rngs(0))
+        return SpeculativeModel(V4FLASH_ATTN, RUNTIME, backend=BACKENDS[backend], rngs=nnx.Rngs(0))
     if config == "v4flash-slice" and weights == "released":
         return released_model(slice_, backend)
     if config == "v4flash-slice":
-        return SpeculativeModel(slice_, backend=BACKENDS[backend], rngs=nnx.Rngs(0))
+        return SpeculativeModel(slice_, RUNTIME, backend=BACKENDS[backend], rngs=nnx.Rngs(0))
     raise ValueError(f"unknown config {config!r}")
 
 
@@ -214,7 +214,7 @@ def released_model(config: ModelConfig, backend: str, seed: int = 0) -> Speculat
     one tensor at a time (:func:`random_quantized`); every other parameter as the float model of ``config``
     has it (the constructor under ``jit`` returning those alone: the draws of the quantized ones are dead
     code, never computed)."""
-    build = functools.partial(SpeculativeModel, config, backend=BACKENDS[backend])
+    build = functools.partial(SpeculativeModel, config, RUNTIME, backend=BACKENDS[backend])
     model = build_abstract(lambda rngs: build(rngs=rngs))
     paths = pretrained.parameter_paths(model)
     formats = pretrained.released_formats(paths, FP4, optional=True)
@@ -279,12 +279,14 @@ def random_quantized(key, *, fmt: str, shape: tuple[int, ...], dtype: str) -> Qu
 def with_kv_cache_dtype(
     model: SpeculativeModel, backend: str, kv_cache_dtype: str | None
 ) -> SpeculativeModel:
-    """``model`` with its caches stored as ``kv_cache_dtype`` (None: as its config says): its parameters
-    (not copied) in the module of that config."""
-    if kv_cache_dtype is None or kv_cache_dtype == model.config.kv_cache_dtype:
+    """``model`` with its caches stored as ``kv_cache_dtype`` (None: as its runtime says): its parameters
+    (not copied) in the module of that runtime."""
+    if kv_cache_dtype is None or kv_cache_dtype == model.runtime.kv_cache_dtype:
         return model
-    config = dataclasses.replace(model.config, kv_cache_dtype=kv_cache_dtype)
-    abstract = build_abstract(lambda rngs: SpeculativeModel(config, backend=BACKENDS[backend], rngs=rngs))
+    runtime = dataclasses.replace(model.runtime, kv_cache_dtype=kv_cache_dtype)
+    abstract = build_abstract(
+        lambda rngs: SpeculativeModel(model.config, runtime, backend=BACKENDS[backend], rngs=rngs)
+    )
     return nnx.merge(nnx.graphdef(abstract), nnx.state(model))
 
 
@@ -409,7 +411,7 @@ def device_time(
     ``profile``: a directory where one more dispatch, after the timed ones, is traced by jax's profiler;
     the row then gives its kernels per step (:func:`bench_ops.device_kernels`: ``span_us``, ``kernels_us``
     and the 40 largest of ``by_kernel``)."""
-    n, max_len = mode_width(mode), engine.model.config.max_len
+    n, max_len = mode_width(mode), engine.model.max_len
     dispatches, budget = timed_dispatches(max_len, len(prompts[0]), n, steps, device_steps)
     assignments = dict(enumerate(prompts))
     state, prefill = engine.init_state(0), []
@@ -555,8 +557,8 @@ def measure(args, bandwidth: float) -> tuple[list[dict], list[dict]]:
                     print(f"\n| {' | '.join(COLUMNS)} |\n" + "|---" * len(COLUMNS) + "|")
                 for kv_cache_dtype in args.kv_cache_dtype:
                     model = with_kv_cache_dtype(base, backend, kv_cache_dtype)
-                    cache = model.config.cache_dtypes
-                    kv_name = model.config.kv_cache_dtype
+                    cache = model.runtime.cache_dtypes(model.config.dtype)
+                    kv_name = model.runtime.kv_cache_dtype
                     kv_name += f" ({cache.entries})" if kv_name == "auto" else ""
                     for layout in args.pages:
                         rows += measure_model(
@@ -584,7 +586,7 @@ def measure_model(args, model, bandwidth: float, reads: WeightReads, keys: dict,
     """The rows of ``model`` (``keys``: what the rows record of it) at every slots and mode, its engines
     paged as ``layout`` (a ``--pages`` entry) says."""
     rows, steps = [], args.steps_per_dispatch
-    per_slot = tokens_per_slot(args, model.config.max_len, steps)
+    per_slot = tokens_per_slot(args, model.max_len, steps)
     for slots in args.slots:
         pages = page_count(layout, slots, per_slot, PAGE_SIZE)
         engine = Engine(
@@ -731,7 +733,7 @@ def main():
         nargs="+",
         choices=["float32", "bfloat16", "fp8", "fp8_fp4"],
         default=[None],
-        help="the caches' storage (ModelConfig.kv_cache_dtype), each in turn (default: the config's own)",
+        help="the caches' storage (RuntimeConfig.kv_cache_dtype), each in turn (default: the runtime's own)",
     )
     parser.add_argument(
         "--pages",

@@ -39,7 +39,16 @@ from flax import nnx
 
 from jax_oc128.controller import OFFLINE, ONLINE
 from jax_oc128.engine.state import init_state
-from jax_oc128.nn import CSA, HCA, SLIDING, AttentionCache, ModelCache, ModelConfig, SpeculativeModel
+from jax_oc128.nn import (
+    CSA,
+    HCA,
+    SLIDING,
+    AttentionCache,
+    ModelCache,
+    ModelConfig,
+    RuntimeConfig,
+    SpeculativeModel,
+)
 from jax_oc128.nn import kv_cache as kv
 from jax_oc128.nn.sharding import path_names
 
@@ -49,10 +58,10 @@ H200_BYTES = 141e9
 #: entries with FP8 or FP4 indexer keys beside a bfloat16 window and raw rows (the weights are counted as the
 #: preset says)
 FORMATS = {
-    "float32": dict(kv_cache_dtype="float32"),
-    "bfloat16": dict(kv_cache_dtype="bfloat16"),
-    "fp8": dict(kv_cache_dtype="fp8", dtype="bfloat16"),
-    "fp8_fp4": dict(kv_cache_dtype="fp8_fp4", dtype="bfloat16"),
+    "float32": ("float32", {}),
+    "bfloat16": ("bfloat16", {}),
+    "fp8": ("fp8", dict(dtype="bfloat16")),
+    "fp8_fp4": ("fp8_fp4", dict(dtype="bfloat16")),
 }
 #: the engine's default page size (``Engine(pages=..., page_size=256)``), in tokens
 PAGE_SIZE = 256
@@ -81,23 +90,22 @@ FP8_WEIGHTS = (
 FP4_WEIGHTS = ("experts_gate_up", "experts_down")
 
 
-def presets(max_draft: int) -> dict[str, tuple[ModelConfig, float, bool]]:
+def presets() -> dict[str, tuple[ModelConfig, float, bool]]:
     """name -> (config, HBM budget in bytes, whether its weights count at the released precision)."""
-    flash = dict(max_draft=max_draft)
     return {
-        "v4-flash": (ModelConfig.deepseek_v4_flash(**flash), 8 * H200_BYTES, True),
-        "v4-pro": (ModelConfig.deepseek_v4_pro(**flash), 8 * H200_BYTES, True),
+        "v4-flash": (ModelConfig.deepseek_v4_flash(), 8 * H200_BYTES, True),
+        "v4-pro": (ModelConfig.deepseek_v4_pro(), 8 * H200_BYTES, True),
         "v4-flash-slice": (
-            ModelConfig.deepseek_v4_flash(num_layers=6, num_experts=16, dtype="bfloat16", **flash),
+            ModelConfig.deepseek_v4_flash(num_layers=6, num_experts=16, dtype="bfloat16"),
             H200_BYTES,
             False,
         ),
-        "tiny": (ModelConfig.tiny(layer_types=(SLIDING, HCA, CSA), max_draft=max_draft), 1e9, True),
+        "tiny": (ModelConfig.tiny(layer_types=(SLIDING, HCA, CSA)), 1e9, True),
     }
 
 
-def abstract_model(config: ModelConfig, backend=ONLINE) -> SpeculativeModel:
-    return nnx.eval_shape(lambda: SpeculativeModel(config, backend=backend, rngs=nnx.Rngs(0)))
+def abstract_model(config: ModelConfig, runtime: RuntimeConfig, backend=ONLINE) -> SpeculativeModel:
+    return nnx.eval_shape(lambda: SpeculativeModel(config, runtime, backend=backend, rngs=nnx.Rngs(0)))
 
 
 def weight_bytes(model: SpeculativeModel, released: bool) -> int:
@@ -129,13 +137,15 @@ def per_slot_bytes(model: SpeculativeModel) -> int:
     return kv.nbytes((state.token, state.position, state.hidden, state.active, state.remaining))
 
 
-def slot_bytes(config: ModelConfig, backend, per_slot: int) -> dict[str, int]:
-    """Bytes of one slot of the engine's decode state by kind (:data:`KINDS`)."""
-    cache = jax.eval_shape(lambda: ModelCache.create(config, backend, 1))
+def slot_bytes(config: ModelConfig, runtime: RuntimeConfig, backend, per_slot: int) -> dict[str, int]:
+    """Bytes of one slot of the engine's decode state by kind (:data:`KINDS`) of a model of ``config``
+    running as ``runtime`` says."""
+    cache = jax.eval_shape(lambda: ModelCache.create(config, runtime, backend, 1))
     layers, types = list(cache.layers), list(config.layer_types)
     if config.mtp:  # the draft head's one sliding layer
+        sliding = config.attention(SLIDING, runtime)
         layers.append(
-            jax.eval_shape(lambda: AttentionCache.create(config.attention(SLIDING), config.max_draft, 1))
+            jax.eval_shape(lambda: AttentionCache.create(sliding, runtime.max_draft, 1, runtime.max_len))
         )
         types.append(SLIDING)
     kinds = dict.fromkeys(KINDS, 0)
@@ -155,17 +165,18 @@ def slot_bytes(config: ModelConfig, backend, per_slot: int) -> dict[str, int]:
 def rows(names, max_lens, max_draft):
     """Every (preset, format, max_len) row: bytes by kind and in total, online and offline, and the capacity
     in the preset's budget."""
-    table = presets(max_draft)
+    table = presets()
     out = []
     for name in names:
         base, budget, released = table[name]
-        model = abstract_model(base)
+        model = abstract_model(base, RuntimeConfig(max_draft=max_draft))
         weights, per_slot = weight_bytes(model, released), per_slot_bytes(model)
-        for fmt in FORMATS:
+        for fmt, (kv_cache_dtype, fields) in FORMATS.items():
             growth = None
+            config = dataclasses.replace(base, **fields)
             for max_len in max_lens:
-                config = dataclasses.replace(base, max_len=max_len, **FORMATS[fmt])
-                online, offline = slot_bytes(config, ONLINE, per_slot), slot_bytes(config, OFFLINE, per_slot)
+                runtime = RuntimeConfig(max_len, max_draft, kv_cache_dtype)
+                online, offline = (slot_bytes(config, runtime, b, per_slot) for b in (ONLINE, OFFLINE))
                 row = dict(preset=name, format=fmt, max_len=max_len, kinds=online)
                 row |= dict(c128_offline=offline["C128 state"], weights=weights, budget=budget)
                 for backend, kinds in (("online", online), ("offline", offline)):
@@ -174,9 +185,9 @@ def rows(names, max_lens, max_draft):
                     row |= {f"{backend}_bytes": total, f"{backend}_slots": slots}
                     row |= {f"{backend}_tokens": slots * max_len}
                 if growth is None:
-                    longer = dataclasses.replace(config, max_len=2 * max_len)
+                    longer = dataclasses.replace(runtime, max_len=2 * max_len)
                     growth = (
-                        sum(slot_bytes(longer, ONLINE, per_slot).values()) - row["online_bytes"]
+                        sum(slot_bytes(config, longer, ONLINE, per_slot).values()) - row["online_bytes"]
                     ) / max_len
                 row["growth_per_token"] = growth
                 row |= mix_capacity(row, max_len)
@@ -262,7 +273,7 @@ def print_mix(out):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--presets", nargs="+", choices=sorted(presets(1)), default=["v4-flash", "v4-pro", "v4-flash-slice"]
+        "--presets", nargs="+", choices=sorted(presets()), default=["v4-flash", "v4-pro", "v4-flash-slice"]
     )
     parser.add_argument("--max-lens", nargs="+", type=int, default=[4096, 32768, 131072])
     parser.add_argument("--max-draft", type=int, default=4)

@@ -67,7 +67,7 @@ from capacity import LENGTH_MIX, PAGE_SIZE, per_slot_bytes, slot_bytes
 from jax_oc128.controller import ONLINE
 from jax_oc128.engine import Engine
 from jax_oc128.engine.state import init_state
-from jax_oc128.nn import ModelConfig, SpeculativeModel
+from jax_oc128.nn import ModelConfig, RuntimeConfig, SpeculativeModel
 from jax_oc128.nn import kv_cache as kv
 
 #: the ballast's smallest array (bytes): the allocator places a small array in the smallest free block that
@@ -83,15 +83,13 @@ def serve_config(
     index_heads: int,
     index_topk: int,
     hidden: int,
-) -> ModelConfig:
-    """DeepSeek-V4-Flash's first ``layers`` layers with its caches and a cut query side (module doc)."""
+) -> tuple[ModelConfig, RuntimeConfig]:
+    """DeepSeek-V4-Flash's first ``layers`` layers with its caches and a cut query side (module doc), and
+    its runtime (``max_len``, ``kv_cache_dtype``, one token a verify)."""
     config = ModelConfig.deepseek_v4_flash(
         num_layers=layers,
-        max_len=max_len,
-        max_draft=1,
         mtp=False,
         dtype="bfloat16",
-        kv_cache_dtype=kv_cache_dtype,
         vocab_size=4096,
         hc_mult=None,
         num_heads=num_heads,
@@ -99,7 +97,8 @@ def serve_config(
         index_topk=index_topk,
         hidden_size=hidden,
     )
-    return dataclasses.replace(config, mlp_layer_types=None)
+    runtime = RuntimeConfig(max_len=max_len, max_draft=1, kv_cache_dtype=kv_cache_dtype)
+    return dataclasses.replace(config, mlp_layer_types=None), runtime
 
 
 def state_bytes(model: SpeculativeModel, slots: int, pages: int | None = None) -> int:
@@ -118,7 +117,7 @@ def counts(model: SpeculativeModel, budget: int) -> dict:
     """The requests of the mix that ``budget`` bytes of decode state hold, dense and paged (module doc), and
     the bytes they come from. ValueError if the budget holds no dense slot."""
     dense_slot = state_bytes(model, 2) - state_bytes(model, 1)
-    formula = sum(slot_bytes(model.config, ONLINE, per_slot_bytes(model)).values())
+    formula = sum(slot_bytes(model.config, model.runtime, ONLINE, per_slot_bytes(model)).values())
     if dense_slot != formula:
         raise RuntimeError(f"the engine's dense slot is {dense_slot} bytes, bench/capacity.py says {formula}")
     fixed = state_bytes(model, 2, 1) - state_bytes(model, 1, 1)
@@ -127,7 +126,7 @@ def counts(model: SpeculativeModel, budget: int) -> dict:
     dense = (budget - (state_bytes(model, 1) - dense_slot)) // dense_slot
     if dense < 1:
         raise ValueError(f"budget: {budget} bytes hold no dense slot of {dense_slot} bytes")
-    max_len = model.config.max_len
+    max_len = model.max_len
     slots, needed = 0, 0
     while True:
         more = math.ceil(request_tokens(slots + 1, max_len)[-1] / PAGE_SIZE)
@@ -159,7 +158,7 @@ def make_prompts(vocab: int, needs: list[int], new_tokens: int) -> list[list[int
 def serve(model: SpeculativeModel, slots: int, pages: int, new_tokens: int, prefill_chunk=None) -> dict:
     """The paged engine serving the requests of the mix (module doc, measurement 1), its prompts prefilled
     ``prefill_chunk`` positions at a time (None: in one forward)."""
-    prompts = make_prompts(model.config.vocab_size, request_tokens(slots, model.config.max_len), new_tokens)
+    prompts = make_prompts(model.config.vocab_size, request_tokens(slots, model.max_len), new_tokens)
     engine = Engine(model, slots, pages=pages, page_size=PAGE_SIZE, prefill_chunk=prefill_chunk)
     start = time.perf_counter()
     engine.generate(prompts, new_tokens)
@@ -304,7 +303,7 @@ def main(argv=None):
         raise ValueError(
             f"--new-tokens: must be in [1, {LENGTH_MIX[0]} * max_len - 1), got {args.new_tokens}"
         )
-    config = serve_config(
+    config, runtime = serve_config(
         args.layers,
         args.max_len,
         args.kv_cache_dtype,
@@ -314,7 +313,7 @@ def main(argv=None):
         args.hidden_size,
     )
     budget = int(args.budget_gib * 2**30)
-    model = SpeculativeModel(config, backend=ONLINE, rngs=nnx.Rngs(0))
+    model = SpeculativeModel(config, runtime, backend=ONLINE, rngs=nnx.Rngs(0))
     count = counts(model, budget)
     report = dict(
         config=dict(

@@ -15,18 +15,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_oc128.controller import ForwardMode
-from jax_oc128.nn import SLIDING, DeepseekV4Attention, ForwardBatch, ModelConfig
+from jax_oc128.nn import SLIDING, DeepseekV4Attention, ForwardBatch, ModelConfig, RuntimeConfig
 from jax_oc128.nn.attention import AttentionCache
 from jax_oc128.nn.functional import build_abstract
 
 
 def temp_bytes(chunk: int) -> int:
     """Temporary bytes of a V4-Flash sliding layer's forward of ``chunk`` tokens (one row)."""
-    config = ModelConfig.deepseek_v4_flash(num_layers=1, dtype="bfloat16", max_len=131072)
-    layer_config = config.attention(SLIDING)
+    config = ModelConfig.deepseek_v4_flash(num_layers=1, dtype="bfloat16")
+    runtime = RuntimeConfig(max_len=131072, max_draft=4)
+    layer_config = config.attention(SLIDING, runtime)
     layer = build_abstract(lambda rngs: DeepseekV4Attention(layer_config, max_draft=4, rngs=rngs))
     graphdef, params = nnx.split(layer)
-    cache = jax.eval_shape(lambda: AttentionCache.create(layer_config, 4, 1, config.max_len))
+    cache = jax.eval_shape(lambda: AttentionCache.create(layer_config, 4, 1, runtime.max_len))
 
     def forward(params, cache, x, positions):
         fb = ForwardBatch.create(positions, mode=ForwardMode.EXTEND)

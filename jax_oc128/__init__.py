@@ -24,7 +24,7 @@ from jax_oc128.controller import (
     OfflineController,
 )
 from jax_oc128.engine import Engine
-from jax_oc128.nn import ModelConfig, SpeculativeModel
+from jax_oc128.nn import ModelConfig, RuntimeConfig, SpeculativeModel
 from jax_oc128.ops import commit, compress, init_state, verify
 from jax_oc128.pretrained import load_pretrained
 from jax_oc128.protocols import Drafter, Model
@@ -47,6 +47,7 @@ __all__ = [
     "ModelConfig",
     "OfflineController",
     "OfflineState",
+    "RuntimeConfig",
     "SpeculativeModel",
     "TextTokenizer",
     "Tree",

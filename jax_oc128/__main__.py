@@ -139,11 +139,11 @@ def demo(args, model, meta, prompts) -> str:
             f"{name:20s} {rate:9.1f} {result.steps:6d} {result.dispatches:10d} "
             f"{result.mean_accepted:14.2f}  {same}"
         )
-    layout = (c128, config.head_dim, config.max_draft)
+    layout = (c128, config.head_dim, model.max_draft)
     online, offline = (bytes_per_slot(backend.state_type, *layout) for backend in (ONLINE, OFFLINE))
     lines.append(
         f"C128 compressed state per request ({c128} layers, head_dim {config.head_dim}, "
-        f"{config.max_draft} draft banks): online {online / 1024:.1f} KiB, "
+        f"{model.max_draft} draft banks): online {online / 1024:.1f} KiB, "
         f"offline {offline / 1024:.1f} KiB ({offline / online:.1f}x)"
     )
     return "\n".join(lines)
@@ -187,21 +187,21 @@ def _file(text: str) -> pathlib.Path:
     return path
 
 
-def _model_problem(args, config, prompts) -> str | None:
-    """The first demo flag that the loaded model's ``config`` refuses, as an argparse message, or None."""
+def _model_problem(args, model, prompts) -> str | None:
+    """The first demo flag that the loaded ``model`` refuses, as an argparse message, or None."""
     longest, n = max(map(len, prompts)), max(args.draft + args.tree)
     for flag, sizes in (("--draft", args.draft), ("--tree", args.tree)):
-        if sizes and max(sizes) > config.max_draft:
-            most = config.max_draft
+        if sizes and max(sizes) > model.max_draft:
+            most = model.max_draft
             return f"argument {flag}: N must be at most the model's max_draft ({most}), got {max(sizes)}"
-    if longest + args.tokens + n > config.max_len:
+    if longest + args.tokens + n > model.max_len:
         return (
             f"argument --tokens: the longest prompt ({longest} bytes) + {args.tokens} tokens + N ({n}) "
-            f"must be at most the model's max_len ({config.max_len})"
+            f"must be at most the model's max_len ({model.max_len})"
         )
     top = max(max(prompt) for prompt in prompts)
-    if top >= config.vocab_size:
-        return f"argument --prompt: byte {top} is not in the model's vocabulary [0, {config.vocab_size})"
+    if top >= model.vocab_size:
+        return f"argument --prompt: byte {top} is not in the model's vocabulary [0, {model.vocab_size})"
     return None
 
 
@@ -457,7 +457,7 @@ def _command(argv) -> int:
     except (OSError, ValueError) as error:
         run.error(f"argument --model: {error}")
     prompts = [prompt.encode("ascii") for prompt in args.prompt or DEMO_PROMPTS]
-    problem = _model_problem(args, model.config, prompts)
+    problem = _model_problem(args, model, prompts)
     if problem:
         run.error(problem)
     print(demo(args, model, meta, prompts), flush=True)

@@ -2,10 +2,11 @@
 default model shipped in the package.
 
 A checkpoint is a ``.npz`` archive: ``__meta__``, the UTF-8 JSON ``{"config": {<every ModelConfig field>},
-...metadata}`` as a 1-D uint8 array, and one array per parameter, named by its path in the model's state
-(``['target']['embed'].value``: ``[vocab_size, hidden_size]`` float32, ...; a bfloat16 parameter as its bits,
-uint16, which the .npy format can hold). :func:`load` checks the file
-against its config before it allocates anything of the model's size: the metadata, every config field, then
+...metadata}`` as a 1-D uint8 array (the architecture only: how the model runs, its
+:class:`~jax_oc128.nn.RuntimeConfig`, is given to :func:`load`), and one array per parameter, named by its
+path in the model's state (``['target']['embed'].value``: ``[vocab_size, hidden_size]`` float32, ...; a
+bfloat16 parameter as its bits, uint16, which the .npy format can hold). :func:`load` checks the file against
+its config before it allocates anything of the model's size: the metadata, every config field, then
 each tensor's name, shape and dtype, read from the ``.npy`` headers before any tensor is decompressed.
 Nothing is unpickled. Every error is a :class:`ValueError` naming the file (and the tensor or field).
 """
@@ -23,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_oc128.checks import check_int, shown
+from jax_oc128.checks import shown
 from jax_oc128.controller import ONLINE, Backend
-from jax_oc128.nn import ModelConfig, SpeculativeModel
+from jax_oc128.nn import ModelConfig, RuntimeConfig, SpeculativeModel
 from jax_oc128.nn.functional import build_abstract
 
 DEFAULT_MODEL = pathlib.Path(__file__).parent / "assets" / "default_model.npz"
@@ -69,10 +70,10 @@ def save(model: SpeculativeModel, path, **metadata) -> None:
 
 
 def load(
-    path=DEFAULT_MODEL, *, backend: Backend = ONLINE, max_len: int | None = None
+    path=DEFAULT_MODEL, *, backend: Backend = ONLINE, runtime: RuntimeConfig | None = None
 ) -> tuple[SpeculativeModel, dict]:
-    """The model stored at ``path`` (default: the shipped one) with the C128 compressor ``backend``, and its
-    metadata; ``max_len``: None (the stored config's) or fewer positions (its caches' length). Raises
+    """The model stored at ``path`` (default: the shipped one) with the C128 compressor ``backend``, running
+    as ``runtime`` says (None: ``RuntimeConfig()``, 4096 tokens and 8 drafts), and its metadata. Raises
     :class:`ValueError` (naming the file, and the field or tensor) for a file that is not such a checkpoint,
     before anything of the model's size is allocated; :class:`OSError` if it cannot be read."""
     try:
@@ -89,11 +90,8 @@ def load(
             headers[member.removesuffix(".npy")] = _header(archive, member, path)
         meta = _metadata(archive, headers, path)
         config = _config(meta, len(headers) - 1, path)
-        if max_len is not None:
-            longest = check_int("max_len", max_len, 1, config.max_len, " = the checkpoint's")
-            config = dataclasses.replace(config, max_len=longest)
         graphdef, abstract = nnx.split(
-            build_abstract(lambda rngs: SpeculativeModel(config, backend=backend, rngs=rngs))
+            build_abstract(lambda rngs: SpeculativeModel(config, runtime, backend=backend, rngs=rngs))
         )
         expected = dict(_named_leaves(abstract))
         _check_tensors(headers, expected, path)

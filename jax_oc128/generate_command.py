@@ -73,13 +73,14 @@ def _max_len(parser, args, prompt: int, n: int) -> int:
     ``--kv-cache-dtype`` where the checkpoint's config does not take it, and a config that does not read
     (as ``path``)."""
     from jax_oc128.loading.hf_config import read_config
+    from jax_oc128.nn import RuntimeConfig
     from jax_oc128.pretrained import CONFIG
 
-    file = pathlib.Path(args.path) / CONFIG
     try:
-        positions = read_config(file)[0].max_len  # max_position_embeddings
+        config, runtime = read_config(pathlib.Path(args.path) / CONFIG)[:2]
     except (OSError, ValueError, NotImplementedError) as error:
         parser.error(f"argument path: {error}")
+    positions = runtime.max_len  # max_position_embeddings
     if args.max_len is not None and args.max_len > positions:
         parser.error(f"argument --max-len: at most the model's max_position_embeddings ({positions})")
     limit, what = (args.max_len, "--max-len") if args.max_len else (positions, "max_position_embeddings")
@@ -92,8 +93,8 @@ def _max_len(parser, args, prompt: int, n: int) -> int:
     max_len = min(args.max_len or -(-need // 128) * 128, positions)
     if args.kv_cache_dtype != "auto":  # the config reads with the defaults: its fault is the flag's
         try:
-            read_config(file, max_len=max_len, max_draft=n, kv_cache_dtype=args.kv_cache_dtype)
-        except (TypeError, ValueError, NotImplementedError) as error:
+            config.check_runtime(RuntimeConfig(max_len, n, args.kv_cache_dtype))
+        except (TypeError, ValueError) as error:
             parser.error(f"argument --kv-cache-dtype: {error}")
     return max_len
 

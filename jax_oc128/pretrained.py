@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_oc128.checks import check_int, shown
+from jax_oc128.checks import shown
 from jax_oc128.controller import ONLINE, Backend
 from jax_oc128.loading.checker import check_tensors
 from jax_oc128.loading.formats import (
@@ -67,7 +67,7 @@ from jax_oc128.loading.formats import (
     released_formats,
     scale_rows,
 )
-from jax_oc128.loading.hf_config import CONFIG, RATIO_LAYER_TYPES, read_config
+from jax_oc128.loading.hf_config import CONFIG, RATIO_LAYER_TYPES, HFConfig, read_config
 from jax_oc128.loading.hf_config import model_config as model_config_of
 from jax_oc128.loading.names import (
     FP8_PARAMS,
@@ -82,10 +82,8 @@ from jax_oc128.loading.placement import Shards, place, placing
 from jax_oc128.loading.shards import INDEX, NUMPY_DTYPES, SINGLE, Shard, by_file, read_headers
 from jax_oc128.nn import SpeculativeModel, sharding
 from jax_oc128.nn.functional import DTYPES, build_abstract, variable_at
-from jax_oc128.nn.kv_cache import check_kv_cache_dtype
 from jax_oc128.nn.moe import check_expert_ids
 from jax_oc128.nn.quant import FP4
-from jax_oc128.rules import MAX_DRAFT
 
 __all__ = [
     "CONFIG",
@@ -115,8 +113,10 @@ def load_pretrained(
     mesh: Mesh | None = None,
     kv_cache_dtype: str = "auto",
 ) -> SpeculativeModel:
-    """The DeepSeek-V4 model of the Hugging Face-format checkpoint directory ``path``, with its MTP layer
-    as the draft head when the checkpoint has one (else ``model.mtp`` is None: plain decoding only).
+    """The model of the Hugging Face-format checkpoint directory ``path``, of the class registered as its
+    ``config.json``'s ``architectures`` (:func:`~jax_oc128.registry.model_class`; DeepSeek-V4's:
+    :class:`~jax_oc128.nn.SpeculativeModel`), with its MTP layer as the draft head when the checkpoint has
+    one (else ``model.mtp`` is None: plain decoding only).
 
     Args:
       path: the directory (``config.json`` and ``model.safetensors`` or ``model.safetensors.index.json``
@@ -132,7 +132,7 @@ def load_pretrained(
         parameter is placed in the layout an :class:`~jax_oc128.engine.Engine` on ``mesh`` gives it
         (:func:`jax_oc128.nn.sharding.param_specs`: split over ``"model"``, replicated over ``"data"``),
         each device given only its shard, read from the memory-mapped tensor.
-      kv_cache_dtype: how the caches are stored (``ModelConfig.kv_cache_dtype``,
+      kv_cache_dtype: how the caches are stored (``RuntimeConfig.kv_cache_dtype``,
         :mod:`jax_oc128.nn.kv_cache`): ``"auto"`` (the model's dtype), ``"float32"``, ``"bfloat16"``,
         ``"fp8"`` (DeepSeek's FP8 entries and indexer keys) or ``"fp8_fp4"`` (FP8 entries, FP4 indexer keys:
         DeepSeek's inference format).
@@ -147,17 +147,11 @@ def load_pretrained(
     dtype = _check_dtype(dtype)
     if not isinstance(backend, Backend):
         raise TypeError(f"backend: must be a jax_oc128.Backend (ONLINE or OFFLINE), got {backend!r}")
-    if max_len is not None:
-        check_int("max_len", max_len, 1)  # (the config bounds it by 2**31)
-    check_int("max_draft", max_draft, 1, MAX_DRAFT)
-    check_kv_cache_dtype(kv_cache_dtype)
     mesh = None if mesh is None else sharding.check_mesh(mesh)
-    model_config, mtp_layers, quantization = read_config(
-        directory / CONFIG, max_len=max_len, max_draft=max_draft, dtype=dtype, kv_cache_dtype=kv_cache_dtype
+    hf = read_config(
+        directory / CONFIG, dtype=dtype, max_len=max_len, max_draft=max_draft, kv_cache_dtype=kv_cache_dtype
     )
-    return _load(
-        model_config, backend, directory, read_headers(directory), Shard, mtp_layers, quantization, mesh
-    )
+    return _load(hf, backend, directory, read_headers(directory), Shard, mesh)
 
 
 def load_weights(config: dict, weights: dict, *, backend: Backend = ONLINE, **kwargs) -> SpeculativeModel:
@@ -166,16 +160,15 @@ def load_weights(config: dict, weights: dict, *, backend: Backend = ONLINE, **kw
     the pipeline of :func:`load_pretrained`: the config converted, every tensor checked against the config's
     model (one ValueError naming each missing, unexpected, misshaped or mistyped tensor, each error naming
     ``weights``), then placed. The MTP layer is loaded where its tensors are given (``model.mtp`` None
-    otherwise); ``kwargs``: the runtime fields of :meth:`ModelConfig.from_hf
-    <jax_oc128.nn.ModelConfig.from_hf>` (``max_len``, ``max_draft``, ``dtype``, ...)."""
+    otherwise); ``kwargs``: ``dtype`` and the :class:`~jax_oc128.nn.RuntimeConfig` fields (``max_len``,
+    default the config's ``max_position_embeddings``, ``max_draft``, ...) of
+    :func:`~jax_oc128.loading.hf_config.model_config`."""
     if not isinstance(weights, dict):
         raise TypeError(f"weights: must be a dict of name -> array, got {type(weights).__name__}")
-    model_config, mtp_layers, quantization = model_config_of(config, "config", **kwargs)
+    hf = model_config_of(config, "config", **kwargs)
     arrays = {name: np.asarray(value) for name, value in weights.items()}
     headers = {name: (WEIGHTS, value.shape, _dtype_name(value.dtype)) for name, value in arrays.items()}
-    return _load(
-        model_config, backend, WEIGHTS, headers, lambda _: _InMemory(arrays), mtp_layers, quantization
-    )
+    return _load(hf, backend, WEIGHTS, headers, lambda _: _InMemory(arrays))
 
 
 #: the "file" of tensors given in memory (:func:`load_weights`), for messages
@@ -209,12 +202,12 @@ def _dtype_name(dtype: np.dtype) -> str:
     return SAFETENSORS_DTYPES.get(np.dtype(dtype), np.dtype(dtype).name)
 
 
-def _load(
-    model_config, backend, where, headers, opener, mtp_layers, quantization, mesh=None
-) -> SpeculativeModel:
-    """The pipeline's checks and placement: the model of ``model_config`` with the tensors of ``headers``
+def _load(hf: HFConfig, backend, where, headers, opener, mesh=None) -> SpeculativeModel:
+    """The pipeline's checks and placement: the model of ``hf`` (:func:`read_config`) with the tensors of
+    ``headers``
     (name -> (file, shape, safetensors dtype)) read by ``opener(file)`` (a context manager with
     ``read(name, shape, dtype)``), ``where`` naming them in messages."""
+    model_config, mtp_layers, quantization = hf.config, hf.mtp_layers, hf.quantization
     layers = len(model_config.layer_types)
     if layers > len(headers):  # before the model is built (work linear in the layers)
         raise ValueError(
@@ -226,7 +219,7 @@ def _load(
         piece is not None and piece.param.startswith(f"model.layers.{layers}.") for piece in parts.values()
     )
     model_config = dataclasses.replace(model_config, mtp=has_mtp)
-    model = build_abstract(lambda rngs: SpeculativeModel(model_config, backend=backend, rngs=rngs))
+    model = build_abstract(lambda rngs: hf.model_class(model_config, hf.runtime, backend=backend, rngs=rngs))
     params = parameter_paths(model)
     variables = {name: variable_at(model, path) for name, path in params.items()}
     abstract = {name: v.get_value() for name, v in variables.items()}

@@ -3,10 +3,12 @@
 :func:`drafter_class`).
 
 A registered model class implements :class:`~jax_oc128.protocols.Model` and is built in two steps: its config
-from a checkpoint's ``config.json`` (a dict) by ``cls.config_from_hf(config, **options)``, then the model by
-``cls(config, *, rngs, **options)``. ``"DeepseekV4ForCausalLM"`` is :class:`~jax_oc128.nn.SpeculativeModel`
-(registered when :mod:`jax_oc128.nn` is imported, as ``import jax_oc128`` does). A registered drafter
-implements :class:`~jax_oc128.protocols.Drafter`; how it is built is its model family's (DeepSeek-V4's heads:
+(the architecture) from a checkpoint's ``config.json`` (a dict) by ``cls.config_from_hf(config, **options)``,
+then the model by ``cls(config, runtime, *, rngs, **options)`` (``runtime`` a
+:class:`~jax_oc128.nn.RuntimeConfig`; :func:`~jax_oc128.load_pretrained` passes ``backend``).
+``"DeepseekV4ForCausalLM"`` is :class:`~jax_oc128.nn.SpeculativeModel` (registered when :mod:`jax_oc128.nn`
+is imported, as ``import jax_oc128`` does). A registered drafter implements
+:class:`~jax_oc128.protocols.Drafter`; how it is built is its model family's (DeepSeek-V4's heads:
 ``cls(config, target, *, rngs)``, :mod:`jax_oc128.nn.draft`).
 """
 

@@ -22,7 +22,7 @@ from safetensors.numpy import save_file
 from jax_oc128 import pretrained, released
 from jax_oc128.controller import ForwardMode
 from jax_oc128.loading import names
-from jax_oc128.nn import DeepseekV4Attention, ModelConfig, SpeculativeModel
+from jax_oc128.nn import DeepseekV4Attention, ModelConfig, RuntimeConfig, SpeculativeModel
 from jax_oc128.nn.functional import variable_at
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
@@ -71,6 +71,7 @@ def prefill_logits(model, prompt):
 ATTENTION_FIXTURE = np.load(FIXTURES / "hf_deepseek_v4.npz")
 ATTENTION_META = json.loads(bytes(ATTENTION_FIXTURE["meta"]).decode())
 ATTENTION_MODEL = ModelConfig.from_hf(ATTENTION_META["config"])  # its layers' configs: .attention(layer_type)
+ATTENTION_RUNTIME = RuntimeConfig(max_len=ATTENTION_META["config"]["max_position_embeddings"])
 ATTENTION_X = jnp.asarray(ATTENTION_FIXTURE["x"])  # the layers' input [batch, tokens, hidden] float32
 
 
@@ -83,7 +84,7 @@ def attention_weights(index):
 def attention_layer(index, max_draft=4):
     """Layer ``index`` of the fixture with its weights."""
     weights = attention_weights(index) | {"sinks": ATTENTION_FIXTURE[f"layer{index}/sinks"]}
-    config = ATTENTION_MODEL.attention(ATTENTION_MODEL.layer_types[index])
+    config = ATTENTION_MODEL.attention(ATTENTION_MODEL.layer_types[index], ATTENTION_RUNTIME)
     return DeepseekV4Attention.from_hf(config, index, weights, max_draft=max_draft)
 
 
@@ -176,7 +177,9 @@ def quantized_checkpoint() -> tuple[dict, dict[str, np.ndarray]]:
     config = quantized_config()
     # drawn on the CPU: a GPU's random normals may round otherwise (the fixture's checksum is of these bytes)
     with jax.default_device(jax.devices("cpu")[0]):
-        model = SpeculativeModel(ModelConfig.from_hf(config, max_len=512, max_draft=4), rngs=nnx.Rngs(3))
+        model = SpeculativeModel(
+            ModelConfig.from_hf(config), RuntimeConfig(max_len=512, max_draft=4), rngs=nnx.Rngs(3)
+        )
     return released.released_config(config, expert_dtype=None), released.released_tensors(model)
 
 

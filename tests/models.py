@@ -1,13 +1,14 @@
 """The small random models the test files share and their prompts: the engine tests' model
-(:data:`DECODE_CONFIG`, built by :func:`make_model`, fed :func:`prompts`) and the forward tests' smaller one
-(:data:`MODEL_CONFIG`). The transformers fixtures are :mod:`hf_fixtures`."""
+(:data:`DECODE_CONFIG` running as :data:`DECODE_RUNTIME`, built by :func:`make_model`, fed :func:`prompts`)
+and the forward tests' smaller one (:data:`MODEL_CONFIG`, :data:`MODEL_RUNTIME`). The transformers fixtures
+are :mod:`hf_fixtures`."""
 
 from __future__ import annotations
 
 import numpy as np
 from flax import nnx
 
-from jax_oc128.nn import HCA, SLIDING, ModelConfig, SpeculativeModel
+from jax_oc128.nn import HCA, SLIDING, ModelConfig, RuntimeConfig, SpeculativeModel
 
 # sliding and HCA layers of hidden 64, a vocabulary of 64: the engine tests' model
 DECODE_CONFIG = ModelConfig.tiny(
@@ -19,8 +20,8 @@ DECODE_CONFIG = ModelConfig.tiny(
     o_lora_rank=32,
     mlp_hidden=128,
     sliding_window=16,
-    max_len=1024,
 )
+DECODE_RUNTIME = RuntimeConfig(max_len=1024)
 # prompt lengths crossing 128-blocks in prefill; 100 new tokens cross more during generation
 PROMPT_LENGTHS = (120, 5, 200, 129, 60)
 
@@ -36,14 +37,14 @@ MODEL_CONFIG = ModelConfig.tiny(
     o_lora_rank=16,
     mlp_hidden=32,
     sliding_window=8,
-    max_len=512,
-    max_draft=4,
 )
+MODEL_RUNTIME = RuntimeConfig(max_len=512, max_draft=4)
 
 
-def make_model(backend, seed=0, config=DECODE_CONFIG):
-    """A :class:`SpeculativeModel` of ``config`` on the C128 ``backend``, random weights from ``seed``."""
-    return SpeculativeModel(config, backend=backend, rngs=nnx.Rngs(seed))
+def make_model(backend, seed=0, config=DECODE_CONFIG, runtime=DECODE_RUNTIME):
+    """A :class:`SpeculativeModel` of ``config`` running as ``runtime`` on the C128 ``backend``, random
+    weights from ``seed``."""
+    return SpeculativeModel(config, runtime, backend=backend, rngs=nnx.Rngs(seed))
 
 
 def prompts(vocab=DECODE_CONFIG.vocab_size, lengths=PROMPT_LENGTHS):

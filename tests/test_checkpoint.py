@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from jax_oc128 import checkpoint
-from jax_oc128.nn import HCA, SLIDING, ModelConfig, SpeculativeModel
+from jax_oc128.nn import HCA, SLIDING, ModelConfig, RuntimeConfig, SpeculativeModel
 
 EMBED = "['mtp']['embed'].value"  # the shared embedding (stored once, under the first path to it)
 UP = "['target']['blocks'][1]['up'].value"
@@ -50,8 +50,9 @@ def test_saved_model_loads_back_exactly(tmp_path, fields):
     )
     model = SpeculativeModel(config, rngs=nnx.Rngs(3))
     checkpoint.save(model, tmp_path / "m.npz", note="hi")
-    loaded, meta = checkpoint.load(tmp_path / "m.npz")
-    assert loaded.config == config and meta["note"] == "hi"
+    runtime = RuntimeConfig(max_len=512, max_draft=4)
+    loaded, meta = checkpoint.load(tmp_path / "m.npz", runtime=runtime)
+    assert loaded.config == config and loaded.runtime == runtime and meta["note"] == "hi"
     if config.mtp:
         assert loaded.mtp.embed is loaded.target.embed  # shared, as in the model built from the config
     saved, restored = (jax.tree.leaves(nnx.split(m)[1]) for m in (model, loaded))
@@ -155,7 +156,7 @@ def test_huge_config_claimed_by_a_small_file_fails_fast(tmp_path, claim):
         ({"vocab_sise": 256}, r"config: unknown fields \['vocab_sise'\]"),
         ({"vocab_size": REMOVED}, r"config: missing fields \['vocab_size'\]"),
         ({"vocab_size": "256"}, "config: vocab_size: must be an int, got '256'"),
-        ({"max_draft": 0}, r"config: max_draft: must be in \[1, 2\*\*31\)"),
+        ({"max_draft": 8}, r"config: unknown fields \['max_draft'\]"),  # the runtime's, not stored
         ({"rms_norm_eps": -1.0}, "config: rms_norm_eps: must be finite and > 0"),
         ({"layer_types": "sliding_attention"}, "config: layer_types: must be a list"),
         ({"layer_types": [SLIDING, "full_attention"]}, r"config: layer_types\[1\]: must be"),

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from models import MODEL_CONFIG
+from models import MODEL_CONFIG, MODEL_RUNTIME
 
 from jax_oc128.controller import ForwardMode
 from jax_oc128.nn import CSA, HCA, SLIDING, DeepseekV4Model, ForwardBatch, context_bucket, kv_cache
@@ -29,8 +29,8 @@ CONFIG = dataclasses.replace(
     index_n_heads=2,
     index_head_dim=32,
     index_topk=4,
-    max_len=1024,
 )
+RUNTIME = dataclasses.replace(MODEL_RUNTIME, max_len=1024)
 CONTEXT, PAGE = 256, 128
 # the pages of each slot (the page table's row): a slot owns a page past the context (4, 5); 6, 7 are no one's
 TABLE = [[0, 2, 4, -1, -1, -1, -1, -1], [1, 3, 5, -1, -1, -1, -1, -1]]
@@ -46,7 +46,7 @@ def poison(cache, paged: bool):
             return leaf
         if paged:
             return leaf.at[jnp.asarray([4, 5, 6, 7])].set(jnp.nan)
-        rate = CONTEXT * leaf.shape[1] // CONFIG.max_len  # entries of CONTEXT positions
+        rate = CONTEXT * leaf.shape[1] // RUNTIME.max_len  # entries of CONTEXT positions
         return leaf.at[:, rate:].set(jnp.nan)
 
     layers = tuple(
@@ -100,7 +100,8 @@ def test_bounded_forward_is_the_unbounded_one(paged, kv_cache_dtype):
     ``context=256``, every cache position past it NaN (paged: the pages past it and the pages no slot
     holds), give the logits of the same forwards without a bound on clean caches bit for bit, finite; the
     bounded program's temporaries are smaller."""
-    model = DeepseekV4Model(dataclasses.replace(CONFIG, kv_cache_dtype=kv_cache_dtype), rngs=nnx.Rngs(2))
+    runtime = dataclasses.replace(RUNTIME, kv_cache_dtype=kv_cache_dtype)
+    model = DeepseekV4Model(CONFIG, runtime, rngs=nnx.Rngs(2))
     forward = forwards(model)
     if paged:
         clean = model.init_cache(2, pages=POOL, page_size=PAGE)
@@ -131,7 +132,7 @@ def test_bounded_forward_is_the_unbounded_one(paged, kv_cache_dtype):
 def temp_bytes(max_len: int, pages, context) -> int:
     """Temporary bytes of the compiled prefill chunk (8 tokens, 2 rows) of :data:`CONFIG` at ``max_len``
     (paged: ``pages`` pages), bounded by ``context``."""
-    model = DeepseekV4Model(dataclasses.replace(CONFIG, max_len=max_len), rngs=nnx.Rngs(2))
+    model = DeepseekV4Model(CONFIG, dataclasses.replace(RUNTIME, max_len=max_len), rngs=nnx.Rngs(2))
     cache = model.init_cache(2, pages=pages, page_size=PAGE)
     tokens = jnp.zeros((2, 8), jnp.int32)
     args = (cache, tokens, tokens + jnp.arange(8), jnp.full(2, 8, jnp.int32), ForwardMode.EXTEND)
@@ -172,7 +173,7 @@ def test_context_errors():
     for bad, error in ((0, ValueError), (-256, ValueError), (256.0, TypeError), (True, TypeError)):
         with pytest.raises(error, match="context: None or a positive int"):
             ForwardBatch.create(positions, context=bad)
-    model = DeepseekV4Model(CONFIG, rngs=nnx.Rngs(2))
+    model = DeepseekV4Model(CONFIG, RUNTIME, rngs=nnx.Rngs(2))
     with pytest.raises(ValueError, match="context: 2048 exceeds the model's max_len 1024"):
         model(positions, positions, model.init_cache(1), context=2048)
 

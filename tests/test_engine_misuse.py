@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 from harness import count_compiles
 from jax.sharding import Mesh
-from models import DECODE_CONFIG
+from models import DECODE_CONFIG, DECODE_RUNTIME
 
 from jax_oc128.checks import NamedError
 from jax_oc128.controller import OFFLINE
@@ -23,8 +23,9 @@ from jax_oc128.nn import HCA, SLIDING, SpeculativeModel, sharding
 from jax_oc128.tree import Tree
 
 # the engine tests' model with one sliding and one C128 layer of 2 heads, shorter and with fewer draft banks
-CONFIG = dataclasses.replace(DECODE_CONFIG, layer_types=(SLIDING, HCA), num_heads=2, max_len=512, max_draft=4)
-VOCAB, MAX_LEN, MAX_DRAFT = CONFIG.vocab_size, CONFIG.max_len, CONFIG.max_draft
+CONFIG = dataclasses.replace(DECODE_CONFIG, layer_types=(SLIDING, HCA), num_heads=2)
+RUNTIME = dataclasses.replace(DECODE_RUNTIME, max_len=512, max_draft=4)
+VOCAB, MAX_LEN, MAX_DRAFT = CONFIG.vocab_size, RUNTIME.max_len, RUNTIME.max_draft
 SLOTS = 2
 # with max_new_tokens = 3: the longest prompt of plain steps (N = 1) and of N = MAX_DRAFT
 LONGEST_PLAIN, LONGEST_SPECULATIVE = MAX_LEN - 3 - 1, MAX_LEN - 3 - MAX_DRAFT
@@ -32,7 +33,7 @@ LONGEST_PLAIN, LONGEST_SPECULATIVE = MAX_LEN - 3 - 1, MAX_LEN - 3 - MAX_DRAFT
 
 @pytest.fixture(scope="module")
 def engine():
-    model = SpeculativeModel(CONFIG, rngs=nnx.Rngs(0))
+    model = SpeculativeModel(CONFIG, RUNTIME, rngs=nnx.Rngs(0))
     return Engine(model, slots=SLOTS, prompt_bucket=64, steps_per_dispatch=4)
 
 
@@ -45,7 +46,7 @@ def foreign_states(engine):
     return {
         "more slots": Engine(engine.model, slots=SLOTS + 1).init_state(),
         "offline": Engine(
-            SpeculativeModel(CONFIG, backend=OFFLINE, rngs=nnx.Rngs(0)), slots=SLOTS
+            SpeculativeModel(CONFIG, RUNTIME, backend=OFFLINE, rngs=nnx.Rngs(0)), slots=SLOTS
         ).init_state(),
         "same layout": Engine(engine.model, slots=SLOTS, prompt_bucket=64, steps_per_dispatch=4).init_state(),
         "donated": donated,

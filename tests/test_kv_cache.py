@@ -21,14 +21,28 @@ from hf_fixtures import fixture
 from jax_oc128 import checkpoint
 from jax_oc128.controller import ONLINE
 from jax_oc128.engine import Engine
-from jax_oc128.nn import CSA, HCA, SLIDING, DeepseekV4Model, ModelConfig, SpeculativeModel, kv_cache, quant
+from jax_oc128.nn import (
+    CSA,
+    HCA,
+    SLIDING,
+    DeepseekV4Model,
+    ModelConfig,
+    RuntimeConfig,
+    SpeculativeModel,
+    kv_cache,
+    quant,
+)
 
-CONFIG = ModelConfig.tiny(layer_types=(SLIDING, HCA, CSA), max_len=1024, max_draft=4)
+CONFIG = ModelConfig.tiny(layer_types=(SLIDING, HCA, CSA))
+RUNTIME = RuntimeConfig(max_len=1024, max_draft=4)
 FLOAT_FIELDS = ("window", "entries", "index_keys", "rows", "tree_entries", "tree_index_keys")
 
 
-def cache_shapes(config):
-    model = nnx.eval_shape(lambda: DeepseekV4Model(config, rngs=nnx.Rngs(0)))
+def cache_shapes(config, **runtime):
+    """The cache of a model of ``config`` running as :data:`RUNTIME` with ``runtime``'s fields replaced."""
+    model = nnx.eval_shape(
+        lambda: DeepseekV4Model(config, dataclasses.replace(RUNTIME, **runtime), rngs=nnx.Rngs(0))
+    )
     return jax.eval_shape(lambda: model.init_cache(2))
 
 
@@ -46,16 +60,16 @@ def test_caches_are_stored_in_the_model_dtype():
         assert 0 < field_bytes(bf16, name) * 2 == field_bytes(f32, name), name
     assert bf16.compressed.dtype == f32.compressed.dtype == jnp.float32
     assert bf16.layers[0].window_positions.dtype == jnp.int32
-    forced = cache_shapes(dataclasses.replace(CONFIG, dtype="bfloat16", kv_cache_dtype="float32"))
+    forced = cache_shapes(dataclasses.replace(CONFIG, dtype="bfloat16"), kv_cache_dtype="float32")
     assert jax.tree.map(lambda x: x.dtype, forced.layers) == jax.tree.map(lambda x: x.dtype, f32.layers)
-    assert cache_shapes(dataclasses.replace(CONFIG, kv_cache_dtype="bfloat16")).layers == bf16.layers
+    assert cache_shapes(CONFIG, kv_cache_dtype="bfloat16").layers == bf16.layers
 
 
 def test_fp8_caches_store_entries_as_deepseek_does():
     """kv_cache_dtype "fp8": CSA and HCA entries e4m3 on the non-RoPE channels with one float32 scale, bf16
     on the RoPE channels; indexer keys e4m3 with one scale; the window and raw rows in the model's dtype."""
-    config = dataclasses.replace(CONFIG, dtype="bfloat16", kv_cache_dtype="fp8")
-    cache, bf16 = cache_shapes(config), cache_shapes(dataclasses.replace(config, kv_cache_dtype="auto"))
+    config = dataclasses.replace(CONFIG, dtype="bfloat16")
+    cache, bf16 = cache_shapes(config, kv_cache_dtype="fp8"), cache_shapes(config)
     d, r, di = config.head_dim, config.rope_dim, config.index_head_dim
     for layer, plain in zip(cache.layers[1:], bf16.layers[1:], strict=True):
         entries = layer.entries
@@ -73,8 +87,8 @@ def test_fp8_caches_store_entries_as_deepseek_does():
 def test_fp4_index_keys_take_half_a_byte_a_channel():
     """kv_cache_dtype "fp8_fp4": the caches of "fp8" but the indexer keys FP4, e2m1 codes two a byte and one
     e8m0 exponent byte per 32 channels (the node keys of a tree verify too)."""
-    config = dataclasses.replace(CONFIG, dtype="bfloat16", kv_cache_dtype="fp8_fp4")
-    cache, fp8 = cache_shapes(config), cache_shapes(dataclasses.replace(config, kv_cache_dtype="fp8"))
+    config = dataclasses.replace(CONFIG, dtype="bfloat16")
+    cache, fp8 = cache_shapes(config, kv_cache_dtype="fp8_fp4"), cache_shapes(config, kv_cache_dtype="fp8")
     di = config.index_head_dim
     for layer, eight in zip(cache.layers, fp8.layers, strict=True):
         assert dataclasses.replace(layer, index_keys=None, tree_index_keys=None) == dataclasses.replace(
@@ -89,11 +103,15 @@ def test_fp4_index_keys_take_half_a_byte_a_channel():
 
 
 def test_kv_cache_dtype_is_checked():
+    """The runtime's kv_cache_dtype is a known name; FP4 indexer keys need the CSA layers' index_head_dim a
+    multiple of 32, checked when the model is built."""
     with pytest.raises(ValueError, match=r"kv_cache_dtype: must be one of \['auto', 'float32', 'bfloat16'"):
-        ModelConfig.tiny(kv_cache_dtype="float16")
+        RuntimeConfig(kv_cache_dtype="float16")
+    fp4 = RuntimeConfig(kv_cache_dtype="fp8_fp4")
+    csa = ModelConfig.tiny(layer_types=(CSA,), index_head_dim=48)
     with pytest.raises(ValueError, match="index_head_dim: must be a multiple of 32 with FP4 indexer keys"):
-        ModelConfig.tiny(layer_types=(CSA,), kv_cache_dtype="fp8_fp4", index_head_dim=48)
-    ModelConfig.tiny(layer_types=(HCA,), kv_cache_dtype="fp8_fp4", index_head_dim=48)  # no indexer keys
+        nnx.eval_shape(lambda: DeepseekV4Model(csa, fp4, rngs=nnx.Rngs(0)))
+    assert ModelConfig.tiny(layer_types=(HCA,), index_head_dim=48).check_runtime(fp4) is fp4  # no index keys
 
 
 def numpy_fp8(x, rope_dim):
@@ -204,8 +222,10 @@ def test_fp4_keys_through_a_page_table():
 
 def with_kv_cache_dtype(model: SpeculativeModel, kv_cache_dtype: str) -> SpeculativeModel:
     """``model``'s parameters in a model whose caches are stored as ``kv_cache_dtype``."""
-    config = dataclasses.replace(model.config, kv_cache_dtype=kv_cache_dtype)
-    new = nnx.eval_shape(lambda: SpeculativeModel(config, backend=model.target.backend, rngs=nnx.Rngs(0)))
+    runtime = dataclasses.replace(model.runtime, kv_cache_dtype=kv_cache_dtype)
+    new = nnx.eval_shape(
+        lambda: SpeculativeModel(model.config, runtime, backend=model.target.backend, rngs=nnx.Rngs(0))
+    )
     nnx.update(new, nnx.state(model))
     return new
 
@@ -284,8 +304,8 @@ def test_serve_capacity_counts_are_the_engines_allocations():
     at its slots and pages within the budget, dense at its dense slots within it, dense at the paged slots
     past it."""
     bench = runpy.run_path(str(pathlib.Path(__file__).parents[1] / "bench" / "serve_capacity.py"))
-    config = bench["serve_config"](4, 2048, "bfloat16", 1, 1, 16, 64)
-    model = SpeculativeModel(config, backend=ONLINE, rngs=nnx.Rngs(0))
+    config, runtime = bench["serve_config"](4, 2048, "bfloat16", 1, 1, 16, 64)
+    model = SpeculativeModel(config, runtime, backend=ONLINE, rngs=nnx.Rngs(0))
     budget = 10 * 2**20
     count = bench["counts"](model, budget)
     assert count["paged_slots"] > count["dense_slots"] > 0 and count["pages"] >= count["pages_needed"]

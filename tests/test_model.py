@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from models import MODEL_CONFIG
+from models import MODEL_CONFIG, MODEL_RUNTIME
 
 from jax_oc128.controller import OFFLINE, ONLINE, ForwardMode, backend_of
 from jax_oc128.nn import (
@@ -55,7 +55,7 @@ def compiled_forward(model, mode, batch=3):
 
 
 def test_model_holds_one_compressed_state_for_its_c128_layers():
-    cache = DeepseekV4Model(MODEL_CONFIG, rngs=nnx.Rngs(0)).init_cache(2)
+    cache = DeepseekV4Model(MODEL_CONFIG, MODEL_RUNTIME, rngs=nnx.Rngs(0)).init_cache(2)
     assert cache.compressed.layers == 3 and cache.compressed.slots == 2
     assert len(cache.layers) == 4 and all(not hasattr(layer, "compressed") for layer in cache.layers)
 
@@ -66,7 +66,9 @@ def test_one_native_call_per_c128_layer_and_at_most_one_commit(mode):
     """Extend and decode: one compress per C128 layer and one commit for all layers (the pending verify,
     if any, in one launch). Verify: one verify per C128 layer, each committing its own layer's pending
     verify inside the kernel, and no commit launch at all."""
-    calls = custom_calls(compiled_forward(DeepseekV4Model(MODEL_CONFIG, rngs=nnx.Rngs(0)), mode).as_text())
+    calls = custom_calls(
+        compiled_forward(DeepseekV4Model(MODEL_CONFIG, MODEL_RUNTIME, rngs=nnx.Rngs(0)), mode).as_text()
+    )
     layers = MODEL_CONFIG.compressed_layers
     if mode is ForwardMode.TARGET_VERIFY:
         assert calls == {"oc128_verify": layers}
@@ -75,7 +77,7 @@ def test_one_native_call_per_c128_layer_and_at_most_one_commit(mode):
 
 
 def test_eager_commit_is_one_launch_for_all_layers():
-    model = DeepseekV4Model(MODEL_CONFIG, rngs=nnx.Rngs(0))
+    model = DeepseekV4Model(MODEL_CONFIG, MODEL_RUNTIME, rngs=nnx.Rngs(0))
     batch = 3
     seq_lens = jnp.full((batch,), 130, jnp.int32)
     commit = jax.jit(model.commit, donate_argnums=0).lower(model.init_cache(batch), seq_lens, seq_lens)
@@ -84,14 +86,14 @@ def test_eager_commit_is_one_launch_for_all_layers():
 
 def test_backend_must_be_an_object():
     with pytest.raises(TypeError, match="backend"):
-        DeepseekV4Model(MODEL_CONFIG, backend="online", rngs=nnx.Rngs(0))
-    assert DeepseekV4Model(MODEL_CONFIG, backend=ONLINE, rngs=nnx.Rngs(0)).backend is ONLINE
+        DeepseekV4Model(MODEL_CONFIG, MODEL_RUNTIME, backend="online", rngs=nnx.Rngs(0))
+    assert DeepseekV4Model(MODEL_CONFIG, MODEL_RUNTIME, backend=ONLINE, rngs=nnx.Rngs(0)).backend is ONLINE
 
 
 @pytest.mark.parametrize("backend", [ONLINE, OFFLINE], ids=["online", "offline"])
 def test_the_cache_state_names_its_controller(backend):
     """No layer holds a backend: the model's cache holds its backend's state, whose type names it."""
-    model = DeepseekV4Model(MODEL_CONFIG, backend=backend, rngs=nnx.Rngs(0))
+    model = DeepseekV4Model(MODEL_CONFIG, MODEL_RUNTIME, backend=backend, rngs=nnx.Rngs(0))
     layers = [
         module for block in model.blocks for module in (block.attn, getattr(block.attn, "compressor", None))
     ]
@@ -179,7 +181,7 @@ def test_a_chain_given_as_a_tree_is_the_chain(backend):
     config = dataclasses.replace(
         MODEL_CONFIG, layer_types=(HCA, SLIDING, CSA, HCA), index_n_heads=2, index_head_dim=16, index_topk=4
     )
-    model = DeepseekV4Model(config, backend=backend, rngs=nnx.Rngs(1))
+    model = DeepseekV4Model(config, MODEL_RUNTIME, backend=backend, rngs=nnx.Rngs(1))
     graphdef, params = nnx.split(model)
 
     @functools.partial(jax.jit, static_argnames=("mode", "tree"))

@@ -22,7 +22,7 @@ from jax import export
 from jax.experimental import pallas as pl
 from quantization import abstract_quantized, quantized
 
-from jax_oc128.nn import ModelConfig, grouped_matmul, moe, quant
+from jax_oc128.nn import RuntimeConfig, grouped_matmul, moe, quant
 from jax_oc128.nn.quant import FP4, FP8
 
 EXPERTS, HIDDEN, INTERMEDIATE, K, LIMIT = 8, 64, 32, 3, 10.0
@@ -392,7 +392,7 @@ def test_unknown_dispatch_is_named():
     with pytest.raises(ValueError, match="dispatch: must be one of"):
         layer_config(hash_routed=False, dispatch="sparse")
     with pytest.raises(ValueError, match="moe_dispatch: must be one of"):
-        ModelConfig.tiny(moe_dispatch="sparse")
+        RuntimeConfig(moe_dispatch="sparse")
 
 
 @pytest.mark.parametrize("hash_routed", [False, True], ids=["top_k", "hash"])

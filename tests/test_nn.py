@@ -13,6 +13,7 @@ from harness import copy_tree
 from hf_fixtures import ATTENTION_FIXTURE as FIXTURE
 from hf_fixtures import ATTENTION_META as META
 from hf_fixtures import ATTENTION_MODEL as MODEL
+from hf_fixtures import ATTENTION_RUNTIME as RUNTIME
 from hf_fixtures import ATTENTION_X as X
 from hf_fixtures import HF_TOL, attention_layer, attention_weights
 from oracle import rel_err
@@ -133,7 +134,7 @@ def test_cache_is_donated_under_jit():
 def test_missing_weight_is_named():
     weights = attention_weights(1)
     with pytest.raises(ValueError, match=r"weights: missing tensors \[model\.layers\.1\.self_attn\.sinks\]"):
-        DeepseekV4Attention.from_hf(MODEL.attention(MODEL.layer_types[1]), 1, weights)
+        DeepseekV4Attention.from_hf(MODEL.attention(MODEL.layer_types[1], RUNTIME), 1, weights)
 
 
 def test_ragged_rows():

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from harness import first_difference
-from models import DECODE_CONFIG, make_model, prompts
+from models import DECODE_CONFIG, DECODE_RUNTIME, make_model, prompts
 
 from jax_oc128.controller import ONLINE
 from jax_oc128.engine import Engine
@@ -99,7 +99,9 @@ def test_paged_fp8_fp4_caches(dense_engine, capsys):
     chain (N = 4) and tree tokens of a paged engine equal the dense engine's plain greedy tokens under the
     same caches (a verify reads the keys and entries as the decodes would); against float32 caches' tokens
     the tokens before the first difference are printed and asserted at the measured level."""
-    model = make_model(ONLINE, config=dataclasses.replace(CONFIG, kv_cache_dtype="fp8_fp4"))
+    model = make_model(
+        ONLINE, config=CONFIG, runtime=dataclasses.replace(DECODE_RUNTIME, kv_cache_dtype="fp8_fp4")
+    )
     expected = Engine(model, slots=3, steps_per_dispatch=8).generate(prompts(), 100).tokens
     engine = Engine(model, slots=3, steps_per_dispatch=8, pages=7, page_size=128)
     for options in (dict(num_tokens=4), dict(tree=(-1, 0, 0, 1))):
@@ -142,7 +144,7 @@ def test_paged_cache_shapes():
     windows stay per slot."""
     model = make_model(ONLINE, config=CONFIG)
     cache = jax.eval_shape(lambda: model.target.init_cache(3, 5, 256))
-    assert cache.page_table.shape == (3, CONFIG.max_len // 256)
+    assert cache.page_table.shape == (3, DECODE_RUNTIME.max_len // 256)
     sliding, hca, csa = cache.layers
     assert sliding.entries.shape[:2] == (3, 0) and hca.window.shape[0] == csa.window.shape[0] == 3
     assert hca.entries.shape == (5, 2, CONFIG.head_dim)
@@ -151,4 +153,4 @@ def test_paged_cache_shapes():
         64,
         CONFIG.index_head_dim,
     )
-    assert kv_cache.slot_entries(csa.entries, cache.page_table) == CONFIG.max_len // 4
+    assert kv_cache.slot_entries(csa.entries, cache.page_table) == DECODE_RUNTIME.max_len // 4

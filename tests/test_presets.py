@@ -12,7 +12,17 @@ from flax import nnx
 
 from jax_oc128 import checkpoint
 from jax_oc128.loading.hf_config import from_deepseek
-from jax_oc128.nn import CSA, HCA, SLIDING, Block, DeepseekV4Model, ModelConfig, default_draft_head
+from jax_oc128.nn import (
+    CSA,
+    HCA,
+    SLIDING,
+    Block,
+    DeepseekV4Model,
+    ModelConfig,
+    RuntimeConfig,
+    SpeculativeModel,
+    default_draft_head,
+)
 from jax_oc128.nn.moe import HASH_MOE, MOE
 
 #: what DeepSeek-V4-Flash's and -Pro's released config.json share (DeepSeek's field names; the values from
@@ -124,7 +134,9 @@ def target_parameters(config: ModelConfig) -> tuple[int, int]:
     blocks = {}
     for layer, kinds in enumerate(zip(config.layer_types, config.mlp_layer_types, strict=True)):
         if kinds not in blocks:
-            block = nnx.eval_shape(lambda layer=layer: Block(config, layer, rngs=nnx.Rngs(0)))
+            block = nnx.eval_shape(
+                lambda layer=layer: Block(config, RuntimeConfig(), layer, rngs=nnx.Rngs(0))
+            )
             blocks[kinds] = _sizes(block, config.num_experts)
         total, routed = total + blocks[kinds][0], routed + blocks[kinds][1]
     unpicked = routed * (1 - config.num_experts_per_tok / config.num_experts)
@@ -142,7 +154,7 @@ def test_parameter_counts_are_the_released_models(name):
 def test_slices():
     """A slice keeps the released layers' prefix and every other released value but those given."""
     full = ModelConfig.deepseek_v4_flash()
-    sliced = ModelConfig.deepseek_v4_flash(num_layers=6, num_experts=16, max_len=4096, dtype="bfloat16")
+    sliced = ModelConfig.deepseek_v4_flash(num_layers=6, num_experts=16, dtype="bfloat16")
     assert sliced.layer_types == (SLIDING, SLIDING, CSA, HCA, CSA, HCA) == full.layer_types[:6]
     assert sliced.mlp_layer_types == (HASH_MOE,) * 3 + (MOE,) * 3
     assert sliced == dataclasses.replace(
@@ -150,7 +162,6 @@ def test_slices():
         layer_types=full.layer_types[:6],
         mlp_layer_types=full.mlp_layer_types[:6],
         num_experts=16,
-        max_len=4096,
         dtype="bfloat16",
     )
     assert ModelConfig.deepseek_v4_pro(num_layers=3).layer_types == (HCA, HCA, CSA)
@@ -171,3 +182,36 @@ def test_tiny_is_the_shipped_model():
     )
     with pytest.raises(TypeError):
         ModelConfig()
+
+
+@pytest.mark.parametrize(
+    "field, bad, error, match",
+    [
+        ("max_len", 0, ValueError, r"^max_len: must be in \[1, 2147483647\], got 0"),
+        ("max_len", 2**31, ValueError, r"^max_len: must be in \[1, 2147483647\]"),
+        ("max_draft", 17, ValueError, r"^max_draft: must be in \[1, 16\], got 17"),
+        ("max_draft", 2.0, TypeError, "^max_draft: must be an int"),
+        ("kv_cache_dtype", "float16", ValueError, "^kv_cache_dtype: must be one of"),
+        ("moe_dispatch", "sparse", ValueError, "^moe_dispatch: must be one of"),
+    ],
+)
+def test_runtime_fields_are_checked(field, bad, error, match):
+    """Each RuntimeConfig field is checked, the error naming it; none is an architecture field."""
+    with pytest.raises(error, match=match):
+        RuntimeConfig(**{field: bad})
+    with pytest.raises(TypeError, match=field):
+        ModelConfig.tiny(**{field: getattr(RuntimeConfig(), field)})
+
+
+def test_runtime_is_given_to_the_model():
+    """The shipped model runs as RuntimeConfig()'s defaults (4096 tokens, 8 drafts, caches in its dtype,
+    grouped experts); a model exposes its runtime's bounds; a runtime that is not a RuntimeConfig, or one
+    beside a given target, is refused naming it."""
+    assert RuntimeConfig() == RuntimeConfig(4096, 8, "auto", "grouped")
+    model = checkpoint.load(runtime=RuntimeConfig(max_len=512, max_draft=4))[0]
+    assert (model.runtime, model.max_len, model.max_draft) == (RuntimeConfig(512, 4), 512, 4)
+    assert model.target.runtime is model.runtime and model.mtp.block.attn.max_draft == 4
+    with pytest.raises(TypeError, match=r"^runtime: must be a jax_oc128.nn.RuntimeConfig, got \{'max_len'"):
+        nnx.eval_shape(lambda: DeepseekV4Model(ModelConfig.tiny(), {"max_len": 512}, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"^runtime: None with a given target"):
+        SpeculativeModel(model.config, RuntimeConfig(), rngs=nnx.Rngs(0), target=model.target)

@@ -31,7 +31,7 @@ from oracle import rel_err
 from jax_oc128 import load_pretrained, pretrained
 from jax_oc128.engine import Engine
 from jax_oc128.loading import names
-from jax_oc128.nn import SLIDING, ModelConfig, SpeculativeModel, kv_cache
+from jax_oc128.nn import SLIDING, ModelConfig, RuntimeConfig, SpeculativeModel, kv_cache
 
 HF_CHECKPOINT = FIXTURES / "v4_small_window_hf"
 LAYERS = 4  # the small-window fixture's decoder layers
@@ -69,7 +69,9 @@ def test_single_file_with_transformers_names(tmp_path, name):
     fixture's logits, exactly the weights written."""
     config, weights, data = fixture(name)
     model = load_pretrained(write(tmp_path / name, config, weights), dtype="float32", max_len=512)
-    assert model.config == ModelConfig.from_hf(config, max_len=512, mtp=False)
+    assert model.config == ModelConfig.from_hf(config, mtp=False) and model.runtime == RuntimeConfig(
+        max_len=512
+    )
     assert_same_parameters(model, target_tensors(name))
     assert rel_err(prefill_logits(model, data["prompt"]), data["prefill_logits"]) < HF_TOL
 
@@ -94,7 +96,7 @@ def test_deepseek_config_fields(tmp_path):
         },
     }
     model = load_pretrained(write(tmp_path / "ckpt", theirs, weights), dtype="float32", max_len=512)
-    assert model.config == ModelConfig.from_hf(config, max_len=512, mtp=False)
+    assert model.config == ModelConfig.from_hf(config, mtp=False)
     theirs["compress_ratios"] = [0, 4, 128, 4, 128]
     with pytest.raises(
         NotImplementedError, match=r"config\.json: compress_ratios\[4\]: the MTP layer must be sliding"
@@ -137,7 +139,9 @@ def copying_checkpoint() -> tuple[dict, SpeculativeModel]:
         "mlp_layer_types": ["moe", "moe"],
         "num_nextn_predict_layers": 1,
     }
-    model = SpeculativeModel(ModelConfig.from_hf(config, max_len=512, max_draft=4), rngs=nnx.Rngs(7))
+    model = SpeculativeModel(
+        ModelConfig.from_hf(config), RuntimeConfig(max_len=512, max_draft=4), rngs=nnx.Rngs(7)
+    )
     embed = model.target.embed[...]
     model.target.embed[...] = embed / jnp.sqrt(jnp.mean(embed * embed, axis=-1, keepdims=True))
     second = model.target.blocks[1]
@@ -305,6 +309,17 @@ BAD_CONFIGS = {
         ValueError,
         r"config\.json: quantization_config\['fmt'\]: must be 'e4m3' \(DeepSeek's released format\)",
     ),
+    "unknown-architecture": (
+        {"architectures": ["LlamaForCausalLM"]},
+        ValueError,
+        r"config\.json: architectures: architecture: unknown 'LlamaForCausalLM'; registered: "
+        r".*DeepseekV4ForCausalLM",
+    ),
+    "two-architectures": (
+        {"architectures": ["DeepseekV4ForCausalLM", "X"]},
+        ValueError,
+        r"config\.json: architectures: must be a list of one name, got \['DeepseekV4ForCausalLM', 'X'\]",
+    ),
     "two-mtp-layers": (
         {"num_nextn_predict_layers": 2},
         NotImplementedError,
@@ -367,7 +382,7 @@ def test_bad_configs_are_named(tmp_path, nothing_placed, case):
     [
         ({"path": 3}, TypeError, "path: must be a str or os.PathLike"),
         ({"backend": "online"}, TypeError, "backend: must be a jax_oc128.Backend"),
-        ({"max_len": 0}, ValueError, r"max_len: must be >= 1, got 0"),
+        ({"max_len": 0}, ValueError, r"max_len: must be in \[1, 2147483647\], got 0"),
         ({"max_draft": 17}, ValueError, r"max_draft: must be in \[1, 16\]"),
         ({"max_draft": 2.0}, TypeError, "max_draft: must be an int"),
         ({"kv_cache_dtype": "float16"}, ValueError, r"kv_cache_dtype: must be one of \['auto'"),
@@ -384,7 +399,7 @@ def test_kv_cache_dtype_picks_the_caches():
     """``load_pretrained(kv_cache_dtype=...)`` is the model's cache format: FP8 entries in every compressed
     layer of the checkpoint's model."""
     model = load_pretrained(HF_CHECKPOINT, max_len=512, kv_cache_dtype="fp8")
-    assert model.config.kv_cache_dtype == "fp8"
+    assert model.runtime.kv_cache_dtype == "fp8"
     cache = jax.eval_shape(lambda: model.target.init_cache(1))
     compressed = [
         layer for layer, kind in zip(cache.layers, model.config.layer_types, strict=True) if kind != SLIDING

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import pathlib
+import types
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,16 @@ import pytest
 from flax import nnx
 
 import jax_oc128
-from jax_oc128 import Engine, ForwardMode, Tree, drafter_class, model_class, register_drafter, register_model
+from jax_oc128 import (
+    Engine,
+    ForwardMode,
+    RuntimeConfig,
+    Tree,
+    drafter_class,
+    model_class,
+    register_drafter,
+    register_model,
+)
 from jax_oc128.rules import drop_index
 
 ARCHITECTURE, DRAFTER = "TinyDenseForCausalLM", "tiny_bigram"
@@ -33,8 +43,6 @@ class TinyConfig:
 
     vocab_size: int
     hidden_size: int
-    max_len: int
-    max_draft: int
     drafter: bool = True
     trees: bool = True
 
@@ -100,7 +108,7 @@ class TinyDrafter(nnx.Module):
         config = target.config
         self.embed, self.lm_head = target.embed, target.lm_head
         self.before = _param(rngs, config.vocab_size, config.hidden_size, scale=0.1)
-        self.shape = (config.max_len, config.max_draft)
+        self.shape = (target.runtime.max_len, target.runtime.max_draft)
 
     def init_cache(self, slots):
         max_len, max_draft = self.shape
@@ -142,10 +150,11 @@ class TinyDrafter(nnx.Module):
 @register_model(ARCHITECTURE)
 class TinyDense(nnx.Module):
     """A one-layer causal LM with one attention head and no normalisation: ``h = x + attention(x) wo``,
-    ``logits = h lm_head``, ``x`` the token's embedding; dense caches only (no pages)."""
+    ``logits = h lm_head``, ``x`` the token's embedding; dense caches only (no pages). It takes the runtime's
+    ``max_len`` and ``max_draft`` (its other fields do not apply)."""
 
-    def __init__(self, config: TinyConfig, *, rngs: nnx.Rngs):
-        self.config = config
+    def __init__(self, config: TinyConfig, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
+        self.config, self.runtime = config, runtime
         vocab, size = config.vocab_size, config.hidden_size
         self.embed = _param(rngs, vocab, size)
         self.wq, self.wk, self.wv = (_param(rngs, size, size, scale=size**-0.5) for _ in range(3))
@@ -155,13 +164,11 @@ class TinyDense(nnx.Module):
 
     @classmethod
     def config_from_hf(cls, config: dict, **options) -> TinyConfig:
-        return TinyConfig(
-            config["vocab_size"], config["hidden_size"], config["max_position_embeddings"], **options
-        )
+        return TinyConfig(config["vocab_size"], config["hidden_size"], **options)
 
     vocab_size = property(lambda self: self.config.vocab_size)
-    max_len = property(lambda self: self.config.max_len)
-    max_draft = property(lambda self: self.config.max_draft)
+    max_len = property(lambda self: self.runtime.max_len)
+    max_draft = property(lambda self: self.runtime.max_draft)
     draft_hidden_size = property(lambda self: self.config.hidden_size)
     verifies_trees = property(lambda self: self.config.trees)
     drafter = property(lambda self: self.head)
@@ -169,8 +176,7 @@ class TinyDense(nnx.Module):
     def init_cache(self, slots, pages=None, page_size=0):
         if pages is not None:
             raise ValueError(f"pages: {type(self).__name__} has dense caches only, got {pages}")
-        c = self.config
-        by_position, by_node = ((slots, n, c.hidden_size) for n in (c.max_len, c.max_draft))
+        by_position, by_node = ((slots, n, self.config.hidden_size) for n in (self.max_len, self.max_draft))
         return KVCache(
             *(jnp.zeros(shape, jnp.float32) for shape in (by_position, by_position, by_node, by_node))
         )
@@ -241,9 +247,10 @@ HF_CONFIG = {
 
 def make_tiny(**options) -> TinyDense:
     """The minimal model as a loader builds it: its class by the architecture, its config from a
-    ``config.json`` dict, random weights."""
+    ``config.json`` dict, its runtime (``max_len`` its ``max_position_embeddings``), random weights."""
     cls = model_class(HF_CONFIG["architectures"][0])
-    return cls(cls.config_from_hf(HF_CONFIG, max_draft=8, **options), rngs=nnx.Rngs(0))
+    runtime = RuntimeConfig(max_len=HF_CONFIG["max_position_embeddings"], max_draft=8)
+    return cls(cls.config_from_hf(HF_CONFIG, **options), runtime, rngs=nnx.Rngs(0))
 
 
 def direct_greedy(model: TinyDense, prompt, count: int) -> list[int]:
@@ -351,7 +358,7 @@ class WrongDrafter(TinyDense):
             "^model: must implement .*Bare has no vocab_size, .*keep_path$",
         ),
         (
-            lambda m: Engine(WrongDrafter(m.config, rngs=nnx.Rngs(0)), 1),
+            lambda m: Engine(WrongDrafter(m.config, m.runtime, rngs=nnx.Rngs(0)), 1),
             TypeError,
             "^model.drafter: must implement .*object has no init_cache, clear, __call__, keep_path$",
         ),
@@ -380,6 +387,6 @@ def test_the_protocol_refusals(tiny_engine, build, error, message):
 
 def test_a_model_fact_out_of_range_is_refused_by_name():
     model = make_tiny()
-    model.config = dataclasses.replace(model.config, max_draft=17)
+    model.runtime = types.SimpleNamespace(max_len=model.max_len, max_draft=17)  # past RuntimeConfig's check
     with pytest.raises(ValueError, match=r"^model.max_draft: must be in \[1, 16\]"):
         Engine(model, 1)

@@ -439,7 +439,7 @@ def test_bench_released_weights():
     the float model's; a plain step of one token reads the target whole and top-k experts of each of its
     MoE layers."""
     bench = runpy.run_path(str(pathlib.Path(__file__).parents[1] / "bench" / "bench_decode.py"))
-    config = ModelConfig.from_hf(quantized_config(), max_len=256, max_draft=4, dtype="bfloat16")
+    config = ModelConfig.from_hf(quantized_config(), dtype="bfloat16")
     model = bench["released_model"](config, "online")
     float_model = SpeculativeModel(config, rngs=nnx.Rngs(0))
     paths = pretrained.parameter_paths(model)

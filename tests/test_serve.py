@@ -306,8 +306,8 @@ def test_load_with_disconnects_leaks_nothing(plain):
     ("flags", "message"),
     [
         (
-            ["--max-len", "5000"],
-            "argument --max-len: max_len: must be in [1, 4096 = the checkpoint's], got 5000",
+            ["--max-len", str(2**31)],
+            f"argument --max-len: max_len: must be in [1, {2**31 - 1}], got {2**31}",
         ),
         (["--draft", "9"], "argument --draft: num_tokens: must be in [2, 8"),
         (["--tree", "17"], "argument --tree: at most 16"),

@@ -17,7 +17,7 @@ from jax_oc128.nn.quant import FP4, FP8, QuantizedArray
 
 
 def specs(model_size):
-    config = ModelConfig.from_hf(fixture("small_window")[0], max_len=512)  # 4 heads, 2 o-groups, 4 experts
+    config = ModelConfig.from_hf(fixture("small_window")[0])  # 4 heads, 2 o-groups, 4 experts
     model = nnx.eval_shape(lambda: SpeculativeModel(config, rngs=nnx.Rngs(0)))
     specs = sharding.param_specs(nnx.state(model), AbstractMesh((2, model_size), ("data", "model")))
     flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]
@@ -87,7 +87,7 @@ def test_each_parameter_is_declared_once():
     """Every parameter of the full DeepSeek-V4 model and its MTP layer has exactly one declaration in
     jax_oc128.nn.weights (one transformers name each, and each name one parameter), and each rule of
     PARAM_RULES is a declared parameter's logical axes."""
-    config = ModelConfig.from_hf(fixture("small_window")[0], max_len=512)
+    config = ModelConfig.from_hf(fixture("small_window")[0])
     model = build_abstract(lambda rngs: SpeculativeModel(config, rngs=rngs))
     state = nnx.state(model)
     declared = parameter_paths(model)

@@ -26,7 +26,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from jax_oc128 import __main__ as cli
 from jax_oc128 import load_tokenizer, pretrained, text
 from jax_oc128.engine import Engine
-from jax_oc128.nn import ModelConfig, SpeculativeModel
+from jax_oc128.nn import ModelConfig, RuntimeConfig, SpeculativeModel
 from jax_oc128.nn.functional import variable_at
 
 HF_CHECKPOINT = pathlib.Path(__file__).parent / "fixtures" / "v4_small_window_hf"
@@ -75,7 +75,9 @@ def checkpoints(tmp_path_factory):
     write_tokenizer(plain)
     shutil.copytree(plain, mtp)
     config = json.loads((plain / pretrained.CONFIG).read_text()) | {"num_nextn_predict_layers": 1}
-    model = SpeculativeModel(ModelConfig.from_hf(config, max_len=512, max_draft=4), rngs=nnx.Rngs(3))
+    model = SpeculativeModel(
+        ModelConfig.from_hf(config), RuntimeConfig(max_len=512, max_draft=4), rngs=nnx.Rngs(3)
+    )
     prefix = f"model.layers.{len(config['layer_types'])}."
     tensors = load_file(plain / pretrained.SINGLE) | {
         name: np.asarray(variable_at(model, path)[...])
@@ -247,7 +249,7 @@ def test_generate_streams_the_decode_of_its_tokens(checkpoints, generated):
     assert stops == (EOS_ID,) and tokens.index(EOS_ID) == len(tokens) - 1 == 10  # EOS ends it
     assert f"{len(tokens)} tokens in " in err and "tokens/s; mean accepted length 1.00" in err
     assert err.count("\n") == 1  # the report alone: no progress display off a terminal
-    assert engine.prefill_chunk is None and engine.model.config.kv_cache_dtype == "auto"
+    assert engine.prefill_chunk is None and engine.model.runtime.kv_cache_dtype == "auto"
 
 
 def test_generate_several_prompts_as_jsonl(checkpoints, generated, tmp_path):
@@ -279,7 +281,7 @@ def test_generate_greedy_text_is_the_same_with_a_chain(generated):
     """... and with the prompt prefilled in chunks on a mesh of one device: --prefill-chunk,
     --kv-cache-dtype and --mesh reach the engine."""
     out, err, tokens, _, _, engine = generated["draft"]
-    assert engine.prefill_chunk == 8 and engine.model.config.kv_cache_dtype == "float32"
+    assert engine.prefill_chunk == 8 and engine.model.runtime.kv_cache_dtype == "float32"
     assert dict(engine.mesh.shape) == {"data": 1, "model": 1}
     assert (out, tokens) == (generated["plain"][0], generated["plain"][2])
     assert float(err.split("mean accepted length ")[1]) >= 1.0

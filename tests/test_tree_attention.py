@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from hf_fixtures import ATTENTION_MODEL as MODEL
+from hf_fixtures import ATTENTION_RUNTIME as RUNTIME
 from hf_fixtures import ATTENTION_X as X
 from hf_fixtures import attention_layer
 
@@ -51,7 +52,9 @@ def assert_same_rows(actual, desired):
 def make_layer(index):
     """Layer ``index`` of the transformers fixture, or (``CSA``) a CSA layer of its shapes, random weights."""
     if index == CSA:
-        config = dataclasses.replace(MODEL, index_n_heads=2, index_head_dim=16, index_topk=8).attention(CSA)
+        config = dataclasses.replace(MODEL, index_n_heads=2, index_head_dim=16, index_topk=8).attention(
+            CSA, RUNTIME
+        )
         return DeepseekV4Attention(config, max_draft=MAX_DRAFT, rngs=nnx.Rngs(5))
     return attention_layer(index, max_draft=MAX_DRAFT)
 
@@ -246,7 +249,7 @@ def test_tree_misuse():
         ForwardBatch.create(positions[0])
     with pytest.raises(ValueError, match=r"^lengths: \[batch\] = \[2\], got shape \(3,\)"):
         ForwardBatch.create(positions, lengths=jnp.ones(3, jnp.int32))
-    hca = DeepseekV4Attention(MODEL.attention(HCA), max_draft=MAX_DRAFT, rngs=nnx.Rngs(0))
+    hca = DeepseekV4Attention(MODEL.attention(HCA, RUNTIME), max_draft=MAX_DRAFT, rngs=nnx.Rngs(0))
     level = ForwardBatch.create(positions[:, :2], mode=VERIFY, tree=TREES[0], nodes=(1, 2))
     with pytest.raises(
         ValueError, match=r"^nodes: an heavily_compressed_attention layer verifies every node"

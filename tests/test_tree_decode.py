@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from harness import copy_tree, count_compiles
-from models import DECODE_CONFIG, prompts
+from models import DECODE_CONFIG, DECODE_RUNTIME, prompts
 
 from jax_oc128.controller import OFFLINE, ONLINE
 from jax_oc128.engine import Engine
@@ -22,12 +22,12 @@ from jax_oc128.tree import Tree
 
 # sliding and HCA layers (the engine tests'), a small vocabulary, so that a random draft head's top-k children
 # often hold the target's token and the paths are accepted deep
-TREE_CONFIG = dataclasses.replace(DECODE_CONFIG, vocab_size=6, max_draft=8)
+TREE_CONFIG = dataclasses.replace(DECODE_CONFIG, vocab_size=6)
 TREES = [Tree.default(8), Tree((-1, 0, 0, 0, 1, 1, 2, 4)), Tree.chain(4)]
 
 
 def make_model(seed=0, config=TREE_CONFIG, backend=ONLINE):
-    return SpeculativeModel(config, backend=backend, rngs=nnx.Rngs(seed))
+    return SpeculativeModel(config, DECODE_RUNTIME, backend=backend, rngs=nnx.Rngs(seed))
 
 
 @pytest.mark.parametrize("tree", TREES, ids=str)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from models import MODEL_CONFIG
+from models import MODEL_CONFIG, MODEL_RUNTIME
 
 from jax_oc128.controller import ForwardMode
 from jax_oc128.nn import CSA, HCA, SLIDING, DeepseekV4Attention, ForwardBatch, prepare_forward
@@ -59,7 +59,9 @@ def run(layer, chunks):
 def test_banded_equals_dense(layer_type, monkeypatch):
     """Chunks of 300 (three blocks, the last padded) and 140 tokens (the ring read by the first block), row 1
     7 tokens shorter in each: the outputs of the valid tokens and the caches equal the dense path's."""
-    layer = DeepseekV4Attention(CONFIG.attention(layer_type), max_draft=CONFIG.max_draft, rngs=nnx.Rngs(4))
+    layer = DeepseekV4Attention(
+        CONFIG.attention(layer_type, MODEL_RUNTIME), max_draft=MODEL_RUNTIME.max_draft, rngs=nnx.Rngs(4)
+    )
     banded, banded_cache = run(layer, (300, 140))
     monkeypatch.setattr(attention_module, "QUERY_BLOCK", 1 << 30)  # the dense twin: [T, R + T]
     dense, dense_cache = run(layer, (300, 140))
@@ -72,8 +74,8 @@ def test_banded_equals_dense(layer_type, monkeypatch):
 def test_band_shapes():
     """A chain of 300 tokens: 3 blocks of 128 queries, each over the ring's R rows and window - 1 + 128 new
     keys; a chain of 128 tokens is one block of every key."""
-    c = CONFIG.attention(SLIDING)
-    ring = CONFIG.sliding_window + CONFIG.max_draft
+    c = CONFIG.attention(SLIDING, MODEL_RUNTIME)
+    ring = CONFIG.sliding_window + MODEL_RUNTIME.max_draft
     for tokens, shape in ((300, (3, 128, ring + 15 + 128)), (128, (1, 128, ring + 128))):
         fb = ForwardBatch.create(jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32), (1, tokens)))
         keys, visible = attention_module._window_keys(

@@ -8,7 +8,7 @@ import dataclasses
 import jax
 import pytest
 from flax import nnx
-from models import MODEL_CONFIG
+from models import MODEL_CONFIG, MODEL_RUNTIME
 
 from jax_oc128 import checkpoint
 from jax_oc128.engine import Engine
@@ -24,7 +24,7 @@ def test_x64_mode_generates_the_same_tokens(tmp_path, temperature):
     """Speculative steps of N = 3 (2 slots, 3 steps per dispatch): before, 64-bit integer sums and argmaxes
     broke the decode loop's carry (int32 -> int64), and the sampled acceptance drew float64 uniforms."""
     path = tmp_path / "model.npz"
-    checkpoint.save(SpeculativeModel(CONFIG, rngs=nnx.Rngs(0)), path)
+    checkpoint.save(SpeculativeModel(CONFIG, MODEL_RUNTIME, rngs=nnx.Rngs(0)), path)
 
     def generate():
         model, _ = checkpoint.load(path)  # in the mode: a user sets it for the whole program

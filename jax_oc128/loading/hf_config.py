@@ -1,21 +1,28 @@
 """A Hugging Face-format checkpoint's ``config.json`` as the transformers config
 :meth:`~jax_oc128.nn.ModelConfig.from_hf` reads: transformers' ``DeepseekV4Config`` fields, or DeepSeek's own
-(``compress_ratios``, ``num_hash_layers``, ``qk_rope_head_dim``, ``rope_scaling``) converted:
+(``compress_ratios``, ``num_hash_layers``, ``qk_rope_head_dim``, ``rope_scaling``) converted, with the
+runtime of its model (:class:`~jax_oc128.nn.RuntimeConfig`) and its registered model class:
 :func:`read_config`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pathlib
+from typing import NamedTuple
 
 from jax_oc128 import files
 from jax_oc128.checks import check_int
 from jax_oc128.loading.formats import read_quantization
-from jax_oc128.nn import CSA, HCA, SLIDING, ModelConfig
+from jax_oc128.nn import CSA, HCA, SLIDING, ModelConfig, RuntimeConfig
 from jax_oc128.nn.moe import HASH_MOE, MOE
+from jax_oc128.registry import model_class
 
 CONFIG = "config.json"
+#: the architecture of a config without ``architectures`` (DeepSeek's own ``config.json`` names none,
+#: transformers' ``to_dict()`` of a config made in memory has None)
+DEFAULT_ARCHITECTURE = "DeepseekV4ForCausalLM"
 #: the largest config.json read, in bytes (DeepSeek-V4's is a few KiB)
 MAX_CONFIG_BYTES = 1 << 20
 #: DeepSeek's ``compress_ratios`` entries -> transformers' layer types
@@ -37,7 +44,17 @@ ROPE_NUMBERS = (
 )
 
 
-def read_config(file: pathlib.Path, **kwargs) -> tuple[ModelConfig, int, str | None]:
+class HFConfig(NamedTuple):
+    """What a Hugging Face config says (:func:`model_config`)."""
+
+    config: ModelConfig  # the architecture
+    runtime: RuntimeConfig  # how the model runs (the caller's, max_len by default the config's)
+    model_class: type  # the class registered as its ``architectures`` (registry.model_class)
+    mtp_layers: int  # num_nextn_predict_layers (0 or 1)
+    quantization: str | None  # read_quantization's
+
+
+def read_config(file: pathlib.Path, **kwargs) -> HFConfig:
     """:func:`model_config` of ``config.json`` (``file``, read bounded: :data:`MAX_CONFIG_BYTES`)."""
     try:
         config = files.read_json(file, MAX_CONFIG_BYTES)
@@ -46,15 +63,29 @@ def read_config(file: pathlib.Path, **kwargs) -> tuple[ModelConfig, int, str | N
     return model_config(config, file, **kwargs)
 
 
-def model_config(config, where, **kwargs) -> tuple[ModelConfig, int, str | None]:
+def model_config(config, where, *, dtype: str = "float32", max_len: int | None = None, **runtime) -> HFConfig:
     """The :class:`~jax_oc128.nn.ModelConfig` of a Hugging Face config (a dict: transformers' fields, or
-    DeepSeek's converted, :func:`from_deepseek`), its MTP layers and its quantization
-    (:func:`~jax_oc128.loading.formats.read_quantization`); ``kwargs``: the runtime fields of
-    :meth:`ModelConfig.from_hf <jax_oc128.nn.ModelConfig.from_hf>`. Each field it does not check itself is
-    checked here: a ValueError (NotImplementedError for what the model has not) naming ``where`` (the file)
-    and the field."""
+    DeepSeek's converted, :func:`from_deepseek`) in ``dtype``, the :class:`~jax_oc128.nn.RuntimeConfig` of
+    ``max_len`` (None: the config's ``max_position_embeddings``) and ``runtime`` (its other fields; each
+    checked first, the error naming it), the model class of its ``architectures`` (absent, null or empty:
+    :data:`DEFAULT_ARCHITECTURE`), its MTP layers and its quantization
+    (:func:`~jax_oc128.loading.formats.read_quantization`). Each field it does not check itself is checked
+    here: a ValueError (NotImplementedError for what the model has not) naming ``where`` (the file) and the
+    field."""
     if not isinstance(config, dict):
         raise ValueError(f"{where}: must be a JSON object")
+    given = RuntimeConfig(**runtime) if max_len is None else RuntimeConfig(max_len=max_len, **runtime)
+    architectures = config.get("architectures") or [DEFAULT_ARCHITECTURE]
+    if (
+        not isinstance(architectures, list)
+        or len(architectures) != 1
+        or not isinstance(architectures[0], str)
+    ):
+        raise ValueError(f"{where}: architectures: must be a list of one name, got {architectures!r}")
+    try:
+        cls = model_class(architectures[0])
+    except ValueError as error:
+        raise ValueError(f"{where}: architectures: {error}") from None
     try:
         quantization = read_quantization(config)
     except ValueError as error:
@@ -68,7 +99,10 @@ def model_config(config, where, **kwargs) -> tuple[ModelConfig, int, str | None]
         config = from_deepseek(config, mtp_layers)
         if "rope_parameters" in config:
             check_rope_parameters(config["rope_parameters"])
-        return ModelConfig.from_hf(config, **kwargs), mtp_layers, quantization
+        model = cls.config_from_hf(config, dtype=dtype)
+        if max_len is None:
+            given = dataclasses.replace(given, max_len=config["max_position_embeddings"])
+        return HFConfig(model, model.check_runtime(given), cls, mtp_layers, quantization)
     except KeyError as error:
         raise ValueError(f"{where}: config: missing fields [{error.args[0]!r}]") from None
     except (TypeError, ValueError) as error:

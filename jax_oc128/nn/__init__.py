@@ -15,7 +15,7 @@ from jax_oc128.nn.attention import (
     DeepseekV4Attention,
     LayerType,
 )
-from jax_oc128.nn.config import ModelConfig
+from jax_oc128.nn.config import ModelConfig, RuntimeConfig
 from jax_oc128.nn.csa import CSACompressor
 from jax_oc128.nn.draft import DeepseekV4MTP, DraftHead, MTPHead, SpeculativeModel, default_draft_head
 from jax_oc128.nn.forward import ForwardBatch, batch_slots, commit_verify, context_bucket, prepare_forward
@@ -48,6 +48,7 @@ __all__ = [
     "ModelCache",
     "ModelConfig",
     "RopeConfig",
+    "RuntimeConfig",
     "SpeculativeModel",
     "batch_slots",
     "commit_verify",

@@ -82,7 +82,7 @@ class AttentionConfig:
     max_position_embeddings: int
     indexer: IndexerConfig | None = None  # CSA layers
     dtype: str = "float32"  # the projections' weights'
-    # the caches' storage (ModelConfig.cache_dtypes)
+    # the caches' storage (RuntimeConfig.cache_dtypes)
     cache_dtypes: CacheDtypes = dataclasses.field(default_factory=CacheDtypes)
 
     @property
@@ -399,7 +399,7 @@ class DeepseekV4Attention(nnx.Module):
         """A layer with transformers weights.
 
         Args:
-          config: the layer's config, ``ModelConfig.from_hf(hf_config).attention(layer_type)``.
+          config: the layer's config, ``ModelConfig.from_hf(hf_config).attention(layer_type, runtime)``.
           layer_idx: the layer's index in the model (the weights' names).
           weights: that layer's state-dict entries (numpy arrays), named as in transformers, with or without
             the ``model.layers.{i}.self_attn.`` prefix.

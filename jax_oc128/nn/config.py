@@ -1,7 +1,8 @@
-"""The decoder's static configuration, :class:`ModelConfig`: its fields and their checks, the released
-DeepSeek-V4 models' presets (:meth:`ModelConfig.deepseek_v4_flash`, :meth:`ModelConfig.deepseek_v4_pro`), the
-shipped model's (:meth:`ModelConfig.tiny`) and the conversion of a transformers ``DeepseekV4Config``
-(:meth:`ModelConfig.from_hf`)."""
+"""The decoder's static configuration: its architecture, :class:`ModelConfig` (its fields and their checks,
+the released DeepSeek-V4 models' presets (:meth:`ModelConfig.deepseek_v4_flash`,
+:meth:`ModelConfig.deepseek_v4_pro`), the shipped model's (:meth:`ModelConfig.tiny`) and the conversion of a
+transformers ``DeepseekV4Config`` (:meth:`ModelConfig.from_hf`)), and how a model of it runs,
+:class:`RuntimeConfig` (the caches' bounds and storage, the MoE's computation), given at construction."""
 
 from __future__ import annotations
 
@@ -17,6 +18,40 @@ from jax_oc128.nn.kv_cache import CacheDtypes, check_kv_cache_dtype
 from jax_oc128.nn.moe import HASH_MOE, MOE, MoEConfig, check_dispatch
 from jax_oc128.nn.rope import RopeConfig
 from jax_oc128.rules import MAX_DRAFT
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """How a model runs, apart from its architecture (:class:`ModelConfig`): given to the model at
+    construction (``SpeculativeModel(config, runtime, ...)``), which exposes ``max_len`` and ``max_draft``.
+    Each field is checked, the error naming it.
+
+    Attributes:
+      max_len: the longest sequence the caches hold, in tokens, in [1, 2**31) (default 4096, the shipped
+        model's).
+      max_draft: the most tokens a verify takes (banks of the online C128 state), in [1,
+        :data:`~jax_oc128.rules.MAX_DRAFT`] (default 8).
+      kv_cache_dtype: the caches' storage, a name in :data:`~jax_oc128.nn.kv_cache.KV_CACHE_DTYPES` (default
+        ``"auto"``: the model's dtype).
+      moe_dispatch: the MoE layers' routed experts' computation, a name in
+        :data:`~jax_oc128.nn.moe.DISPATCHES` (default ``"grouped"``).
+    """
+
+    max_len: int = 4096
+    max_draft: int = 8
+    kv_cache_dtype: str = "auto"
+    moe_dispatch: str = "grouped"
+
+    def __post_init__(self):
+        check_int("max_len", self.max_len, 1, 2**31 - 1)
+        check_int("max_draft", self.max_draft, 1, MAX_DRAFT)
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        check_dispatch(self.moe_dispatch, "moe_dispatch")
+
+    def cache_dtypes(self, dtype: str) -> CacheDtypes:
+        """How every layer's caches are stored in a model of ``dtype``: ``kv_cache_dtype`` resolved
+        (:meth:`~jax_oc128.nn.kv_cache.CacheDtypes.resolve`)."""
+        return CacheDtypes.resolve(self.kv_cache_dtype, dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,14 +78,11 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     compress_rope_theta: float
-    max_len: int
-    max_draft: int  # most tokens per verify (banks of the online C128 state)
     mlp_layer_types: tuple[str, ...] | None  # moe / hash_moe per layer; None: a dense SwiGLU MLP
     num_experts: int  # n_routed_experts
     num_experts_per_tok: int
     routed_scaling_factor: float
     swiglu_limit: float  # MoE layers only
-    moe_dispatch: str  # the MoE layers' routed experts' computation (moe.DISPATCHES)
     hc_mult: int | None  # residual streams of the hyper-connections; None: one plain residual
     hc_sinkhorn_iters: int
     hc_eps: float
@@ -61,13 +93,11 @@ class ModelConfig:
     compress_rope_original_max_position_embeddings: int | None
     mtp: bool  # a draft head (False: plain decoding only)
     dtype: str  # the matrices' storage dtype, a name in functional.DTYPES
-    kv_cache_dtype: str  # the caches' storage, a name in kv_cache.KV_CACHE_DTYPES ("auto": the model's dtype)
 
     def __post_init__(self):
         """Every field checked (a config read from a file is checked before any parameter is built): ints
         in [1, 2**31) (positions and token ids are int32), finite floats > 0, a non-empty tuple of
-        supported layer types, a bool ``mtp``, a known ``dtype`` and ``kv_cache_dtype``, and the shapes'
-        constraints."""
+        supported layer types, a bool ``mtp``, a known ``dtype``, and the shapes' constraints."""
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             kind = field.type.removesuffix(" | None")
@@ -87,8 +117,6 @@ class ModelConfig:
             raise TypeError(f"mtp: must be a bool, got {self.mtp!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        check_kv_cache_dtype(self.kv_cache_dtype)
-        check_dispatch(self.moe_dispatch, "moe_dispatch")
         if not isinstance(self.layer_types, tuple) or not self.layer_types:
             raise TypeError(f"layer_types: must be a non-empty tuple, got {self.layer_types!r}")
         for i, layer_type in enumerate(self.layer_types):
@@ -129,23 +157,11 @@ class ModelConfig:
                 f"rope_dim: must be <= index_head_dim ({self.index_head_dim}) with CSA layers, "
                 f"got {self.rope_dim}"
             )
-        fp4_group = quant.GROUP[quant.FP4]
-        if (
-            self.cache_dtypes.index_keys == quant.FP4
-            and CSA in self.layer_types
-            and self.index_head_dim % fp4_group
-        ):
-            raise ValueError(
-                f"index_head_dim: must be a multiple of {fp4_group} with FP4 indexer keys "
-                f"(kv_cache_dtype {self.kv_cache_dtype!r}), got {self.index_head_dim}"
-            )
         if self.num_heads * self.head_dim % self.o_groups:
             raise ValueError(
                 f"o_groups: must divide num_heads * head_dim ({self.num_heads * self.head_dim}), "
                 f"got {self.o_groups}"
             )
-        if self.max_draft > MAX_DRAFT:
-            raise ValueError(f"max_draft: at most {MAX_DRAFT}, got {self.max_draft}")
         if self.compressed_layers and self.head_dim % 32:
             raise ValueError(f"head_dim: must be a multiple of 32 with C128 layers, got {self.head_dim}")
 
@@ -154,11 +170,23 @@ class ModelConfig:
         """The number of C128 (HCA) layers: the layers of the model's compressor state."""
         return self.layer_types.count(HCA)
 
-    @property
-    def cache_dtypes(self) -> CacheDtypes:
-        """How every layer's caches are stored: ``kv_cache_dtype`` resolved against ``dtype``
-        (:meth:`~jax_oc128.nn.kv_cache.CacheDtypes.resolve`)."""
-        return CacheDtypes.resolve(self.kv_cache_dtype, self.dtype)
+    def check_runtime(self, runtime: RuntimeConfig) -> RuntimeConfig:
+        """``runtime`` (a :class:`RuntimeConfig`) if a model of this config can run with it: FP4 indexer keys
+        (``kv_cache_dtype`` ``"fp8_fp4"``) need CSA layers' ``index_head_dim`` a multiple of the FP4 group;
+        TypeError or ValueError naming the argument otherwise."""
+        if not isinstance(runtime, RuntimeConfig):
+            raise TypeError(f"runtime: must be a jax_oc128.nn.RuntimeConfig, got {runtime!r}")
+        fp4_group = quant.GROUP[quant.FP4]
+        if (
+            runtime.cache_dtypes(self.dtype).index_keys == quant.FP4
+            and CSA in self.layer_types
+            and self.index_head_dim % fp4_group
+        ):
+            raise ValueError(
+                f"index_head_dim: must be a multiple of {fp4_group} with FP4 indexer keys "
+                f"(kv_cache_dtype {runtime.kv_cache_dtype!r}), got {self.index_head_dim}"
+            )
+        return runtime
 
     @property
     def hyper_connections(self) -> bool:
@@ -190,8 +218,7 @@ class ModelConfig:
         A slice of it (for one device): ``num_layers`` its first layers (None: all 43), each keeping its
         released attention and MLP type (the released pattern's prefix); ``fields`` replace any other
         field, e.g. ``num_experts`` (fewer routed experts; every MoE layer still routes
-        ``num_experts_per_tok``, 6, of them), ``max_len`` (released: ``max_position_embeddings``, a million
-        tokens), ``max_draft``, ``mtp``, ``dtype``."""
+        ``num_experts_per_tok``, 6, of them), ``mtp``, ``dtype``."""
         return cls._released(DEEPSEEK_V4_FLASH, num_layers, fields)
 
     @classmethod
@@ -216,9 +243,12 @@ class ModelConfig:
         sliced = {name: values[name][:num_layers] for name in ("layer_types", "mlp_layer_types")}
         return cls(**(values | sliced | fields))
 
-    def attention(self, layer_type: str) -> AttentionConfig:
+    def attention(self, layer_type: str, runtime: RuntimeConfig | None = None) -> AttentionConfig:
         """The :class:`~jax_oc128.nn.AttentionConfig` of a layer of ``layer_type`` (a
-        :class:`~jax_oc128.nn.LayerType` or its string)."""
+        :class:`~jax_oc128.nn.LayerType` or its string) running as ``runtime`` says (None: the defaults,
+        ``RuntimeConfig()``): its ``max_position_embeddings`` the runtime's ``max_len``, its caches' storage
+        the runtime's."""
+        runtime = self.check_runtime(RuntimeConfig() if runtime is None else runtime)
         if layer_type == SLIDING:
             rope = RopeConfig(self.rope_dim, self.rope_theta)
         else:  # YaRN's attention factor is 1 here, as transformers forces it for V4
@@ -242,16 +272,18 @@ class ModelConfig:
             sliding_window=self.sliding_window,
             rms_norm_eps=self.rms_norm_eps,
             rope=rope,
-            max_position_embeddings=self.max_len,
+            max_position_embeddings=runtime.max_len,
             indexer=indexer,
             dtype=self.dtype,
-            cache_dtypes=self.cache_dtypes,
+            cache_dtypes=runtime.cache_dtypes(self.dtype),
         )
 
-    def moe(self, layer: int) -> MoEConfig | None:
-        """The :class:`~jax_oc128.nn.moe.MoEConfig` of ``layer``'s MLP, None for the dense MLP."""
+    def moe(self, layer: int, runtime: RuntimeConfig | None = None) -> MoEConfig | None:
+        """The :class:`~jax_oc128.nn.moe.MoEConfig` of ``layer``'s MLP (its dispatch ``runtime``'s
+        ``moe_dispatch``; None: the default's), None for the dense MLP."""
         if self.mlp_layer_types is None:
             return None
+        runtime = self.check_runtime(RuntimeConfig() if runtime is None else runtime)
         return MoEConfig(
             hash_routed=self.mlp_layer_types[layer] == HASH_MOE,
             hidden_size=self.hidden_size,
@@ -262,26 +294,16 @@ class ModelConfig:
             swiglu_limit=self.swiglu_limit,
             vocab_size=self.vocab_size,
             dtype=self.dtype,
-            dispatch=self.moe_dispatch,
+            dispatch=runtime.moe_dispatch,
         )
 
     @classmethod
-    def from_hf(
-        cls,
-        config: dict,
-        *,
-        max_len: int | None = None,
-        max_draft: int = 8,
-        mtp: bool = True,
-        dtype: str = "float32",
-        moe_dispatch: str = "grouped",
-        kv_cache_dtype: str = "auto",
-    ) -> ModelConfig:
-        """From ``DeepseekV4Config.to_dict()`` (a Hugging Face ``config.json``); ``max_len`` (default
-        ``max_position_embeddings``) bounds the sequences the caches hold; ``max_draft``, ``mtp``,
-        ``dtype``, ``moe_dispatch`` and ``kv_cache_dtype`` are the fields of the same names. Raises
-        ValueError naming a missing field, NotImplementedError for what transformers allows and this model
-        does not have."""
+    def from_hf(cls, config: dict, *, mtp: bool = True, dtype: str = "float32") -> ModelConfig:
+        """From ``DeepseekV4Config.to_dict()`` (a Hugging Face ``config.json``; its
+        ``max_position_embeddings`` is a runtime bound, the default ``max_len`` of
+        :func:`~jax_oc128.loading.hf_config.model_config`); ``mtp`` and ``dtype``
+        are the fields of the same names. Raises ValueError naming a missing field, NotImplementedError for
+        what transformers allows and this model does not have."""
         missing = sorted(HF_FIELDS - config.keys())
         if missing:
             raise ValueError(f"config: missing fields {missing}")
@@ -303,12 +325,8 @@ class ModelConfig:
             compress_rope_theta=compress_rope.theta,
             compress_rope_factor=compress_rope.factor,
             compress_rope_original_max_position_embeddings=compress_rope.original_max_position_embeddings,
-            max_len=config["max_position_embeddings"] if max_len is None else max_len,
-            max_draft=max_draft,
             mtp=mtp,
             dtype=dtype,
-            moe_dispatch=moe_dispatch,
-            kv_cache_dtype=kv_cache_dtype,
         )
         if model_config.attention(HCA).rope != compress_rope:
             raise NotImplementedError(f"config: rope_parameters['compress']: unsupported {compress!r}")
@@ -375,14 +393,11 @@ TINY = dict(
     rms_norm_eps=1e-6,
     rope_theta=10000.0,
     compress_rope_theta=160000.0,
-    max_len=4096,
-    max_draft=8,
     mlp_layer_types=None,
     num_experts=4,
     num_experts_per_tok=2,
     routed_scaling_factor=1.5,
     swiglu_limit=10.0,
-    moe_dispatch="grouped",
     hc_mult=None,
     hc_sinkhorn_iters=20,
     hc_eps=1e-6,
@@ -393,11 +408,10 @@ TINY = dict(
     compress_rope_original_max_position_embeddings=None,
     mtp=True,
     dtype="float32",
-    kv_cache_dtype="auto",
 )
-#: what DeepSeek-V4-Flash's and -Pro's released ``config.json`` share, as ModelConfig fields (``max_len``
-#: their ``max_position_embeddings``; ``max_draft``, ``mtp`` and ``dtype`` as :meth:`ModelConfig.from_hf`
-#: sets them by default: one MTP layer, ``num_nextn_predict_layers`` 1)
+#: what DeepSeek-V4-Flash's and -Pro's released ``config.json`` share, as ModelConfig fields (``mtp`` and
+#: ``dtype`` as :meth:`ModelConfig.from_hf` sets them by default: one MTP layer, ``num_nextn_predict_layers``
+#: 1; their ``max_position_embeddings``, a million, is a runtime bound: ``RuntimeConfig.max_len``)
 DEEPSEEK_V4 = dict(
     vocab_size=129280,
     head_dim=512,
@@ -407,11 +421,8 @@ DEEPSEEK_V4 = dict(
     rms_norm_eps=1e-6,
     rope_theta=10000.0,
     compress_rope_theta=160000.0,
-    max_len=1048576,
-    max_draft=8,
     num_experts_per_tok=6,
     swiglu_limit=10.0,
-    moe_dispatch="grouped",
     hc_mult=4,
     hc_sinkhorn_iters=20,
     hc_eps=1e-6,
@@ -421,7 +432,6 @@ DEEPSEEK_V4 = dict(
     compress_rope_original_max_position_embeddings=65536,
     mtp=True,
     dtype="float32",
-    kv_cache_dtype="auto",
 )
 #: DeepSeek-V4-Flash's released ``config.json`` as ModelConfig fields (:meth:`ModelConfig.deepseek_v4_flash`):
 #: ``compress_ratios`` 0, 0, then 4 and 128 alternating, ending 4; ``num_hash_layers`` 3

@@ -27,7 +27,7 @@ from flax import nnx
 
 from jax_oc128.controller import ONLINE, Backend, ForwardMode
 from jax_oc128.nn.attention import HCA, SLIDING, AttentionCache
-from jax_oc128.nn.config import ModelConfig
+from jax_oc128.nn.config import ModelConfig, RuntimeConfig
 from jax_oc128.nn.forward import ForwardBatch
 from jax_oc128.nn.functional import normal_param, ones_param, rms_norm
 from jax_oc128.nn.hyper_connections import HyperHead
@@ -45,7 +45,8 @@ MTP_HEAD, DEEPSEEK_V4_MTP = "mtp_head", "deepseek_v4_mtp"
 class DraftHead(Drafter, Protocol):
     """A :class:`~jax_oc128.protocols.Drafter` of a DeepSeek-V4 target, as :class:`SpeculativeModel` builds
     it: ``__init__(config, target, *, rngs)``, the head of ``target`` (a
-    :class:`~jax_oc128.nn.DeepseekV4Model` of ``config``), its own parameters drawn from ``rngs``; the
+    :class:`~jax_oc128.nn.DeepseekV4Model` of ``config``, whose ``runtime`` it runs as), its own parameters
+    drawn from ``rngs``; the
     target's parameters it uses (embedding, LM head) are the same :class:`flax.nnx.Param` objects, so a
     checkpoint holds them once. Its hidden state is ``config.draft_hidden_size`` wide."""
 
@@ -81,6 +82,7 @@ class MTPHead(BlockHead):
         # one sliding layer with a dense MLP and one residual stream, whatever the target's layout
         self.block = Block(
             dataclasses.replace(config, layer_types=(SLIDING,), mlp_layer_types=None, hc_mult=None),
+            target.runtime,
             0,
             rngs=rngs,
         )
@@ -120,7 +122,7 @@ class DeepseekV4MTP(BlockHead):
         self.embed_proj = normal_param(rngs, size, size, dtype=config.dtype)
         self.hidden_proj = normal_param(rngs, size, size, dtype=config.dtype)
         layer = dataclasses.replace(config, layer_types=(SLIDING,), mlp_layer_types=(MOE,))
-        self.block = Block(layer, 0, rngs=rngs)
+        self.block = Block(layer, target.runtime, 0, rngs=rngs)
         self.hc_head = HyperHead(config.hc_mult, size, config.hc_eps, config.rms_norm_eps, rngs=rngs)
         self.norm = ones_param(size)
 
@@ -155,7 +157,9 @@ def default_draft_head(config: ModelConfig) -> str | None:
 class SpeculativeModel(nnx.Module):
     """The target and its draft head, as one module (one checkpoint), the
     :class:`~jax_oc128.protocols.Model` the engine drives: ``target`` the
-    :class:`~jax_oc128.nn.DeepseekV4Model`, ``mtp`` the draft head registered as ``drafter`` (default
+    :class:`~jax_oc128.nn.DeepseekV4Model` of ``config`` running as ``runtime`` says (a
+    :class:`~jax_oc128.nn.RuntimeConfig`, None: its defaults; a given ``target`` brings its own), ``mtp``
+    the draft head registered as ``drafter`` (default
     :func:`default_draft_head`), or None (``config.mtp`` False: plain decoding only). Its caches are the
     target's :class:`~jax_oc128.nn.ModelCache` and the head's :class:`~jax_oc128.nn.AttentionCache`. A tree
     verify needs the online C128 state in a model with C128 layers (:attr:`verifies_trees`)."""
@@ -163,16 +167,21 @@ class SpeculativeModel(nnx.Module):
     def __init__(
         self,
         config: ModelConfig,
+        runtime: RuntimeConfig | None = None,
         *,
+        drafter: str | None = None,
+        target: DeepseekV4Model | None = None,
         backend: Backend = ONLINE,
         rngs: nnx.Rngs,
-        target: DeepseekV4Model | None = None,
-        drafter: str | None = None,
     ):
         if drafter is not None and not config.mtp:
             raise ValueError(f"drafter: None for a config without a draft head (mtp False), got {drafter!r}")
         self.config = config
-        self.target = DeepseekV4Model(config, backend=backend, rngs=rngs) if target is None else target
+        if target is None:
+            target = DeepseekV4Model(config, runtime, backend=backend, rngs=rngs)
+        elif runtime is not None:
+            raise ValueError("runtime: None with a given target (the target's is the model's)")
+        self.target = target
         head = default_draft_head(config) if drafter is None else drafter
         self.mtp = None if head is None else drafter_class(head)(config, self.target, rngs=rngs)
 
@@ -192,10 +201,11 @@ class SpeculativeModel(nnx.Module):
             dataclasses.replace(target.config, mtp=True), backend=target.backend, rngs=rngs, target=target
         )
 
-    # the protocol's static facts: the config's
+    # the protocol's static facts: the config's and the runtime's
     vocab_size = property(lambda self: self.config.vocab_size)
-    max_len = property(lambda self: self.config.max_len)
-    max_draft = property(lambda self: self.config.max_draft)
+    runtime = property(lambda self: self.target.runtime)
+    max_len = property(lambda self: self.runtime.max_len)
+    max_draft = property(lambda self: self.runtime.max_draft)
     draft_hidden_size = property(lambda self: self.config.draft_hidden_size)
 
     @property

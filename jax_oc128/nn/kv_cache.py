@@ -2,7 +2,7 @@
 HCA entries in float32, bfloat16 or DeepSeek's FP8 format, the indexer keys in those or FP4; attention reads
 them back in float32 (:func:`decode`) and computes in float32 (:mod:`~jax_oc128.nn.functional`).
 
-``ModelConfig.kv_cache_dtype`` (:data:`KV_CACHE_DTYPES`) selects them, resolved once by
+``RuntimeConfig.kv_cache_dtype`` (:data:`KV_CACHE_DTYPES`) selects them, resolved once by
 :meth:`CacheDtypes.resolve`:
 
 * ``"auto"``: every cache in the model's dtype (``ModelConfig.dtype``), float32 or bfloat16;
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from jax_oc128.nn import quant
 
-#: the values of ``ModelConfig.kv_cache_dtype``
+#: the values of ``RuntimeConfig.kv_cache_dtype``
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8", "fp8_fp4")
 
 

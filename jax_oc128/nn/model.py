@@ -18,7 +18,7 @@ target with its draft head) are in :mod:`~jax_oc128.nn.draft`.
 Shapes: ``tokens`` ``[batch, T]`` int32, ``positions`` ``[batch, T]`` int32 (consecutive per row),
 ``lengths`` ``[batch]`` int32 (valid tokens per row, default all; rows of length 0 are untouched).
 Activations and logits are float32; the matrices are stored in ``ModelConfig.dtype`` (float32 or bfloat16,
-accumulated in float32: :mod:`~jax_oc128.nn.functional`), the caches as ``ModelConfig.kv_cache_dtype`` says
+accumulated in float32: :mod:`~jax_oc128.nn.functional`), the caches as ``RuntimeConfig.kv_cache_dtype`` says
 (by default in the model's dtype; :mod:`~jax_oc128.nn.kv_cache`).
 """
 
@@ -32,7 +32,7 @@ from flax import nnx
 
 from jax_oc128.controller import ONLINE, Backend, ForwardMode, State, backend_of
 from jax_oc128.nn.attention import HCA, AttentionCache, DeepseekV4Attention
-from jax_oc128.nn.config import ModelConfig
+from jax_oc128.nn.config import ModelConfig, RuntimeConfig
 from jax_oc128.nn.forward import ForwardBatch, commit_verify, prepare_forward
 from jax_oc128.nn.functional import normal_param, ones_param, rms_norm
 from jax_oc128.nn.hyper_connections import HyperConnection, HyperHead
@@ -63,25 +63,32 @@ class ModelCache:
 
     @classmethod
     def create(
-        cls, config: ModelConfig, backend: Backend, batch: int, pages: int | None = None, page_size: int = 0
+        cls,
+        config: ModelConfig,
+        runtime: RuntimeConfig,
+        backend: Backend,
+        batch: int,
+        pages: int | None = None,
+        page_size: int = 0,
     ) -> ModelCache:
-        """An empty cache of a model of ``config`` with the C128 ``backend`` for ``batch`` rows (slots):
-        each layer's :meth:`~jax_oc128.nn.AttentionCache.create` up to ``max_len`` tokens, and the C128 state
-        (float32); nothing but the config is read. With ``pages``: paged, a pool of ``pages`` pages of
+        """An empty cache of a model of ``config`` running as ``runtime`` says with the C128 ``backend`` for
+        ``batch`` rows (slots): each layer's :meth:`~jax_oc128.nn.AttentionCache.create` up to the runtime's
+        ``max_len`` tokens, and the C128 state (float32); nothing but the configs is read. With ``pages``:
+        paged, a pool of ``pages`` pages of
         ``page_size`` tokens (a multiple of 128 dividing ``max_len``) per compressed layer and a page table
         of ``max_len // page_size`` pages per slot, none assigned."""
         compressed = None
         if config.compressed_layers:
-            compressed = backend.create(config.compressed_layers, batch, config.head_dim, config.max_draft)
+            compressed = backend.create(config.compressed_layers, batch, config.head_dim, runtime.max_draft)
         layers = tuple(
             AttentionCache.create(
-                config.attention(t), config.max_draft, batch, config.max_len, pages, page_size
+                config.attention(t, runtime), runtime.max_draft, batch, runtime.max_len, pages, page_size
             )
             for t in config.layer_types
         )
         if pages is None:
             return cls(layers, compressed)
-        return cls(layers, compressed, jnp.full((batch, config.max_len // page_size), -1, jnp.int32))
+        return cls(layers, compressed, jnp.full((batch, runtime.max_len // page_size), -1, jnp.int32))
 
     def clear(self, rows) -> ModelCache:
         """Empty ``rows`` ([n] int32, -1 ignored) for new sequences, in every layer and the compressor (a
@@ -99,21 +106,22 @@ class Block(nnx.Module):
     added to the residual, or with ``hc_mult`` inside its hyper-connection over the residual streams.
 
     Args:
-      config: the model's config; layer: the layer's index in it (an HCA layer writes layer
-        ``config.layer_types[:layer].count(HCA)`` of the model's C128 state).
+      config: the model's config; runtime: how it runs (:class:`~jax_oc128.nn.RuntimeConfig`); layer: the
+        layer's index in it (an HCA layer writes layer ``config.layer_types[:layer].count(HCA)`` of the
+        model's C128 state).
     """
 
-    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, runtime: RuntimeConfig, layer: int, *, rngs: nnx.Rngs):
         self.eps = config.rms_norm_eps
         self.attn_norm = ones_param(config.hidden_size)
         self.attn = DeepseekV4Attention(
-            config.attention(config.layer_types[layer]),
-            max_draft=config.max_draft,
+            config.attention(config.layer_types[layer], runtime),
+            max_draft=runtime.max_draft,
             compress_layer=config.layer_types[:layer].count(HCA),
             rngs=rngs,
         )
         self.mlp_norm = ones_param(config.hidden_size)
-        moe_config = config.moe(layer)
+        moe_config = config.moe(layer, runtime)
         if moe_config is None:
             self.gate = normal_param(rngs, config.mlp_hidden, config.hidden_size, dtype=config.dtype)
             self.up = normal_param(rngs, config.mlp_hidden, config.hidden_size, dtype=config.dtype)
@@ -177,16 +185,27 @@ def output_logits(hidden, norm, lm_head, eps):
 
 
 class DeepseekV4Model(nnx.Module):
-    """The target model; ``backend`` selects the C128 compressor state (online banks or offline rows) that
+    """The target model of ``config`` running as ``runtime`` says (:class:`~jax_oc128.nn.RuntimeConfig`;
+    None: its defaults); ``backend`` selects the C128 compressor state (online banks or offline rows) that
     its caches hold (:meth:`init_cache`); the layers drive it through its own controller
     (:func:`~jax_oc128.controller.backend_of`)."""
 
-    def __init__(self, config: ModelConfig, *, backend: Backend = ONLINE, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: ModelConfig,
+        runtime: RuntimeConfig | None = None,
+        *,
+        backend: Backend = ONLINE,
+        rngs: nnx.Rngs,
+    ):
         if not isinstance(backend, Backend):
             raise TypeError(f"backend: a jax_oc128.controller.Backend (ONLINE or OFFLINE), got {backend!r}")
-        self.config, self.backend = config, backend
+        runtime = config.check_runtime(RuntimeConfig() if runtime is None else runtime)
+        self.config, self.runtime, self.backend = config, runtime, backend
         self.embed = normal_param(rngs, config.vocab_size, config.hidden_size, scale=0.5, dtype=config.dtype)
-        self.blocks = nnx.List([Block(config, layer, rngs=rngs) for layer in range(len(config.layer_types))])
+        self.blocks = nnx.List(
+            [Block(config, runtime, layer, rngs=rngs) for layer in range(len(config.layer_types))]
+        )
         if config.hyper_connections:
             self.hc_head = HyperHead(
                 config.hc_mult, config.hidden_size, config.hc_eps, config.rms_norm_eps, rngs=rngs
@@ -199,8 +218,8 @@ class DeepseekV4Model(nnx.Module):
         """The model of a transformers ``DeepseekV4ForCausalLM``: its ``config`` (``to_dict()``) and its
         ``weights``, the full state dict (name -> numpy array), loaded by the pipeline of
         :func:`jax_oc128.load_pretrained` (:func:`jax_oc128.pretrained.load_weights`: every tensor checked
-        before any is placed, one ValueError naming each at fault); ``kwargs``: ``max_len``, ``max_draft``,
-        ``dtype`` of :meth:`ModelConfig.from_hf`."""
+        before any is placed, one ValueError naming each at fault); ``kwargs``: those of
+        :func:`~jax_oc128.pretrained.load_weights` (``max_len``, ``max_draft``, ``dtype``, ...)."""
         from jax_oc128.pretrained import load_weights  # (the loading pipeline imports the model)
 
         return load_weights(config, weights, backend=backend, **kwargs).target
@@ -208,7 +227,7 @@ class DeepseekV4Model(nnx.Module):
     def init_cache(self, batch: int, pages: int | None = None, page_size: int = 0) -> ModelCache:
         """An empty cache for ``batch`` rows (slots), paged with ``pages`` pages of ``page_size`` tokens:
         :meth:`ModelCache.create`."""
-        return ModelCache.create(self.config, self.backend, batch, pages, page_size)
+        return ModelCache.create(self.config, self.runtime, self.backend, batch, pages, page_size)
 
     def logits(self, hidden):
         """``[..., hidden]`` -> ``[..., vocab]`` (final norm and LM head)."""
@@ -237,8 +256,8 @@ class DeepseekV4Model(nnx.Module):
         forward_batch = ForwardBatch.create(
             positions, lengths=lengths, mode=mode, tree=tree, page_table=cache.page_table, context=context
         )
-        if context is not None and context > self.config.max_len:
-            raise ValueError(f"context: {context} exceeds the model's max_len {self.config.max_len}")
+        if context is not None and context > self.runtime.max_len:
+            raise ValueError(f"context: {context} exceeds the model's max_len {self.runtime.max_len}")
         compressed = prepare_forward(cache.compressed, forward_batch)
         h = self.embed[...][tokens].astype(jnp.float32)
         if self.config.hyper_connections:

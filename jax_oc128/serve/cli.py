@@ -61,6 +61,7 @@ def build(parser: argparse.ArgumentParser, args):
     from jax_oc128 import checkpoint
     from jax_oc128.engine import Engine
     from jax_oc128.engine.requests import RequestScheduler
+    from jax_oc128.nn import RuntimeConfig
     from jax_oc128.serve.app import Server
     from jax_oc128.text import byte_tokenizer, load_tokenizer
 
@@ -72,7 +73,7 @@ def build(parser: argparse.ArgumentParser, args):
     flags |= {"page_size": "--page-size", "max_len": "--max-len"}
     try:
         if args.path is None:
-            model, _ = checkpoint.load(max_len=args.max_len)
+            model, _ = checkpoint.load(runtime=None if args.max_len is None else RuntimeConfig(args.max_len))
             tokenizer, name = byte_tokenizer(), "shipped"
         else:
             from jax_oc128.pretrained import load_pretrained

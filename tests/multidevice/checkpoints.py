@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file
 
 from jax_oc128 import pretrained, released
-from jax_oc128.nn import CSA, HCA, SLIDING, ModelConfig, SpeculativeModel, sharding
+from jax_oc128.nn import CSA, HCA, SLIDING, ModelConfig, RuntimeConfig, SpeculativeModel, sharding
 from jax_oc128.nn.functional import variable_at
 from jax_oc128.nn.moe import HASH_MOE, MOE
 
@@ -41,7 +41,9 @@ def config() -> dict:
 
 @functools.cache
 def random_model() -> SpeculativeModel:
-    return SpeculativeModel(ModelConfig.from_hf(config(), max_len=512, max_draft=4), rngs=nnx.Rngs(5))
+    return SpeculativeModel(
+        ModelConfig.from_hf(config()), RuntimeConfig(max_len=512, max_draft=4), rngs=nnx.Rngs(5)
+    )
 
 
 @functools.cache
