@@ -130,13 +130,17 @@ def main(argv=None) -> list[dict]:
             )
         )
     with cli.running(server) as base:
-        asyncio.run(run_rate(base, server.model_name, prompts[:1], args.output_len, math.inf, 0))  # compiles
+        for warm in prompts[:2]:  # compiles (the second: a prefix cache's hit)
+            asyncio.run(run_rate(base, server.model_name, [warm], args.output_len, math.inf, 0))
+        totals = server.scheduler.totals
         for rate in args.rates:
-            rows.append(
-                asyncio.run(
-                    run_rate(base, server.model_name, prompts, args.output_len, rate, args.bench_seed)
-                )
+            before = dict(totals)
+            row = asyncio.run(
+                run_rate(base, server.model_name, prompts, args.output_len, rate, args.bench_seed)
             )
+            for key in ("prefill_tokens", "cached_tokens"):  # the prompt tokens fed, and taken from the cache
+                row[key] = totals[key] - before.get(key, 0)
+            rows.append(row)
     if args.output == "json":
         print(json.dumps(rows, indent=1))
     else:
@@ -151,6 +155,8 @@ def main(argv=None) -> list[dict]:
             "tpot_p99_ms",
             "e2e_p50_ms",
             "e2e_p99_ms",
+            "prefill_tokens",
+            "cached_tokens",
         ]
         print(" ".join(f"{k:>14s}" for k in keys))
         for row in rows:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -94,6 +95,25 @@ def _feed(model, state, tokens, starts, lengths, *, chunk):
     return steps.feed(model, state, tokens, starts, lengths, chunk=chunk)[0]
 
 
+#: an engine's jitted feed, store and restore (compiled once per engine, whatever its schedulers)
+_JITTED = weakref.WeakKeyDictionary()
+
+
+def _jitted(engine) -> tuple:
+    if engine not in _JITTED:
+        model = engine.model
+        graphdef = nnx.split(model)[0]
+        _JITTED[engine] = (
+            jax.jit(
+                functools.partial(_on_model, _feed, graphdef, chunk=engine.prefill_chunk),
+                donate_argnames="state",
+            ),
+            jax.jit(functools.partial(store, model), donate_argnames="snapshots"),
+            jax.jit(functools.partial(restore, model), donate_argnames="state"),
+        )
+    return _JITTED[engine]
+
+
 def check_prefix_cache(value, engine) -> int:
     """``prefix_cache`` (the snapshots kept, 0: off) checked for ``engine``: an int >= 0; past 0, a paged
     engine on one device (or a mesh of one ``"data"`` device) whose model is a
@@ -120,6 +140,7 @@ class PrefixCache:
       pinned: pages that running requests use.
       pages: pages the cache holds.
       nodes: every cached node.
+      evictions: pages evicted.
     """
 
     def __init__(self, engine, pool, capacity: int):
@@ -132,13 +153,8 @@ class PrefixCache:
         self._free = list(range(capacity - 1, -1, -1))
         self._holders: dict[int, Node] = {}  # snapshot index -> its node
         pool.cache = self
-        model = engine.model
-        graphdef = nnx.split(model)[0]
-        self._feed = jax.jit(
-            functools.partial(_on_model, _feed, graphdef, chunk=engine.prefill_chunk), donate_argnames="state"
-        )
-        self._store = jax.jit(functools.partial(store, model), donate_argnames="snapshots")
-        self._restore = jax.jit(functools.partial(restore, model), donate_argnames="state")
+        self._feed, self._store, self._restore = _jitted(engine)
+        self.evictions = 0
         self._snapshots = None  # allocated at the first store
 
     def _keys(self, prompt, pages: int) -> list[bytes]:
@@ -237,6 +253,7 @@ class PrefixCache:
         del node.parent.children[node.key]
         self.nodes.remove(node)
         self.pages -= 1
+        self.evictions += 1
         if node.snapshot is not None:
             del self._holders[node.snapshot]
             self._free.append(node.snapshot)

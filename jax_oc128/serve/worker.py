@@ -26,6 +26,7 @@ class Handle:
     def __init__(self, prompt, params: SamplingParams, sink: Callable):
         self.prompt, self.params, self.sink = prompt, params, sink
         self.id: int | None = None  # the scheduler's, once added
+        self.cached = 0  # its prompt tokens taken from the prefix cache, once admitted
         self.aborted = False
 
 
@@ -86,6 +87,8 @@ class Worker:
                     self._wake.wait(0.5)
                     continue
                 out = self.scheduler.step()
+                for request, cached in out.cached.items():
+                    handles[request].cached = cached
                 for request, tokens in out.tokens.items():
                     handles[request].sink(tokens, None)
                 for request, reason in out.finished.items():
