@@ -16,6 +16,7 @@ from models import DECODE_CONFIG, make_model
 
 from jax_oc128.controller import ONLINE
 from jax_oc128.engine import Engine
+from jax_oc128.engine.pages import PagePool
 from jax_oc128.engine.requests import RequestScheduler, SamplingParams
 from jax_oc128.nn import CSA, HCA, SLIDING
 
@@ -101,14 +102,15 @@ def test_cached_prefixes_give_the_uncached_tokens(engine, expected, n):
 
 
 def test_eviction_under_a_small_pool(engine, expected):
-    """With 8 pages (two requests of 4 to 5 pages each: they wait for pages) and one snapshot, cached
-    pages and snapshots are evicted, the tokens still the uncached ones and every page back at the end."""
-    small = Engine(engine.model, slots=2, steps_per_dispatch=8, pages=8, page_size=PAGE)
+    """With 6 pages (requests of 4 or 5 pages: the first two run one after the other), unpinned cached pages
+    are evicted when a slot grows past the free pages; the tokens are still the uncached ones, the requests
+    after the first take the system prompt's pages, and every page is back at the end."""
+    small = Engine(engine.model, slots=2, steps_per_dispatch=8, pages=6, page_size=PAGE)
     small._idle_state = poisoned_pages(small.init_state())
-    tokens, cached, scheduler, _ = run(small, prefix_cache=1)
+    tokens, cached, scheduler, _ = run(small, prefix_cache=4)
     assert tokens == expected[None]
-    assert scheduler.prefix_cache.evictions > 0 and scheduler.prefix_cache.snapshots == 1
-    assert any(cached[2:]), cached
+    assert scheduler.prefix_cache.evictions > 0
+    assert cached == [0] + [3 * PAGE] * 4
     assert_all_back(scheduler)
 
 
@@ -125,3 +127,40 @@ def test_bad_settings_are_refused_by_name(engine, options, value, error, match):
     other = Engine(engine.model, slots=2, **options)
     with pytest.raises(error, match=match):
         RequestScheduler(other, prefix_cache=value)
+
+
+class FakeCache:
+    """A prefix cache holding ``pages``, ``pinned`` of them pinned; evicts the last."""
+
+    def __init__(self):
+        self.pages, self.pinned = [], 0
+
+    def evict(self):
+        return self.pages.pop()
+
+
+def test_page_pool_shares_adopts_and_evicts():
+    """A slot's adopted page passes to the cache (out of its reservation, not freed at its release); a slot
+    sharing it reserves only its own pages, the pinned ones counted against the pool; a slot that grows past
+    the free pages takes an evicted page of the cache."""
+    pool = PagePool(pages=4, page_size=PAGE, slots=2, max_pages=4)
+    cache = pool.cache = FakeCache()
+    pool.reserve(0, 3 * PAGE)
+    pool.grow(0, 3 * PAGE)
+    assert pool.table[0].tolist() == [0, 1, 2, -1]
+    assert pool.adopt(0, 0) == 0
+    cache.pages, cache.pinned = [0], 1
+    with pytest.raises(RuntimeError, match="page 0 is not its own"):
+        pool.adopt(0, 0)
+    assert not pool.can_reserve(1, 2 * PAGE)  # 2 reserved + 1 pinned + 2 > 4
+    pool.release(0)
+    assert pool.free_pages == 3 and pool.table[0].tolist() == [-1] * 4
+    assert pool.can_reserve(1, 4 * PAGE, shared=1) and not pool.can_reserve(1, 4 * PAGE)
+    pool.reserve(1, 4 * PAGE, [0])
+    assert pool.grow(1, 4 * PAGE) and pool.table[1].tolist() == [0, 1, 2, 3]
+    pool.release(1)  # the shared page stays the cache's
+    assert pool.free_pages == 3
+    cache.pinned = 0  # unpinned: available, evicted when a slot needs it
+    pool.reserve(0, 4 * PAGE)
+    pool.grow(0, 4 * PAGE)
+    assert sorted(pool.table[0].tolist()) == [0, 1, 2, 3] and cache.pages == [] and pool.free_pages == 0

@@ -1,5 +1,5 @@
-"""Prefix caching for paged engines: prompts' page-aligned prefixes kept by their tokens, shared by later
-requests (docs/serving.md, "Prefix caching").
+"""Prefix caching for paged engines on one device: prompts' page-aligned prefixes kept by their tokens,
+shared by later requests (docs/serving.md, "Prefix caching").
 
 A cached prefix is a chain of pages (a node per page, keyed by its tokens under its parent: the hash chain
 of vLLM and SGLang, exact since a node keeps its page's tokens) and, at some nodes, a *snapshot*: the
@@ -33,7 +33,6 @@ from flax import nnx
 
 from jax_oc128.checks import check_int
 from jax_oc128.engine import steps
-from jax_oc128.nn import sharding
 from jax_oc128.protocols import PrefixState
 
 
@@ -116,16 +115,14 @@ def _jitted(engine) -> tuple:
 
 def check_prefix_cache(value, engine) -> int:
     """``prefix_cache`` (the snapshots kept, 0: off) checked for ``engine``: an int >= 0; past 0, a paged
-    engine on one device (or a mesh of one ``"data"`` device) whose model is a
+    engine on one device (no mesh) whose model is a
     :class:`~jax_oc128.protocols.PrefixState`."""
     value = check_int("prefix_cache", value, 0)
     if value:
         if engine.pages is None:
             raise ValueError("prefix_cache: needs paged caches (Engine(..., pages=...))")
-        if engine.mesh is not None and engine.mesh.shape[sharding.DATA] > 1:
-            raise ValueError(
-                "prefix_cache: not with the slots split over several devices (the mesh's data axis)"
-            )
+        if engine.mesh is not None:
+            raise ValueError("prefix_cache: an engine on one device only (no mesh)")
         if not isinstance(engine.model, PrefixState):
             raise TypeError("prefix_cache: the model stores no prefix state (protocols.PrefixState)")
     return value
@@ -173,13 +170,21 @@ class PrefixCache:
         hit = max((k + 1 for k, node in enumerate(path) if node.snapshot is not None), default=0)
         return Plan(path, hit, sorted({len(path), last} - set(range(hit + 1))))
 
+    def hit_only(self, plan: Plan) -> Plan:
+        """``plan`` storing no snapshot unless its match ends at its hit: the nodes between its hit and
+        where its prompt leaves the cache are not pinned (the pool may have no room for them besides the
+        request's own copies of their pages)."""
+        if len(plan.path) == plan.hit:
+            return plan
+        return Plan(plan.path[: plan.hit], plan.hit, [])
+
     def pins(self, plan: Plan) -> int:
         """Pages that :meth:`pin` of ``plan`` would newly pin."""
         return sum(node.refs == 0 for node in self._pinned_path(plan))
 
     def _pinned_path(self, plan: Plan) -> list[Node]:
         # the shared pages, and the nodes up to the divergence point when a snapshot is stored there
-        return plan.path if len(plan.path) > plan.hit else plan.path[: plan.hit]
+        return plan.path if plan.points else plan.path[: plan.hit]
 
     def pin(self, plan: Plan) -> list[Node]:
         """Pin the nodes a request admitted with ``plan`` uses; returns them (for :meth:`unpin`)."""

@@ -293,9 +293,10 @@ class RequestScheduler:
         them; returns whether it did."""
         pool, cache = self.page_pool, self.prefix_cache
         plan = None if cache is None else cache.plan(request.prompt)
+        if plan is not None and not pool.can_reserve(slot, request.needs, plan.hit, cache.pins(plan)):
+            plan = cache.hit_only(plan)  # the pages of a snapshot at its divergence do not fit now
         shared = [] if plan is None else [node.page for node in plan.path[: plan.hit]]
-        pins = 0 if plan is None else cache.pins(plan)
-        if not pool.can_reserve(slot, request.needs, len(shared), pins):
+        if not pool.can_reserve(slot, request.needs, len(shared), 0 if plan is None else cache.pins(plan)):
             return False
         pool.reserve(slot, request.needs, shared)
         if cache is not None:
