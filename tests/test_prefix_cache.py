@@ -1,6 +1,6 @@
 """Prefix caching (RequestScheduler(..., prefix_cache=N), jax_oc128.engine.prefix_cache) on the online C128
 state: requests sharing a long system prompt (three pages of 128 tokens) give the tokens they give without
-the cache (greedy plain and chain N = 2), with every page NaN-poisoned at the start, the cached pages never
+the cache (greedy plain, chain N = 2 and a draft tree), with every page NaN-poisoned at the start, the cached pages never
 rewritten, and with pages and snapshots evicted under a small pool; every page back (free or cached,
 nothing pinned) when all end; the hit tokens reported per request and in total; bad settings refused."""
 
@@ -85,15 +85,19 @@ def assert_all_back(scheduler):
     assert pool.can_reserve(0, pool.per_shard * PAGE)  # the cache's pages count as available
 
 
-@pytest.mark.parametrize("n", [None, 2])
-def test_cached_prefixes_give_the_uncached_tokens(engine, expected, n):
+@pytest.mark.parametrize(
+    ("speculation", "uncached"),
+    [({}, None), (dict(num_tokens=2), 2), (dict(tree=(-1, 0, 0, 1)), None)],
+    ids=["plain", "chain2", "tree"],
+)
+def test_cached_prefixes_give_the_uncached_tokens(engine, expected, speculation, uncached):
     """With the cache (pages NaN at the start: a read of a page a slot was not given shows), the tokens
-    are the uncached ones; the later requests take the system prompt's three pages from it, the totals count
+    are the uncached ones (plain, chain N = 2; a draft tree: greedy speculation gives plain greedy tokens,
+    test_tree_decode); the later requests take the system prompt's three pages from it, the totals count
     what was fed and taken, and no cached page changed while the later requests ran on it."""
     engine._idle_state = poisoned_pages(engine.init_state())
-    speculation = {} if n is None else dict(num_tokens=n)
     tokens, cached, scheduler, changed = run(engine, prefix_cache=4, **speculation)
-    assert tokens == expected[n]
+    assert tokens == expected[uncached]
     assert cached == [0, 0, 3 * PAGE, 3 * PAGE, 3 * PAGE]
     assert scheduler.totals["cached_tokens"] == 9 * PAGE
     assert scheduler.totals["prefill_tokens"] == sum(map(len, PROMPTS)) - 9 * PAGE
