@@ -1,8 +1,9 @@
 """Prefix caching (RequestScheduler(..., prefix_cache=N), jax_oc128.engine.prefix_cache) on the online C128
 state: requests sharing a long system prompt (three pages of 128 tokens) give the tokens they give without
-the cache (greedy plain, chain N = 2 and a draft tree), with every page NaN-poisoned at the start, the cached pages never
-rewritten, and with pages and snapshots evicted under a small pool; every page back (free or cached,
-nothing pinned) when all end; the hit tokens reported per request and in total; bad settings refused."""
+the cache (greedy plain, chain N = 2 and a draft tree), every page NaN-poisoned at the start, the cached
+pages never rewritten, and with cached pages evicted under a small pool; every page back (free or cached,
+nothing pinned) when all end; the hit tokens reported per request and in total; the page pool's sharing,
+adoption and eviction; bad settings refused."""
 
 from __future__ import annotations
 
