@@ -97,12 +97,6 @@ class PagePool:
         self._reserved[self.shard(slot)] -= 1
         return int(self.table[slot, k])
 
-    def give_back(self, page: int, shard: int = 0) -> None:
-        """An evicted page of the prefix cache back to ``shard``'s free pages."""
-        free = self._free[shard]
-        free.append(page)
-        free.sort(reverse=True)  # the lowest page next
-
     def release(self, slot: int) -> bool:
         """``slot``'s own pages back to its device's free pages (the shared ones stay the prefix cache's) and
         its reservation ended; returns whether it held any."""
