@@ -143,12 +143,17 @@ def main(argv=None) -> list[dict]:
         )
     spawn = multiprocessing.get_context("spawn")  # (no fork of a process running JAX's threads)
     with cli.running(server) as base, ProcessPoolExecutor(1, mp_context=spawn) as pool:
-        pool.submit(client, base, server.model_name, prompts[:1], args.output_len, math.inf, 0).result()
-        for rate in args.rates:  # (the first request compiled)
-            before = server.scheduler.dispatches
+        for warm in prompts[:2]:  # compiles (the second: a prefix cache's hit)
+            pool.submit(client, base, server.model_name, [warm], args.output_len, math.inf, 0).result()
+        totals = server.scheduler.totals
+        for rate in args.rates:
+            before, dispatches = dict(totals), server.scheduler.dispatches
             job = (base, server.model_name, prompts, args.output_len, rate, args.bench_seed)
-            rows.append(pool.submit(client, *job).result())
-            rows[-1]["dispatches"] = server.scheduler.dispatches - before
+            row = pool.submit(client, *job).result()
+            row["dispatches"] = server.scheduler.dispatches - dispatches
+            for key in ("prefill_tokens", "cached_tokens"):  # the prompt tokens fed, and taken from the cache
+                row[key] = totals[key] - before.get(key, 0)
+            rows.append(row)
     if args.output == "json":
         print(json.dumps(rows, indent=1))
     else:
@@ -165,6 +170,8 @@ def main(argv=None) -> list[dict]:
             "e2e_p99_ms",
             "events_per_request",
             "dispatches",
+            "prefill_tokens",
+            "cached_tokens",
         ]
         print(" ".join(f"{k:>14s}" for k in keys))
         for row in rows:

@@ -143,6 +143,23 @@ class Model(Protocol):
         ...
 
 
+@runtime_checkable
+class PrefixState(Protocol):
+    """A :class:`Model` whose paged slots can be served from a cached prefix (the engine's prefix caching,
+    :mod:`~jax_oc128.engine.prefix_cache`): the per-slot state a prefix ending on a page boundary leaves
+    beyond its pages, stored and restored."""
+
+    def prefix_state(self, cache: Cache, slots: jax.Array) -> Any:
+        """The per-slot state of ``slots`` ([n] int32) after a prefix of a multiple of the page size: a
+        pytree of ``[n, ...]`` arrays."""
+        ...
+
+    def with_prefix_state(self, cache: Cache, slots: jax.Array, state: Any) -> Cache:
+        """``cache`` with ``slots`` cleared and given ``state`` (a :meth:`prefix_state`): as after the
+        prefix, with its pages in the slots' rows of the page table."""
+        ...
+
+
 def members(protocol: type) -> tuple[str, ...]:
     """The attributes and methods ``protocol`` (:class:`Model`, :class:`Drafter`) declares, in order."""
     methods = [

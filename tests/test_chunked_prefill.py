@@ -98,7 +98,8 @@ def test_chunked_prefill_holds_one_chunks_logits():
     engine = Engine(make_model(ONLINE, config=dataclasses.replace(CONFIG, vocab_size=vocab)), slots=SLOTS)
     state = engine.init_state()
     width = 6 * CHUNK
-    args = [np.zeros((SLOTS, width), np.int32), np.full(SLOTS, width, np.int32), np.ones(SLOTS, np.int32)]
+    tokens, starts = np.zeros((SLOTS, width), np.int32), np.zeros(SLOTS, np.int32)
+    args = [tokens, starts, np.full(SLOTS, width, np.int32), np.ones(SLOTS, np.int32)]
     stops = np.full(MAX_STOP_TOKENS, -1, np.int32)
 
     def traced(chunk):

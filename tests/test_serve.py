@@ -65,6 +65,7 @@ def test_completions_and_chat_equal_generate(plain):
         assert done.choices[0].text == decode(tokens)
         assert done.choices[0].finish_reason == "length"
         assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(prompt.encode()), NEW)
+        assert done.usage.prompt_tokens_details.cached_tokens == 0  # no prefix cache
         chunks = list(
             api.completions.create(model="shipped", prompt=prompt, max_tokens=NEW, temperature=0, stream=True)
         )

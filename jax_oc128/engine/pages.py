@@ -9,6 +9,12 @@ one it does not hold (writes past its pages are dropped on the device, :mod:`~ja
 
 With data parallelism the pool is split over the ``"data"`` devices like the slots: slot s's pages are those
 of its device (shard ``s // (slots // shards)``), numbered locally from 0.
+
+With prefix caching (:mod:`~jax_oc128.engine.prefix_cache`, one device) a slot's row may start with pages it
+shares (the cache's, given at :meth:`PagePool.reserve`), and pages it wrote may pass to the cache
+(:meth:`PagePool.adopt`): a slot owns, reserves and frees only its own. The cache's pinned pages (those a
+running request uses) count against the pool as reserved ones; the others are evicted (least recently used
+first) when a slot grows and no page is free, so a request never waits for pages an eviction could free.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ class PagePool:
         self._reserved = np.zeros(shards, np.int64)
         self._reservation = np.zeros(slots, np.int64)
         self._held = np.zeros(slots, np.int64)
+        self._owned = np.zeros((slots, max_pages), bool)  # the slot's own pages (not the prefix cache's)
+        self.cache = None  # the prefix cache (pinned, evict()), if any
         self.handed_out: set[tuple[int, int]] = set()
         self.waits = 0
 
@@ -46,38 +54,58 @@ class PagePool:
         """The device whose pool slot ``slot`` draws from."""
         return slot // self.slots_per_shard
 
-    def can_reserve(self, slot: int, tokens: int) -> bool:
-        """Whether ``slot``'s device has pages for ``tokens`` more tokens beyond what is reserved."""
-        shard = self.shard(slot)
-        return self._reserved[shard] + self.pages_for(tokens) <= self.per_shard
+    def can_reserve(self, slot: int, tokens: int, shared: int = 0, pins: int = 0) -> bool:
+        """Whether ``slot``'s device has pages for ``tokens`` more tokens beyond what is reserved and what the
+        prefix cache pins, ``shared`` of them the cache's (pinned already or among ``pins``, the pages the
+        request would newly pin)."""
+        pinned = pins + (0 if self.cache is None else self.cache.pinned)
+        return self._reserved[self.shard(slot)] + self.pages_for(tokens) - shared + pinned <= self.per_shard
 
-    def reserve(self, slot: int, tokens: int) -> None:
-        """``slot`` (holding nothing) reserves the pages of ``tokens`` tokens (:meth:`can_reserve` first)."""
-        if self._reservation[slot] or not self.can_reserve(slot, tokens):
+    def reserve(self, slot: int, tokens: int, shared=()) -> None:
+        """``slot`` (holding nothing) reserves the pages of ``tokens`` tokens, the first ones the prefix
+        cache's pages ``shared`` (:meth:`can_reserve` first)."""
+        shared = [int(page) for page in shared]
+        if self._reservation[slot] or not self.can_reserve(slot, tokens, len(shared)):
             raise RuntimeError(f"slot {slot}: reserved already, or too few pages for {tokens} tokens")
-        self._reservation[slot] = self.pages_for(tokens)
+        self.table[slot, : len(shared)] = shared
+        self._held[slot] = len(shared)
+        self._reservation[slot] = self.pages_for(tokens) - len(shared)
         self._reserved[self.shard(slot)] += self._reservation[slot]
 
     def grow(self, slot: int, tokens: int) -> bool:
-        """``slot`` holds pages for its first ``tokens`` tokens, at most its reservation; returns whether
-        its row of :attr:`table` changed."""
-        want = min(self.pages_for(tokens), int(self._reservation[slot]))
+        """``slot`` holds pages for its first ``tokens`` tokens, at most its reservation (its free pages
+        taken lowest first, else an unpinned page of the prefix cache evicted); returns whether its row of
+        :attr:`table` changed."""
         held = int(self._held[slot])
+        want = min(
+            self.pages_for(tokens), held - int(self._owned[slot, :held].sum()) + self._reservation[slot]
+        )
         free = self._free[self.shard(slot)]
         for k in range(held, want):
-            self.table[slot, k] = free.pop()
+            self.table[slot, k] = free.pop() if free else self.cache.evict()
+            self._owned[slot, k] = True
             self.handed_out.add((self.shard(slot), int(self.table[slot, k])))
         self._held[slot] = max(held, want)
         return want > held
 
+    def adopt(self, slot: int, k: int) -> int:
+        """``slot``'s own page ``k`` passes to the prefix cache (out of its reservation); returns it."""
+        if not self._owned[slot, k]:
+            raise RuntimeError(f"slot {slot}: page {k} is not its own")
+        self._owned[slot, k] = False
+        self._reservation[slot] -= 1
+        self._reserved[self.shard(slot)] -= 1
+        return int(self.table[slot, k])
+
     def release(self, slot: int) -> bool:
-        """``slot``'s pages back to its device's free pages and its reservation ended; returns whether it
-        held any."""
+        """``slot``'s own pages back to its device's free pages (the shared ones stay the prefix cache's) and
+        its reservation ended; returns whether it held any."""
         held = int(self._held[slot])
         free = self._free[self.shard(slot)]
-        free.extend(int(page) for page in self.table[slot, :held][::-1])
+        free.extend(int(page) for page in self.table[slot, :held][self._owned[slot, :held]])
         free.sort(reverse=True)  # the lowest page next
         self.table[slot] = -1
+        self._owned[slot] = False
         self._reserved[self.shard(slot)] -= self._reservation[slot]
         self._reservation[slot] = self._held[slot] = 0
         return held > 0
@@ -88,5 +116,5 @@ class PagePool:
         return sum(map(len, self._free))
 
     def holds(self, slot: int) -> bool:
-        """Whether ``slot`` has a reservation."""
-        return bool(self._reservation[slot])
+        """Whether ``slot`` holds pages or has a reservation."""
+        return bool(self._reservation[slot] or self._held[slot])

@@ -40,7 +40,7 @@ class Placement:
         self.state = dataclasses.replace(sharding.slot_specs(state), key=P())  # the PRNG key everywhere
         per_step, row = sharding.slots_at(1), sharding.slots_at(0)
         self.output = DecodeOutput(per_step, per_step, row, P(), P(), P())
-        self.prefill_specs = ((self.state, row, row, row, P()), (self.state, self.output))
+        self.prefill_specs = ((self.state, row, row, row, row, P()), (self.state, self.output))
         self.decode_specs = ((self.state, P(), P()), (self.state, self.output))
 
     def put_params(self, params):
@@ -144,6 +144,7 @@ def prefill(
     params,
     state,
     tokens,
+    starts,
     lengths,
     budgets,
     stop_tokens,
@@ -157,7 +158,7 @@ def prefill(
         _on_model, step_fns.prefill, graphdef, temperature=temperature, chunk=chunk, axis=placement.axis
     )
     run = placement.per_slot_shard(step, *placement.prefill_specs)
-    return run(params, state, tokens, lengths, budgets, stop_tokens)
+    return run(params, state, tokens, starts, lengths, budgets, stop_tokens)
 
 
 def decode(graphdef, placement: Placement, params, state, stop_tokens, waiting, steps, tree, temperature):

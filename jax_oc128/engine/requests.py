@@ -34,6 +34,7 @@ import numpy as np
 from jax_oc128.checks import ArgumentTypeError
 from jax_oc128.engine import arguments
 from jax_oc128.engine.pages import PagePool
+from jax_oc128.engine.prefix_cache import Plan, PrefixCache, check_prefix_cache
 from jax_oc128.engine.state import DecodeOutput
 from jax_oc128.nn import sharding
 
@@ -65,11 +66,14 @@ class StepOutput:
       finished: request id -> why it ended: ``"stop"`` (a stop token), ``"length"`` (max_new_tokens) or
         ``"abort"``.
       steps: request id -> the steps (its prefill one of them) that gave it the tokens read.
+      cached: request id -> the prompt tokens it took from the prefix cache, for the requests admitted by
+        this step (0 for a miss; none without prefix caching).
     """
 
     tokens: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     finished: dict[int, str] = dataclasses.field(default_factory=dict)
     steps: dict[int, int] = dataclasses.field(default_factory=dict)
+    cached: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -77,6 +81,8 @@ class _Request:
     prompt: np.ndarray
     params: SamplingParams
     needs: int  # the most tokens it writes: prompt + max_new_tokens + N
+    plan: Plan | None = None  # prefix caching: where its prompt met the cache at admission
+    held: list = dataclasses.field(default_factory=list)  # prefix caching: the nodes it pins
 
     @property
     def exclusive(self) -> bool:
@@ -90,13 +96,19 @@ class RequestScheduler:
     It takes the engine's idle decode state (the one :meth:`Engine.generate` keeps between calls) and gives
     it back on :meth:`close`. All methods are called from one thread.
 
+    ``prefix_cache``: 0 (off), or the snapshots kept on the device for prefix caching (paged engines on one
+    device): prompts' page-aligned prefixes are cached and shared by later requests
+    (:mod:`~jax_oc128.engine.prefix_cache`).
+
     Attributes:
       page_pool: paged engines, the :class:`~jax_oc128.engine.pages.PagePool` of its slots (else None).
+      prefix_cache: the :class:`~jax_oc128.engine.prefix_cache.PrefixCache`, or None.
       dispatches: decode dispatches run.
-      totals: counts of the dispatches read (``steps``, ``slot_steps``, ``accepted``).
+      totals: counts of the dispatches read (``steps``, ``slot_steps``, ``accepted``) and of the prompts
+        admitted: ``prefill_tokens`` fed, ``cached_tokens`` taken from the prefix cache.
     """
 
-    def __init__(self, engine, *, num_tokens=None, tree=None, seed=0):
+    def __init__(self, engine, *, num_tokens=None, tree=None, seed=0, prefix_cache=0):
         self.engine = engine
         self.tree = arguments.check_speculation(num_tokens, tree, engine.model)
         self.width = 1 if self.tree is None else self.tree.size  # the tokens a step writes
@@ -105,6 +117,8 @@ class RequestScheduler:
             shards = 1 if engine.mesh is None else engine.mesh.shape[sharding.DATA]
             pages, size = engine.pages, engine.page_size
             self.page_pool = PagePool(pages, size, engine.slots, engine.model.max_len // size, shards)
+        capacity = check_prefix_cache(prefix_cache, engine)
+        self.prefix_cache = PrefixCache(engine, self.page_pool, capacity) if capacity else None
         self.state = engine._take_state(arguments.check_seed(seed))
         self._ids = itertools.count()
         self._requests: dict[int, _Request] = {}
@@ -195,11 +209,7 @@ class RequestScheduler:
             else ()
         )
         if admitted:
-            prompts = {slot: self._requests[r].prompt for slot, r in admitted.items()}
-            budgets = {slot: self._requests[r].params.max_new_tokens for slot, r in admitted.items()}
-            self.state, output = engine._prefill_rows(self.state, prompts, budgets, stops, self._temperature)
-            self.owner.update(admitted)
-            self._unread.append((admitted, output))
+            self._prefill(admitted, stops, out)
         if self.owner:
             self.state, output = engine._decode(
                 engine.params,
@@ -222,6 +232,39 @@ class RequestScheduler:
         out.finished, self._finished = self._finished, {}
         return out
 
+    def _prefill(self, admitted: dict[int, int], stops, out: StepOutput) -> None:
+        """Prefill the ``admitted`` requests (slot -> request): without prefix caching, their prompts in one
+        call; with it, each slot restored from its hit's snapshot, then fed up to each of its snapshot points
+        (stored there), then the rest in one call (:mod:`~jax_oc128.engine.prefix_cache`)."""
+        cache, size = self.prefix_cache, self.engine.page_size
+        requests = {slot: self._requests[r] for slot, r in admitted.items()}
+        starts = dict.fromkeys(admitted, 0)
+        if cache is not None:
+            for slot, request in requests.items():
+                starts[slot] = request.plan.hit * size
+                out.cached[admitted[slot]] = starts[slot]
+                if request.plan.hit:
+                    self.state = cache.restore(self.state, slot, request.plan)
+            for point in range(max(len(r.plan.points) for r in requests.values())):
+                ends = {s: r.plan.points[point] for s, r in requests.items() if point < len(r.plan.points)}
+                rows = {s: requests[s].prompt[starts[s] : end * size] for s, end in ends.items()}
+                self.state = cache.feed(self.state, rows, starts)
+                for slot, end in ends.items():
+                    request = requests[slot]
+                    cache.insert(self.state, slot, request.prompt, end, request.held)
+                    starts[slot] = end * size
+        self.totals.update(
+            prefill_tokens=sum(len(r.prompt) for r in requests.values()) - sum(out.cached.values()),
+            cached_tokens=sum(out.cached.values()),
+        )
+        prompts = {slot: r.prompt[starts[slot] :] for slot, r in requests.items()}
+        budgets = {slot: r.params.max_new_tokens for slot, r in requests.items()}
+        self.state, output = self.engine._prefill_rows(
+            self.state, prompts, budgets, stops, self._temperature, starts
+        )
+        self.owner.update(admitted)
+        self._unread.append((admitted, output))
+
     def _admit(self, free: list[int]) -> dict[int, int]:
         """Waiting requests into the ``free`` slots, in arrival order, while they share the running batch's
         temperature (module docstring); returns slot -> request."""
@@ -240,16 +283,29 @@ class RequestScheduler:
                     self.state = self.engine._restart(self.state, np.uint32(request.params.seed))
             elif request.params.temperature != self._temperature or request.exclusive:
                 break
-            if pool is not None:  # the next request waits until its device has its pages
-                if not pool.can_reserve(slot, request.needs):
-                    pool.waits += 1
-                    continue
-                pool.reserve(slot, request.needs)
-                self._written[slot] = len(request.prompt)
+            if pool is not None and not self._reserve(slot, request):  # it waits for its device's pages
+                pool.waits += 1
+                continue
             admitted[slot] = self._waiting.popleft()
         if not admitted and not self.owner:
             self._temperature = None
         return admitted
+
+    def _reserve(self, slot: int, request: _Request) -> bool:
+        """Reserve ``slot``'s pages for ``request`` (the prefix cache's shared, pinned) if its device has
+        them; returns whether it did."""
+        pool, cache = self.page_pool, self.prefix_cache
+        plan = None if cache is None else cache.plan(request.prompt)
+        if plan is not None and not pool.can_reserve(slot, request.needs, plan.hit, cache.pins(plan)):
+            plan = cache.hit_only(plan)  # the pages of a snapshot at its divergence do not fit now
+        shared = [] if plan is None else [node.page for node in plan.path[: plan.hit]]
+        if not pool.can_reserve(slot, request.needs, len(shared), 0 if plan is None else cache.pins(plan)):
+            return False
+        pool.reserve(slot, request.needs, shared)
+        if cache is not None:
+            request.plan, request.held = plan, cache.pin(plan)
+        self._written[slot] = len(request.prompt)
+        return True
 
     def _read_all(self, out: StepOutput) -> None:
         while self._unread:
@@ -285,12 +341,14 @@ class RequestScheduler:
 
     def _end(self, request: int, reason: str) -> None:
         """``request`` ended for ``reason``: its slot (if any) free on the host."""
-        del self._requests[request]
         for slot, owner in list(self.owner.items()):
             if owner == request:
                 del self.owner[slot]
                 if self.page_pool is not None:  # the table is sent before the next dispatch
                     self._released |= self.page_pool.release(slot)
+        if self.prefix_cache is not None:
+            self.prefix_cache.unpin(self._requests[request].held)
+        del self._requests[request]
         self._finished[request] = reason
 
     def close(self):

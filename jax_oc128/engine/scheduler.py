@@ -216,21 +216,33 @@ class Engine:
         budgets = dict.fromkeys(prompts, max_new_tokens)
         return self._prefill_rows(state, prompts, budgets, stops, temperature)
 
-    def _prefill_rows(self, state, prompts: dict, budgets: dict, stops, temperature: float):
+    def _prefill_rows(self, state, prompts: dict, budgets: dict, stops, temperature: float, starts=None):
         """:meth:`prefill` of checked arguments: ``prompts`` {slot: ``[length]`` int32}, ``budgets`` {slot:
-        max new tokens}, ``stops`` ``[MAX_STOP_TOKENS]`` int32 (``arguments.stop_array``)."""
+        max new tokens}, ``stops`` ``[MAX_STOP_TOKENS]`` int32 (``arguments.stop_array``); ``starts`` None,
+        or {slot: the position its prompt's tokens start at, the slot holding the ones before
+        (:func:`~jax_oc128.engine.steps.feed`)}."""
+        tokens, row_starts, lengths = self._prompt_rows(prompts, starts)
+        rows_budget = np.zeros(self.slots, np.int32)
+        for slot in prompts:
+            rows_budget[slot] = budgets[slot]
+        rows = (self._placement.host_rows(x) for x in (tokens, row_starts, lengths, rows_budget))
+        return self._prefill(self.params, state, *rows, stops, temperature)
+
+    def _prompt_rows(self, prompts: dict, starts=None):
+        """``(tokens [slots, width], starts [slots], lengths [slots])`` int32 host rows of ``prompts`` {slot:
+        ``[length]`` int32} from ``starts`` {slot: position} (None: 0), the width a multiple of
+        ``prompt_bucket`` (and of ``prefill_chunk`` if set)."""
         longest = max(map(len, prompts.values()))
         width = -(-longest // self.prompt_bucket) * self.prompt_bucket
         if self.prefill_chunk is not None:  # whole chunks
             width = -(-width // self.prefill_chunk) * self.prefill_chunk
         tokens = np.zeros((self.slots, width), np.int32)
+        row_starts = np.zeros(self.slots, np.int32)
         lengths = np.zeros(self.slots, np.int32)
-        rows_budget = np.zeros(self.slots, np.int32)
         for slot, prompt in prompts.items():
             tokens[slot, : len(prompt)], lengths[slot] = prompt, len(prompt)
-            rows_budget[slot] = budgets[slot]
-        rows = (self._placement.host_rows(x) for x in (tokens, lengths, rows_budget))
-        return self._prefill(self.params, state, *rows, stops, temperature)
+            row_starts[slot] = 0 if starts is None else starts.get(slot, 0)
+        return tokens, row_starts, lengths
 
     def _take_state(self, seed: np.uint32) -> DecodeState:
         """The decode state :meth:`generate` keeps between calls (taken: the next taker gets a new one), its

@@ -74,7 +74,7 @@ def _total(x, axis):
 
 def _prefill_segment(model, tokens, start, lengths, cache, draft_cache, before):
     """Feed the model (and its drafter, if any) ``tokens`` ``[slots, T]`` int32 at positions ``start``
-    (an int32 scalar) + 0 .. T - 1, the first ``lengths`` ``[slots]`` int32 of each row valid (rows of
+    (``[slots, 1]`` int32) + 0 .. T - 1, the first ``lengths`` ``[slots]`` int32 of each row valid (rows of
     length 0 untouched); ``before`` ``[slots, H]`` float32 is the target's hidden state at ``start - 1``
     (zeros at ``start`` 0), the drafter's input at the segment's first position. Returns ``(logits
     [slots, V], hidden [slots, H], end [slots, H], cache, draft_cache)``: the logits and the model's hidden
@@ -91,69 +91,92 @@ def _prefill_segment(model, tokens, start, lengths, cache, draft_cache, before):
     return *at_last, hidden[:, -1], cache, draft_cache
 
 
-def _prefill_chunks(model, tokens, lengths, cache, draft_cache, chunk: int, zeros):
+def _prefill_chunks(model, tokens, starts, lengths, cache, draft_cache, chunk: int, before):
     """:func:`_prefill_segment` over the ``P // chunk`` chunks of ``tokens`` ``[slots, P]`` (``P`` a multiple
-    of ``chunk``) in one ``lax.scan``, the caches in its carry: chunk c holds positions ``c * chunk ..``,
-    ``clip(lengths - c * chunk, 0, chunk)`` of each row valid. The carry keeps the logits and the hidden
+    of ``chunk``) in one ``lax.scan``, the caches in its carry: chunk c holds positions ``starts + c * chunk
+    ..``, ``clip(lengths - c * chunk, 0, chunk)`` of each row valid. The carry keeps the logits and the hidden
     state of each row's last prompt token (taken in the chunk that holds it) and the target's hidden state at
-    the chunk's last position (the next chunk's drafter input); ``zeros`` ``[slots, H]`` float32. Returns
-    ``(logits [slots, V], hidden [slots, H], cache, draft_cache)``."""
+    the chunk's last position (the next chunk's drafter input, first ``before`` ``[slots, H]`` float32).
+    Returns ``(logits [slots, V], hidden [slots, H], cache, draft_cache)``."""
     rows, width = tokens.shape
-    starts = jnp.arange(0, width, chunk, dtype=jnp.int32)
+    offsets = jnp.arange(0, width, chunk, dtype=jnp.int32)
 
     def step(carry, segment):
         logits, hidden, before, cache, draft_cache = carry
-        chunk_tokens, start = segment
-        seg_lengths = jnp.clip(lengths - start, 0, chunk)
+        chunk_tokens, offset = segment
+        seg_lengths = jnp.clip(lengths - offset, 0, chunk)
         seg_logits, seg_hidden, end, cache, draft_cache = _prefill_segment(
-            model, chunk_tokens, start, seg_lengths, cache, draft_cache, before
+            model, chunk_tokens, starts[:, None] + offset, seg_lengths, cache, draft_cache, before
         )
-        holds_last = ((seg_lengths > 0) & (lengths - start <= chunk))[:, None]
+        holds_last = ((seg_lengths > 0) & (lengths - offset <= chunk))[:, None]
         logits = jnp.where(holds_last, seg_logits, logits)
         hidden = jnp.where(holds_last, seg_hidden, hidden)
         return (logits, hidden, end, cache, draft_cache), None
 
-    segments = (tokens.reshape(rows, -1, chunk).swapaxes(0, 1), starts)
+    segments = (tokens.reshape(rows, -1, chunk).swapaxes(0, 1), offsets)
     no_logits = jnp.zeros((rows, model.vocab_size), jnp.float32)
-    carry = (no_logits, zeros, zeros, cache, draft_cache)
+    carry = (no_logits, jnp.zeros_like(before), before, cache, draft_cache)
     (logits, hidden, _, cache, draft_cache), _ = jax.lax.scan(step, carry, segments)
     return logits, hidden, cache, draft_cache
 
 
-def prefill(
-    model, state: DecodeState, tokens, lengths, budgets, stop_tokens, *, temperature, chunk=None, axis=None
-):
-    """New requests: clear the slots of the rows with ``lengths`` ``[slots]`` > 0 and feed them right-padded
-    prompts ``tokens`` ``[slots, P]`` int32 (``budgets`` ``[slots]`` their max new tokens); the first
-    generated token comes from the last prompt token. ``chunk`` (static): None, one forward of all P
-    positions; an int dividing P, chunks of ``chunk`` positions one after the other in a ``lax.scan``
-    (:func:`_prefill_chunks`: the activations and logits of one chunk at a time). Returns ``(state,
-    DecodeOutput)``, the output holding the first tokens as one step with no steps counted."""
-    slots = batch_slots(lengths)
-    cache = model.clear(state.cache, slots)
+def feed(model, state: DecodeState, tokens, starts, lengths, *, chunk=None):
+    """Feed rows ``tokens`` ``[slots, T]`` int32 at positions ``starts`` ``[slots]`` int32 on, the first
+    ``lengths`` ``[slots]`` int32 of each row valid: a row with ``starts`` 0 is cleared first (a new
+    request), one past 0 continues what its slot holds (its caches and ``hidden`` those of its first
+    ``starts`` tokens: an earlier feed, or a restored prefix, :mod:`~jax_oc128.engine.prefix_cache`); rows
+    of length 0 are untouched. ``chunk`` (static): None, one forward of the T positions; an int dividing T,
+    chunks of ``chunk`` positions one after the other in a ``lax.scan`` (:func:`_prefill_chunks`). Returns
+    ``(state, logits [slots, V])``: the caches fed and ``hidden`` set at each fed row's last token, and its
+    logits."""
+    cache = model.clear(state.cache, batch_slots(jnp.where(starts == 0, lengths, 0)))
     drafter = model.drafter
-    draft_cache = state.draft_cache if drafter is None else drafter.clear(state.draft_cache, slots)
-    zeros = jnp.zeros_like(state.hidden)
+    draft_cache = state.draft_cache
+    if drafter is not None:
+        draft_cache = drafter.clear(draft_cache, batch_slots(jnp.where(starts == 0, lengths, 0)))
+    before = jnp.where((starts > 0)[:, None], state.hidden, 0.0)
     if chunk is None:
-        start = jnp.zeros((), jnp.int32)
         logits, hidden, _, cache, draft_cache = _prefill_segment(
-            model, tokens, start, lengths, cache, draft_cache, zeros
+            model, tokens, starts[:, None], lengths, cache, draft_cache, before
         )
     else:
         logits, hidden, cache, draft_cache = _prefill_chunks(
-            model, tokens, lengths, cache, draft_cache, chunk, zeros
+            model, tokens, starts, lengths, cache, draft_cache, chunk, before
         )
+    new = (lengths > 0)[:, None]
+    state = dataclasses.replace(
+        state, cache=cache, draft_cache=draft_cache, hidden=jnp.where(new, hidden, state.hidden)
+    )
+    return state, logits
+
+
+def prefill(
+    model,
+    state: DecodeState,
+    tokens,
+    starts,
+    lengths,
+    budgets,
+    stop_tokens,
+    *,
+    temperature,
+    chunk=None,
+    axis=None,
+):
+    """New requests: :func:`feed` the rows with ``lengths`` ``[slots]`` > 0 their right-padded prompts
+    ``tokens`` ``[slots, P]`` int32 from ``starts`` ``[slots]`` int32 (0: the whole prompt, its slot
+    cleared; past 0: the rest of a prompt whose first ``starts`` tokens the slot holds), ``budgets``
+    ``[slots]`` their max new tokens; the first generated token comes from the last prompt token. Returns
+    ``(state, DecodeOutput)``, the output holding the first tokens as one step with no steps counted."""
+    state, logits = feed(model, state, tokens, starts, lengths, chunk=chunk)
     key, sub = _split_key(state.key, axis)
     first = pick(logits, sub, temperature)
     new = lengths > 0
     kept, done = stop_rule(first[:, None], new.astype(jnp.int32), budgets, stop_tokens)
     state = dataclasses.replace(
         state,
-        cache=cache,
-        draft_cache=draft_cache,
         token=jnp.where(new, first, state.token),
-        position=jnp.where(new, lengths, state.position),
-        hidden=jnp.where(new[:, None], hidden, state.hidden),
+        position=jnp.where(new, starts + lengths, state.position),
         active=jnp.where(new, ~done, state.active),
         remaining=jnp.where(new, budgets - kept, state.remaining),
         key=key,

@@ -228,6 +228,14 @@ class SpeculativeModel(nnx.Module):
     def with_page_table(self, cache: ModelCache, page_table) -> ModelCache:
         return dataclasses.replace(cache, page_table=page_table)
 
+    def prefix_state(self, cache: ModelCache, slots):
+        """:meth:`ModelCache.prefix_state <jax_oc128.nn.ModelCache.prefix_state>` of ``slots``."""
+        return cache.prefix_state(slots)
+
+    def with_prefix_state(self, cache: ModelCache, slots, state) -> ModelCache:
+        """:meth:`ModelCache.with_prefix_state <jax_oc128.nn.ModelCache.with_prefix_state>`."""
+        return cache.with_prefix_state(slots, state)
+
     def __call__(
         self, tokens, positions, cache: ModelCache, *, lengths=None, mode=ForwardMode.EXTEND, tree=None
     ):

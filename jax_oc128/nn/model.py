@@ -100,6 +100,29 @@ class ModelCache:
             self.page_table,
         )
 
+    def prefix_state(self, rows):
+        """What ``rows`` ([n] int32) hold beyond their pages after a prefix of P tokens, P a multiple of the
+        page size (so of 128 and of the CSA window): per layer the window ring, its positions and the CSA
+        raw rows, ``[n, ...]`` each. The C128 state holds nothing then (every block closed) and is not
+        kept; the entries are in the pages (docs/serving.md, prefix caching)."""
+        return tuple(
+            (layer.window[rows], layer.window_positions[rows], layer.rows[rows]) for layer in self.layers
+        )
+
+    def with_prefix_state(self, rows, state) -> ModelCache:
+        """``rows`` ([n] int32) cleared (:meth:`clear`) and given ``state``, a :meth:`prefix_state`."""
+        cache = self.clear(rows)
+        layers = tuple(
+            dataclasses.replace(
+                layer,
+                window=layer.window.at[rows].set(window),
+                window_positions=layer.window_positions.at[rows].set(positions),
+                rows=layer.rows.at[rows].set(raw),
+            )
+            for layer, (window, positions, raw) in zip(cache.layers, state, strict=True)
+        )
+        return dataclasses.replace(cache, layers=layers)
+
 
 class Block(nnx.Module):
     """One decoder layer of ``config``: RMSNorm -> attention, RMSNorm -> MLP (dense SwiGLU or MoE), each

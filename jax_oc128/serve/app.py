@@ -152,7 +152,10 @@ class Run:
     def usage(self) -> dict:
         total = self.prompt_tokens + self.completion_tokens
         return dict(
-            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, total_tokens=total
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=total,
+            prompt_tokens_details=dict(cached_tokens=self.handle.cached),
         )
 
 

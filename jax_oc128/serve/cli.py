@@ -34,6 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--page-size", type=int_argument(128), default=256, help="tokens per page")
     parser.add_argument(
+        "--prefix-cache",
+        type=int_argument(0),
+        default=0,
+        metavar="N",
+        help="prefix caching with --pages, keeping N snapshots of a prefix's state (default 0: off)",
+    )
+    parser.add_argument(
         "--max-len",
         type=int_argument(2),
         default=None,
@@ -70,7 +77,7 @@ def build(parser: argparse.ArgumentParser, args):
         parser.error(f"argument --{'draft' if args.draft else 'tree'}: at most {MAX_DRAFT}")
     speculation = f"--{'draft' if args.draft else 'tree'}"
     flags = {"num_tokens": speculation, "tree": speculation, "slots": "--slots", "pages": "--pages"}
-    flags |= {"page_size": "--page-size", "max_len": "--max-len"}
+    flags |= {"page_size": "--page-size", "max_len": "--max-len", "prefix_cache": "--prefix-cache"}
     try:
         if args.path is None:
             model, _ = checkpoint.load(runtime=None if args.max_len is None else RuntimeConfig(args.max_len))
@@ -89,7 +96,7 @@ def build(parser: argparse.ArgumentParser, args):
             page_size=args.page_size,
         )
         tree = None if args.tree is None else _default_tree(args.tree)
-        scheduler = RequestScheduler(engine, num_tokens=args.draft, tree=tree)
+        scheduler = RequestScheduler(engine, num_tokens=args.draft, tree=tree, prefix_cache=args.prefix_cache)
     except (OSError, ValueError, NotImplementedError) as error:
         parser.error(f"argument {flags.get(getattr(error, 'argument', None), 'path')}: {error}")
     return Server(scheduler, tokenizer, args.served_model_name or name, args.max_queued)

@@ -30,6 +30,7 @@ class Handle:
     def __init__(self, prompt, params: SamplingParams, receive: Callable):
         self.prompt, self.params, self.receive = prompt, params, receive
         self.id: int | None = None  # the scheduler's, once added
+        self.cached = 0  # its prompt tokens taken from the prefix cache, once admitted
 
 
 def _deliver(news: dict) -> None:
@@ -98,6 +99,8 @@ class Worker:
                 self._take_inbox(handles, news)
                 if self.scheduler.busy:
                     out = self.scheduler.step()
+                    for request, cached in out.cached.items():
+                        handles[request].cached = cached
                     for request, tokens in out.tokens.items():
                         news[handles[request]] = (tokens, None)
                     for request, reason in out.finished.items():

@@ -84,7 +84,10 @@ def steps_collectives(on_mesh):
         on_mesh.params, state, stops, np.bool_(False), steps, Tree.chain(N), 0.0
     ).compile()
     tokens, lengths = np.zeros((SLOTS, 256), np.int32), np.ones(SLOTS, np.int32)
-    prefill = on_mesh._prefill.lower(on_mesh.params, state, tokens, lengths, lengths, stops, 0.0).compile()
+    starts = np.zeros(SLOTS, np.int32)
+    prefill = on_mesh._prefill.lower(
+        on_mesh.params, state, tokens, starts, lengths, lengths, stops, 0.0
+    ).compile()
     outputs = {hlo_shape(bool, [SLOTS])}
     for k, n in ((1, 1), (steps, N)):
         outputs |= {hlo_shape(np.int32, [k, SLOTS, n]), hlo_shape(np.int32, [k, SLOTS])}
