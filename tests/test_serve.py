@@ -97,16 +97,28 @@ def test_stop_strings_and_token_ids(plain):
 
 
 def test_seeded_sampling_is_reproducible(plain):
-    """A sampled request with a seed gives the same text twice, generate's at that seed (it runs alone)."""
+    """A sampled request with a seed, top_p and top_k (vLLM's extension) gives the same text twice,
+    generate's at that seed and with those parameters (it runs alone)."""
     server, base, _, _ = plain
     api = client(base)
     texts = [
-        api.completions.create(model="shipped", prompt=PROMPTS[1], max_tokens=NEW, temperature=0.8, seed=7)
+        api.completions.create(
+            model="shipped",
+            prompt=PROMPTS[1],
+            max_tokens=NEW,
+            temperature=0.8,
+            seed=7,
+            top_p=0.9,
+            extra_body={"top_k": 20},
+        )
         .choices[0]
         .text
         for _ in range(2)
     ]
-    offline = server.scheduler.engine.generate([PROMPTS[1].encode()], NEW, temperature=0.8, seed=7).tokens[0]
+    engine = server.scheduler.engine
+    offline = engine.generate(
+        [PROMPTS[1].encode()], NEW, temperature=0.8, seed=7, top_p=0.9, top_k=20
+    ).tokens[0]
     assert texts[0] == texts[1] == server.tokenizer.decode(offline)
 
 
@@ -119,7 +131,9 @@ BAD = [
     ("/v1/completions", {"model": "shipped", "prompt": [1, 256]}, "prompt"),
     ("/v1/completions", {"model": "shipped", "prompt": ["a", "b"]}, "prompt"),
     ("/v1/completions", {"model": "shipped", "prompt": "x", "n": 2}, "n"),
-    ("/v1/completions", {"model": "shipped", "prompt": "x", "top_p": 0.5}, "top_p"),
+    ("/v1/completions", {"model": "shipped", "prompt": "x", "top_p": 1.5}, "top_p"),
+    ("/v1/completions", {"model": "shipped", "prompt": "x", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"model": "shipped", "prompt": "x", "top_k": -2}, "top_k"),
     ("/v1/completions", {"model": "shipped", "prompt": "x", "temperature": -1}, "temperature"),
     ("/v1/completions", {"model": "shipped", "prompt": "x", "stop_token_ids": [999]}, "stop_token_ids"),
     ("/v1/completions", {"model": "shipped", "prompt": "x", "stop": [""]}, "stop"),

@@ -19,6 +19,7 @@ from jax_oc128.engine.state import DecodeState
 from jax_oc128.nn import sharding
 from jax_oc128.protocols import Drafter, Model, members
 from jax_oc128.rules import BLOCK, MAX_DRAFT
+from jax_oc128.sampling import MIN_TEMPERATURE, Sampling
 from jax_oc128.tree import Tree, check_parents
 
 #: stop token ids per call (padded with -1 to this size, so their number never recompiles)
@@ -150,6 +151,35 @@ def check_temperature(temperature) -> float:
         shown = f"an int of {len(str(temperature))} digits" if huge else temperature
         raise ValueError(f"temperature: must be finite and >= 0, got {shown}")
     return value
+
+
+def check_top_p(top_p) -> float:
+    """None (off) or a number in (0, 1] (bools refused; 1: off), as a float (1.0 when off)."""
+    if top_p is None:
+        return 1.0
+    if not isinstance(top_p, int | float | np.integer | np.floating) or isinstance(top_p, bool):
+        raise TypeError(f"top_p: must be a number or None, got {top_p!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p: must be in (0, 1] (1 or None: off), got {top_p}")
+    return float(top_p)
+
+
+def check_top_k(top_k) -> int:
+    """None or an int >= 0 (0 or None: off; any k >= vocab_size keeps every token), as an int (0 when
+    off)."""
+    return 0 if top_k is None else check_int("top_k", top_k, 0)
+
+
+def sampling_rows(slots: int, params: Mapping) -> Sampling:
+    """The device's :class:`~jax_oc128.sampling.Sampling` rows (numpy, ``[slots]`` each) of checked
+    parameters ``params`` {slot: an object with ``temperature``, ``top_p`` (a float, 1 off) and ``top_k``
+    (an int, 0 off)}, other rows greedy; a positive temperature below
+    :data:`~jax_oc128.sampling.MIN_TEMPERATURE` is sent as it (float32 would round it to 0: greedy)."""
+    rows = Sampling(np.zeros(slots, np.float32), np.ones(slots, np.float32), np.zeros(slots, np.int32))
+    for slot, p in params.items():
+        rows.temperature[slot] = max(p.temperature, MIN_TEMPERATURE) if p.temperature > 0 else 0.0
+        rows.top_p[slot], rows.top_k[slot] = p.top_p, min(p.top_k, MAX_INT32)
+    return rows
 
 
 def check_stop_tokens(stop_tokens, model) -> tuple[int, ...]:
