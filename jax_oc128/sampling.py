@@ -101,7 +101,11 @@ def softmax(logits):
 
 def pick(logits, key, sampling: Sampling):
     """One token per row: the argmax of ``logits`` ``[rows, V]`` for greedy rows, else a draw from the
-    row's distribution (:func:`log_probs`). Returns ``[rows]`` int32."""
+    row's distribution (:func:`log_probs`; drawn only when a row samples). Returns ``[rows]`` int32."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    drawn = jax.random.categorical(key, log_probs(logits, sampling)).astype(jnp.int32)
-    return jnp.where(sampling.greedy, greedy, drawn)
+
+    def drawn():
+        tokens = jax.random.categorical(key, log_probs(logits, sampling)).astype(jnp.int32)
+        return jnp.where(sampling.greedy, greedy, tokens)
+
+    return jax.lax.cond(jnp.all(sampling.greedy), lambda: greedy, drawn)

@@ -235,9 +235,13 @@ def draft_children(logits, width: int, key=None, sampling: Sampling | None = Non
     if sampling is not None and key is None:
         raise ValueError("key: a PRNG key is needed to sample (sampling given)")
     scores = logits.astype(jnp.float32)
-    if sampling is not None:
-        drawn = log_probs(scores, sampling) + jax.random.gumbel(key, scores.shape, jnp.float32)
-        scores = jnp.where(sampling.greedy[:, None, None], scores, drawn)
+    if sampling is not None:  # the draws only when a row samples
+
+        def drawn():
+            gumbel = jax.random.gumbel(key, scores.shape, jnp.float32)
+            return jnp.where(sampling.greedy[:, None, None], scores, log_probs(scores, sampling) + gumbel)
+
+        scores = jax.lax.cond(jnp.all(sampling.greedy), lambda: scores, drawn)
     if width == 1:  # the same token (of ties, the first), without top_k's sort (a chain drafts this way)
         return jnp.argmax(scores, axis=-1, keepdims=True).astype(jnp.int32)
     return jax.lax.top_k(scores, width)[1].astype(jnp.int32)

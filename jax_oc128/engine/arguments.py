@@ -50,6 +50,7 @@ def check_model(model) -> Model:
     check_int("model.max_draft", model.max_draft, 1, MAX_DRAFT)
     if not isinstance(model.verifies_trees, bool):
         raise TypeError(f"model.verifies_trees: must be a bool, got {model.verifies_trees!r}")
+    check_stop_tokens(default_stop_tokens(model), model, "model.eos_token_ids")
     drafter = model.drafter
     missing = [] if drafter is None else [name for name in members(Drafter) if not hasattr(drafter, name)]
     if missing:
@@ -182,20 +183,29 @@ def sampling_rows(slots: int, params: Mapping) -> Sampling:
     return rows
 
 
-def check_stop_tokens(stop_tokens, model) -> tuple[int, ...]:
+def default_stop_tokens(model) -> tuple:
+    """The stop tokens of a request that gives none: the model's EOS ids (``model.eos_token_ids``, () if it
+    has none; checked by :func:`check_model`)."""
+    return getattr(model, "eos_token_ids", ())
+
+
+def check_stop_tokens(stop_tokens, model, name: str = "stop_tokens") -> tuple[int, ...]:
     """A collection (list, tuple, bytes, 1-D integer array) of at most :data:`MAX_STOP_TOKENS` token ids
-    (ints, bools refused) in [0, vocab_size), as a tuple of ints."""
+    (ints, bools refused) in [0, vocab_size), as a tuple of ints; None: the model's EOS ids
+    (:func:`default_stop_tokens`). Errors name ``name``."""
+    if stop_tokens is None:
+        stop_tokens = default_stop_tokens(model)
     if isinstance(stop_tokens, np.ndarray | jax.Array):
         stop_tokens = np.asarray(stop_tokens).tolist()  # a 0-d array gives a scalar, refused below
     if not isinstance(stop_tokens, Collection) or isinstance(stop_tokens, str):
-        raise TypeError(f"stop_tokens: must be a sequence of token ids, got {stop_tokens!r}")
+        raise TypeError(f"{name}: must be a sequence of token ids, got {stop_tokens!r}")
     if len(stop_tokens) > MAX_STOP_TOKENS:
-        raise ValueError(f"stop_tokens: at most {MAX_STOP_TOKENS} ids, got {len(stop_tokens)}")
+        raise ValueError(f"{name}: at most {MAX_STOP_TOKENS} ids, got {len(stop_tokens)}")
     for token in stop_tokens:
         if not is_int(token):
-            raise TypeError(f"stop_tokens: ids must be ints, got {token!r}")
+            raise TypeError(f"{name}: ids must be ints, got {token!r}")
         if not 0 <= token < model.vocab_size:
-            raise ValueError(f"stop_tokens: ids must be in [0, {model.vocab_size}), got {token}")
+            raise ValueError(f"{name}: ids must be in [0, {model.vocab_size}), got {token}")
     return tuple(map(int, stop_tokens))
 
 

@@ -48,14 +48,15 @@ class SamplingParams:
       top_k: None, or an int >= 0: sample from the k most probable tokens (0 or None: off). With both, top-k
         then top-p, after the temperature (:mod:`jax_oc128.sampling`); both ignored when greedy. Exact
         under speculation: the draft is truncated the same way.
-      stop_tokens: at most :data:`~jax_oc128.engine.MAX_STOP_TOKENS` token ids; the first generated ends the
+      stop_tokens: None (the model's EOS ids, ``model.eos_token_ids``: a loaded checkpoint's), or at most
+        :data:`~jax_oc128.engine.MAX_STOP_TOKENS` token ids (``()``: none); the first generated ends the
         request (it is its last token).
       seed: None, or an int in [0, 2**32): a sampled request with a seed runs alone (module docstring).
     """
 
     max_new_tokens: int
     temperature: float = 0.0
-    stop_tokens: tuple[int, ...] = ()
+    stop_tokens: tuple[int, ...] | None = None
     seed: int | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -153,7 +154,7 @@ class RequestScheduler:
             temperature=float(params.temperature),
             top_p=arguments.check_top_p(params.top_p),
             top_k=arguments.check_top_k(params.top_k),
-            stop_tokens=tuple(map(int, params.stop_tokens)),
+            stop_tokens=arguments.check_stop_tokens(params.stop_tokens, self.engine.model),
         )
         self._requests[request] = _Request(ids, params, needs)
         self._waiting.append(request)

@@ -282,7 +282,7 @@ class Engine:
         temperature=0.0,
         top_p=None,
         top_k=None,
-        stop_tokens=(),
+        stop_tokens=None,
         seed=0,
         progress=None,
         stream=None,
@@ -310,7 +310,9 @@ class Engine:
           top_p: None, or a number in (0, 1]: nucleus sampling (1 or None: off).
           top_k: None, or an int >= 0: the k most probable tokens (0 or None: off). Both as
             :class:`SamplingParams` takes them; exact under speculation (the draft truncated the same way).
-          stop_tokens: at most 8 token ids in [0, vocab_size).
+          stop_tokens: None (default: the model's EOS ids, ``model.eos_token_ids``, those of a loaded
+            checkpoint's config; none for a model built from a config), or at most 8 token ids in [0,
+            vocab_size) (``()``: no stop token).
           seed: the sampling's PRNG seed, an int in [0, 2**32).
           progress: None, or a callable called with the number of tokens generated so far.
           stream: None, or a callable called as ``stream(i, tokens)`` whenever request ``i`` gains tokens
