@@ -160,6 +160,17 @@ def _temperature(text: str) -> float:
     return value
 
 
+def _top_p(text: str) -> float:
+    """An argparse type: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
+    return value
+
+
 def _prompt(text: str) -> str:
     """An argparse type: non-empty ASCII text (the demo feeds its bytes as tokens, unaltered)."""
     if not text or not text.isascii():
@@ -384,6 +395,21 @@ def _command(argv) -> int:
         "--max-new-tokens and N, in whole blocks of 128)",
     )
     text.add_argument("--temperature", type=_temperature, default=0.0, help="0: greedy")
+    text.add_argument(
+        "--top-p",
+        type=_top_p,
+        default=None,
+        metavar="P",
+        help="sample from the most probable tokens of mass P (nucleus; default: off); exact with --draft "
+        "and --tree",
+    )
+    text.add_argument(
+        "--top-k",
+        type=int_argument(0),
+        default=None,
+        metavar="K",
+        help="sample from the K most probable tokens (0 or default: off); exact with --draft and --tree",
+    )
     text.add_argument("--seed", type=int_argument(0, 2**32 - 1), default=0, help="of the sampling")
     text.add_argument(
         "--mesh",

@@ -48,6 +48,16 @@ def check_int(name: str, value, low: int, high: int | None = None, bound: str = 
     return int(value)
 
 
+def check_token_ids(value, vocab: int, where: str) -> tuple[int, ...]:
+    """A config's token ids (``value``: an int or a list of ints, JSON's) in [0, ``vocab``), as a tuple
+    without repeats; ValueError starting with ``where`` (the file and the field) otherwise."""
+    ids = value if isinstance(value, list) else [value]
+    for i in ids:
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < vocab:
+            raise ValueError(f"{where}: must be a token id in [0, {vocab}) or a list of them, got {value!r}")
+    return tuple(dict.fromkeys(ids))
+
+
 def int_argument(low: int, high: int | None = None):
     """An argparse type: the text as an int in ``[low, high]`` (``high`` None: no upper bound), refused with
     :func:`check_int`'s wording (``argparse.ArgumentTypeError``; argparse names the flag)."""

@@ -297,6 +297,8 @@ def _options(args, tokenizer) -> dict:
         num_tokens=args.draft,
         tree=None if args.tree is None else Tree.default(args.tree),
         temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
         stop_tokens=tokenizer.eos_token_ids,
         seed=args.seed,
     )

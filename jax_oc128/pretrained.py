@@ -55,7 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_oc128.checks import shown
+from jax_oc128 import files
+from jax_oc128.checks import check_token_ids, shown
 from jax_oc128.controller import ONLINE, Backend
 from jax_oc128.loading.checker import check_tensors
 from jax_oc128.loading.formats import (
@@ -67,7 +68,7 @@ from jax_oc128.loading.formats import (
     released_formats,
     scale_rows,
 )
-from jax_oc128.loading.hf_config import CONFIG, RATIO_LAYER_TYPES, HFConfig, read_config
+from jax_oc128.loading.hf_config import CONFIG, MAX_CONFIG_BYTES, RATIO_LAYER_TYPES, HFConfig, read_config
 from jax_oc128.loading.hf_config import model_config as model_config_of
 from jax_oc128.loading.names import (
     FP8_PARAMS,
@@ -84,6 +85,7 @@ from jax_oc128.nn import SpeculativeModel, sharding
 from jax_oc128.nn.functional import DTYPES, build_abstract, variable_at
 from jax_oc128.nn.moe import check_expert_ids
 from jax_oc128.nn.quant import FP4
+from jax_oc128.text import GENERATION_CONFIG, MAX_TEXT_BYTES
 
 __all__ = [
     "CONFIG",
@@ -116,7 +118,9 @@ def load_pretrained(
     """The model of the Hugging Face-format checkpoint directory ``path``, of the class registered as its
     ``config.json``'s ``architectures`` (:func:`~jax_oc128.registry.model_class`; DeepSeek-V4's:
     :class:`~jax_oc128.nn.SpeculativeModel`), with its MTP layer as the draft head when the checkpoint has
-    one (else ``model.mtp`` is None: plain decoding only).
+    one (else ``model.mtp`` is None: plain decoding only), and
+    its EOS token ids as ``model.eos_token_ids`` (:func:`eos_token_ids`: where ``Engine.generate`` stops by
+    default).
 
     Args:
       path: the directory (``config.json`` and ``model.safetensors`` or ``model.safetensors.index.json``
@@ -151,7 +155,23 @@ def load_pretrained(
     hf = read_config(
         directory / CONFIG, dtype=dtype, max_len=max_len, max_draft=max_draft, kv_cache_dtype=kv_cache_dtype
     )
-    return _load(hf, backend, directory, read_headers(directory), Shard, mesh)
+    model = _load(hf, backend, directory, read_headers(directory), Shard, mesh)
+    model.eos_token_ids = eos_token_ids(directory, hf.config.vocab_size)
+    return model
+
+
+def eos_token_ids(directory: pathlib.Path, vocab_size: int) -> tuple[int, ...]:
+    """A checkpoint's EOS token ids: ``eos_token_id`` (an int or a list of ints in [0, ``vocab_size``)) of
+    its ``generation_config.json`` if that file sets it, else of its ``config.json``; () if neither does.
+    ValueError naming the file and the field for another value."""
+    for name, limit in ((GENERATION_CONFIG, MAX_TEXT_BYTES), (CONFIG, MAX_CONFIG_BYTES)):
+        try:
+            config = files.read_json(directory / name, limit)
+        except FileNotFoundError:
+            continue
+        if isinstance(config, dict) and config.get("eos_token_id") is not None:
+            return check_token_ids(config["eos_token_id"], vocab_size, f"{directory / name}: eos_token_id")
+    return ()
 
 
 def load_weights(config: dict, weights: dict, *, backend: Backend = ONLINE, **kwargs) -> SpeculativeModel:
@@ -160,15 +180,19 @@ def load_weights(config: dict, weights: dict, *, backend: Backend = ONLINE, **kw
     the pipeline of :func:`load_pretrained`: the config converted, every tensor checked against the config's
     model (one ValueError naming each missing, unexpected, misshaped or mistyped tensor, each error naming
     ``weights``), then placed. The MTP layer is loaded where its tensors are given (``model.mtp`` None
-    otherwise); ``kwargs``: ``dtype`` and the :class:`~jax_oc128.nn.RuntimeConfig` fields (``max_len``,
-    default the config's ``max_position_embeddings``, ``max_draft``, ...) of
-    :func:`~jax_oc128.loading.hf_config.model_config`."""
+    otherwise), the config's ``eos_token_id`` as ``model.eos_token_ids``; ``kwargs``: ``dtype`` and the
+    :class:`~jax_oc128.nn.RuntimeConfig` fields (``max_len``, default the config's
+    ``max_position_embeddings``, ``max_draft``, ...) of :func:`~jax_oc128.loading.hf_config.model_config`."""
     if not isinstance(weights, dict):
         raise TypeError(f"weights: must be a dict of name -> array, got {type(weights).__name__}")
     hf = model_config_of(config, "config", **kwargs)
     arrays = {name: np.asarray(value) for name, value in weights.items()}
     headers = {name: (WEIGHTS, value.shape, _dtype_name(value.dtype)) for name, value in arrays.items()}
-    return _load(hf, backend, WEIGHTS, headers, lambda _: _InMemory(arrays))
+    model = _load(hf, backend, WEIGHTS, headers, lambda _: _InMemory(arrays))
+    if config.get("eos_token_id") is not None:
+        where = "config: eos_token_id"
+        model.eos_token_ids = check_token_ids(config["eos_token_id"], hf.config.vocab_size, where)
+    return model
 
 
 #: the "file" of tensors given in memory (:func:`load_weights`), for messages

@@ -91,6 +91,10 @@ class Model(Protocol):
     * ``draft_hidden_size``: H, the width of the hidden state a forward returns and the drafter takes.
     * ``verifies_trees``: whether a verify takes any :class:`~jax_oc128.tree.Tree` (False: chains only).
     * ``drafter``: the :class:`Drafter`, or None (plain decoding only).
+    * ``eos_token_ids`` (optional, default ``()``): a tuple of at most 8 token ids that end a generation
+      (a loaded checkpoint's EOS ids, :func:`jax_oc128.pretrained.eos_token_ids`): where
+      :meth:`Engine.generate <jax_oc128.engine.Engine.generate>` and a ``SamplingParams`` stop unless given
+      ``stop_tokens``.
     """
 
     vocab_size: int

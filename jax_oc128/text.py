@@ -31,6 +31,7 @@ from tokenizers.decoders import DecodeStream
 
 from jax_oc128 import files
 from jax_oc128.chat_template import compile_template
+from jax_oc128.checks import check_token_ids
 
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -240,14 +241,7 @@ def _token_id(tokenizer, config: dict, file: pathlib.Path, field: str) -> int | 
 
 def _ids(tokenizer, value, file: pathlib.Path, field: str) -> tuple[int, ...]:
     """``value`` (an int or a list of ints) as token ids of ``tokenizer``."""
-    ids = value if isinstance(value, list) else [value]
-    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-    for i in ids:
-        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < vocab:
-            raise ValueError(
-                f"{file}: {field}: must be a token id in [0, {vocab}) or a list of them, got {value!r}"
-            )
-    return tuple(dict.fromkeys(ids))
+    return check_token_ids(value, tokenizer.get_vocab_size(with_added_tokens=True), f"{file}: {field}")
 
 
 def _chat_template(directory: pathlib.Path, config: dict) -> tuple[str | None, pathlib.Path | None]:

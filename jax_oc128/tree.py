@@ -15,8 +15,9 @@ token (the target's token after ``a``): ``depths[a] + 1`` new tokens, as the cha
 
 **Drafting.** The draft head runs once per level: at level d it reads the tokens of the depth-d nodes that
 have children (:attr:`Tree.expanded`) and gives their next-token logits; each such node's children are the
-top-k tokens of its logits (greedy) or k draws without replacement from softmax(logits / temperature) in
-draw order (Gumbel-top-k), a node's rank-r child taking the r-th. Siblings are therefore distinct tokens.
+top-k tokens of its logits (greedy) or k draws without replacement from the row's sampled distribution
+(:mod:`jax_oc128.sampling`: tempered, truncated by top-k and top-p) in draw order (Gumbel-top-k), a node's
+rank-r child taking the r-th. Siblings are therefore distinct tokens.
 
 **Acceptance.** Greedy: a draft is accepted when its parent is and it is the target's argmax at its
 parent; the row keeps the deepest accepted node. Sampled: recursive rejection sampling over a node's
@@ -25,7 +26,10 @@ distribution for draws without replacement): child x_i is accepted with probabil
 q_i(x_i)), r the target's distribution at the node (at first); on rejection r <- normalize(max(r - q_i,
 0)) and q_{i+1} = q_i without x_i, renormalised; the walk descends into the accepted child, and where
 every child is rejected (or at a leaf) the bonus token is drawn from r. Each emitted token then follows
-the target's distribution exactly.
+the target's distribution exactly. With top-k or top-p, r and q are the target's and the draft's
+distributions truncated by the same rule (:func:`~jax_oc128.sampling.log_probs`), so the tokens follow the
+target's truncated distribution exactly: the proof only needs the drafts drawn from the q used here.
+Each row has its own parameters (:class:`~jax_oc128.sampling.Sampling`; greedy rows by the greedy rule).
 
 Every function is jit-friendly: the tree is static (a hashable :class:`Tree`, its facts numpy arrays
 computed once), loops over levels and siblings are unrolled. Arrays are batch-first (``bs`` rows).
@@ -42,6 +46,7 @@ import numpy as np
 
 from jax_oc128.checks import check_int, is_int
 from jax_oc128.rules import MAX_DRAFT
+from jax_oc128.sampling import Sampling, log_probs, softmax
 
 #: the default trees' nodes after the root, best first, as sibling ranks along each path (see
 #: :meth:`Tree.default`): the 15 most probable paths of depth <= 4 when a rank-r draft is the target's
@@ -219,47 +224,30 @@ def check_tree(tree) -> Tree:
     return tree
 
 
-#: The cap of 1 / temperature: a temperature below 2**-100 (~7.9e-31) samples as 2**-100, which in float32 is
-#: already one-hot unless two logits are within ~1e-28; the cap keeps logit gaps up to ~2.7e8 finite once
-#: scaled, so that a tree's later draws without replacement still see the next most probable tokens.
-MAX_INVERSE_TEMPERATURE = 2.0**100
-
-
-def tempered(logits, temperature: float):
-    """``logits`` ``[..., V]`` (any float dtype) / ``temperature`` (> 0, static) less their maximum, in
-    float32: the log-probabilities of softmax(logits / temperature) up to a constant, all <= 0 and 0 at
-    the maximum (rows of -inf only stay -inf). The maximum is subtracted before scaling by 1 /
-    ``temperature`` (computed on the host, at most :data:`MAX_INVERSE_TEMPERATURE`): scaling first (XLA
-    compiles ``logits / temperature`` as a product with 1 / temperature) makes the maximum's entry a
-    rounding difference of huge numbers at a tiny temperature, whose exp overflows to inf and then NaN.
-    This way nothing overflows at any temperature > 0, and otherwise the values are softmax's own shift
-    of logits / temperature."""
-    if not temperature > 0:
-        raise ValueError(f"temperature: must be > 0, got {temperature}")
-    logits = logits.astype(jnp.float32)
-    top = jnp.max(logits, axis=-1, keepdims=True)
-    scale = min(1.0 / temperature, MAX_INVERSE_TEMPERATURE)
-    return (logits - jnp.where(jnp.isfinite(top), top, 0.0)) * scale
-
-
-def draft_children(logits, width: int, key=None, temperature: float = 0.0):
+def draft_children(logits, width: int, key=None, sampling: Sampling | None = None):
     """Each node's ``width`` children tokens from its draft ``logits`` ``[bs, n, V]`` (any float dtype):
-    the top-``width`` tokens, best first (``temperature`` 0, static), or ``width`` draws without
-    replacement from softmax(logits / temperature), in draw order (Gumbel-top-k with ``key``). Returns
-    ``[bs, n, width]`` int32, distinct tokens per node (``width`` <= V)."""
+    the top-``width`` tokens, best first (``sampling`` None, or a greedy row of it), or ``width`` draws
+    without replacement from the row's distribution (:func:`~jax_oc128.sampling.log_probs`), in draw order
+    (Gumbel-top-k with ``key``). Returns ``[bs, n, width]`` int32, distinct tokens per node (``width`` <=
+    V)."""
     if not 1 <= width <= logits.shape[-1]:
         raise ValueError(f"width: must be in [1, {logits.shape[-1]}] (the vocabulary), got {width}")
-    if temperature != 0 and key is None:
-        raise ValueError(f"key: a PRNG key is needed to sample (temperature {temperature})")
+    if sampling is not None and key is None:
+        raise ValueError("key: a PRNG key is needed to sample (sampling given)")
     scores = logits.astype(jnp.float32)
-    if temperature != 0:
-        scores = tempered(scores, temperature) + jax.random.gumbel(key, scores.shape, jnp.float32)
+    if sampling is not None:  # the draws only when a row samples
+
+        def drawn():
+            gumbel = jax.random.gumbel(key, scores.shape, jnp.float32)
+            return jnp.where(sampling.greedy[:, None, None], scores, log_probs(scores, sampling) + gumbel)
+
+        scores = jax.lax.cond(jnp.all(sampling.greedy), lambda: scores, drawn)
     if width == 1:  # the same token (of ties, the first), without top_k's sort (a chain drafts this way)
         return jnp.argmax(scores, axis=-1, keepdims=True).astype(jnp.int32)
     return jax.lax.top_k(scores, width)[1].astype(jnp.int32)
 
 
-def draft_tree(tree: Tree, root, draft_fn: Callable, carry, key=None, temperature: float = 0.0):
+def draft_tree(tree: Tree, root, draft_fn: Callable, carry, key=None, sampling: Sampling | None = None):
     """Drafts ``tree`` level by level from the root tokens ``root`` ``[bs]`` int32 (the newest tokens).
 
     ``draft_fn(carry, tokens, level) -> (logits, carry)`` runs the draft head once per level 0 ..
@@ -267,7 +255,7 @@ def draft_tree(tree: Tree, root, draft_fn: Callable, carry, key=None, temperatur
     ``level`` (deeper nodes 0), ``logits`` ``[bs, len(tree.expanded[level]), V]`` are the next-token
     logits at the nodes ``tree.expanded[level]``, and ``carry`` is anything the head threads through the
     levels (e.g. its cache and hidden states). The children of each such node are then drafted by
-    :func:`draft_children` (``key`` split per level; ``temperature`` 0, static, is greedy).
+    :func:`draft_children` (``key`` split per level; ``sampling`` None: greedy).
 
     With the MTP head, ``carry`` can hold its cache and ``[bs, N, H]`` hidden states by node: at level d
     the head reads the tokens ``tokens[:, expanded[d]]`` at positions ``position + d``, each with the
@@ -283,7 +271,7 @@ def draft_tree(tree: Tree, root, draft_fn: Callable, carry, key=None, temperatur
     bs = root.shape[0]
     tokens = jnp.zeros((bs, tree.size), jnp.int32).at[:, 0].set(root.astype(jnp.int32))
     draft_logits = None
-    keys = [None] * tree.depth if temperature == 0 else jax.random.split(key, tree.depth)
+    keys = [None] * tree.depth if sampling is None else jax.random.split(key, tree.depth)
     for level, nodes in enumerate(tree.expanded):
         logits, carry = draft_fn(carry, tokens, level)
         if logits.ndim != 3 or logits.shape[:2] != (bs, len(nodes)):
@@ -294,7 +282,7 @@ def draft_tree(tree: Tree, root, draft_fn: Callable, carry, key=None, temperatur
         if draft_logits is None:
             draft_logits = jnp.zeros((bs, tree.size, logits.shape[-1]), jnp.float32)
         draft_logits = draft_logits.at[:, nodes].set(logits.astype(jnp.float32))
-        picks = draft_children(logits, tree.widths[level], keys[level], temperature)  # [bs, n, width]
+        picks = draft_children(logits, tree.widths[level], keys[level], sampling)  # [bs, n, width]
         slot = {node: i for i, node in enumerate(nodes)}
         kids = list(tree.levels[level + 1])
         rows = picks[:, [slot[tree.parents[k]] for k in kids], [int(tree.ranks[k]) for k in kids]]
@@ -361,28 +349,22 @@ def accept_greedy(tree: Tree, target_logits, tokens) -> Acceptance:
     return _acceptance(tree, tokens, node, bonus)
 
 
-def _softmax(logits):
-    """softmax over the last axis, zeros where every logit is -inf (nothing left to draw)."""
-    top = jnp.max(logits, axis=-1, keepdims=True)
-    e = jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0))
-    total = jnp.sum(e, axis=-1, keepdims=True)
-    return e / jnp.where(total > 0, total, 1.0)
+def accept_sampled(tree: Tree, target_logits, draft_logits, tokens, key, sampling: Sampling) -> Acceptance:
+    """Sampled acceptance of a verify of ``tree``: ``target_logits`` ``[bs, N, V]`` the target's logits at
+    every node, ``draft_logits`` ``[bs, N, V]`` the draft head's at every node with children (other rows
+    unread), ``tokens`` ``[bs, N]`` int32 the nodes' tokens, each node's children drawn without replacement
+    from the draft's distribution at it in rank order (:func:`draft_tree` with the same ``sampling``);
+    ``key`` the acceptance's PRNG key; ``sampling`` each row's parameters (its greedy rows are sampled at
+    :data:`~jax_oc128.sampling.MIN_TEMPERATURE`: :func:`accept` takes their greedy acceptance).
 
-
-def accept_sampled(tree: Tree, target_logits, draft_logits, tokens, key, temperature: float) -> Acceptance:
-    """Sampled acceptance of a verify of ``tree`` at ``temperature`` > 0 (static): ``target_logits``
-    ``[bs, N, V]`` the target's logits at every node, ``draft_logits`` ``[bs, N, V]`` the draft head's at
-    every node with children (other rows unread), ``tokens`` ``[bs, N]`` int32 the nodes' tokens, each
-    node's children drawn without replacement from softmax(draft_logits / temperature) at it in rank order
-    (:func:`draft_tree`); ``key`` the acceptance's PRNG key.
-
-    From the root down (one unrolled pass per level), at the row's node: r = softmax(target / temperature)
-    and q = softmax(draft / temperature) there; child i (in rank order) is accepted with probability
-    min(1, r(x_i) / q(x_i)) (never when q(x_i) = 0: a draw from nothing left, with more children than
-    tokens of nonzero probability), else r <- normalize(max(r - q, 0)) (r kept if that is all zero) and
-    q <- q without x_i, renormalised. The row descends into the first accepted child; where none is (or
-    at a leaf), the bonus token is drawn from r. Then every emitted token follows softmax(target /
-    temperature) at its context: each step of the walk is speculative sampling from r with the proposal
+    From the root down (one unrolled pass per level), at the row's node: r and q the target's and the
+    draft's distributions there, both tempered and truncated by the row's top-k and top-p
+    (:func:`~jax_oc128.sampling.log_probs`); child i (in rank order) is accepted with probability min(1,
+    r(x_i) / q(x_i)) (never when q(x_i) = 0: a draw from nothing left, with more children than tokens of
+    nonzero probability), else r <- normalize(max(r - q, 0)) (r kept if that is all zero) and q <- q
+    without x_i, renormalised. The row descends into the first accepted child; where none is (or at a
+    leaf), the bonus token is drawn from r. Then every emitted token follows the target's truncated
+    distribution at its context: each step of the walk is speculative sampling from r with the proposal
     q_i, whose residual is the next step's r."""
     _check_verify(tree, target_logits, tokens)
     if draft_logits.shape != target_logits.shape:
@@ -390,26 +372,25 @@ def accept_sampled(tree: Tree, target_logits, draft_logits, tokens, key, tempera
             f"draft_logits: must be {list(target_logits.shape)} like target_logits, "
             f"got {list(draft_logits.shape)}"
         )
-    if not temperature > 0:
-        raise ValueError(f"temperature: must be > 0 (0 is accept_greedy), got {temperature}")
     bs, _, vocab = target_logits.shape
     rows = jnp.arange(bs)
     vocab_ids = jnp.arange(vocab)
     children = jnp.asarray(tree.children_table)
+    target, draft = log_probs(target_logits, sampling), log_probs(draft_logits, sampling)
     accept_key, bonus_key = jax.random.split(key)
     u = jax.random.uniform(accept_key, (bs, tree.depth, tree.children_table.shape[1]), jnp.float32)
     node = jnp.zeros(bs, jnp.int32)
     done = jnp.zeros(bs, bool)
     residual = jnp.zeros((bs, vocab), jnp.float32)
     for level, width in enumerate(tree.widths):
-        r = _softmax(tempered(target_logits[rows, node], temperature))
-        q_logits = tempered(draft_logits[rows, node], temperature)
+        r = softmax(target[rows, node])
+        q_logits = draft[rows, node]
         kids = children[node]  # [bs, W], -1 past the node's children
         drafts = jnp.take_along_axis(tokens, jnp.maximum(kids, 0), axis=1)
         chosen = jnp.full(bs, -1, jnp.int32)
         for i in range(width):
             x = drafts[:, i]
-            q = _softmax(q_logits)
+            q = softmax(q_logits)
             q_x, r_x = q[rows, x], r[rows, x]
             live = (kids[:, i] >= 0) & (chosen < 0) & ~done
             keep = live & (q_x > 0) & (u[:, level, i] * q_x < r_x)  # u < r/q without dividing
@@ -423,7 +404,22 @@ def accept_sampled(tree: Tree, target_logits, draft_logits, tokens, key, tempera
         residual = jnp.where(stops[:, None], r, residual)
         done = done | stops
         node = jnp.where(chosen >= 0, chosen, node)
-    at_leaf = _softmax(tempered(target_logits[rows, node], temperature))
+    at_leaf = softmax(target[rows, node])
     residual = jnp.where(done[:, None], residual, at_leaf)
     bonus = jax.random.categorical(bonus_key, jnp.log(residual)).astype(jnp.int32)
     return _acceptance(tree, tokens, node, bonus)
+
+
+def accept(tree: Tree, target_logits, draft_logits, tokens, key, sampling: Sampling) -> Acceptance:
+    """Each row's acceptance by its ``sampling``: :func:`accept_greedy` for its greedy rows,
+    :func:`accept_sampled` for the others (run only when a row samples); arguments as theirs."""
+    greedy = accept_greedy(tree, target_logits, tokens)
+    sampled = jax.lax.cond(
+        jnp.all(sampling.greedy),
+        lambda: greedy,
+        lambda: accept_sampled(tree, target_logits, draft_logits, tokens, key, sampling),
+    )
+    rows = sampling.greedy
+    return jax.tree.map(
+        lambda g, s: jnp.where(rows.reshape((-1,) + (1,) * (g.ndim - 1)), g, s), greedy, sampled
+    )

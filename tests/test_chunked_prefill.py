@@ -103,8 +103,8 @@ def test_chunked_prefill_holds_one_chunks_logits():
     stops = np.full(MAX_STOP_TOKENS, -1, np.int32)
 
     def traced(chunk):
-        prefill = functools.partial(steps.prefill, engine.model, temperature=0.0, chunk=chunk)
-        jaxpr = jax.make_jaxpr(prefill)(state, *args, stops).jaxpr
+        prefill = functools.partial(steps.prefill, engine.model, chunk=chunk)
+        jaxpr = jax.make_jaxpr(prefill)(state, *args, state.sampling, stops).jaxpr
         return jaxpr, set(_shapes(jaxpr))
 
     jaxpr, shapes = traced(CHUNK)

@@ -4,14 +4,13 @@ compiles once per (slots, N, K)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import copy_tree, count_compiles
+from harness import count_compiles
 from models import DECODE_CONFIG, make_model, prompts
+from sampled import resampled
 
 from jax_oc128 import checkpoint
 from jax_oc128.controller import OFFLINE, ONLINE
@@ -132,8 +131,7 @@ def test_speculative_sampling_follows_the_target(n):
     prefilled, _ = engine.prefill(engine.init_state(), dict.fromkeys(range(512), prompt), 10)
     first = int(prefilled.token[0])
     for seed in range(8):
-        state = dataclasses.replace(copy_tree(prefilled), key=jax.random.key(seed + 1))
-        _, output = engine.decode(state, num_tokens=n, temperature=1.0, steps=1)
+        _, output = engine.decode(resampled(prefilled, seed + 1, 1.0), num_tokens=n, steps=1)
         counts += np.bincount(np.asarray(output.tokens[0, :, 0]), minlength=12)
     sequence = jnp.asarray([[*prompt, first]], jnp.int32)
     logits, _, _ = model.target(sequence, jnp.arange(sequence.shape[1])[None], model.target.init_cache(1))

@@ -199,7 +199,7 @@ CASES = [
         ValueError,
         rf"max_new_tokens: must be in \[1, {MAX_LEN - MAX_DRAFT - 1} = ",
     ),
-    # generate: num_tokens, temperature, stop_tokens, seed, progress, stream
+    # generate: num_tokens, temperature, top_p, top_k, stop_tokens, seed, progress, stream
     (
         "generate num_tokens 1",
         generate(num_tokens=1),
@@ -235,6 +235,13 @@ CASES = [
     ),
     ("generate temperature True", generate(temperature=True), TypeError, "temperature: must be a number"),
     ("generate temperature '1'", generate(temperature="1"), TypeError, "temperature: must be a number"),
+    ("generate top_p 0", generate(top_p=0.0), ValueError, r"top_p: must be in \(0, 1\]"),
+    ("generate top_p 1.5", generate(top_p=1.5), ValueError, r"top_p: must be in \(0, 1\]"),
+    ("generate top_p nan", generate(top_p=float("nan")), ValueError, r"top_p: must be in \(0, 1\]"),
+    ("generate top_p '0.9'", generate(top_p="0.9"), TypeError, "top_p: must be a number or None"),
+    ("generate top_p True", generate(top_p=True), TypeError, "top_p: must be a number or None"),
+    ("generate top_k -1", generate(top_k=-1), ValueError, "top_k: must be >= 0"),
+    ("generate top_k 2.0", generate(top_k=2.0), TypeError, "top_k: must be an int"),
     (
         "generate stop 2**40",
         generate(stop_tokens=[2**40]),
@@ -320,8 +327,8 @@ CASES = [
     ("decode num_tokens max_draft+1", decode(num_tokens=MAX_DRAFT + 1), ValueError, "num_tokens: must be in"),
     ("decode steps 0", decode(steps=0), ValueError, r"steps: must be in \[1, "),
     ("decode steps 2.0", decode(steps=2.0), TypeError, "steps: must be an int"),
-    ("decode temperature -1", decode(temperature=-1.0), ValueError, "temperature: must be finite and >= 0"),
-    ("decode temperature True", decode(temperature=True), TypeError, "temperature: must be a number"),
+    ("prefill top_p 0", prefill(top_p=0), ValueError, r"top_p: must be in \(0, 1\]"),
+    ("prefill top_k -1", prefill(top_k=-1), ValueError, "top_k: must be >= 0"),
     ("decode stop scalar", decode(stop_tokens=5), TypeError, "stop_tokens: must be a sequence"),
     ("decode waiting 'no'", decode(waiting="no"), TypeError, "waiting: must be a bool"),
     ("decode state dict", decode(state="dict"), TypeError, "state: must be a DecodeState"),
@@ -419,15 +426,20 @@ def test_numpy_scalars_and_bytes_reach_the_device_as_checked(engine, monkeypatch
     state = engine.init_state()
     budget = np.int32(MAX_LEN - 4)  # the largest of plain steps leaves room for a prompt of 3
     engine.prefill(state, {np.int64(SLOTS - 1): b"\x01\x02\x03"}, budget, stop_tokens=(0, VOCAB - 1))
-    _, _, tokens, lengths, budgets, stops, temperature = calls["prefill"]
+    _, _, tokens, lengths, budgets, sampling, stops = calls["prefill"]
     np.testing.assert_array_equal(tokens[SLOTS - 1, :4], [1, 2, 3, 0])
     np.testing.assert_array_equal(lengths, [0, 3])
     np.testing.assert_array_equal(budgets, [0, budget])  # the rows of no new request: 0
     np.testing.assert_array_equal(stops, [0, VOCAB - 1, *[-1] * (MAX_STOP_TOKENS - 2)])
     assert tokens.dtype == lengths.dtype == budgets.dtype == stops.dtype == np.int32
-    assert temperature == 0.0 and isinstance(temperature, float)
+    np.testing.assert_array_equal(sampling.temperature, [0, 0])  # greedy, top-p and top-k off
+    np.testing.assert_array_equal(sampling.top_p, [1, 1])
+    np.testing.assert_array_equal(sampling.top_k, [0, 0])
+    assert (
+        sampling.temperature.dtype == sampling.top_p.dtype == np.float32 and sampling.top_k.dtype == np.int32
+    )
     engine.decode(state, num_tokens=np.int64(2), steps=np.int64(2), waiting=np.bool_(True), stop_tokens=b"\0")
-    _, _, stops, waiting, steps, tree, _ = calls["decode"]
+    _, _, stops, waiting, steps, tree = calls["decode"]
     np.testing.assert_array_equal(stops, [0, *[-1] * (MAX_STOP_TOKENS - 1)])
     assert waiting and steps == 2 and type(steps) is int
     assert tree == Tree.chain(2)

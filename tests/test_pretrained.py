@@ -120,10 +120,11 @@ def test_shards_with_deepseek_names_and_mtp_decode_speculatively(tmp_path, small
     assert rel_err(prefill_logits(model, data["prompt"]), data["prefill_logits"]) < HF_TOL
     engine = Engine(model, slots=2)
     prompts = [list(map(int, row)) for row in data["prompt"]]
-    plain = engine.generate(prompts, 50)
+    # stop_tokens=(): the config's EOS id (1) would end a row before the 40 tokens transformers gave
+    plain = engine.generate(prompts, 50, stop_tokens=())
     assert [row[:40] for row in plain.tokens] == data["decode_tokens"].tolist()
     for n in (2, 4):
-        assert engine.generate(prompts, 50, num_tokens=n).tokens == plain.tokens, n
+        assert engine.generate(prompts, 50, num_tokens=n, stop_tokens=()).tokens == plain.tokens, n
 
 
 def copying_checkpoint() -> tuple[dict, SpeculativeModel]:
@@ -169,8 +170,8 @@ def test_mtp_layer_drafts_are_accepted(tmp_path):
     assert_same_parameters(model, tensors)
     engine = Engine(model, slots=2)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
-    plain = engine.generate(prompts, 40)
-    speculative = engine.generate(prompts, 40, num_tokens=4)
+    plain = engine.generate(prompts, 40, stop_tokens=())  # the full 40 (no stop at the config's EOS id)
+    speculative = engine.generate(prompts, 40, num_tokens=4, stop_tokens=())
     assert speculative.tokens == plain.tokens
     assert speculative.mean_accepted > 2.5, speculative.mean_accepted
 
@@ -191,8 +192,9 @@ def test_bfloat16_against_float32(tmp_path):
     for dtype in ("float32", "bfloat16"):
         model = load_pretrained(directory, dtype=dtype, max_len=512, max_draft=4)
         engine = Engine(model, slots=2)
-        plain = engine.generate([list(map(int, row)) for row in prompts], 100)
-        speculative = engine.generate([list(map(int, row)) for row in prompts], 100, num_tokens=4)
+        requests = [list(map(int, row)) for row in prompts]
+        plain = engine.generate(requests, 100, stop_tokens=())  # the full 100: no stop at the EOS id
+        speculative = engine.generate(requests, 100, num_tokens=4, stop_tokens=())
         assert speculative.tokens == plain.tokens, dtype
         report[dtype] = prefill_logits(model, prompts), plain.tokens, speculative.mean_accepted
     (logits32, tokens32, accepted32), (logits16, tokens16, accepted16) = report.values()
@@ -448,3 +450,32 @@ def test_bad_directories_are_named(tmp_path, nothing_placed):
 def test_deepseek_names(name, part):
     """Names as DeepSeek-V4-Flash's checkpoint has them (and a transformers one) resolve to the parameter."""
     assert names.part(name, LAYERS) == pretrained.Part(*part)
+
+
+def test_a_loaded_model_stops_at_its_eos_by_default(tmp_path):
+    """A loaded checkpoint's EOS ids are ``model.eos_token_ids``: config.json's ``eos_token_id`` (1), or
+    generation_config.json's where it sets one; ``Engine.generate`` ends each row at the first of them unless
+    given ``stop_tokens`` (``()``: none): the full decode cut after its first EOS. A bad ``eos_token_id`` is
+    refused naming the file and the field."""
+    assert load_pretrained(HF_CHECKPOINT, dtype="float32", max_len=512).eos_token_ids == (1,)
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    for file in HF_CHECKPOINT.iterdir():
+        (directory / file.name).symlink_to(file)
+    prompts = [list(map(int, row[:20])) for row in fixture("small_window")[2]["prompt"]]
+    (directory / "generation_config.json").write_text('{"eos_token_id": 1}')
+    full = Engine(load_pretrained(directory, dtype="float32", max_len=512), slots=2).generate(
+        prompts, 30, stop_tokens=()
+    )
+    eos = full.tokens[0][4]  # a token of the first row, made an EOS id
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 1]}))
+    model = load_pretrained(directory, dtype="float32", max_len=512)
+    assert model.eos_token_ids == (eos, 1)
+    got = Engine(model, slots=2).generate(prompts, 30).tokens
+    for row, want in zip(got, full.tokens, strict=True):
+        cut = next((i + 1 for i, token in enumerate(want) if token in (eos, 1)), len(want))
+        assert row == want[:cut]
+    assert len(got[0]) <= 5
+    (directory / "generation_config.json").write_text('{"eos_token_id": [1, "x"]}')
+    with pytest.raises(ValueError, match=r"generation_config\.json: eos_token_id: must be a token id in"):
+        load_pretrained(directory, dtype="float32", max_len=512)

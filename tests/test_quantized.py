@@ -260,8 +260,8 @@ def test_mtp_drafts_from_the_quantized_checkpoint(load, float32_logits):
     :func:`float32_logits`, from the same prompts)."""
     prompts = PROMPT.tolist()
     engine = Engine(load("released", "float32"), slots=2)
-    plain = engine.generate(prompts, 24)
-    speculative = engine.generate(prompts, 24, num_tokens=2)
+    plain = engine.generate(prompts, 24, stop_tokens=())  # the full 24 (no stop at the config's EOS id)
+    speculative = engine.generate(prompts, 24, num_tokens=2, stop_tokens=())
     print(f"\nquantized MTP drafts: mean accepted length {speculative.mean_accepted:.3f} (N = 2)")
     assert speculative.tokens == plain.tokens
     assert speculative.mean_accepted >= 1.0

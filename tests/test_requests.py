@@ -6,6 +6,7 @@ requests are refused naming the argument."""
 from __future__ import annotations
 
 import pytest
+from harness import count_compiles
 
 from jax_oc128 import checkpoint
 from jax_oc128.checks import ArgumentError, ArgumentTypeError
@@ -105,11 +106,38 @@ def test_a_seeded_sampled_request_runs_alone(engine, expected):
     assert outputs[greedy] == expected[0] and outputs[other] == expected[1]
 
 
+def test_requests_of_any_sampling_share_the_batch(engine, expected):
+    """A greedy request and sampled ones (temperature 1.3 with top_k=1, 0.9 with a tiny top_p: each keeps
+    the most probable token alone) run in the same batch, admitted together, with no compilation beyond
+    the greedy ones': all give generate's greedy tokens; and a request of sampled parameters, unseeded, runs
+    beside them."""
+    scheduler = RequestScheduler(engine)
+    outputs, reasons = {}, {}
+    params = [SamplingParams(24), SamplingParams(24, temperature=1.3, top_k=1)]
+    params += [
+        SamplingParams(24, temperature=0.9, top_p=1e-6),
+        SamplingParams(24, temperature=0.8, top_p=0.9),
+    ]
+    try:
+        with count_compiles() as compiles:
+            ids = [scheduler.add_request(PROMPTS[i], p) for i, p in enumerate(params)]
+            drain(scheduler, outputs, reasons, steps=1)
+            assert set(scheduler.owner.values()) == set(ids[:2])  # the greedy and a sampled one together
+            drain(scheduler, outputs, reasons)
+    finally:
+        scheduler.close()
+    assert not compiles, compiles
+    assert [outputs[ids[i]] for i in range(3)] == expected[:3]
+    assert len(outputs[ids[3]]) == 24 and reasons[ids[3]] == "length"
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "error", "match"),
     [
         (b"x", SamplingParams(0), ArgumentError, r"max_new_tokens: must be in \[1, "),
         (b"x", SamplingParams(4, temperature=-1.0), ArgumentError, "temperature: must be finite and >= 0"),
+        (b"x", SamplingParams(4, top_p=0.0), ArgumentError, r"top_p: must be in \(0, 1\]"),
+        (b"x", SamplingParams(4, top_k=-3), ArgumentError, "top_k: must be >= 0"),
         (
             b"x",
             SamplingParams(4, stop_tokens=(256,)),

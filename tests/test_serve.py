@@ -127,16 +127,25 @@ def test_stop_strings_and_token_ids(plain):
 
 
 def test_seeded_sampling_is_reproducible(plain):
-    """A sampled request with a seed gives the same text twice, generate's at that seed (it runs alone)."""
+    """A sampled request with a seed, top_p and top_k (vLLM's extension) gives the same text twice,
+    generate's at that seed and with those parameters (it runs alone)."""
     server, base, _, _ = plain
     api = client(base)
     texts = [
-        api.completions.create(model="shipped", prompt=PROMPTS[1], max_tokens=NEW, temperature=0.8, seed=7)
+        api.completions.create(
+            model="shipped",
+            prompt=PROMPTS[1],
+            max_tokens=NEW,
+            temperature=0.8,
+            seed=7,
+            top_p=0.9,
+            extra_body={"top_k": 20},
+        )
         .choices[0]
         .text
         for _ in range(2)
     ]
-    sampled = dict(temperature=0.8, seed=7, tree=server.scheduler.tree)
+    sampled = dict(temperature=0.8, seed=7, top_p=0.9, top_k=20, tree=server.scheduler.tree)
     offline = server.scheduler.engine.generate([PROMPTS[1].encode()], NEW, **sampled).tokens[0]
     assert texts[0] == texts[1] == server.tokenizer.decode(offline)
 
@@ -175,7 +184,9 @@ BAD = [
         "prompt: one prompt per request",
     ),
     ("/v1/completions", {"model": "shipped", "prompt": "x", "n": 2}, "n", None),
-    ("/v1/completions", {"model": "shipped", "prompt": "x", "top_p": 0.5}, "top_p", None),
+    ("/v1/completions", {"model": "shipped", "prompt": "x", "top_p": 1.5}, "top_p", None),
+    ("/v1/completions", {"model": "shipped", "prompt": "x", "top_p": 0}, "top_p", None),
+    ("/v1/completions", {"model": "shipped", "prompt": "x", "top_k": -2}, "top_k", None),
     ("/v1/completions", {"model": "shipped", "prompt": "x", "temperature": -1}, "temperature", None),
     (
         "/v1/completions",

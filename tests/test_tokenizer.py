@@ -225,6 +225,7 @@ def generated(checkpoints):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Engine, "generate", recording)
         chunked = ["--draft", "3", "--prefill-chunk", "8", "--kv-cache-dtype", "float32", "--mesh", "data=1"]
+        chunked += ["--temperature", "1.7", "--top-k", "1", "--top-p", "0.9"]  # one token kept: greedy
         for mode, flags in (("plain", []), ("draft", chunked)):
             recorded = []
             out, err = _run_in_process(["generate", str(checkpoints["mtp"]), *GENERATE, *flags])
@@ -278,8 +279,9 @@ def test_generate_several_prompts_as_jsonl(checkpoints, generated, tmp_path):
 
 
 def test_generate_greedy_text_is_the_same_with_a_chain(generated):
-    """... and with the prompt prefilled in chunks on a mesh of one device: --prefill-chunk,
-    --kv-cache-dtype and --mesh reach the engine."""
+    """... and with the prompt prefilled in chunks on a mesh of one device, sampled at --temperature 1.7
+    with --top-k 1 (the most probable token alone: greedy): --prefill-chunk, --kv-cache-dtype, --mesh and the
+    sampling flags reach the engine."""
     out, err, tokens, _, _, engine = generated["draft"]
     assert engine.prefill_chunk == 8 and engine.model.runtime.kv_cache_dtype == "float32"
     assert dict(engine.mesh.shape) == {"data": 1, "model": 1}
@@ -347,6 +349,10 @@ BAD_GENERATE = [
     ("--kv-cache-dtype", "{mtp}", ["--kv-cache-dtype", "fp8_fp4"]),
     ("--prompt", "{mtp}", ["--prompt", "caf\udce9"]),  # b"caf\xe9" as argv: before, a TypeError
     ("--temperature", "{mtp}", ["--temperature", "1" + "0" * 400]),
+    ("--top-p", "{mtp}", ["--top-p", "0"]),
+    ("--top-p", "{mtp}", ["--top-p", "1.5"]),
+    ("--top-p", "{mtp}", ["--top-p", "nan"]),
+    ("--top-k", "{mtp}", ["--top-k", "-1"]),
     # max_position_embeddings is 512: before, 10**8 sized the caches and ran out of memory
     ("--max-new-tokens", "{mtp}", ["--max-new-tokens", str(10**8)]),
     ("--max-new-tokens", "{mtp}", ["--max-new-tokens", str(10**12)]),  # before: "argument path"

@@ -12,8 +12,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from sampled import (
+    VOCAB,
+    assert_first_two_follow,
+    at_nodes,
+    chi_square_holds,
+    context_tables,
+    draft_and_accept,
+    sampling_rows,
+    softmax64,
+)
 
-from jax_oc128.engine.steps import pick
+from jax_oc128.sampling import pick, tempered
 from jax_oc128.tree import (
     DEFAULT_CHOICES,
     Tree,
@@ -22,13 +32,7 @@ from jax_oc128.tree import (
     check_parents,
     draft_children,
     draft_tree,
-    tempered,
 )
-
-#: survival function of chi-square at these values, per degrees of freedom, is 1e-3 (the threshold of
-#: test_decode.py's chain test: p > 1e-3)
-CHI2_AT_1E3 = {3: 16.266, 5: 20.515, 15: 37.697, 19: 43.820, 35: 66.619}
-VOCAB = 6
 
 # an EAGLE-style example: nodes 0 (root), 1 = [0], 2 = [1], 3 = [0, 0], 4 = [0, 1], 5 = [1, 0], 6 = [0, 0, 0]
 EXAMPLE_CHOICES = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
@@ -164,46 +168,6 @@ def test_bad_sizes(size, error):
             make(size)
 
 
-def chi_square_holds(counts, probabilities):
-    """Whether ``counts`` (any shape) fit ``probabilities`` (same shape) at p > 1e-3; cells of probability 0
-    must be empty."""
-    counts, probabilities = np.ravel(counts), np.ravel(probabilities)
-    possible = probabilities > 0
-    assert counts[~possible].sum() == 0, (counts, probabilities)
-    expected = probabilities[possible] * counts.sum()
-    chi2 = float(np.sum((counts[possible] - expected) ** 2 / expected))
-    return chi2 < CHI2_AT_1E3[int(possible.sum()) - 1], (chi2, counts, expected)
-
-
-def softmax64(logits, temperature):
-    """softmax(logits / temperature) over the last axis in float64 (numpy)."""
-    x = np.asarray(logits, np.float64) / temperature
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
-
-
-def context_tables(rng, depth, support=None):
-    """A toy model: logits ``tables[d]`` ``[V] * (d + 1)`` after the d drafts of a path, normal(0, 1) on
-    the tokens of ``support`` (default all), -inf elsewhere."""
-    tables = [rng.normal(size=(VOCAB,) * (d + 1)).astype(np.float32) for d in range(depth + 1)]
-    if support is not None:
-        outside = ~np.isin(np.arange(VOCAB), support)
-        for table in tables:
-            table[..., outside] = -np.inf
-    return [jnp.asarray(table) for table in tables]
-
-
-def at_nodes(tables, t, tokens, nodes):
-    """The toy model's logits ``[bs, len(nodes), V]`` at ``nodes`` of ``tokens`` ``[bs, N]``: its table
-    of the node's depth at the drafts on the node's path."""
-    bs = tokens.shape[0]
-    rows = []
-    for k in nodes:
-        context = tokens[:, t.paths[k, 1 : t.depths[k] + 1]]  # [bs, depth]
-        rows.append(jnp.broadcast_to(tables[t.depths[k]][tuple(context.T)], (bs, VOCAB)))
-    return jnp.stack(rows, axis=1)
-
-
 def test_draft_children_greedy_is_the_top_k():
     logits = jax.random.normal(jax.random.key(0), (2, 3, 10))
     picks = draft_children(logits, 4)
@@ -216,7 +180,8 @@ def test_draft_children_samples_without_replacement():
     rows, 20 cells), q = softmax(logits / 0.7)."""
     logits = jnp.asarray([1.0, 0.2, -0.5, 0.7, 0.0])
     rows = 30000
-    picks = np.asarray(draft_children(jnp.broadcast_to(logits, (rows, 1, 5)), 2, jax.random.key(1), 0.7))
+    wide = jnp.broadcast_to(logits, (rows, 1, 5))
+    picks = np.asarray(draft_children(wide, 2, jax.random.key(1), sampling_rows(rows, 0.7)))
     q = softmax64(logits, 0.7)
     pairs = q[:, None] * q[None, :] / (1 - q[:, None])
     np.fill_diagonal(pairs, 0)
@@ -234,11 +199,13 @@ def test_sampling_at_a_vanishing_temperature_is_greedy_under_jit(temperature):
     key = jax.random.key(0)
     logits = jax.random.normal(jax.random.key(1), (64, 1, 32)) * 4
     order = np.argsort(-np.asarray(logits), axis=-1)
-    scaled = np.asarray(jax.jit(tempered, static_argnums=1)(logits, temperature))
+    sampling = sampling_rows(64, temperature)
+    assert not np.any(sampling.greedy)  # sampled, not taken as greedy
+    scaled = np.asarray(jax.jit(tempered)(logits, sampling.temperature))
     assert np.isfinite(scaled).all() and np.all(scaled <= 0)
     assert np.array_equal(np.take_along_axis(scaled, order[..., :1], -1), np.zeros((64, 1, 1)))
-    assert np.array_equal(jax.jit(pick, static_argnums=2)(logits, key, temperature), order[..., 0])
-    drafts = jax.jit(draft_children, static_argnums=(1, 3))(logits, 2, key, temperature)
+    assert np.array_equal(jax.jit(pick)(logits[:, 0], key, sampling), order[:, 0, 0])
+    drafts = jax.jit(draft_children, static_argnums=1)(logits, 2, key, sampling)
     assert np.array_equal(drafts, order[..., :2])
 
 
@@ -246,7 +213,7 @@ def test_draft_children_bad_arguments():
     with pytest.raises(ValueError, match=r"^width: must be in \[1, 10\]"):
         draft_children(jnp.zeros((1, 1, 10)), 11)
     with pytest.raises(ValueError, match=r"^key: a PRNG key is needed to sample"):
-        draft_children(jnp.zeros((1, 1, 10)), 2, None, 1.0)
+        draft_children(jnp.zeros((1, 1, 10)), 2, None, sampling_rows(1, 1.0))
 
 
 def test_draft_tree_greedy():
@@ -369,15 +336,17 @@ def test_acceptance_bad_shapes(target_logits, tokens, error, message):
     with pytest.raises(error, match=f"^{message}"):
         accept_greedy(Tree(EXAMPLE), target_logits, tokens)
     with pytest.raises(error, match=f"^{message}"):
-        accept_sampled(Tree(EXAMPLE), target_logits, target_logits, tokens, jax.random.key(0), 1.0)
+        accept_sampled(
+            Tree(EXAMPLE), target_logits, target_logits, tokens, jax.random.key(0), sampling_rows(2, 1.0)
+        )
 
 
 def test_sampled_acceptance_bad_arguments():
     logits, tokens = jnp.zeros((2, 7, 8)), jnp.zeros((2, 7), jnp.int32)
     with pytest.raises(ValueError, match=r"^draft_logits: must be \[2, 7, 8\]"):
-        accept_sampled(Tree(EXAMPLE), logits, logits[..., :4], tokens, jax.random.key(0), 1.0)
-    with pytest.raises(ValueError, match=r"^temperature: must be > 0"):
-        accept_sampled(Tree(EXAMPLE), logits, logits, tokens, jax.random.key(0), 0.0)
+        accept_sampled(
+            Tree(EXAMPLE), logits, logits[..., :4], tokens, jax.random.key(0), sampling_rows(2, 1.0)
+        )
     with pytest.raises(TypeError, match=r"^tree: must be a Tree"):
         accept_greedy(EXAMPLE, logits, tokens)
 
@@ -403,7 +372,7 @@ def test_sampled_acceptance_at_a_vanishing_temperature_is_greedy(parents, temper
 
         tokens, logits, _ = draft_tree(t, jnp.zeros(rows, jnp.int32), draft_fn, None)
         greedy = accept_greedy(t, target_logits, tokens)
-        return greedy, accept_sampled(t, target_logits, logits, tokens, key, temperature)
+        return greedy, accept_sampled(t, target_logits, logits, tokens, key, sampling_rows(rows, temperature))
 
     greedy, sampled = both(target_logits, draft_logits, keys[2])
     for name, want in vars(greedy).items():
@@ -425,20 +394,6 @@ ROWS = 30000
 TEMPERATURE = 0.8
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def draft_and_accept(t, target_tables, draft_tables, key):
-    """One speculative step of the toy models for ``ROWS`` rows: draft ``t`` at ``TEMPERATURE``, accept."""
-    draft_key, accept_key = jax.random.split(key)
-
-    def draft_fn(carry, tokens, level):
-        return at_nodes(draft_tables, t, tokens, t.expanded[level]), carry
-
-    root = jnp.zeros(ROWS, jnp.int32)
-    tokens, draft_logits, _ = draft_tree(t, root, draft_fn, None, draft_key, TEMPERATURE)
-    target_logits = at_nodes(target_tables, t, tokens, range(t.size))
-    return accept_sampled(t, target_logits, draft_logits, tokens, accept_key, TEMPERATURE)
-
-
 @pytest.mark.parametrize(
     ("t", "case"),
     [
@@ -458,19 +413,8 @@ def test_sampled_acceptance_follows_the_target(t, case):
     rng = np.random.default_rng(sorted(DRAFT_CASES).index(case) + 10 * t.size)
     target = context_tables(rng, t.depth, TARGET_SUPPORT[case])
     draft = DRAFT_CASES[case](rng, target)
-    got = draft_and_accept(t, target, draft, jax.random.key(t.size))
-    p = [softmax64(table, TEMPERATURE) for table in target[:2]]
-    emitted, length = np.asarray(got.emitted), np.asarray(got.length)
-    ok, detail = chi_square_holds(np.bincount(emitted[:, 0], minlength=VOCAB), p[0])
-    assert ok, detail
-    first = emitted[:, 0]
-    second = np.where(length >= 2, emitted[:, 1], 0)
-    one = length == 1
-    cumulative = np.cumsum(p[1][first[one]], axis=-1)  # the target after the first token, by inversion
-    second[one] = (rng.random((one.sum(), 1)) > cumulative).sum(axis=-1)
-    counts = np.zeros((VOCAB, VOCAB))
-    np.add.at(counts, (first, second), 1)
-    ok, detail = chi_square_holds(counts, p[0][:, None] * p[1])
-    assert ok, detail
+    got = draft_and_accept(t, target, draft, jax.random.key(t.size), sampling_rows(ROWS, TEMPERATURE))
+    assert_first_two_follow(got, [softmax64(table, TEMPERATURE) for table in target[:2]], rng)
+    length = np.asarray(got.length)
     if case != "disjoint":  # drafts were accepted, beyond the first level too
         assert (length >= 3).mean() > 0.02, np.bincount(length)

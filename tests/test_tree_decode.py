@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from harness import copy_tree, count_compiles
+from harness import count_compiles
 from models import DECODE_CONFIG, DECODE_RUNTIME, prompts
+from sampled import resampled
 
 from jax_oc128.controller import OFFLINE, ONLINE
 from jax_oc128.engine import Engine
@@ -76,8 +77,7 @@ def test_sampled_tree_speculation_follows_the_target(tree):
     prefilled, _ = engine.prefill(engine.init_state(), dict.fromkeys(range(512), prompt), 10, tree=tree)
     first = int(prefilled.token[0])
     for seed in range(8):
-        state = dataclasses.replace(copy_tree(prefilled), key=jax.random.key(seed + 1))
-        _, output = engine.decode(state, tree=tree, temperature=1.0, steps=1)
+        _, output = engine.decode(resampled(prefilled, seed + 1, 1.0), tree=tree, steps=1)
         counts += np.bincount(np.asarray(output.tokens[0, :, 0]), minlength=vocab)
     sequence = jnp.asarray([[*prompt, first]], jnp.int32)
     logits, _, _ = model.target(sequence, jnp.arange(sequence.shape[1])[None], model.target.init_cache(1))

@@ -27,6 +27,7 @@ from jax_oc128.engine.state import DecodeState
 from jax_oc128.nn import sharding
 from jax_oc128.protocols import Drafter, Model, members
 from jax_oc128.rules import BLOCK, MAX_DRAFT
+from jax_oc128.sampling import MIN_TEMPERATURE, Sampling
 from jax_oc128.tree import Tree, check_parents
 
 #: stop token ids per call (padded with -1 to this size, so their number never recompiles)
@@ -57,6 +58,7 @@ def check_model(model) -> Model:
     check_int("model.max_draft", model.max_draft, 1, MAX_DRAFT)
     if not isinstance(model.verifies_trees, bool):
         raise ArgumentTypeError("model.verifies_trees", f"must be a bool, got {model.verifies_trees!r}")
+    check_stop_tokens(default_stop_tokens(model), model, "model.eos_token_ids")
     drafter = model.drafter
     missing = [] if drafter is None else [name for name in members(Drafter) if not hasattr(drafter, name)]
     if missing:
@@ -163,20 +165,58 @@ def check_temperature(temperature) -> float:
     return value
 
 
-def check_stop_tokens(stop_tokens, model) -> tuple[int, ...]:
+def check_top_p(top_p) -> float:
+    """None (off) or a number in (0, 1] (bools refused; 1: off), as a float (1.0 when off)."""
+    if top_p is None:
+        return 1.0
+    if not isinstance(top_p, int | float | np.integer | np.floating) or isinstance(top_p, bool):
+        raise ArgumentTypeError("top_p", f"must be a number or None, got {top_p!r}")
+    if not 0 < top_p <= 1:
+        raise ArgumentError("top_p", f"must be in (0, 1] (1 or None: off), got {top_p}")
+    return float(top_p)
+
+
+def check_top_k(top_k) -> int:
+    """None or an int >= 0 (0 or None: off; any k >= vocab_size keeps every token), as an int (0 when
+    off)."""
+    return 0 if top_k is None else check_int("top_k", top_k, 0)
+
+
+def sampling_rows(slots: int, params: Mapping) -> Sampling:
+    """The device's :class:`~jax_oc128.sampling.Sampling` rows (numpy, ``[slots]`` each) of checked
+    parameters ``params`` {slot: an object with ``temperature``, ``top_p`` (a float, 1 off) and ``top_k``
+    (an int, 0 off)}, other rows greedy; a positive temperature below
+    :data:`~jax_oc128.sampling.MIN_TEMPERATURE` is sent as it (float32 would round it to 0: greedy)."""
+    rows = Sampling(np.zeros(slots, np.float32), np.ones(slots, np.float32), np.zeros(slots, np.int32))
+    for slot, p in params.items():
+        rows.temperature[slot] = max(p.temperature, MIN_TEMPERATURE) if p.temperature > 0 else 0.0
+        rows.top_p[slot], rows.top_k[slot] = p.top_p, min(p.top_k, MAX_INT32)
+    return rows
+
+
+def default_stop_tokens(model) -> tuple:
+    """The stop tokens of a request that gives none: the model's EOS ids (``model.eos_token_ids``, () if it
+    has none; checked by :func:`check_model`)."""
+    return getattr(model, "eos_token_ids", ())
+
+
+def check_stop_tokens(stop_tokens, model, name: str = "stop_tokens") -> tuple[int, ...]:
     """A collection (list, tuple, bytes, 1-D integer array) of at most :data:`MAX_STOP_TOKENS` token ids
-    (ints, bools refused) in [0, vocab_size), as a tuple of ints."""
+    (ints, bools refused) in [0, vocab_size), as a tuple of ints; None: the model's EOS ids
+    (:func:`default_stop_tokens`). Errors name ``name``."""
+    if stop_tokens is None:
+        stop_tokens = default_stop_tokens(model)
     if isinstance(stop_tokens, np.ndarray | jax.Array):
         stop_tokens = np.asarray(stop_tokens).tolist()  # a 0-d array gives a scalar, refused below
     if not isinstance(stop_tokens, Collection) or isinstance(stop_tokens, str):
-        raise ArgumentTypeError("stop_tokens", f"must be a sequence of token ids, got {stop_tokens!r}")
+        raise ArgumentTypeError(name, f"must be a sequence of token ids, got {stop_tokens!r}")
     if len(stop_tokens) > MAX_STOP_TOKENS:
-        raise ArgumentError("stop_tokens", f"at most {MAX_STOP_TOKENS} ids, got {len(stop_tokens)}")
+        raise ArgumentError(name, f"at most {MAX_STOP_TOKENS} ids, got {len(stop_tokens)}")
     for token in stop_tokens:
         if not is_int(token):
-            raise ArgumentTypeError("stop_tokens", f"ids must be ints, got {token!r}")
+            raise ArgumentTypeError(name, f"ids must be ints, got {token!r}")
         if not 0 <= token < model.vocab_size:
-            raise ArgumentError("stop_tokens", f"ids must be in [0, {model.vocab_size}), got {token}")
+            raise ArgumentError(name, f"ids must be in [0, {model.vocab_size}), got {token}")
     return tuple(map(int, stop_tokens))
 
 

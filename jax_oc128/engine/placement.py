@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from jax_oc128.engine import steps as step_fns
 from jax_oc128.engine.state import DecodeOutput, DecodeState
 from jax_oc128.nn import sharding
+from jax_oc128.sampling import Sampling
 
 
 class Placement:
@@ -40,7 +41,10 @@ class Placement:
         self.state = dataclasses.replace(sharding.slot_specs(state), key=P())  # the PRNG key everywhere
         per_step, row = sharding.slots_at(1), sharding.slots_at(0)
         self.output = DecodeOutput(per_step, per_step, row, P(), P(), P())
-        self.prefill_specs = ((self.state, row, row, row, row, P()), (self.state, self.output))
+        self.prefill_specs = (
+            (self.state, row, row, row, row, Sampling(row, row, row), P()),
+            (self.state, self.output),
+        )
         self.decode_specs = ((self.state, P(), P()), (self.state, self.output))
 
     def put_params(self, params):
@@ -147,31 +151,22 @@ def prefill(
     starts,
     lengths,
     budgets,
+    sampling,
     stop_tokens,
-    temperature,
     *,
     chunk,
 ):
     """:func:`~jax_oc128.engine.steps.prefill` of the model ``graphdef`` with ``params``, on each device's
-    slots of ``placement``; ``temperature`` and ``chunk`` (None or the prefill's chunk) static."""
-    step = functools.partial(
-        _on_model, step_fns.prefill, graphdef, temperature=temperature, chunk=chunk, axis=placement.axis
-    )
+    slots of ``placement``; ``chunk`` (None or the prefill's chunk) static."""
+    step = functools.partial(_on_model, step_fns.prefill, graphdef, chunk=chunk, axis=placement.axis)
     run = placement.per_slot_shard(step, *placement.prefill_specs)
-    return run(params, state, tokens, starts, lengths, budgets, stop_tokens)
+    return run(params, state, tokens, starts, lengths, budgets, sampling, stop_tokens)
 
 
-def decode(graphdef, placement: Placement, params, state, stop_tokens, waiting, steps, tree, temperature):
+def decode(graphdef, placement: Placement, params, state, stop_tokens, waiting, steps, tree):
     """:func:`~jax_oc128.engine.steps.decode_loop` of the model ``graphdef`` with ``params``, on each
-    device's slots of ``placement``; ``steps`` (the most steps), ``tree`` (None: plain steps) and
-    ``temperature`` static."""
+    device's slots of ``placement``; ``steps`` (the most steps) and ``tree`` (None: plain steps) static."""
     loop = functools.partial(
-        _on_model,
-        step_fns.decode_loop,
-        graphdef,
-        steps=steps,
-        tree=tree,
-        temperature=temperature,
-        axis=placement.axis,
+        _on_model, step_fns.decode_loop, graphdef, steps=steps, tree=tree, axis=placement.axis
     )
     return placement.per_slot_shard(loop, *placement.decode_specs)(params, state, stop_tokens, waiting)

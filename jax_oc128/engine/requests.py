@@ -9,10 +9,9 @@ Per-request parameters and what the device allows:
 - ``stop_tokens``: the device ends rows at one set of stop tokens per dispatch, so it is given the stop
   tokens every running request shares; each request's other stop tokens are applied on the host (its tokens
   cut after the first, the request ended and its slot freed at the next step).
-- ``temperature``: static in the compiled steps (one compilation per temperature) and one per dispatch, so
-  requests are batched by temperature: a batch runs at its first request's temperature, and a waiting
-  request of another temperature (first in line) stops admissions until the running batch drains; the
-  requests are admitted in arrival order.
+- ``temperature``, ``top_p``, ``top_k``: per slot on the device (:class:`~jax_oc128.sampling.Sampling`), so
+  requests of any sampling parameters share the batch and one compilation; they are admitted in arrival
+  order.
 - ``seed``: the device draws from one PRNG key for all slots, so a sampled request (temperature > 0) with a
   seed runs alone, the key reset to its seed: its tokens are ``Engine.generate([prompt], seed=seed)``'s.
   Sampled requests without a seed share the batch and its key (not reproducible one by one).
@@ -46,15 +45,23 @@ class SamplingParams:
     Attributes:
       max_new_tokens: an int in [1, max_len - N - 1].
       temperature: a number >= 0 (0: greedy).
-      stop_tokens: at most :data:`~jax_oc128.engine.MAX_STOP_TOKENS` token ids; the first generated ends the
+      top_p: None, or a number in (0, 1]: sample from the smallest set of the most probable tokens of
+        that mass (nucleus; 1 or None: off).
+      top_k: None, or an int >= 0: sample from the k most probable tokens (0 or None: off). With both, top-k
+        then top-p, after the temperature (:mod:`jax_oc128.sampling`); both ignored when greedy. Exact
+        under speculation: the draft is truncated the same way.
+      stop_tokens: None (the model's EOS ids, ``model.eos_token_ids``: a loaded checkpoint's), or at most
+        :data:`~jax_oc128.engine.MAX_STOP_TOKENS` token ids (``()``: none); the first generated ends the
         request (it is its last token).
       seed: None, or an int in [0, 2**32): a sampled request with a seed runs alone (module docstring).
     """
 
     max_new_tokens: int
     temperature: float = 0.0
-    stop_tokens: tuple[int, ...] = ()
+    stop_tokens: tuple[int, ...] | None = None
     seed: int | None = None
+    top_p: float | None = None
+    top_k: int | None = None
 
 
 @dataclasses.dataclass
@@ -127,7 +134,6 @@ class RequestScheduler:
         self._unread = collections.deque()  # dispatched, not yet read: (owner of its slots, its output)
         self._written = np.zeros(engine.slots, np.int64)  # paged: the tokens each slot may have written
         self._released = False  # paged: pages released since the page table was last sent
-        self._temperature = None  # the running batch's
         self._exclusive = False  # the running batch is one seeded sampled request
         self._finished: dict[int, str] = {}  # ended since the last step returned
         self.dispatches = 0
@@ -144,6 +150,8 @@ class RequestScheduler:
         model = self.engine.model
         longest = arguments.check_max_new_tokens(params.max_new_tokens, self.tree, model)
         arguments.check_temperature(params.temperature)
+        arguments.check_top_p(params.top_p)
+        arguments.check_top_k(params.top_k)
         arguments.check_stop_tokens(params.stop_tokens, model)
         if params.seed is not None:
             arguments.check_seed(params.seed)
@@ -161,7 +169,9 @@ class RequestScheduler:
         params = dataclasses.replace(
             params,
             temperature=float(params.temperature),
-            stop_tokens=tuple(map(int, params.stop_tokens)),
+            top_p=arguments.check_top_p(params.top_p),
+            top_k=arguments.check_top_k(params.top_k),
+            stop_tokens=arguments.check_stop_tokens(params.stop_tokens, self.engine.model),
         )
         self._requests[request] = _Request(ids, params, needs)
         self._waiting.append(request)
@@ -218,7 +228,6 @@ class RequestScheduler:
                 np.bool_(bool(self._waiting)),
                 engine.steps_per_dispatch,
                 self.tree,
-                self._temperature,
             )
             self.dispatches += 1
             for leaf in jax.tree.leaves(output):
@@ -258,37 +267,31 @@ class RequestScheduler:
             cached_tokens=sum(out.cached.values()),
         )
         prompts = {slot: r.prompt[starts[slot] :] for slot, r in requests.items()}
-        budgets = {slot: r.params.max_new_tokens for slot, r in requests.items()}
-        self.state, output = self.engine._prefill_rows(
-            self.state, prompts, budgets, stops, self._temperature, starts
-        )
+        params = {slot: r.params for slot, r in requests.items()}
+        self.state, output = self.engine._prefill_rows(self.state, prompts, params, stops, starts)
         self.owner.update(admitted)
         self._unread.append((admitted, output))
 
     def _admit(self, free: list[int]) -> dict[int, int]:
-        """Waiting requests into the ``free`` slots, in arrival order, while they share the running batch's
-        temperature (module docstring); returns slot -> request."""
+        """Waiting requests into the ``free`` slots, in arrival order; a seeded sampled request waits for an
+        empty batch and runs alone (module docstring). Returns slot -> request."""
         pool = self.page_pool
-        if not self.owner:  # a new batch: the first waiting request sets it
-            self._temperature, self._exclusive = None, False
+        if not self.owner:  # a new batch
+            self._exclusive = False
         admitted = {}
         for slot in free:
             if not self._waiting or self._exclusive:
                 break
             request = self._requests[self._waiting[0]]
-            if self._temperature is None:
-                self._temperature = request.params.temperature
-                if request.exclusive:  # it runs alone, on its own key
-                    self._exclusive = True
-                    self.state = self.engine._restart(self.state, np.uint32(request.params.seed))
-            elif request.params.temperature != self._temperature or request.exclusive:
-                break
+            if request.exclusive:
+                if self.owner or admitted:
+                    break
+                self._exclusive = True  # it runs alone, on its own key
+                self.state = self.engine._restart(self.state, np.uint32(request.params.seed))
             if pool is not None and not self._reserve(slot, request):  # it waits for its device's pages
                 pool.waits += 1
                 continue
             admitted[slot] = self._waiting.popleft()
-        if not admitted and not self.owner:
-            self._temperature = None
         return admitted
 
     def _reserve(self, slot: int, request: _Request) -> bool:

@@ -64,8 +64,9 @@ class Engine:
     Requests beyond the slots wait; a finished request frees its slot and the next one takes it (the slot's
     rows are cleared on allocation). The parameters are placed on the device once; the prefill and the
     decode loop are jitted once per engine with the decode state donated, and each compiles once per
-    (slots, draft tree, K, temperature). On a GPU the loop is compiled with :data:`GPU_LOOP_OPTIONS` (one
-    CUDA graph per dispatch). :meth:`generate` keeps its state between calls and reuses its buffers.
+    (slots, draft tree, K): the sampling parameters are per slot on the device. On a GPU the loop is
+    compiled with :data:`GPU_LOOP_OPTIONS` (one CUDA graph per dispatch). :meth:`generate` keeps its state
+    between calls and reuses its buffers.
 
     Speculation is given as ``num_tokens=N`` (the chain of N: each step drafts N - 1 tokens one after the
     other) or ``tree`` (a draft tree of N nodes); both are one speculative step of a
@@ -148,13 +149,12 @@ class Engine:
         )
         self._prefill = jax.jit(
             functools.partial(placement.prefill, graphdef, where, chunk=self.prefill_chunk),
-            static_argnames="temperature",
             donate_argnames="state",
             **where.jit_options(*where.prefill_specs),
         )
         self._decode = jax.jit(
             functools.partial(placement.decode, graphdef, where),
-            static_argnames=("steps", "tree", "temperature"),
+            static_argnames=("steps", "tree"),
             donate_argnames="state",
             compiler_options=loop_compiler_options(self.mesh),
             **where.jit_options(*where.decode_specs),
@@ -187,6 +187,8 @@ class Engine:
         tree=None,
         stop_tokens=(),
         temperature=0.0,
+        top_p=None,
+        top_k=None,
     ) -> tuple[DecodeState, DecodeOutput]:
         """Start the requests of ``assignments`` {slot: prompt}, each generating up to ``max_new_tokens``:
         their slots are cleared and their prompts fed (padded to a multiple of ``prompt_bucket``, and of
@@ -203,30 +205,36 @@ class Engine:
             steps, N = 1); only the lengths are checked against them (a speculative step writes up to N
             positions).
           stop_tokens: at most 8 token ids in [0, vocab_size).
-          temperature: a number >= 0 (0: greedy).
+          temperature, top_p, top_k: the new slots' sampling (as :meth:`generate` takes them), kept in the
+            state for the :meth:`decode` calls.
 
         Returns ``(state, DecodeOutput)``: the output's one step holds each new slot's first generated token
-        (greedy, or sampled at ``temperature``); a request whose first token ends it is no longer active."""
+        (greedy, or sampled); a request whose first token ends it is no longer active."""
         arguments.check_state_is_this_engines(state, self._state_layout)
         tree = arguments.check_speculation(num_tokens, tree, self.model)
         longest_prompt = arguments.check_max_new_tokens(max_new_tokens, tree, self.model)
         stops = arguments.stop_array(arguments.check_stop_tokens(stop_tokens, self.model))
-        temperature = arguments.check_temperature(temperature)
+        params = SamplingParams(
+            max_new_tokens,
+            arguments.check_temperature(temperature),
+            top_p=arguments.check_top_p(top_p),
+            top_k=arguments.check_top_k(top_k),
+        )
         prompts = arguments.check_assignments(assignments, self.slots, self.model, longest_prompt)
-        budgets = dict.fromkeys(prompts, max_new_tokens)
-        return self._prefill_rows(state, prompts, budgets, stops, temperature)
+        return self._prefill_rows(state, prompts, dict.fromkeys(prompts, params), stops)
 
-    def _prefill_rows(self, state, prompts: dict, budgets: dict, stops, temperature: float, starts=None):
-        """:meth:`prefill` of checked arguments: ``prompts`` {slot: ``[length]`` int32}, ``budgets`` {slot:
-        max new tokens}, ``stops`` ``[MAX_STOP_TOKENS]`` int32 (``arguments.stop_array``); ``starts`` None,
-        or {slot: the position its prompt's tokens start at, the slot holding the ones before
-        (:func:`~jax_oc128.engine.steps.feed`)}."""
+    def _prefill_rows(self, state, prompts: dict, params: dict, stops, starts=None):
+        """:meth:`prefill` of checked arguments: ``prompts`` {slot: ``[length]`` int32}, ``params`` {slot:
+        its :class:`SamplingParams`, checked (``top_p`` a float, ``top_k`` an int)}, ``stops``
+        ``[MAX_STOP_TOKENS]`` int32 (``arguments.stop_array``); ``starts`` None, or {slot: the position its
+        prompt's tokens start at, the slot holding the ones before (:func:`~jax_oc128.engine.steps.feed`)}."""
         tokens, row_starts, lengths = self._prompt_rows(prompts, starts)
         rows_budget = np.zeros(self.slots, np.int32)
         for slot in prompts:
-            rows_budget[slot] = budgets[slot]
-        rows = (self._placement.host_rows(x) for x in (tokens, row_starts, lengths, rows_budget))
-        return self._prefill(self.params, state, *rows, stops, temperature)
+            rows_budget[slot] = params[slot].max_new_tokens
+        sampling = arguments.sampling_rows(self.slots, params)
+        rows = jax.tree.map(self._placement.host_rows, (tokens, row_starts, lengths, rows_budget, sampling))
+        return self._prefill(self.params, state, *rows, stops)
 
     def _prompt_rows(self, prompts: dict, starts=None):
         """``(tokens [slots, width], starts [slots], lengths [slots])`` int32 host rows of ``prompts`` {slot:
@@ -257,25 +265,23 @@ class Engine:
         *,
         num_tokens=None,
         tree=None,
-        temperature=0.0,
         stop_tokens=(),
         steps=None,
         waiting=False,
     ) -> tuple[DecodeState, DecodeOutput]:
         """One dispatch: up to ``steps`` (default K) plain (``num_tokens`` and ``tree`` None) or speculative
         (the chain of N = ``num_tokens``, an int in [2, max_draft], or the draft tree ``tree``, as
-        :meth:`generate` takes them) steps of every active slot, on the device, greedy or sampled at
-        ``temperature`` (a number >= 0); rows end at a stop token (``stop_tokens``: at most 8 ids in [0,
-        vocab_size)) or when their budget is spent, and with ``waiting`` (a bool) the loop also leaves once
-        a row ends. ``state`` (this engine's, not yet donated) is donated; nothing is read back to the
-        host."""
+        :meth:`generate` takes them) steps of every active slot, on the device, each slot greedy or sampled
+        by the parameters its :meth:`prefill` gave; rows end at a stop token (``stop_tokens``: at most 8
+        ids in [0, vocab_size)) or when their budget is spent, and with ``waiting`` (a bool) the loop also
+        leaves once a row ends. ``state`` (this engine's, not yet donated) is donated; nothing is read back
+        to the host."""
         arguments.check_state_is_this_engines(state, self._state_layout)
         tree = arguments.check_speculation(num_tokens, tree, self.model)
-        temperature = arguments.check_temperature(temperature)
         stops = arguments.stop_array(arguments.check_stop_tokens(stop_tokens, self.model))
         steps = self.steps_per_dispatch if steps is None else arguments.check_count("steps", steps)
         waiting = arguments.check_waiting(waiting)
-        return self._decode(self.params, state, stops, waiting, steps, tree, temperature)
+        return self._decode(self.params, state, stops, waiting, steps, tree)
 
     def generate(
         self,
@@ -285,15 +291,17 @@ class Engine:
         num_tokens=None,
         tree=None,
         temperature=0.0,
-        stop_tokens=(),
+        top_p=None,
+        top_k=None,
+        stop_tokens=None,
         seed=0,
         progress=None,
         stream=None,
     ) -> Result:
         """Generate up to ``max_new_tokens`` for each prompt with speculative steps of N = ``num_tokens``
         tokens or of the draft tree ``tree`` (both None: plain steps of the target alone), greedy or sampled
-        at ``temperature``. A request ends after ``max_new_tokens`` or at the first of ``stop_tokens``,
-        which is its last token.
+        at ``temperature`` (truncated by ``top_p`` / ``top_k``). A request ends after ``max_new_tokens`` or at
+        the first of ``stop_tokens``, which is its last token.
 
         Args:
           prompts: a sequence (list, tuple) of prompts, each a sequence (list, tuple, bytes) or a 1-D
@@ -310,7 +318,12 @@ class Engine:
             (multi-draft speculative sampling at ``temperature`` > 0). Every layer type, on the online C128
             state (the offline one verifies chains only).
           temperature: a number >= 0 (0: greedy).
-          stop_tokens: at most 8 token ids in [0, vocab_size).
+          top_p: None, or a number in (0, 1]: nucleus sampling (1 or None: off).
+          top_k: None, or an int >= 0: the k most probable tokens (0 or None: off). Both as
+            :class:`SamplingParams` takes them; exact under speculation (the draft truncated the same way).
+          stop_tokens: None (default: the model's EOS ids, ``model.eos_token_ids``, those of a loaded
+            checkpoint's config; none for a model built from a config), or at most 8 token ids in [0,
+            vocab_size) (``()``: no stop token).
           seed: the sampling's PRNG seed, an int in [0, 2**32).
           progress: None, or a callable called with the number of tokens generated so far.
           stream: None, or a callable called as ``stream(i, tokens)`` whenever request ``i`` gains tokens
@@ -321,6 +334,7 @@ class Engine:
         tree = arguments.check_speculation(num_tokens, tree, self.model)
         longest_prompt = arguments.check_max_new_tokens(max_new_tokens, tree, self.model)
         temperature = arguments.check_temperature(temperature)
+        top_p, top_k = arguments.check_top_p(top_p), arguments.check_top_k(top_k)
         stop_tokens = arguments.check_stop_tokens(stop_tokens, self.model)
         seed = arguments.check_seed(seed)
         arguments.check_callback("progress", progress)
@@ -328,7 +342,7 @@ class Engine:
         prompts = arguments.check_prompts(prompts, self.model, longest_prompt)
         if not prompts:
             return Result([], steps=0, dispatches=0, seconds=0.0, mean_accepted=0.0)
-        params = SamplingParams(max_new_tokens, temperature, stop_tokens)
+        params = SamplingParams(max_new_tokens, temperature, stop_tokens, top_p=top_p, top_k=top_k)
         start = time.perf_counter()
         scheduler = RequestScheduler(self, tree=tree, seed=seed)
         outputs = [[] for _ in prompts]

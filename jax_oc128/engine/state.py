@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_oc128.protocols import Cache, Model
+from jax_oc128.sampling import Sampling
 
 
 @jax.tree_util.register_dataclass
@@ -25,6 +26,8 @@ class DecodeState:
       hidden: ``[slots, draft_hidden_size]`` float32, the target's hidden state at ``position - 1``.
       active: ``[slots]`` bool, slots whose request is still generating.
       remaining: ``[slots]`` int32, tokens the slot's request may still generate.
+      sampling: the slots' sampling parameters (:class:`~jax_oc128.sampling.Sampling`, ``[slots]`` each),
+        set by the prefill.
       key: the PRNG key of the next step (split on the device).
       engine: static (pytree metadata), the number of the :class:`~jax_oc128.engine.Engine` that made it:
         another engine refuses it, even one of the same layout.
@@ -37,6 +40,7 @@ class DecodeState:
     hidden: jax.Array
     active: jax.Array
     remaining: jax.Array
+    sampling: Sampling
     key: jax.Array
     engine: int = dataclasses.field(metadata=dict(static=True))
 
@@ -100,6 +104,9 @@ def init_state(model: Model, slots: int, engine: int, seed, pages=None, page_siz
         hidden=jnp.zeros((slots, model.draft_hidden_size), jnp.float32),
         active=jnp.zeros((slots,), bool),
         remaining=jnp.zeros((slots,), jnp.int32),
+        sampling=Sampling(
+            jnp.zeros((slots,), jnp.float32), jnp.ones((slots,), jnp.float32), jnp.zeros((slots,), jnp.int32)
+        ),
         key=jax.random.key(seed),
         engine=engine,
     )

@@ -5,10 +5,13 @@ and the decode loop that runs K steps in a ``lax.while_loop``.
 **One speculative step for chains and trees.** A speculative step drafts a static draft tree (a
 :class:`~jax_oc128.tree.Tree`; the chain of N, ``Tree.chain(N)``, is what ``num_tokens=N`` means) with
 the model's drafter level by level (:func:`~jax_oc128.tree.draft_tree`), verifies its N nodes (node 0 the
-newest token) with the model in one forward, accepts a path (:func:`~jax_oc128.tree.accept_greedy`, or at a
-temperature :func:`~jax_oc128.tree.accept_sampled`, whose emitted tokens follow the target's
-distribution), keeps that path in the caches (the model's and the drafter's ``keep_path``) and the bonus
-token.
+newest token) with the model in one forward, accepts a path (:func:`~jax_oc128.tree.accept`: greedy, or
+sampled so that the emitted tokens follow the target's distribution), keeps that path in the caches (the
+model's and the drafter's ``keep_path``) and the bonus token.
+
+**Sampling per slot.** Each slot samples by its own parameters (``state.sampling``, a
+:class:`~jax_oc128.sampling.Sampling` of ``[slots]`` arrays set by the prefill: temperature, 0 greedy;
+top-p; top-k), so requests of any parameters share a batch and a compilation.
 
 On a mesh every function runs on one device's slots (``axis`` the mesh axis of the slots, None without a
 mesh): the PRNG key is folded with the device's index and the loop's condition and counts are summed over
@@ -26,15 +29,8 @@ import jax.numpy as jnp
 from jax_oc128.controller import ForwardMode
 from jax_oc128.engine.state import DecodeOutput, DecodeState
 from jax_oc128.rules import batch_slots
-from jax_oc128.tree import Tree, accept_greedy, accept_sampled, draft_tree, tempered
-
-
-def pick(logits, key, temperature: float):
-    """Greedy (``temperature`` 0, static) or a sample of softmax(logits / temperature) (computed stably at
-    any temperature > 0: :func:`~jax_oc128.tree.tempered`): ``logits`` ``[..., V]`` -> ``[...]`` int32."""
-    if temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, tempered(logits, temperature)).astype(jnp.int32)
+from jax_oc128.sampling import Sampling, pick
+from jax_oc128.tree import Tree, accept, draft_tree
 
 
 def stop_rule(tokens, counts, remaining, stop_tokens):
@@ -157,21 +153,23 @@ def prefill(
     starts,
     lengths,
     budgets,
+    sampling: Sampling,
     stop_tokens,
     *,
-    temperature,
     chunk=None,
     axis=None,
 ):
     """New requests: :func:`feed` the rows with ``lengths`` ``[slots]`` > 0 their right-padded prompts
     ``tokens`` ``[slots, P]`` int32 from ``starts`` ``[slots]`` int32 (0: the whole prompt, its slot
     cleared; past 0: the rest of a prompt whose first ``starts`` tokens the slot holds), ``budgets``
-    ``[slots]`` their max new tokens; the first generated token comes from the last prompt token. Returns
+    ``[slots]`` their max new tokens, ``sampling`` their sampling parameters (``[slots]`` each, kept in the
+    state); the first generated token comes from the last prompt token. Returns
     ``(state, DecodeOutput)``, the output holding the first tokens as one step with no steps counted."""
     state, logits = feed(model, state, tokens, starts, lengths, chunk=chunk)
-    key, sub = _split_key(state.key, axis)
-    first = pick(logits, sub, temperature)
     new = lengths > 0
+    sampling = jax.tree.map(lambda given, kept: jnp.where(new, given, kept), sampling, state.sampling)
+    key, sub = _split_key(state.key, axis)
+    first = pick(logits, sub, sampling)
     kept, done = stop_rule(first[:, None], new.astype(jnp.int32), budgets, stop_tokens)
     state = dataclasses.replace(
         state,
@@ -179,13 +177,14 @@ def prefill(
         position=jnp.where(new, starts + lengths, state.position),
         active=jnp.where(new, ~done, state.active),
         remaining=jnp.where(new, budgets - kept, state.remaining),
+        sampling=sampling,
         key=key,
     )
     zero = jnp.zeros((), jnp.int32)
     return state, DecodeOutput(first[None, :, None], kept[None], state.active, zero, zero, zero)
 
 
-def plain_step(model, state: DecodeState, key, temperature: float):
+def plain_step(model, state: DecodeState, key):
     """One token per active slot with the model alone. Returns ``(state, tokens [slots, 1], counts
     [slots])``."""
     lengths = state.active.astype(jnp.int32)
@@ -197,7 +196,7 @@ def plain_step(model, state: DecodeState, key, temperature: float):
             lengths=lengths,
             mode=ForwardMode.DECODE,
         )
-    nxt = pick(logits[:, 0], key, temperature)
+    nxt = pick(logits[:, 0], key, state.sampling)
     state = dataclasses.replace(
         state,
         cache=cache,
@@ -233,9 +232,9 @@ def _draft_level(model, tree: Tree, position, active, carry, tokens, level: int)
     return logits, (draft_cache, hidden)
 
 
-def speculative_step(model, state: DecodeState, key, tree: Tree, temperature: float):
+def speculative_step(model, state: DecodeState, key, tree: Tree):
     """Draft ``tree`` (N nodes) with the model's drafter level by level, verify its N nodes at once, accept
-    a path (greedy at ``temperature`` 0, else sampled) and keep it. Returns ``(state, tokens [slots,
+    a path (each slot by its sampling parameters) and keep it. Returns ``(state, tokens [slots,
     depth + 1], counts [slots])``: each active slot's first ``counts`` tokens (the path's drafts, then the
     bonus token) are its new output."""
     active = state.active
@@ -243,7 +242,7 @@ def speculative_step(model, state: DecodeState, key, tree: Tree, temperature: fl
     draft_fn = functools.partial(_draft_level, model, tree, state.position, active)
     with jax.named_scope("draft"):
         tokens, draft_logits, (draft_cache, _) = draft_tree(
-            tree, state.token, draft_fn, (state.draft_cache, state.hidden[:, None]), draft_key, temperature
+            tree, state.token, draft_fn, (state.draft_cache, state.hidden[:, None]), draft_key, state.sampling
         )
     positions = state.position[:, None] + jnp.asarray(tree.depths)
     with jax.named_scope("target"):
@@ -255,10 +254,7 @@ def speculative_step(model, state: DecodeState, key, tree: Tree, temperature: fl
             mode=ForwardMode.TARGET_VERIFY,
             tree=tree,
         )
-    if temperature == 0:
-        accepted = accept_greedy(tree, logits, tokens)
-    else:
-        accepted = accept_sampled(tree, logits, draft_logits, tokens, accept_key, temperature)
+    accepted = accept(tree, logits, draft_logits, tokens, accept_key, state.sampling)
     nodes = jnp.where(active, accepted.node, -1)
     counts = jnp.where(active, accepted.length, 0)
     drafted = tuple(node for level in tree.expanded for node in level)
@@ -273,7 +269,7 @@ def speculative_step(model, state: DecodeState, key, tree: Tree, temperature: fl
     return state, accepted.emitted, counts
 
 
-def decode_loop(model, state: DecodeState, stop_tokens, waiting, *, steps: int, tree, temperature, axis=None):
+def decode_loop(model, state: DecodeState, stop_tokens, waiting, *, steps: int, tree, axis=None):
     """Up to ``steps`` plain (``tree`` None) or speculative (``tree`` a static :class:`~jax_oc128.tree.Tree`)
     steps in a ``lax.while_loop``; rows end on the device by :func:`stop_rule` (``stop_tokens``
     ``[MAX_STOP_TOKENS]`` int32). The loop leaves early when no row is active, or when a row ended and
@@ -288,7 +284,7 @@ def decode_loop(model, state: DecodeState, stop_tokens, waiting, *, steps: int, 
         state.active,
         *[zero] * 3,
     )
-    step = functools.partial(_loop_step, model, stop_tokens, tree=tree, temperature=temperature, axis=axis)
+    step = functools.partial(_loop_step, model, stop_tokens, tree=tree, axis=axis)
     running = functools.partial(_loop_running, waiting, steps=steps, axis=axis)
     state, output, _ = jax.lax.while_loop(running, step, (state, output, jnp.zeros((), bool)))
     return state, output
@@ -300,7 +296,7 @@ def _loop_running(waiting, carry, *, steps: int, axis):
     return (output.steps < steps) & _any(state.active, axis) & ~(ended & waiting)
 
 
-def _loop_step(model, stop_tokens, carry, *, tree, temperature, axis):
+def _loop_step(model, stop_tokens, carry, *, tree, axis):
     """One step of the decode loop on its carry ``(state, output, ended)``: a plain or speculative step, the
     stop rule, the step's tokens and counts written into the output."""
     state, output, ended = carry
@@ -308,9 +304,9 @@ def _loop_step(model, stop_tokens, carry, *, tree, temperature, axis):
     key, sub = _split_key(state.key, axis)
     state = dataclasses.replace(state, key=key)
     if tree is None:
-        state, tokens, counts = plain_step(model, state, sub, temperature)
+        state, tokens, counts = plain_step(model, state, sub)
     else:
-        state, tokens, counts = speculative_step(model, state, sub, tree, temperature)
+        state, tokens, counts = speculative_step(model, state, sub, tree)
     kept, done = stop_rule(tokens, counts, remaining, stop_tokens)
     state = dataclasses.replace(state, active=active & ~done, remaining=remaining - kept)
     i = output.steps

@@ -63,7 +63,8 @@ class Server:
                 "stop_token_ids",
             )
         temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
-        params = SamplingParams(max_tokens, temperature, tuple(stop_ids), body.seed)
+        top_k = None if body.top_k == -1 else body.top_k
+        params = SamplingParams(max_tokens, temperature, tuple(stop_ids), body.seed, body.top_p, top_k)
         try:
             ids, _ = self.scheduler.check_request(prompt, params, prompt_field)
         except NamedError as error:

@@ -11,7 +11,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 #: OpenAI's optional fields the server does not implement, with the one value it takes for each
 UNSUPPORTED_DEFAULTS = {
     "n": 1,
-    "top_p": 1.0,
     "best_of": 1,
     "echo": False,
     "logprobs": None,
@@ -54,7 +53,8 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     n: int | None = 1
-    top_p: float | None = 1.0
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM's extension: -1, 0 or None: off
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
     presence_penalty: float | None = 0.0
