@@ -6,13 +6,20 @@ index (-1 where out of the window), the chunk's own keys and the HCA entries by 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+from models import MODEL_CONFIG, make_model, prompts
 
 from jax_oc128 import attention_op
 from jax_oc128.attention_op import attention, attention_reference
+from jax_oc128.controller import ONLINE, ForwardMode
+from jax_oc128.engine import Engine
+from jax_oc128.nn import CSA, HCA, SLIDING, DeepseekV4Attention, ForwardBatch, attend, prepare_forward
 
 HEADS, DIM, WINDOW, TOPK, RATE_HCA, RATE_CSA = 64, 512, 128, 512, 128, 4
 SCALE = DIM**-0.5
@@ -24,6 +31,10 @@ FP32 = 2e-5
 # relative, so an output (a weighted mean of values ~N(0, 1)) by a few 2**-9; 2**-5 leaves room for the
 # tail of 64 heads x 512 channels.
 CUDA = 2**-5
+# the seam tests' layers: the forward tests' model with an indexer (CSA) and a window of 16
+SEAM_CONFIG = dataclasses.replace(
+    MODEL_CONFIG, index_n_heads=2, index_head_dim=16, index_topk=8, sliding_window=16
+)
 
 
 def v4_case(rng, starts, tokens, dtype, heads=HEADS, dim=DIM, topk=TOPK):
@@ -169,3 +180,68 @@ def test_cuda_kernel_other_head_dims(dim):
     case = v4_case(np.random.default_rng(dim), (1000, 37), 40, jnp.float32, heads=4, dim=dim, topk=64)
     got = attention(*jax.device_put(case, jax.devices("gpu")[0]), scale=dim**-0.5)
     assert_close(got, float64(*case, scale=dim**-0.5), CUDA, f"cuda head_dim {dim}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The seam (nn.attend): a layer's attention by the op equals the jnp path's
+
+
+def layer_outputs(layer, chunks):
+    """A layer's outputs over chunks of random inputs from position 0, row 1 3 tokens shorter per chunk: the
+    valid ones of each row concatenated."""
+    graphdef, params = nnx.split(layer)
+
+    @jax.jit
+    def step(caches, x, first, lengths):
+        positions = first[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)
+        fb = ForwardBatch.create(positions, lengths=lengths, mode=ForwardMode.EXTEND)
+        y, cache, compressed = nnx.merge(graphdef, params)(x, caches[0], prepare_forward(caches[1], fb), fb)
+        return y, (cache, compressed)
+
+    rng = np.random.default_rng(5)
+    caches, rows, first = (layer.init_cache(2), layer.init_compressed(2)), [[], []], np.zeros(2, np.int32)
+    for tokens in chunks:
+        x = jnp.asarray(rng.standard_normal((2, tokens, SEAM_CONFIG.hidden_size)), jnp.float32)
+        lengths = np.asarray([tokens, max(tokens - 3, 1)], np.int32)
+        y, caches = step(caches, x, jnp.asarray(first), jnp.asarray(lengths))
+        for row in range(2):
+            rows[row].append(np.asarray(y[row, : lengths[row]]))
+        first += lengths
+    return [np.concatenate(row) for row in rows]
+
+
+@pytest.mark.parametrize("layer_type", [SLIDING, HCA, CSA])
+def test_layer_with_the_op_equals_the_jnp_path(layer_type):
+    """Chunks of 140 (a banded window) and 1 (decode) tokens: the outputs by the op (its CPU
+    handler) equal the jnp path's within float32 rounding."""
+    outputs = {}
+    for impl in ("jnp", "kernel"):
+        config = SEAM_CONFIG.attention(layer_type)
+        layer = DeepseekV4Attention(
+            config, max_draft=SEAM_CONFIG.max_draft, attention_impl=impl, rngs=nnx.Rngs(6)
+        )
+        outputs[impl] = layer_outputs(layer, (140, 1))
+    for row in range(2):
+        assert np.isfinite(outputs["kernel"][row]).all()
+        np.testing.assert_allclose(outputs["kernel"][row], outputs["jnp"][row], rtol=1e-5, atol=1e-5)
+
+
+def test_the_setting_is_checked_and_resolved(monkeypatch):
+    with pytest.raises(ValueError, match="attention_impl"):
+        DeepseekV4Attention(SEAM_CONFIG.attention(SLIDING), attention_impl="fast", rngs=nnx.Rngs(0))
+    assert attend.resolve(None) == attend.DEFAULT_IMPL == "jnp"
+    gpu = jax.default_backend() == "gpu" and attention_op.TARGET in attention_op.ops.native_targets("cuda")
+    assert attend.resolve("auto") == ("kernel" if gpu else "jnp")
+    monkeypatch.setattr(attend, "DEFAULT_IMPL", "kernel")
+    assert attend.resolve(None) == "kernel"
+
+
+@pytest.mark.cuda
+def test_greedy_tokens_with_the_kernel_equal_the_jnp_paths(monkeypatch):
+    """The engine's model (sliding and HCA layers) on the GPU: greedy, plain and speculative."""
+    tokens = {}
+    for impl in ("jnp", "kernel"):
+        monkeypatch.setattr(attend, "DEFAULT_IMPL", impl)
+        engine = Engine(make_model(ONLINE), slots=2)
+        tokens[impl] = (engine.generate(prompts(), 40), engine.generate(prompts(), 40, num_tokens=3))
+    assert tokens["kernel"] == tokens["jnp"]
