@@ -32,6 +32,7 @@ FP32 = 2e-5
 # tail of 64 heads x 512 channels.
 CUDA = 2**-5
 # the seam tests' layers: the forward tests' model with an indexer (CSA) and a window of 16
+CPU = jax.devices("cpu")[0]  # the CPU handler's tests pin it (on a GPU machine the default is the kernel)
 SEAM_CONFIG = dataclasses.replace(
     MODEL_CONFIG, index_n_heads=2, index_head_dim=16, index_topk=8, sliding_window=16
 )
@@ -58,7 +59,7 @@ def v4_case(rng, starts, tokens, dtype, heads=HEADS, dim=DIM, topk=TOPK):
             position = start + t
             ring = np.arange(WINDOW)
             index[b, t, :WINDOW] = np.where(start - WINDOW + ring > position - WINDOW, ring, -1)
-            ranges[b, t, 0] = (WINDOW, WINDOW + t + 1)  # causal over the chunk
+            ranges[b, t, 0] = (WINDOW + max(t - WINDOW + 1, 0), WINDOW + t + 1)  # the chunk's, in the window
             ranges[b, t, 1] = (WINDOW + tokens, WINDOW + tokens + (position + 1) // RATE_HCA)
             closed = (position + 1) // RATE_CSA
             picks = rng.choice(closed, min(topk, closed), replace=False)
@@ -101,8 +102,9 @@ def decode_case(request):
 
 def test_native_twin_and_float64_agree(decode_case):
     want = float64(*decode_case)
-    native = jax.jit(attention, static_argnames="scale")(*decode_case, scale=SCALE)
-    twin = jax.jit(attention_reference, static_argnames="scale")(*decode_case, scale=SCALE)
+    case = jax.device_put(decode_case, CPU)
+    native = jax.jit(attention, static_argnames="scale")(*case, scale=SCALE)
+    twin = jax.jit(attention_reference, static_argnames="scale")(*case, scale=SCALE)
     assert native.dtype == jnp.float32 and native.shape == decode_case[0].shape
     assert_close(native, want, FP32, "native")
     assert_close(twin, want, FP32, "twin")
@@ -112,6 +114,7 @@ def test_a_chunk_of_small_heads():
     """A prefill-like chunk (16 tokens, causal ranges) of a smaller layer: 4 heads, head_dim 64."""
     case = v4_case(np.random.default_rng(1), (300, 0), 16, jnp.float32, heads=4, dim=64, topk=32)
     want = float64(*case)
+    case = jax.device_put(case, CPU)
     assert_close(attention(*case, scale=SCALE), want, FP32, "native")
     assert_close(attention_reference(*case, scale=SCALE), want, FP32, "twin")
 
@@ -126,7 +129,7 @@ def test_no_key_gives_zero_and_a_key_named_twice_counts_twice():
     ranges = jnp.asarray([[[[3, 2]], [[0, 0]], [[1, 2]]]], jnp.int32)  # empty, empty, row 1 again
     sinks = jnp.asarray([0.5, -1.0], jnp.float32)
     for fn in (attention, attention_reference):
-        out = np.asarray(fn(q, kv, index, ranges, sinks, scale=0.5))
+        out = np.asarray(fn(*jax.device_put((q, kv, index, ranges, sinks), CPU), scale=0.5))
         np.testing.assert_array_equal(out[0, 0], 0.0)
         np.testing.assert_allclose(out[0, 1], out[0, 2], rtol=1e-6)
         np.testing.assert_allclose(out, float64(q, kv, index, ranges, sinks, 0.5), rtol=1e-5, atol=1e-6)
@@ -162,14 +165,14 @@ def test_bad_operands_are_refused_naming_them(change, match):
 @pytest.mark.cuda
 def test_cuda_kernel_matches_twin_and_float64(decode_case):
     assert attention_op.TARGET in attention_op.ops.native_targets("cuda")
-    gpu, cpu = jax.devices("gpu")[0], jax.devices("cpu")[0]
+    gpu = jax.devices("gpu")[0]
     want = float64(*decode_case)
     on_gpu = jax.jit(attention, static_argnames="scale")
     operands = jax.device_put(decode_case, gpu)
     assert attention_op.TARGET in on_gpu.lower(*operands, scale=SCALE).as_text()
     got = on_gpu(*operands, scale=SCALE)
     assert_close(got, want, CUDA, "cuda vs float64")
-    twin = attention_reference(*jax.device_put(decode_case, cpu), scale=SCALE)
+    twin = attention_reference(*jax.device_put(decode_case, CPU), scale=SCALE)
     assert_close(got, np.asarray(twin, np.float64), CUDA, "cuda vs twin")
 
 
@@ -217,10 +220,11 @@ def test_layer_with_the_op_equals_the_jnp_path(layer_type):
     outputs = {}
     for impl in ("jnp", "kernel"):
         config = SEAM_CONFIG.attention(layer_type)
-        layer = DeepseekV4Attention(
-            config, max_draft=SEAM_CONFIG.max_draft, attention_impl=impl, rngs=nnx.Rngs(6)
-        )
-        outputs[impl] = layer_outputs(layer, (140, 1))
+        with jax.default_device(CPU):
+            layer = DeepseekV4Attention(
+                config, max_draft=SEAM_CONFIG.max_draft, attention_impl=impl, rngs=nnx.Rngs(6)
+            )
+            outputs[impl] = layer_outputs(layer, (140, 1))
     for row in range(2):
         assert np.isfinite(outputs["kernel"][row]).all()
         np.testing.assert_allclose(outputs["kernel"][row], outputs["jnp"][row], rtol=1e-5, atol=1e-5)
@@ -237,11 +241,15 @@ def test_the_setting_is_checked_and_resolved(monkeypatch):
 
 
 @pytest.mark.cuda
-def test_greedy_tokens_with_the_kernel_equal_the_jnp_paths(monkeypatch):
-    """The engine's model (sliding and HCA layers) on the GPU: greedy, plain and speculative."""
+def test_greedy_tokens_with_the_kernel_equal_the_jnp_paths():
+    """The engine's model (sliding and HCA layers) on the GPU: greedy, plain and speculative. The setting is
+    each layer's own (part of the compiled program's key, unlike the module default)."""
     tokens = {}
     for impl in ("jnp", "kernel"):
-        monkeypatch.setattr(attend, "DEFAULT_IMPL", impl)
-        engine = Engine(make_model(ONLINE), slots=2)
+        model = make_model(ONLINE)
+        for _, module in nnx.iter_modules(model):
+            if isinstance(module, DeepseekV4Attention):
+                module.attention_impl = impl
+        engine = Engine(model, slots=2)
         tokens[impl] = (engine.generate(prompts(), 40), engine.generate(prompts(), 40, num_tokens=3))
     assert tokens["kernel"] == tokens["jnp"]
