@@ -13,12 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from models import MODEL_CONFIG, make_model, prompts
+from models import MODEL_CONFIG
 
 from jax_oc128 import attention_op
 from jax_oc128.attention_op import attention, attention_reference
-from jax_oc128.controller import ONLINE, ForwardMode
-from jax_oc128.engine import Engine
+from jax_oc128.controller import ForwardMode
 from jax_oc128.nn import CSA, HCA, SLIDING, DeepseekV4Attention, ForwardBatch, attend, prepare_forward
 
 HEADS, DIM, WINDOW, TOPK, RATE_HCA, RATE_CSA = 64, 512, 128, 512, 128, 4
@@ -238,18 +237,3 @@ def test_the_setting_is_checked_and_resolved(monkeypatch):
     assert attend.resolve("auto") == ("kernel" if gpu else "jnp")
     monkeypatch.setattr(attend, "DEFAULT_IMPL", "kernel")
     assert attend.resolve(None) == "kernel"
-
-
-@pytest.mark.cuda
-def test_greedy_tokens_with_the_kernel_equal_the_jnp_paths():
-    """The engine's model (sliding and HCA layers) on the GPU: greedy, plain and speculative. The setting is
-    each layer's own (part of the compiled program's key, unlike the module default)."""
-    tokens = {}
-    for impl in ("jnp", "kernel"):
-        model = make_model(ONLINE)
-        for _, module in nnx.iter_modules(model):
-            if isinstance(module, DeepseekV4Attention):
-                module.attention_impl = impl
-        engine = Engine(model, slots=2)
-        tokens[impl] = (engine.generate(prompts(), 40), engine.generate(prompts(), 40, num_tokens=3))
-    assert tokens["kernel"] == tokens["jnp"]
