@@ -3,6 +3,7 @@
 // "attrs"}: the operand names of its binding, in binding order (jax_oc128._native checks them against the ops).
 #pragma once
 
+#include "attention_ffi.h"
 #include "nanobind/nanobind.h"
 #include "oc128_ffi.h"
 #include "xla/ffi/api/c_api.h"
@@ -18,12 +19,13 @@ nanobind::dict operand_names() {
 }
 
 inline void define_module(nanobind::module_& m, XLA_FFI_Handler* compress, XLA_FFI_Handler* verify,
-                          XLA_FFI_Handler* commit) {
+                          XLA_FFI_Handler* commit, XLA_FFI_Handler* attention) {
   m.def("registrations", [=]() {
     nanobind::dict targets;
     targets[Compress::kTarget] = nanobind::capsule(reinterpret_cast<void*>(compress));
     targets[Verify::kTarget] = nanobind::capsule(reinterpret_cast<void*>(verify));
     targets[Commit::kTarget] = nanobind::capsule(reinterpret_cast<void*>(commit));
+    targets[Attention::kTarget] = nanobind::capsule(reinterpret_cast<void*>(attention));
     return targets;
   });
   m.def("operands", []() {
@@ -31,6 +33,7 @@ inline void define_module(nanobind::module_& m, XLA_FFI_Handler* compress, XLA_F
     targets[Compress::kTarget] = operand_names<Compress>();
     targets[Verify::kTarget] = operand_names<Verify>();
     targets[Commit::kTarget] = operand_names<Commit>();
+    targets[Attention::kTarget] = operand_names<Attention>();
     return targets;
   });
 }

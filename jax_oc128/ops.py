@@ -62,6 +62,11 @@ OPERANDS = {
         rets=("state",),
         attrs=("layer", "num_layers"),
     ),
+    "oc128_attention": _native.Operands(  # jax_oc128.attention_op
+        args=("q", "kv", "index", "ranges", "sinks"),
+        rets=("out",),
+        attrs=("scale",),
+    ),
 }
 _native.check_operands(OPERANDS)
 

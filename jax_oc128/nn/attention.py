@@ -37,11 +37,11 @@ import numpy as np
 from flax import nnx
 
 from jax_oc128.controller import ONLINE, Backend, State
-from jax_oc128.nn import csa, kv_cache
+from jax_oc128.nn import attend, csa, kv_cache
 from jax_oc128.nn import weights as nn_weights
 from jax_oc128.nn.csa import CSACompressor, IndexerConfig
 from jax_oc128.nn.forward import ForwardBatch
-from jax_oc128.nn.functional import FULL, assign_weights, normal_param, ones_param, rms_norm, zeros_param
+from jax_oc128.nn.functional import assign_weights, normal_param, ones_param, rms_norm, zeros_param
 from jax_oc128.nn.hca import HCACompressor
 from jax_oc128.nn.kv_cache import CacheDtypes
 from jax_oc128.nn.linear import linear
@@ -348,6 +348,8 @@ class DeepseekV4Attention(nnx.Module):
       max_draft: the most tokens a verify call may feed (banks of the online state).
       compress_layer: an HCA layer's index in the model's layer-stacked compressor state (the number of
         HCA layers before it); unused for sliding layers.
+      attention_impl: the attention math, ``"jnp"``, ``"kernel"`` or ``"auto"``
+        (:mod:`~jax_oc128.nn.attend`); None: :data:`~jax_oc128.nn.attend.DEFAULT_IMPL` when traced.
       rngs: parameter initialisation.
     """
 
@@ -357,9 +359,11 @@ class DeepseekV4Attention(nnx.Module):
         *,
         max_draft: int = 4,
         compress_layer: int = 0,
+        attention_impl: str | None = None,
         rngs: nnx.Rngs,
     ):
-        self.config, self.max_draft = config, max_draft
+        attend.check_impl(attention_impl)
+        self.config, self.max_draft, self.attention_impl = config, max_draft, attention_impl
         c = config
         self.q_a_proj = normal_param(rngs, c.q_lora_rank, c.hidden_size, dtype=c.dtype)
         self.q_a_norm = ones_param(c.q_lora_rank)
@@ -471,38 +475,24 @@ class DeepseekV4Attention(nnx.Module):
         keys, visible = _window_keys(
             fb, kv_cache.decode(cache.window), cache.window_positions, kv, c.sliding_window
         )
-        scale = c.head_dim**-0.5
-        blocks, block = visible.shape[1:3]
-        q_blocks = jnp.pad(q, ((0, 0), (0, blocks * block - tokens), (0, 0), (0, 0)))
-        q_blocks = q_blocks.reshape(batch, blocks, block, *q.shape[2:])
-        logits = jnp.einsum("bnthd,bnkd->bhntk", q_blocks, keys, precision=FULL) * scale
-        logits = jnp.where(visible[:, None], logits, -jnp.inf)
-        logits = logits.reshape(batch, c.num_heads, blocks * block, -1)[:, :, :tokens]
-        parts = [logits]  # the window's; then an HCA layer's entries or a CSA layer's picks, per query
+        extra = extra_visible = None  # an HCA layer's entries or a CSA layer's picks; what each query sees
         if c.layer_type == HCA:
             with jax.named_scope("compressor"):
-                cache, compressed, entries, seen_entries = self._compress(x, cache, compressed, fb)
-            entry_logits = jnp.einsum("bthd,bed->bhte", q, entries, precision=FULL) * scale
-            parts.append(jnp.where(seen_entries[:, None], entry_logits, -jnp.inf))
+                cache, compressed, extra, extra_visible = self._compress(x, cache, compressed, fb)
         if c.layer_type == CSA:
             with jax.named_scope("compressor"):
-                cache, selected, picked = self._compress_sparse(x, q_res, cache, fb)
-            picked_logits = jnp.einsum("bthd,btkd->bhtk", q, selected, precision=FULL) * scale
-            parts.append(jnp.where(picked[:, None], picked_logits, -jnp.inf))
-        logits = jnp.concatenate(parts, axis=-1)
-        sink = self.sinks[...][None, :, None]
-        top = jnp.maximum(jnp.max(logits, axis=-1), sink)
-        weights = jnp.exp(logits - top[..., None])
-        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + jnp.exp(sink - top)[..., None])
-        window, rest = weights[..., : keys.shape[2]], weights[..., keys.shape[2] :]
-        window = jnp.pad(window, ((0, 0), (0, 0), (0, blocks * block - tokens), (0, 0)))
-        window = window.reshape(batch, c.num_heads, blocks, block, -1)
-        out = jnp.einsum("bhntk,bnkd->bnthd", window, keys, precision=FULL)
-        out = out.reshape(batch, blocks * block, *out.shape[3:])[:, :tokens]
-        if c.layer_type == HCA:
-            out += jnp.einsum("bhte,bed->bthd", rest, entries, precision=FULL)
-        if c.layer_type == CSA:
-            out += jnp.einsum("bhtk,btkd->bthd", rest, selected, precision=FULL)
+                cache, extra, extra_visible = self._compress_sparse(x, q_res, cache, fb)
+        out = attend.attend(
+            q,
+            keys,
+            visible,
+            extra,
+            extra_visible,
+            self.sinks[...],
+            c.head_dim**-0.5,
+            impl=self.attention_impl,
+            entries_prefix=fb.tree is None,
+        )
         out = c.rope.apply(out, positions, inverse=True)
 
         grouped = out.reshape(batch, tokens, c.o_groups, -1)

@@ -1,0 +1,116 @@
+"""The seam of DeepSeek-V4's attention math: one softmax, with the head's sink in the denominator, over a
+query's window keys and its HCA entries or CSA picks, and the weighted sum of those keys (K = V), by one of
+two implementations, chosen by a setting:
+
+- ``"jnp"``: einsums over masked logits (the oracle, and the CPU path);
+- ``"kernel"``: the attention op (:func:`jax_oc128.attention_op.attention`: the CUDA kernel on a GPU, the CPU
+  handler's reference loop on a CPU) over one pool of the same keys, the window and picks by index and a
+  chain's HCA entries by range;
+- ``"auto"``: the kernel where the default backend is a GPU with the CUDA module built, else jnp.
+
+:data:`DEFAULT_IMPL` is the setting of a layer that names none (``DeepseekV4Attention(attention_impl=None)``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_oc128 import attention_op, ops
+from jax_oc128.nn.functional import FULL
+
+IMPLS = ("jnp", "kernel", "auto")
+#: the setting of layers that name none; read when a forward is traced
+DEFAULT_IMPL = "jnp"
+
+
+def check_impl(impl: str | None) -> None:
+    """ValueError unless ``impl`` is None or one of :data:`IMPLS`."""
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f"attention_impl: must be one of {IMPLS} or None, got {impl!r}")
+
+
+def resolve(impl: str | None) -> str:
+    """``"jnp"`` or ``"kernel"``: what ``impl`` (None: :data:`DEFAULT_IMPL`) runs on the default backend."""
+    impl = DEFAULT_IMPL if impl is None else impl
+    check_impl(impl)
+    if impl == "auto":
+        gpu = jax.default_backend() == "gpu" and attention_op.TARGET in ops.native_targets("cuda")
+        return "kernel" if gpu else "jnp"
+    return impl
+
+
+def attend(q, keys, visible, extra, extra_visible, sinks, scale: float, *, impl, entries_prefix: bool):
+    """The attention of ``q`` over its window and its compressed keys.
+
+    Args:
+      q: ``[batch, T, heads, D]`` float32.
+      keys: ``[batch, n, K, D]`` float32: the window keys of each of n query blocks of ``B`` queries.
+      visible: ``[batch, n, B, K]`` bool: which of its block's keys query ``i * B + j`` sees (``n * B >= T``).
+      extra: None; an HCA layer's entries ``[batch, E, D]``; or a CSA layer's picks ``[batch, T, k, D]``.
+      extra_visible: ``[batch, T, E]`` or ``[batch, T, k]`` bool: which of them each query sees.
+      sinks: ``[heads]`` float32.
+      scale: the logits' scale.
+      impl: the setting (module docstring).
+      entries_prefix: each query's visible HCA entries are a prefix of them (a chain): the kernel gets one
+        range.
+
+    Returns:
+      ``[batch, T, heads, D]`` float32.
+    """
+    if resolve(impl) == "kernel":
+        return _kernel(q, keys, visible, extra, extra_visible, sinks, scale, entries_prefix)
+    return _jnp(q, keys, visible, extra, extra_visible, sinks, scale)
+
+
+def _jnp(q, keys, visible, extra, extra_visible, sinks, scale):
+    batch, tokens, heads = q.shape[:3]
+    blocks, block = visible.shape[1:3]
+    q_blocks = jnp.pad(q, ((0, 0), (0, blocks * block - tokens), (0, 0), (0, 0)))
+    q_blocks = q_blocks.reshape(batch, blocks, block, *q.shape[2:])
+    logits = jnp.einsum("bnthd,bnkd->bhntk", q_blocks, keys, precision=FULL) * scale
+    logits = jnp.where(visible[:, None], logits, -jnp.inf)
+    logits = logits.reshape(batch, heads, blocks * block, -1)[:, :, :tokens]
+    parts = [logits]  # the window's; then an HCA layer's entries or a CSA layer's picks, per query
+    spec = "bed" if extra is not None and extra.ndim == 3 else "btkd"
+    if extra is not None:
+        extra_logits = jnp.einsum(f"bthd,{spec}->bht{spec[-2]}", q, extra, precision=FULL) * scale
+        parts.append(jnp.where(extra_visible[:, None], extra_logits, -jnp.inf))
+    logits = jnp.concatenate(parts, axis=-1)
+    sink = sinks[None, :, None]
+    top = jnp.maximum(jnp.max(logits, axis=-1), sink)
+    weights = jnp.exp(logits - top[..., None])
+    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + jnp.exp(sink - top)[..., None])
+    window, rest = weights[..., : keys.shape[2]], weights[..., keys.shape[2] :]
+    window = jnp.pad(window, ((0, 0), (0, 0), (0, blocks * block - tokens), (0, 0)))
+    window = window.reshape(batch, heads, blocks, block, -1)
+    out = jnp.einsum("bhntk,bnkd->bnthd", window, keys, precision=FULL)
+    out = out.reshape(batch, blocks * block, *out.shape[3:])[:, :tokens]
+    if extra is not None:
+        out += jnp.einsum(f"bht{spec[-2]},{spec}->bthd", rest, extra, precision=FULL)
+    return out
+
+
+def _kernel(q, keys, visible, extra, extra_visible, sinks, scale, entries_prefix):
+    """The attention op over one pool per row: [the blocks' window keys | HCA entries or CSA picks]."""
+    batch, tokens = q.shape[:2]
+    _, blocks, width, dim = keys.shape
+    block = visible.shape[2]
+    t = jnp.arange(tokens)
+    pool = [keys.reshape(batch, blocks * width, dim)]
+    seen = visible.reshape(batch, blocks * block, width)[:, :tokens]
+    index = [jnp.where(seen, (t // block * width)[:, None] + jnp.arange(width), -1)]
+    ranges = jnp.zeros((batch, tokens, 0, 2), jnp.int32)
+    if extra is not None:
+        offset, count = blocks * width, extra_visible.shape[2]
+        if extra.ndim == 3 and entries_prefix:  # HCA entries seen: a prefix of them, one range
+            seen = jnp.sum(extra_visible, axis=-1, dtype=jnp.int32)
+            ranges = jnp.stack([jnp.full_like(seen, offset), offset + seen], axis=-1)[:, :, None]
+        elif extra.ndim == 3:  # a tree's HCA entries, by index
+            index.append(jnp.where(extra_visible, offset + jnp.arange(count), -1))
+        else:  # CSA picks, each query's own rows
+            extra = extra.reshape(batch, tokens * count, dim)
+            index.append(jnp.where(extra_visible, offset + t[:, None] * count + jnp.arange(count), -1))
+        pool.append(extra)
+    index = jnp.concatenate(index, axis=-1).astype(jnp.int32)
+    return attention_op.attention(q, jnp.concatenate(pool, axis=1), index, ranges, sinks, scale=scale)
