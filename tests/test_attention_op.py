@@ -13,12 +13,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from models import MODEL_CONFIG
+from models import MODEL_CONFIG, MODEL_RUNTIME
 
 from jax_oc128 import attention_op
 from jax_oc128.attention_op import attention, attention_reference
 from jax_oc128.controller import ForwardMode
-from jax_oc128.nn import CSA, HCA, SLIDING, DeepseekV4Attention, ForwardBatch, attend, prepare_forward
+from jax_oc128.nn import (
+    CSA,
+    HCA,
+    SLIDING,
+    DeepseekV4Attention,
+    ForwardBatch,
+    RuntimeConfig,
+    SpeculativeModel,
+    attend,
+    prepare_forward,
+)
 
 HEADS, DIM, WINDOW, TOPK, RATE_HCA, RATE_CSA = 64, 512, 128, 512, 128, 4
 SCALE = DIM**-0.5
@@ -221,7 +231,7 @@ def test_layer_with_the_op_equals_the_jnp_path(layer_type):
         config = SEAM_CONFIG.attention(layer_type)
         with jax.default_device(CPU):
             layer = DeepseekV4Attention(
-                config, max_draft=SEAM_CONFIG.max_draft, attention_impl=impl, rngs=nnx.Rngs(6)
+                config, max_draft=MODEL_RUNTIME.max_draft, attention_impl=impl, rngs=nnx.Rngs(6)
             )
             outputs[impl] = layer_outputs(layer, (140, 1))
     for row in range(2):
@@ -229,11 +239,16 @@ def test_layer_with_the_op_equals_the_jnp_path(layer_type):
         np.testing.assert_allclose(outputs["kernel"][row], outputs["jnp"][row], rtol=1e-5, atol=1e-5)
 
 
-def test_the_setting_is_checked_and_resolved(monkeypatch):
+def test_the_setting_is_checked_and_resolved():
+    """The setting is one of jnp | kernel | auto, named when not, the model's layers take the runtime's
+    (default jnp), and auto resolves to the kernel only on a GPU with the CUDA module built."""
     with pytest.raises(ValueError, match="attention_impl"):
         DeepseekV4Attention(SEAM_CONFIG.attention(SLIDING), attention_impl="fast", rngs=nnx.Rngs(0))
-    assert attend.resolve(None) == attend.DEFAULT_IMPL == "jnp"
+    with pytest.raises(ValueError, match="attention_impl"):
+        RuntimeConfig(attention_impl="fast")
+    assert RuntimeConfig().attention_impl == "jnp"
+    runtime = dataclasses.replace(MODEL_RUNTIME, attention_impl="kernel")
+    model = nnx.eval_shape(lambda: SpeculativeModel(SEAM_CONFIG, runtime, rngs=nnx.Rngs(0)))
+    assert {block.attn.attention_impl for block in model.target.blocks} == {"kernel"}
     gpu = jax.default_backend() == "gpu" and attention_op.TARGET in attention_op.ops.native_targets("cuda")
     assert attend.resolve("auto") == ("kernel" if gpu else "jnp")
-    monkeypatch.setattr(attend, "DEFAULT_IMPL", "kernel")
-    assert attend.resolve(None) == "kernel"

@@ -8,7 +8,7 @@ two implementations, chosen by a setting:
   chain's HCA entries by range;
 - ``"auto"``: the kernel where the default backend is a GPU with the CUDA module built, else jnp.
 
-:data:`DEFAULT_IMPL` is the setting of a layer that names none (``DeepseekV4Attention(attention_impl=None)``).
+A model's layers take it from ``RuntimeConfig.attention_impl`` (default ``"jnp"``).
 """
 
 from __future__ import annotations
@@ -17,22 +17,20 @@ import jax
 import jax.numpy as jnp
 
 from jax_oc128 import attention_op, ops
+from jax_oc128.checks import ArgumentError
 from jax_oc128.nn.functional import FULL
 
 IMPLS = ("jnp", "kernel", "auto")
-#: the setting of layers that name none; read when a forward is traced
-DEFAULT_IMPL = "jnp"
 
 
-def check_impl(impl: str | None) -> None:
-    """ValueError unless ``impl`` is None or one of :data:`IMPLS`."""
-    if impl is not None and impl not in IMPLS:
-        raise ValueError(f"attention_impl: must be one of {IMPLS} or None, got {impl!r}")
+def check_impl(impl: str) -> None:
+    """ArgumentError (``attention_impl``) unless ``impl`` is one of :data:`IMPLS`."""
+    if impl not in IMPLS:
+        raise ArgumentError("attention_impl", f"must be one of {IMPLS}, got {impl!r}")
 
 
-def resolve(impl: str | None) -> str:
-    """``"jnp"`` or ``"kernel"``: what ``impl`` (None: :data:`DEFAULT_IMPL`) runs on the default backend."""
-    impl = DEFAULT_IMPL if impl is None else impl
+def resolve(impl: str) -> str:
+    """``"jnp"`` or ``"kernel"``: what ``impl`` runs on the default backend."""
     check_impl(impl)
     if impl == "auto":
         gpu = jax.default_backend() == "gpu" and attention_op.TARGET in ops.native_targets("cuda")

@@ -349,7 +349,7 @@ class DeepseekV4Attention(nnx.Module):
       compress_layer: an HCA layer's index in the model's layer-stacked compressor state (the number of
         HCA layers before it); unused for sliding layers.
       attention_impl: the attention math, ``"jnp"``, ``"kernel"`` or ``"auto"``
-        (:mod:`~jax_oc128.nn.attend`); None: :data:`~jax_oc128.nn.attend.DEFAULT_IMPL` when traced.
+        (:mod:`~jax_oc128.nn.attend`).
       rngs: parameter initialisation.
     """
 
@@ -359,7 +359,7 @@ class DeepseekV4Attention(nnx.Module):
         *,
         max_draft: int = 4,
         compress_layer: int = 0,
-        attention_impl: str | None = None,
+        attention_impl: str = "jnp",
         rngs: nnx.Rngs,
     ):
         attend.check_impl(attention_impl)

@@ -10,7 +10,7 @@ import dataclasses
 import math
 
 from jax_oc128.checks import check_int
-from jax_oc128.nn import quant
+from jax_oc128.nn import attend, quant
 from jax_oc128.nn.attention import CSA, HCA, SLIDING, AttentionConfig, LayerType
 from jax_oc128.nn.csa import IndexerConfig
 from jax_oc128.nn.functional import DTYPES
@@ -35,18 +35,22 @@ class RuntimeConfig:
         ``"auto"``: the model's dtype).
       moe_dispatch: the MoE layers' routed experts' computation, a name in
         :data:`~jax_oc128.nn.moe.DISPATCHES` (default ``"grouped"``).
+      attention_impl: the attention math (:mod:`~jax_oc128.nn.attend`): ``"jnp"`` (default: the oracle),
+        ``"kernel"`` (the attention op) or ``"auto"`` (the kernel on a GPU with the CUDA module built).
     """
 
     max_len: int = 4096
     max_draft: int = 8
     kv_cache_dtype: str = "auto"
     moe_dispatch: str = "grouped"
+    attention_impl: str = "jnp"
 
     def __post_init__(self):
         check_int("max_len", self.max_len, 1, 2**31 - 1)
         check_int("max_draft", self.max_draft, 1, MAX_DRAFT)
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_dispatch(self.moe_dispatch, "moe_dispatch")
+        attend.check_impl(self.attention_impl)
 
     def cache_dtypes(self, dtype: str) -> CacheDtypes:
         """How every layer's caches are stored in a model of ``dtype``: ``kv_cache_dtype`` resolved

@@ -141,6 +141,7 @@ class Block(nnx.Module):
             config.attention(config.layer_types[layer], runtime),
             max_draft=runtime.max_draft,
             compress_layer=config.layer_types[:layer].count(HCA),
+            attention_impl=runtime.attention_impl,
             rngs=rngs,
         )
         self.mlp_norm = ones_param(config.hidden_size)
