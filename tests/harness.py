@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 
 import jax
@@ -299,3 +300,17 @@ def state_bits(state):
     """The state's bytes as unsigned integers of its width, to compare bit for bit (NaN payloads included)."""
     state = np.asarray(state)
     return state.view(np.uint32 if state.dtype.itemsize == 4 else np.uint16)
+
+
+def poisoned_pages(state):
+    """A paged engine's decode ``state`` with every page of every pool NaN (the float leaves; FP8 and
+    integer leaves left)."""
+    layers = [
+        dataclasses.replace(
+            layer,
+            entries=jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), layer.entries),
+            index_keys=jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), layer.index_keys),
+        )
+        for layer in state.cache.layers
+    ]
+    return dataclasses.replace(state, cache=dataclasses.replace(state.cache, layers=tuple(layers)))

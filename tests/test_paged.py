@@ -7,10 +7,9 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import first_difference
+from harness import first_difference, poisoned_pages
 from models import DECODE_CONFIG, make_model, prompts
 
 from jax_oc128.controller import ONLINE
@@ -53,19 +52,6 @@ def test_page_pool_reserves_assigns_and_frees():
         pool.reserve(0, 1)
 
 
-def poisoned(state):
-    """``state`` with every page of every pool NaN (the float leaves; FP8 and integer leaves left)."""
-    layers = [
-        dataclasses.replace(
-            layer,
-            entries=jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), layer.entries),
-            index_keys=jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), layer.index_keys),
-        )
-        for layer in state.cache.layers
-    ]
-    return dataclasses.replace(state, cache=dataclasses.replace(state.cache, layers=tuple(layers)))
-
-
 def test_paged_tokens_are_the_dense_tokens(dense_engine):
     """Greedy plain, chain (N = 4) and tree tokens of a paged engine (7 pages of 128 tokens for 3 slots,
     requests of 106 to 304 tokens) equal the dense engine's plain greedy tokens (speculative greedy is plain
@@ -76,7 +62,7 @@ def test_paged_tokens_are_the_dense_tokens(dense_engine):
     in the last one)."""
     dense = dense_engine
     engine = Engine(dense.model, slots=3, steps_per_dispatch=8, pages=7, page_size=128)
-    engine._idle_state = poisoned(engine.init_state())  # generate's state: its first call runs on it
+    engine._idle_state = poisoned_pages(engine.init_state())  # generate's state: its first call runs on it
     expected = dense.generate(prompts(), 100).tokens
     handed_out = set()
     for options in (dict(), dict(num_tokens=4), dict(tree=(-1, 0, 0, 1))):

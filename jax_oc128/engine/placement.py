@@ -148,22 +148,32 @@ def prefill(
     budgets,
     stop_tokens,
     temperature,
-    *,
     chunk,
+    *,
+    floor,
 ):
     """:func:`~jax_oc128.engine.steps.prefill` of the model ``graphdef`` with ``params``, on each device's
-    slots of ``placement``; ``temperature`` and ``chunk`` (None or the prefill's chunk) static."""
+    slots of ``placement``; ``temperature``, ``chunk`` (None or the prefill's chunk) and ``floor`` (None or
+    the context buckets' floor) static."""
     step = functools.partial(
-        _on_model, step_fns.prefill, graphdef, temperature=temperature, chunk=chunk, axis=placement.axis
+        _on_model,
+        step_fns.prefill,
+        graphdef,
+        temperature=temperature,
+        chunk=chunk,
+        floor=floor,
+        axis=placement.axis,
     )
     run = placement.per_slot_shard(step, *placement.prefill_specs)
     return run(params, state, tokens, lengths, budgets, stop_tokens)
 
 
-def decode(graphdef, placement: Placement, params, state, stop_tokens, waiting, steps, tree, temperature):
+def decode(
+    graphdef, placement: Placement, params, state, stop_tokens, waiting, steps, tree, temperature, context
+):
     """:func:`~jax_oc128.engine.steps.decode_loop` of the model ``graphdef`` with ``params``, on each
-    device's slots of ``placement``; ``steps`` (the most steps), ``tree`` (None: plain steps) and
-    ``temperature`` static."""
+    device's slots of ``placement``; ``steps`` (the most steps), ``tree`` (None: plain steps),
+    ``temperature`` and ``context`` (None or the dispatch's context bound) static."""
     loop = functools.partial(
         _on_model,
         step_fns.decode_loop,
@@ -171,6 +181,7 @@ def decode(graphdef, placement: Placement, params, state, stop_tokens, waiting, 
         steps=steps,
         tree=tree,
         temperature=temperature,
+        context=context,
         axis=placement.axis,
     )
     return placement.per_slot_shard(loop, *placement.decode_specs)(params, state, stop_tokens, waiting)

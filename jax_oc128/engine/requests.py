@@ -110,7 +110,7 @@ class RequestScheduler:
         self._waiting: collections.deque[int] = collections.deque()
         self.owner: dict[int, int] = {}  # slot -> request id, as of the last output read
         self._unread = collections.deque()  # dispatched, not yet read: (owner of its slots, its output)
-        self._written = np.zeros(engine.slots, np.int64)  # paged: the tokens each slot may have written
+        self._written = np.zeros(engine.slots, np.int64)  # the tokens each slot may have written
         self._released = False  # paged: pages released since the page table was last sent
         self._temperature = None  # the running batch's
         self._exclusive = False  # the running batch is one seeded sampled request
@@ -179,12 +179,13 @@ class RequestScheduler:
         pool, engine = self.page_pool, self.engine
         changed, self._released = self._released, False
         admitted = self._admit([slot for slot in range(engine.slots) if slot not in self.owner])
-        if pool is not None:  # the pages of what the next dispatch can write
-            for slot in [*self.owner, *admitted]:
-                self._written[slot] += engine.steps_per_dispatch * self.width
+        for slot, request in [*self.owner.items(), *admitted.items()]:  # what the next dispatch can write
+            needs = self._requests[request].needs
+            self._written[slot] = min(self._written[slot] + engine.steps_per_dispatch * self.width, needs)
+            if pool is not None:
                 changed |= pool.grow(slot, int(self._written[slot]))
-            if changed:
-                self.state = engine._set_page_table(self.state, engine._placement.host_rows(pool.table))
+        if pool is not None and changed:
+            self.state = engine._set_page_table(self.state, engine._placement.host_rows(pool.table))
         running = [*self.owner.values(), *admitted.values()]
         stops = arguments.stop_array(
             tuple(set.intersection(*(set(self._requests[r].params.stop_tokens) for r in running)))
@@ -206,6 +207,7 @@ class RequestScheduler:
                 engine.steps_per_dispatch,
                 self.tree,
                 self._temperature,
+                engine.bound(int(self._written.max())),
             )
             self.dispatches += 1
             for leaf in jax.tree.leaves(output):
@@ -242,7 +244,7 @@ class RequestScheduler:
                     pool.waits += 1
                     continue
                 pool.reserve(slot, request.needs)
-                self._written[slot] = len(request.prompt)
+            self._written[slot] = len(request.prompt)
             admitted[slot] = self._waiting.popleft()
         if not admitted and not self.owner:
             self._temperature = None
@@ -282,10 +284,11 @@ class RequestScheduler:
 
     def _end(self, request: int, reason: str) -> None:
         """``request`` ended for ``reason``: its slot (if any) free on the host."""
-        del self._requests[request]
+        needs = self._requests.pop(request).needs
         for slot, owner in list(self.owner.items()):
             if owner == request:
                 del self.owner[slot]
+                self._written[slot] = needs  # its row may run on the device until its budget ends
                 if self.page_pool is not None:  # the table is sent before the next dispatch
                     self._released |= self.page_pool.release(slot)
         self._finished[request] = reason

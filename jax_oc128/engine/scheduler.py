@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jax_oc128.engine import arguments, placement
+from jax_oc128.engine import steps as step_fns
 from jax_oc128.engine.requests import RequestScheduler, SamplingParams
 from jax_oc128.engine.state import DecodeOutput, DecodeState, Result, init_state, restart, set_page_table
 from jax_oc128.nn import sharding
@@ -48,11 +49,15 @@ GPU_LOOP_OPTIONS = {
 }
 
 
+def on_gpu(mesh: Mesh | None) -> bool:
+    """Whether the engine's first device (the mesh's, else JAX's default) is a GPU."""
+    return (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform == "gpu"
+
+
 def loop_compiler_options(mesh: Mesh | None) -> dict | None:
     """The decode loop's XLA options on the engine's first device: :data:`GPU_LOOP_OPTIONS` on a GPU
     unless ``XLA_FLAGS`` sets the command buffer, else None."""
-    device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
-    if device.platform == "gpu" and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
+    if on_gpu(mesh) and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
         return GPU_LOOP_OPTIONS
     return None
 
@@ -78,12 +83,14 @@ class Engine:
       slots: requests decoded together, an int >= 1.
       prompt_bucket: prompts are padded to a multiple of this (fewer prefill shapes, fewer compilations),
         an int >= 1.
-      prefill_chunk: None (the prefill is one forward of the padded prompts), or an int >= 1: the prefill
-        feeds the padded prompts ``prefill_chunk`` positions at a time, one chunk after the other inside one
-        ``lax.scan`` (one compilation), so that its activations and logits are those of one chunk
-        (``[slots, prefill_chunk, vocab]`` logits, not ``[slots, P, vocab]``). The padded width is then
-        rounded up to a multiple of ``prefill_chunk`` too. No alignment is needed (a chunk may end inside a
-        CSA window or a C128 block); the tokens are those of one forward, up to float rounding.
+      prefill_chunk: ``"auto"`` (the default: :data:`GPU_PREFILL_CHUNK` on a GPU, None elsewhere), None (the
+        prefill is one forward of the padded prompts), or an int >= 1: a prefill of padded prompts longer
+        than ``prefill_chunk`` feeds them ``prefill_chunk`` positions at a time, one chunk after the other
+        in a ``lax.scan`` (one compilation), so that its activations and logits are those of one chunk
+        (``[slots, prefill_chunk, vocab]`` logits, not ``[slots, P, vocab]``); their padded width is then
+        rounded up to a multiple of ``prefill_chunk`` too (shorter ones: one forward). No alignment is
+        needed (a chunk may end inside a CSA window or a C128 block); the tokens are those of one forward,
+        up to float rounding.
       steps_per_dispatch: K, the most decoding steps one dispatch runs on the device (1: a dispatch per
         step, the host reading each step's tokens), an int >= 1.
       mesh: None (one device), or a :class:`jax.sharding.Mesh` of the axes ``("data", "model")``
@@ -105,6 +112,14 @@ class Engine:
         :meth:`prefill` and :meth:`decode` the caller sets the page table (:meth:`set_page_table`). Tokens
         are the dense layout's.
       page_size: tokens per page, a multiple of 128 dividing ``max_len`` (paged only).
+      context_floor: the smallest context bucket, None or a multiple of 128 (paged: rounded up to a
+        common multiple of ``page_size``). Every forward reads only the first ``context`` positions of each
+        slot's caches (the model's ``context``), ``context`` the least ``context_floor * 2^k`` (capped at
+        ``max_len``) covering what the forward's rows may reach: a prefill chunk's end; the longest live
+        request + the K x N positions a dispatch may write, known on the host
+        (:func:`~jax_oc128.engine.steps.bound`): the cost follows the context, not ``max_len``, with one
+        compilation per bucket met (at most ``log2(max_len / context_floor) + 1`` of each step). None:
+        every forward reads all ``max_len`` positions.
 
     Attributes:
       number: this engine's number in the process (from 1), carried by its decode states
@@ -119,19 +134,21 @@ class Engine:
         slots: int,
         *,
         prompt_bucket: int = 128,
-        prefill_chunk: int | None = None,
+        prefill_chunk: int | str | None = "auto",
         steps_per_dispatch: int = STEPS_PER_DISPATCH,
         mesh: Mesh | None = None,
         pages: int | None = None,
         page_size: int = 256,
+        context_floor: int | None = 256,
     ):
         self.model = arguments.check_model(model)
         self.mesh = None if mesh is None else sharding.check_mesh(mesh)
         self.slots = arguments.check_slots(slots, self.mesh)
         self.prompt_bucket = arguments.check_count("prompt_bucket", prompt_bucket)
-        self.prefill_chunk = arguments.check_prefill_chunk(prefill_chunk)
+        self.prefill_chunk = arguments.check_prefill_chunk(prefill_chunk, on_gpu=on_gpu(self.mesh))
         self.steps_per_dispatch = arguments.check_count("steps_per_dispatch", steps_per_dispatch)
         self.pages, self.page_size = arguments.check_pages(pages, page_size, model, self.mesh)
+        self.context_floor = arguments.check_context_floor(context_floor, self.pages, self.page_size)
         graphdef, params = nnx.split(model)
         self.number = next(_ENGINE_NUMBERS)  # the decode states it makes carry it
         new_state = functools.partial(
@@ -147,14 +164,14 @@ class Engine:
             functools.partial(set_page_table, model), donate_argnames="state", **where.state_options()
         )
         self._prefill = jax.jit(
-            functools.partial(placement.prefill, graphdef, where, chunk=self.prefill_chunk),
-            static_argnames="temperature",
+            functools.partial(placement.prefill, graphdef, where, floor=self.context_floor),
+            static_argnames=("temperature", "chunk"),
             donate_argnames="state",
             **where.jit_options(*where.prefill_specs),
         )
         self._decode = jax.jit(
             functools.partial(placement.decode, graphdef, where),
-            static_argnames=("steps", "tree", "temperature"),
+            static_argnames=("steps", "tree", "temperature", "context"),
             donate_argnames="state",
             compiler_options=loop_compiler_options(self.mesh),
             **where.jit_options(*where.decode_specs),
@@ -221,8 +238,11 @@ class Engine:
         max new tokens}, ``stops`` ``[MAX_STOP_TOKENS]`` int32 (``arguments.stop_array``)."""
         longest = max(map(len, prompts.values()))
         width = -(-longest // self.prompt_bucket) * self.prompt_bucket
-        if self.prefill_chunk is not None:  # whole chunks
-            width = -(-width // self.prefill_chunk) * self.prefill_chunk
+        chunk = self.prefill_chunk
+        if chunk is not None and width > chunk:  # whole chunks
+            width = -(-width // chunk) * chunk
+        else:  # one forward, at most a chunk
+            chunk = None
         tokens = np.zeros((self.slots, width), np.int32)
         lengths = np.zeros(self.slots, np.int32)
         rows_budget = np.zeros(self.slots, np.int32)
@@ -230,7 +250,7 @@ class Engine:
             tokens[slot, : len(prompt)], lengths[slot] = prompt, len(prompt)
             rows_budget[slot] = budgets[slot]
         rows = (self._placement.host_rows(x) for x in (tokens, lengths, rows_budget))
-        return self._prefill(self.params, state, *rows, stops, temperature)
+        return self._prefill(self.params, state, *rows, stops, temperature, chunk)
 
     def _take_state(self, seed: np.uint32) -> DecodeState:
         """The decode state :meth:`generate` keeps between calls (taken: the next taker gets a new one), its
@@ -249,6 +269,7 @@ class Engine:
         stop_tokens=(),
         steps=None,
         waiting=False,
+        context=None,
     ) -> tuple[DecodeState, DecodeOutput]:
         """One dispatch: up to ``steps`` (default K) plain (``num_tokens`` and ``tree`` None) or speculative
         (the chain of N = ``num_tokens``, an int in [2, max_draft], or the draft tree ``tree``, as
@@ -256,14 +277,23 @@ class Engine:
         ``temperature`` (a number >= 0); rows end at a stop token (``stop_tokens``: at most 8 ids in [0,
         vocab_size)) or when their budget is spent, and with ``waiting`` (a bool) the loop also leaves once
         a row ends. ``state`` (this engine's, not yet donated) is donated; nothing is read back to the
-        host."""
+        host. ``context``: None (every forward reads all ``max_len`` positions), or an int in [1, max_len],
+        the caller's promise that no active row's position + ``steps`` x N exceeds it (the forwards read the
+        positions of its bucket, ``context_floor``; a row past it gets wrong tokens, no error)."""
         arguments.check_state_is_this_engines(state, self._state_layout)
         tree = arguments.check_speculation(num_tokens, tree, self.model)
         temperature = arguments.check_temperature(temperature)
         stops = arguments.stop_array(arguments.check_stop_tokens(stop_tokens, self.model))
         steps = self.steps_per_dispatch if steps is None else arguments.check_count("steps", steps)
         waiting = arguments.check_waiting(waiting)
-        return self._decode(self.params, state, stops, waiting, steps, tree, temperature)
+        context = arguments.check_context(context, self.model)
+        context = self.bound(self.model.max_len if context is None else context)
+        return self._decode(self.params, state, stops, waiting, steps, tree, temperature, context)
+
+    def bound(self, longest: int) -> int | None:
+        """The context bound of a dispatch whose rows reach at most ``longest`` positions (``context_floor``,
+        :func:`~jax_oc128.engine.steps.bound`)."""
+        return step_fns.bound(longest, self.model.max_len, self.context_floor)
 
     def generate(
         self,
