@@ -37,7 +37,9 @@ Cache = Any
 class Drafter(Protocol):
     """A draft model (:attr:`Model.drafter`): it proposes the next token from a token and the hidden state
     before it, and runs on its own output hidden state for the tokens after (a tree drafts level by level).
-    DeepSeek-V4's MTP heads (:mod:`jax_oc128.nn.draft`) are drafters."""
+    DeepSeek-V4's MTP heads (:mod:`jax_oc128.nn.draft`) are drafters. A drafter takes no context bound (the
+    model's ``context``): what it reads must not grow with ``max_len`` (V4's heads read their sliding
+    window)."""
 
     def init_cache(self, slots: int) -> Cache:
         """An empty cache of ``slots`` slots; nothing but static facts is read (the engine traces it

@@ -69,8 +69,9 @@ class Engine:
     Requests beyond the slots wait; a finished request frees its slot and the next one takes it (the slot's
     rows are cleared on allocation). The parameters are placed on the device once; the prefill and the
     decode loop are jitted once per engine with the decode state donated, and each compiles once per
-    (slots, draft tree, K, temperature). On a GPU the loop is compiled with :data:`GPU_LOOP_OPTIONS` (one
-    CUDA graph per dispatch). :meth:`generate` keeps its state between calls and reuses its buffers.
+    (slots, draft tree, K, temperature, context bucket; the prefill per padded width). On a GPU the loop is
+    compiled with :data:`GPU_LOOP_OPTIONS` (one CUDA graph per dispatch). :meth:`generate` keeps its state
+    between calls and reuses its buffers.
 
     Speculation is given as ``num_tokens=N`` (the chain of N: each step drafts N - 1 tokens one after the
     other) or ``tree`` (a draft tree of N nodes); both are one speculative step of a
