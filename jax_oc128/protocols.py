@@ -37,7 +37,9 @@ Cache = Any
 class Drafter(Protocol):
     """A draft model (:attr:`Model.drafter`): it proposes the next token from a token and the hidden state
     before it, and runs on its own output hidden state for the tokens after (a tree drafts level by level).
-    DeepSeek-V4's MTP heads (:mod:`jax_oc128.nn.draft`) are drafters."""
+    DeepSeek-V4's MTP heads (:mod:`jax_oc128.nn.draft`) are drafters. A drafter takes no context bound (the
+    model's ``context``): what it reads must not grow with ``max_len`` (V4's heads read their sliding
+    window)."""
 
     def init_cache(self, slots: int) -> Cache:
         """An empty cache of ``slots`` slots; nothing but static facts is read (the engine traces it
@@ -131,13 +133,17 @@ class Model(Protocol):
         lengths: jax.Array | None = None,
         mode: ForwardMode = ForwardMode.EXTEND,
         tree: Tree | None = None,
+        context: int | None = None,
     ) -> tuple[jax.Array, jax.Array, Cache]:
         """A forward of ``mode`` (static): ``EXTEND`` (a prefill or a chunk of one, at any position) and
         ``DECODE`` (one token) keep the tokens in the cache; ``TARGET_VERIFY`` with ``tree`` verifies its
         nodes (``tokens[:, k]`` node k at the root's position + its depth, each seeing the cache and its
-        ancestors), :meth:`keep_path` then keeping the accepted path. Returns ``(logits [slots, T, V]
-        float32, hidden [slots, T, H] float32, cache)``: the next token's logits after each token and the
-        hidden state the drafter takes at the next position."""
+        ancestors), :meth:`keep_path` then keeping the accepted path. ``context`` (static): None, or the
+        engine's promise that every row's position + its tokens is at most ``context`` (<= ``max_len``, a
+        bucket of :func:`~jax_oc128.nn.context_bucket`): the forward may read only the first ``context``
+        positions of each slot's caches, so that its cost follows the context, not ``max_len``. Returns
+        ``(logits [slots, T, V] float32, hidden [slots, T, H] float32, cache)``: the next token's logits after
+        each token and the hidden state the drafter takes at the next position."""
         ...
 
     def keep_path(self, cache: Cache, tree: Tree, first_positions: jax.Array, nodes: jax.Array) -> Cache:

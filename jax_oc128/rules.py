@@ -81,3 +81,28 @@ def lazy_commits(pending, pending_tokens, slots, seq_lens, accept_banks=None):
     verify_lens, accept_lens, rows = pending_commits(pending, slots, seq_lens)
     fits = commits_pending(pending, pending_tokens, rows, verify_lens, accept_lens, accept_banks)
     return verify_lens, accept_lens, jnp.where(fits, rows, -1)
+
+
+def context_bucket(longest: int, max_len: int, floor: int = 256) -> int:
+    """The context bound of a forward or a dispatch (the model's static ``context``,
+    :attr:`ForwardBatch.context <jax_oc128.nn.forward.ForwardBatch.context>`) whose rows reach at most
+    ``longest`` positions: ``floor * 2^k``, the least at least ``longest``, capped at ``max_len`` (a bounded
+    set of compilations: ``log2(max_len / floor) + 1`` buckets). ``floor``: a multiple of 128 (and of a paged
+    cache's page size), so that every bucket covers whole blocks and pages.
+
+    The contract (the host's; nothing on the device checks it): ``longest`` is at least every row's position
+    plus every token the dispatch may add to it (K steps of up to N verified tokens each: K * N). A row
+    past its bucket reads entries as missing: wrong logits, no error.
+
+    Raises:
+      ValueError: ``longest`` past ``max_len`` (naming both), or a ``floor`` that is not a positive multiple
+        of 128.
+    """
+    if floor < 1 or floor % BLOCK:
+        raise ValueError(f"floor: a positive multiple of {BLOCK} (whole C128 blocks), got {floor}")
+    if longest > max_len:
+        raise ValueError(f"longest: {longest} positions exceed max_len {max_len}")
+    bucket = floor
+    while bucket < longest:
+        bucket *= 2
+    return min(bucket, max_len)

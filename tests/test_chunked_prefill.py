@@ -14,7 +14,8 @@ import pytest
 from models import DECODE_CONFIG, make_model, prompts
 
 from jax_oc128.controller import OFFLINE, ONLINE
-from jax_oc128.engine import MAX_STOP_TOKENS, Engine, steps
+from jax_oc128.engine import MAX_STOP_TOKENS, Engine, arguments, steps
+from jax_oc128.engine.scheduler import on_gpu
 from jax_oc128.nn import CSA, HCA, SLIDING
 from jax_oc128.tree import Tree
 
@@ -91,9 +92,9 @@ def _shapes(jaxpr):
 
 
 def test_chunked_prefill_holds_one_chunks_logits():
-    """The traced chunked prefill of a bucket of 300 positions: one scan of 6 chunks, logits of one chunk
-    ``[slots, 50, vocab]`` inside it, and nowhere ``[slots, 300, vocab]`` (the single forward has them); a
-    vocabulary of 96, no other dimension's size."""
+    """The traced chunked prefill of a bucket of 300 positions: one scan of 6 chunks (bounded by context
+    buckets: one scan per bucket), logits of one chunk ``[slots, 50, vocab]`` inside it, and nowhere
+    ``[slots, 300, vocab]`` (the single forward has them); a vocabulary of 96, no other dimension's size."""
     vocab = 96
     engine = Engine(make_model(ONLINE, config=dataclasses.replace(CONFIG, vocab_size=vocab)), slots=SLOTS)
     state = engine.init_state()
@@ -102,12 +103,34 @@ def test_chunked_prefill_holds_one_chunks_logits():
     args = [tokens, starts, np.full(SLOTS, width, np.int32), np.ones(SLOTS, np.int32)]
     stops = np.full(MAX_STOP_TOKENS, -1, np.int32)
 
-    def traced(chunk):
-        prefill = functools.partial(steps.prefill, engine.model, chunk=chunk)
+    def traced(chunk, floor=None):
+        prefill = functools.partial(steps.prefill, engine.model, chunk=chunk, floor=floor)
         jaxpr = jax.make_jaxpr(prefill)(state, *args, state.sampling, stops).jaxpr
         return jaxpr, set(_shapes(jaxpr))
 
+    def scans(jaxpr):
+        return [eqn.params["length"] for eqn in jaxpr.eqns if eqn.primitive.name == "scan"]
+
     jaxpr, shapes = traced(CHUNK)
-    assert [eqn.params["length"] for eqn in jaxpr.eqns if eqn.primitive.name == "scan"] == [6]
+    assert scans(jaxpr) == [6]
+    # bounded by context buckets from 128: the chunks ending at 50, 100 | 150 .. 250 | 300, one scan each
+    assert scans(traced(CHUNK, floor=128)[0]) == [2, 3, 1]
     assert (SLOTS, CHUNK, vocab) in shapes and (SLOTS, width, vocab) not in shapes
     assert (SLOTS, width, vocab) in traced(None)[1]
+
+
+def test_the_engine_chooses_the_chunk(monkeypatch):
+    """``prefill_chunk="auto"`` (the default): 2048 on a GPU, None on a CPU; padded prompts of at most the
+    chunk are one forward (chunk None dispatched), longer ones whole chunks."""
+    assert arguments.check_prefill_chunk("auto", on_gpu=True) == arguments.GPU_PREFILL_CHUNK == 2048
+    assert arguments.check_prefill_chunk("auto", on_gpu=False) is None
+    with pytest.raises(TypeError, match="prefill_chunk: must be an int"):
+        arguments.check_prefill_chunk("always", on_gpu=True)
+    model = make_model(ONLINE, config=CONFIG)
+    assert Engine(model, slots=SLOTS).prefill_chunk == (arguments.GPU_PREFILL_CHUNK if on_gpu(None) else None)
+    engine = Engine(model, slots=SLOTS, prompt_bucket=32, prefill_chunk=CHUNK)
+    calls = []
+    monkeypatch.setattr(engine, "_prefill", lambda *args: calls.append(args))
+    for length in (20, 40):
+        engine.prefill(engine.init_state(), {0: prompts(lengths=(length,))[0]}, 3)
+    assert [(args[2].shape[1], args[-2]) for args in calls] == [(32, None), (100, CHUNK)]

@@ -1,5 +1,7 @@
 """The context bound (ForwardBatch.context, nn.context_bucket): a forward bounded to ``context`` positions
-reads no cache position at or past it (dense, paged), and gives the unbounded forward's logits bit for bit."""
+reads no cache position at or past it (dense, paged), and gives the unbounded forward's logits bit for bit;
+the engine bounds every forward by the bucket of what its rows may reach (Engine(..., context_floor=)),
+giving the unbounded engine's tokens, its compiled steps' temporaries following the bucket."""
 
 from __future__ import annotations
 
@@ -13,10 +15,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from harness import poisoned_pages
 from models import MODEL_CONFIG, MODEL_RUNTIME
 
 from jax_oc128.controller import ForwardMode
-from jax_oc128.nn import CSA, HCA, SLIDING, DeepseekV4Model, ForwardBatch, context_bucket, kv_cache
+from jax_oc128.engine import Engine, arguments
+from jax_oc128.nn import (
+    CSA,
+    HCA,
+    SLIDING,
+    DeepseekV4Model,
+    ForwardBatch,
+    SpeculativeModel,
+    context_bucket,
+    kv_cache,
+)
 from jax_oc128.rules import BLOCK
 from jax_oc128.tree import Tree
 
@@ -207,3 +220,79 @@ def test_bench_context_runs(capsys):
     ]
     temp = {(r[0], r[1], r[2]): float(r[4]) for r in rows}
     assert temp["| 2048", "prefill chunk", "256"] < temp["| 2048", "prefill chunk", "None"]
+
+
+# the engine's runs: 3 requests over 2 slots (one waits), crossing the buckets of 128 and 256 positions in
+# the chunked prefill (the longest prompt's chunks end at 64 .. 256) and in the decode (requests of 70 to 190
+# tokens, K x N positions ahead)
+ENGINE_PROMPTS, ENGINE_NEW = (150, 30, 100), 40
+
+
+@pytest.fixture(scope="module")
+def speculative_model():
+    """A :class:`SpeculativeModel` of :data:`CONFIG` (sliding, HCA, CSA) drafting up to 8 nodes."""
+    return SpeculativeModel(CONFIG, dataclasses.replace(RUNTIME, max_draft=8), rngs=nnx.Rngs(3))
+
+
+def engine_prompts():
+    rng = np.random.default_rng(4)
+    return [list(rng.integers(0, CONFIG.vocab_size, n)) for n in ENGINE_PROMPTS]
+
+
+def engine(model, **options) -> Engine:
+    """An engine of 2 slots, K = 4, the prefill in chunks of 64 (``options``: more of Engine's)."""
+    return Engine(model, 2, steps_per_dispatch=4, prefill_chunk=64, **options)
+
+
+@pytest.fixture(scope="module")
+def unbounded_tokens(speculative_model):
+    """The plain greedy tokens of the engine without a bound (``context_floor=None``)."""
+    return engine(speculative_model, context_floor=None).generate(engine_prompts(), ENGINE_NEW).tokens
+
+
+@pytest.mark.parametrize(
+    ("pages", "speculation", "buckets"),
+    [
+        (None, [{}, dict(tree=(-1, 0, 0, 1, 1, 2, 3, 4))], {128, 256}),
+        (6, [dict(num_tokens=2), dict(num_tokens=4)], {256}),
+    ],
+    ids=["dense-plain-tree8", "paged-chain2-chain4"],
+)
+def test_engine_tokens_are_the_unbounded_ones(
+    speculative_model, unbounded_tokens, pages, speculation, buckets
+):
+    """Greedy plain and tree (8 nodes) tokens of a dense engine, chain (N = 2, 4) tokens of a paged one (every
+    page NaN at first, as in test_paged), bounding every forward by buckets from 128, are the plain greedy
+    tokens of the engine without a bound; the decode dispatches met the ``buckets`` expected (the chains' rows
+    pass 128 positions while the longest request runs, and an ended slot keeps its most), never max_len's."""
+    bounded = engine(speculative_model, context_floor=128, pages=pages, page_size=128)
+    if pages is not None:
+        bounded._idle_state = poisoned_pages(bounded.init_state())  # generate's state
+    seen = []
+    unspied = bounded.bound
+    bounded.bound = lambda longest: seen.append(unspied(longest)) or seen[-1]
+    for options in speculation:
+        assert bounded.generate(engine_prompts(), ENGINE_NEW, **options).tokens == unbounded_tokens, options
+    assert set(seen) == buckets, seen
+
+
+def test_engine_decode_cost_follows_the_bucket():
+    """The engine's compiled decode dispatch (plain, K = 1) at max_len 16384 bounded to the bucket of 256
+    positions: fewer temporary bytes and a third of the FLOPs of the same unbounded (the indexer's scores
+    over every CSA entry), the same argument bytes (the decode state)."""
+    model = SpeculativeModel(CONFIG, dataclasses.replace(RUNTIME, max_len=16384), rngs=nnx.Rngs(3))
+    bounded = Engine(model, 2, steps_per_dispatch=1)
+    state, stops = bounded.init_state(), arguments.stop_array(())
+
+    def compiled(context):
+        return bounded._decode.lower(
+            bounded.params, state, stops, np.bool_(False), 1, None, context
+        ).compile()
+
+    small, full = compiled(256), compiled(None)
+    memory = small.memory_analysis(), full.memory_analysis()
+    assert memory[0].temp_size_in_bytes < memory[1].temp_size_in_bytes, memory
+    assert memory[0].argument_size_in_bytes == memory[1].argument_size_in_bytes
+    costs = [c.cost_analysis() for c in (small, full)]
+    flops = [(cost[0] if isinstance(cost, list) else cost)["flops"] for cost in costs]
+    assert flops[0] < flops[1] / 3, flops

@@ -116,6 +116,19 @@ CASES = [
     ("Engine prefill_chunk -1", construct(prefill_chunk=-1), ValueError, "prefill_chunk: must be in"),
     ("Engine prefill_chunk 1.5", construct(prefill_chunk=1.5), TypeError, "prefill_chunk: must be an int"),
     ("Engine prefill_chunk True", construct(prefill_chunk=True), TypeError, "prefill_chunk: must be an int"),
+    ("Engine context_floor 0", construct(context_floor=0), ValueError, r"context_floor: must be in \[1, "),
+    (
+        "Engine context_floor 200",
+        construct(context_floor=200),
+        ValueError,
+        "context_floor: must be None or a m",
+    ),
+    (
+        "Engine context_floor 256.0",
+        construct(context_floor=256.0),
+        TypeError,
+        "context_floor: must be an int",
+    ),
     ("Engine K '4'", construct(steps_per_dispatch="4"), TypeError, "steps_per_dispatch: must be an int"),
     ("Engine K 0", construct(steps_per_dispatch=0), ValueError, "steps_per_dispatch: must be in"),
     ("Engine mesh devices", construct(mesh=[0]), TypeError, "mesh: must be a jax.sharding.Mesh, got list"),
@@ -331,6 +344,9 @@ CASES = [
     ("prefill top_k -1", prefill(top_k=-1), ValueError, "top_k: must be >= 0"),
     ("decode stop scalar", decode(stop_tokens=5), TypeError, "stop_tokens: must be a sequence"),
     ("decode waiting 'no'", decode(waiting="no"), TypeError, "waiting: must be a bool"),
+    ("decode context 0", decode(context=0), ValueError, r"context: must be in \[1, 512\]"),
+    ("decode context max_len+1", decode(context=MAX_LEN + 1), ValueError, r"context: must be in \[1, 512\]"),
+    ("decode context 1.0", decode(context=1.0), TypeError, "context: must be an int"),
     ("decode state dict", decode(state="dict"), TypeError, "state: must be a DecodeState"),
     ("decode state more slots", decode(state="more slots"), ValueError, "state: not this engine's"),
     ("decode state offline", decode(state="offline"), ValueError, "state: not this engine's"),
@@ -426,7 +442,7 @@ def test_numpy_scalars_and_bytes_reach_the_device_as_checked(engine, monkeypatch
     state = engine.init_state()
     budget = np.int32(MAX_LEN - 4)  # the largest of plain steps leaves room for a prompt of 3
     engine.prefill(state, {np.int64(SLOTS - 1): b"\x01\x02\x03"}, budget, stop_tokens=(0, VOCAB - 1))
-    _, _, tokens, lengths, budgets, sampling, stops = calls["prefill"]
+    _, _, tokens, starts, lengths, budgets, sampling, stops, chunk, start_bound = calls["prefill"]
     np.testing.assert_array_equal(tokens[SLOTS - 1, :4], [1, 2, 3, 0])
     np.testing.assert_array_equal(lengths, [0, 3])
     np.testing.assert_array_equal(budgets, [0, budget])  # the rows of no new request: 0
@@ -438,11 +454,15 @@ def test_numpy_scalars_and_bytes_reach_the_device_as_checked(engine, monkeypatch
     assert (
         sampling.temperature.dtype == sampling.top_p.dtype == np.float32 and sampling.top_k.dtype == np.int32
     )
+    assert chunk is None and start_bound == 0 and not starts.any()  # CPU: no chunk; every prompt from 0
     engine.decode(state, num_tokens=np.int64(2), steps=np.int64(2), waiting=np.bool_(True), stop_tokens=b"\0")
-    _, _, stops, waiting, steps, tree = calls["decode"]
+    _, _, stops, waiting, steps, tree, context = calls["decode"]
     np.testing.assert_array_equal(stops, [0, *[-1] * (MAX_STOP_TOKENS - 1)])
     assert waiting and steps == 2 and type(steps) is int
-    assert tree == Tree.chain(2)
+    assert tree == Tree.chain(2) and context == MAX_LEN  # no context given: max_len's bucket
+    calls.clear()
+    engine.decode(state, context=np.int64(200))
+    assert calls["decode"][-1] == 256 and type(calls["decode"][-1]) is int  # its bucket from 256
 
 
 def test_a_vanishing_temperature_samples_the_greedy_tokens(engine):

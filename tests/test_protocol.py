@@ -192,7 +192,9 @@ class TinyDense(nnx.Module):
     def with_page_table(self, cache, page_table):
         raise ValueError(f"page_table: {type(self).__name__} has dense caches only")
 
-    def __call__(self, tokens, positions, cache, *, lengths=None, mode=ForwardMode.EXTEND, tree=None):
+    def __call__(
+        self, tokens, positions, cache, *, lengths=None, mode=ForwardMode.EXTEND, tree=None, context=None
+    ):
         batch, width = tokens.shape
         lengths = jnp.full((batch,), width, jnp.int32) if lengths is None else lengths
         x = self.embed[...][tokens]
@@ -201,17 +203,17 @@ class TinyDense(nnx.Module):
         own = jnp.asarray(
             np.tril(np.ones((width, width), bool)) if tree is None else tree.mask
         )  # ancestors, self
-        cached = jnp.arange(cache.keys.shape[1])[None, None] < positions[:, :1, None]  # before the call
+        keys, values = cache.keys[:, :context], cache.values[:, :context]  # the context's positions only
+        cached = jnp.arange(keys.shape[1])[None, None] < positions[:, :1, None]  # before the call
         mask = jnp.concatenate(
-            [jnp.broadcast_to(cached, (batch, width, cache.keys.shape[1])), own[None] & valid[:, None]],
-            axis=-1,
+            [jnp.broadcast_to(cached, (batch, width, keys.shape[1])), own[None] & valid[:, None]], axis=-1
         )
         scores = jnp.einsum(
-            "btd,bsd->bts", q, jnp.concatenate([cache.keys, k], axis=1), precision=HIGHEST
+            "btd,bsd->bts", q, jnp.concatenate([keys, k], axis=1), precision=HIGHEST
         ) / np.sqrt(k.shape[-1])
         weights = jax.nn.softmax(jnp.where(mask, scores, -1e30), axis=-1)
         attention = jnp.einsum(
-            "bts,bsd->btd", weights, jnp.concatenate([cache.values, v], axis=1), precision=HIGHEST
+            "bts,bsd->btd", weights, jnp.concatenate([values, v], axis=1), precision=HIGHEST
         )
         h = x + jnp.matmul(attention, self.wo[...], precision=HIGHEST)
         if mode == ForwardMode.TARGET_VERIFY:  # the nodes wait for keep_path

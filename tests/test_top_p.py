@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from models import DECODE_CONFIG, make_model, prompts
+from models import DECODE_CONFIG, DECODE_RUNTIME, make_model, prompts
 from sampled import (
     VOCAB,
     assert_first_two_follow,
@@ -121,8 +121,10 @@ ENGINE_CASES = [(0.65, None), (None, 3), (0.8, 4)]
 def small():
     """A small random model of 12 tokens (online C128) and an engine of 512 slots, prefilled greedily with
     one prompt in every slot; the target's next-token logits after the prompt and its first token."""
-    config = dataclasses.replace(DECODE_CONFIG, vocab_size=ENGINE_VOCAB, max_draft=4)
-    model = make_model(ONLINE, seed=3, config=config)
+    config = dataclasses.replace(DECODE_CONFIG, vocab_size=ENGINE_VOCAB)
+    model = make_model(
+        ONLINE, seed=3, config=config, runtime=dataclasses.replace(DECODE_RUNTIME, max_draft=4)
+    )
     engine = Engine(model, slots=SLOTS, steps_per_dispatch=1)  # generate's dispatches are decode(steps=1)
     prompt = prompts(vocab=ENGINE_VOCAB, lengths=(140,))[0]
     prefilled, _ = engine.prefill(engine.init_state(), dict.fromkeys(range(SLOTS), prompt), 10, num_tokens=4)

@@ -85,11 +85,19 @@ def check_slots(slots, mesh) -> int:
     return slots
 
 
-def check_prefill_chunk(prefill_chunk) -> int | None:
-    """The prefill's chunk: None (one forward of the whole prompt bucket) or a count
-    (:func:`check_count`). Any size is right: a forward in EXTEND mode continues the caches at any position
-    (the sliding windows, the CSA windows of 4 and the C128 blocks are cut anywhere,
-    tests/test_v4_parity.py::test_chunked_prefill_matches_transformers), so nothing is aligned."""
+#: the prefill's chunk on a GPU by default (``Engine(..., prefill_chunk="auto")``): its temporaries are one
+#: chunk's (the window attention's banded logits, the activations, ``[slots, chunk, vocab]`` logits)
+GPU_PREFILL_CHUNK = 2048
+
+
+def check_prefill_chunk(prefill_chunk, on_gpu: bool) -> int | None:
+    """The prefill's chunk: ``"auto"`` (:data:`GPU_PREFILL_CHUNK` ``on_gpu``, else None), None (one forward
+    of the whole prompt bucket) or a count (:func:`check_count`). Any size is right: a forward in EXTEND
+    mode continues the caches at any position (the sliding windows, the CSA windows of 4 and the C128 blocks
+    are cut anywhere, tests/test_v4_parity.py::test_chunked_prefill_matches_transformers), so nothing is
+    aligned."""
+    if isinstance(prefill_chunk, str) and prefill_chunk == "auto":
+        return GPU_PREFILL_CHUNK if on_gpu else None
     return None if prefill_chunk is None else check_count("prefill_chunk", prefill_chunk)
 
 
@@ -365,6 +373,24 @@ def check_page_table(page_table, shape: tuple[int, int], pages, mesh) -> np.ndar
         if len(np.unique(held)) != len(held):
             raise ArgumentError("page_table", f"a page is held twice (the slots of device {device})")
     return table.astype(np.int32)
+
+
+def check_context_floor(context_floor, pages, page_size: int) -> int | None:
+    """The context buckets' floor: None (every forward reads all ``max_len`` positions) or a positive
+    multiple of 128 (whole C128 blocks); paged (``pages`` not None), the least common multiple with
+    ``page_size``, so that every bucket covers whole pages."""
+    if context_floor is None:
+        return None
+    context_floor = check_count("context_floor", context_floor)
+    if context_floor % BLOCK:
+        raise ValueError(f"context_floor: must be None or a multiple of {BLOCK}, got {context_floor}")
+    return context_floor if pages is None else math.lcm(context_floor, page_size)
+
+
+def check_context(context, model) -> int | None:
+    """A dispatch's context (the most positions any of its rows reaches): None (``max_len``) or an int in
+    [1, max_len]."""
+    return None if context is None else check_int("context", context, 1, model.max_len)
 
 
 def check_request_fits(name: str, tokens: int, pool) -> None:

@@ -153,20 +153,39 @@ def prefill(
     budgets,
     sampling,
     stop_tokens,
-    *,
     chunk,
+    start_bound,
+    *,
+    floor,
 ):
     """:func:`~jax_oc128.engine.steps.prefill` of the model ``graphdef`` with ``params``, on each device's
-    slots of ``placement``; ``chunk`` (None or the prefill's chunk) static."""
-    step = functools.partial(_on_model, step_fns.prefill, graphdef, chunk=chunk, axis=placement.axis)
+    slots of ``placement``; ``chunk`` (None or the prefill's chunk), ``start_bound`` (at least every row's
+    start) and ``floor`` (None or the context buckets' floor) static
+    (:func:`~jax_oc128.engine.steps.feed`)."""
+    step = functools.partial(
+        _on_model,
+        step_fns.prefill,
+        graphdef,
+        chunk=chunk,
+        floor=floor,
+        start_bound=start_bound,
+        axis=placement.axis,
+    )
     run = placement.per_slot_shard(step, *placement.prefill_specs)
     return run(params, state, tokens, starts, lengths, budgets, sampling, stop_tokens)
 
 
-def decode(graphdef, placement: Placement, params, state, stop_tokens, waiting, steps, tree):
+def decode(graphdef, placement: Placement, params, state, stop_tokens, waiting, steps, tree, context):
     """:func:`~jax_oc128.engine.steps.decode_loop` of the model ``graphdef`` with ``params``, on each
-    device's slots of ``placement``; ``steps`` (the most steps) and ``tree`` (None: plain steps) static."""
+    device's slots of ``placement``; ``steps`` (the most steps), ``tree`` (None: plain steps) and ``context``
+    (None or the dispatch's context bound) static."""
     loop = functools.partial(
-        _on_model, step_fns.decode_loop, graphdef, steps=steps, tree=tree, axis=placement.axis
+        _on_model,
+        step_fns.decode_loop,
+        graphdef,
+        steps=steps,
+        tree=tree,
+        context=context,
+        axis=placement.axis,
     )
     return placement.per_slot_shard(loop, *placement.decode_specs)(params, state, stop_tokens, waiting)

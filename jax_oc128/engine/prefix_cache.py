@@ -90,8 +90,9 @@ def _on_model(fn, graphdef, params, *args, **static):
     return fn(nnx.merge(graphdef, params), *args, **static)
 
 
-def _feed(model, state, tokens, starts, lengths, *, chunk):
-    return steps.feed(model, state, tokens, starts, lengths, chunk=chunk)[0]
+def _feed(model, state, tokens, starts, lengths, *, chunk, floor, start_bound):
+    feeding = dict(chunk=chunk, floor=floor, start_bound=start_bound)
+    return steps.feed(model, state, tokens, starts, lengths, **feeding)[0]
 
 
 #: an engine's jitted feed, store and restore (compiled once per engine, whatever its schedulers)
@@ -104,7 +105,8 @@ def _jitted(engine) -> tuple:
         graphdef = nnx.split(model)[0]
         _JITTED[engine] = (
             jax.jit(
-                functools.partial(_on_model, _feed, graphdef, chunk=engine.prefill_chunk),
+                functools.partial(_on_model, _feed, graphdef, floor=engine.context_floor),
+                static_argnames=("chunk", "start_bound"),
                 donate_argnames="state",
             ),
             jax.jit(functools.partial(store, model), donate_argnames="snapshots"),
@@ -210,8 +212,11 @@ class PrefixCache:
 
     def feed(self, state, rows: dict, starts: dict):
         """``state`` (donated) with ``rows`` {slot: tokens} fed from ``starts`` {slot: position}."""
-        tokens, row_starts, lengths = self.engine._prompt_rows(rows, starts)
-        return self._feed(self.engine.params, state, tokens, row_starts, lengths)
+        tokens, row_starts, lengths, chunk = self.engine._prompt_rows(rows, starts)
+        start_bound = (self.engine.bound(int(row_starts.max())) or 0) if row_starts.any() else 0
+        return self._feed(
+            self.engine.params, state, tokens, row_starts, lengths, chunk=chunk, start_bound=start_bound
+        )
 
     def insert(self, state, slot: int, prompt, pages: int, held: list[Node]) -> None:
         """After ``slot`` was fed ``prompt``'s first ``pages`` pages: its pages there that the cache lacks

@@ -132,7 +132,7 @@ class RequestScheduler:
         self._waiting: collections.deque[int] = collections.deque()
         self.owner: dict[int, int] = {}  # slot -> request id, as of the last output read
         self._unread = collections.deque()  # dispatched, not yet read: (owner of its slots, its output)
-        self._written = np.zeros(engine.slots, np.int64)  # paged: the tokens each slot may have written
+        self._written = np.zeros(engine.slots, np.int64)  # the tokens each slot may have written
         self._released = False  # paged: pages released since the page table was last sent
         self._exclusive = False  # the running batch is one seeded sampled request
         self._finished: dict[int, str] = {}  # ended since the last step returned
@@ -206,12 +206,13 @@ class RequestScheduler:
         pool, engine = self.page_pool, self.engine
         changed, self._released = self._released, False
         admitted = self._admit([slot for slot in range(engine.slots) if slot not in self.owner])
-        if pool is not None:  # the pages of what the next dispatch can write
-            for slot in [*self.owner, *admitted]:
-                self._written[slot] += engine.steps_per_dispatch * self.width
+        for slot, request in [*self.owner.items(), *admitted.items()]:  # what the next dispatch can write
+            needs = self._requests[request].needs
+            self._written[slot] = min(self._written[slot] + engine.steps_per_dispatch * self.width, needs)
+            if pool is not None:
                 changed |= pool.grow(slot, int(self._written[slot]))
-            if changed:
-                self.state = engine._set_page_table(self.state, engine._placement.host_rows(pool.table))
+        if pool is not None and changed:
+            self.state = engine._set_page_table(self.state, engine._placement.host_rows(pool.table))
         running = [*self.owner.values(), *admitted.values()]
         stops = arguments.stop_array(
             tuple(set.intersection(*(set(self._requests[r].params.stop_tokens) for r in running)))
@@ -228,6 +229,7 @@ class RequestScheduler:
                 np.bool_(bool(self._waiting)),
                 engine.steps_per_dispatch,
                 self.tree,
+                engine.bound(int(self._written.max())),
             )
             self.dispatches += 1
             for leaf in jax.tree.leaves(output):
@@ -291,6 +293,7 @@ class RequestScheduler:
             if pool is not None and not self._reserve(slot, request):  # it waits for its device's pages
                 pool.waits += 1
                 continue
+            self._written[slot] = len(request.prompt)
             admitted[slot] = self._waiting.popleft()
         return admitted
 
@@ -307,7 +310,6 @@ class RequestScheduler:
         pool.reserve(slot, request.needs, shared)
         if cache is not None:
             request.plan, request.held = plan, cache.pin(plan)
-        self._written[slot] = len(request.prompt)
         return True
 
     def _read_all(self, out: StepOutput) -> None:
@@ -344,9 +346,11 @@ class RequestScheduler:
 
     def _end(self, request: int, reason: str) -> None:
         """``request`` ended for ``reason``: its slot (if any) free on the host."""
+        needs = self._requests[request].needs
         for slot, owner in list(self.owner.items()):
             if owner == request:
                 del self.owner[slot]
+                self._written[slot] = needs  # its row may run on the device until its budget ends
                 if self.page_pool is not None:  # the table is sent before the next dispatch
                     self._released |= self.page_pool.release(slot)
         if self.prefix_cache is not None:

@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jax_oc128.engine import arguments, placement
+from jax_oc128.engine import steps as step_fns
 from jax_oc128.engine.requests import RequestScheduler, SamplingParams
 from jax_oc128.engine.state import DecodeOutput, DecodeState, Result, init_state, restart, set_page_table
 from jax_oc128.nn import sharding
@@ -48,11 +49,15 @@ GPU_LOOP_OPTIONS = {
 }
 
 
+def on_gpu(mesh: Mesh | None) -> bool:
+    """Whether the engine's first device (the mesh's, else JAX's default) is a GPU."""
+    return (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform == "gpu"
+
+
 def loop_compiler_options(mesh: Mesh | None) -> dict | None:
     """The decode loop's XLA options on the engine's first device: :data:`GPU_LOOP_OPTIONS` on a GPU
     unless ``XLA_FLAGS`` sets the command buffer, else None."""
-    device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
-    if device.platform == "gpu" and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
+    if on_gpu(mesh) and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
         return GPU_LOOP_OPTIONS
     return None
 
@@ -64,7 +69,8 @@ class Engine:
     Requests beyond the slots wait; a finished request frees its slot and the next one takes it (the slot's
     rows are cleared on allocation). The parameters are placed on the device once; the prefill and the
     decode loop are jitted once per engine with the decode state donated, and each compiles once per
-    (slots, draft tree, K): the sampling parameters are per slot on the device. On a GPU the loop is
+    (slots, draft tree, K, context bucket; the prefill per padded width): the sampling parameters are per slot
+    on the device. On a GPU the loop is
     compiled with :data:`GPU_LOOP_OPTIONS` (one CUDA graph per dispatch). :meth:`generate` keeps its state
     between calls and reuses its buffers.
 
@@ -79,12 +85,14 @@ class Engine:
       slots: requests decoded together, an int >= 1.
       prompt_bucket: prompts are padded to a multiple of this (fewer prefill shapes, fewer compilations),
         an int >= 1.
-      prefill_chunk: None (the prefill is one forward of the padded prompts), or an int >= 1: the prefill
-        feeds the padded prompts ``prefill_chunk`` positions at a time, one chunk after the other inside one
-        ``lax.scan`` (one compilation), so that its activations and logits are those of one chunk
-        (``[slots, prefill_chunk, vocab]`` logits, not ``[slots, P, vocab]``). The padded width is then
-        rounded up to a multiple of ``prefill_chunk`` too. No alignment is needed (a chunk may end inside a
-        CSA window or a C128 block); the tokens are those of one forward, up to float rounding.
+      prefill_chunk: ``"auto"`` (the default: :data:`GPU_PREFILL_CHUNK` on a GPU, None elsewhere), None (the
+        prefill is one forward of the padded prompts), or an int >= 1: a prefill of padded prompts longer
+        than ``prefill_chunk`` feeds them ``prefill_chunk`` positions at a time, one chunk after the other
+        in a ``lax.scan`` (one compilation), so that its activations and logits are those of one chunk
+        (``[slots, prefill_chunk, vocab]`` logits, not ``[slots, P, vocab]``); their padded width is then
+        rounded up to a multiple of ``prefill_chunk`` too (shorter ones: one forward). No alignment is
+        needed (a chunk may end inside a CSA window or a C128 block); the tokens are those of one forward,
+        up to float rounding.
       steps_per_dispatch: K, the most decoding steps one dispatch runs on the device (1: a dispatch per
         step, the host reading each step's tokens), an int >= 1.
       mesh: None (one device), or a :class:`jax.sharding.Mesh` of the axes ``("data", "model")``
@@ -106,6 +114,14 @@ class Engine:
         :meth:`prefill` and :meth:`decode` the caller sets the page table (:meth:`set_page_table`). Tokens
         are the dense layout's.
       page_size: tokens per page, a multiple of 128 dividing ``max_len`` (paged only).
+      context_floor: the smallest context bucket, None or a multiple of 128 (paged: rounded up to a
+        common multiple of ``page_size``). Every forward reads only the first ``context`` positions of each
+        slot's caches (the model's ``context``), ``context`` the least ``context_floor * 2^k`` (capped at
+        ``max_len``) covering what the forward's rows may reach: a prefill chunk's end; the longest live
+        request + the K x N positions a dispatch may write, known on the host
+        (:func:`~jax_oc128.engine.steps.bound`): the cost follows the context, not ``max_len``, with one
+        compilation per bucket met (at most ``log2(max_len / context_floor) + 1`` of each step). None:
+        every forward reads all ``max_len`` positions.
 
     Attributes:
       number: this engine's number in the process (from 1), carried by its decode states
@@ -120,19 +136,21 @@ class Engine:
         slots: int,
         *,
         prompt_bucket: int = 128,
-        prefill_chunk: int | None = None,
+        prefill_chunk: int | str | None = "auto",
         steps_per_dispatch: int = STEPS_PER_DISPATCH,
         mesh: Mesh | None = None,
         pages: int | None = None,
         page_size: int = 256,
+        context_floor: int | None = 256,
     ):
         self.model = arguments.check_model(model)
         self.mesh = None if mesh is None else sharding.check_mesh(mesh)
         self.slots = arguments.check_slots(slots, self.mesh)
         self.prompt_bucket = arguments.check_count("prompt_bucket", prompt_bucket)
-        self.prefill_chunk = arguments.check_prefill_chunk(prefill_chunk)
+        self.prefill_chunk = arguments.check_prefill_chunk(prefill_chunk, on_gpu=on_gpu(self.mesh))
         self.steps_per_dispatch = arguments.check_count("steps_per_dispatch", steps_per_dispatch)
         self.pages, self.page_size = arguments.check_pages(pages, page_size, model, self.mesh)
+        self.context_floor = arguments.check_context_floor(context_floor, self.pages, self.page_size)
         graphdef, params = nnx.split(model)
         self.number = next(_ENGINE_NUMBERS)  # the decode states it makes carry it
         new_state = functools.partial(
@@ -148,13 +166,14 @@ class Engine:
             functools.partial(set_page_table, model), donate_argnames="state", **where.state_options()
         )
         self._prefill = jax.jit(
-            functools.partial(placement.prefill, graphdef, where, chunk=self.prefill_chunk),
+            functools.partial(placement.prefill, graphdef, where, floor=self.context_floor),
+            static_argnames=("chunk", "start_bound"),
             donate_argnames="state",
             **where.jit_options(*where.prefill_specs),
         )
         self._decode = jax.jit(
             functools.partial(placement.decode, graphdef, where),
-            static_argnames=("steps", "tree"),
+            static_argnames=("steps", "tree", "context"),
             donate_argnames="state",
             compiler_options=loop_compiler_options(self.mesh),
             **where.jit_options(*where.decode_specs),
@@ -228,29 +247,35 @@ class Engine:
         its :class:`SamplingParams`, checked (``top_p`` a float, ``top_k`` an int)}, ``stops``
         ``[MAX_STOP_TOKENS]`` int32 (``arguments.stop_array``); ``starts`` None, or {slot: the position its
         prompt's tokens start at, the slot holding the ones before (:func:`~jax_oc128.engine.steps.feed`)}."""
-        tokens, row_starts, lengths = self._prompt_rows(prompts, starts)
+        tokens, row_starts, lengths, chunk = self._prompt_rows(prompts, starts)
         rows_budget = np.zeros(self.slots, np.int32)
         for slot in prompts:
             rows_budget[slot] = params[slot].max_new_tokens
         sampling = arguments.sampling_rows(self.slots, params)
+        # a bucket at least every row's start (0: none continues), so the chunks' bounds stay few
+        start_bound = (self.bound(int(row_starts.max())) or 0) if row_starts.any() else 0
         rows = jax.tree.map(self._placement.host_rows, (tokens, row_starts, lengths, rows_budget, sampling))
-        return self._prefill(self.params, state, *rows, stops)
+        return self._prefill(self.params, state, *rows, stops, chunk, start_bound)
 
     def _prompt_rows(self, prompts: dict, starts=None):
         """``(tokens [slots, width], starts [slots], lengths [slots])`` int32 host rows of ``prompts`` {slot:
         ``[length]`` int32} from ``starts`` {slot: position} (None: 0), the width a multiple of
-        ``prompt_bucket`` (and of ``prefill_chunk`` if set)."""
+        ``prompt_bucket``, and the prefill's chunk: ``prefill_chunk`` with the width a multiple of it, or
+        None (one forward) for a width of at most one chunk."""
         longest = max(map(len, prompts.values()))
         width = -(-longest // self.prompt_bucket) * self.prompt_bucket
-        if self.prefill_chunk is not None:  # whole chunks
-            width = -(-width // self.prefill_chunk) * self.prefill_chunk
+        chunk = self.prefill_chunk
+        if chunk is not None and width > chunk:  # whole chunks
+            width = -(-width // chunk) * chunk
+        else:  # one forward, at most a chunk
+            chunk = None
         tokens = np.zeros((self.slots, width), np.int32)
         row_starts = np.zeros(self.slots, np.int32)
         lengths = np.zeros(self.slots, np.int32)
         for slot, prompt in prompts.items():
             tokens[slot, : len(prompt)], lengths[slot] = prompt, len(prompt)
             row_starts[slot] = 0 if starts is None else starts.get(slot, 0)
-        return tokens, row_starts, lengths
+        return tokens, row_starts, lengths, chunk
 
     def _take_state(self, seed: np.uint32) -> DecodeState:
         """The decode state :meth:`generate` keeps between calls (taken: the next taker gets a new one), its
@@ -268,6 +293,7 @@ class Engine:
         stop_tokens=(),
         steps=None,
         waiting=False,
+        context=None,
     ) -> tuple[DecodeState, DecodeOutput]:
         """One dispatch: up to ``steps`` (default K) plain (``num_tokens`` and ``tree`` None) or speculative
         (the chain of N = ``num_tokens``, an int in [2, max_draft], or the draft tree ``tree``, as
@@ -275,13 +301,23 @@ class Engine:
         by the parameters its :meth:`prefill` gave; rows end at a stop token (``stop_tokens``: at most 8
         ids in [0, vocab_size)) or when their budget is spent, and with ``waiting`` (a bool) the loop also
         leaves once a row ends. ``state`` (this engine's, not yet donated) is donated; nothing is read back
-        to the host."""
+        to the host. ``context``: None (every forward reads all ``max_len`` positions), or an int in [1,
+        max_len], the caller's promise that no active row's position + ``steps`` x N exceeds it (the
+        forwards read the positions of its bucket, ``context_floor``; a row past it gets wrong tokens, no
+        error)."""
         arguments.check_state_is_this_engines(state, self._state_layout)
         tree = arguments.check_speculation(num_tokens, tree, self.model)
         stops = arguments.stop_array(arguments.check_stop_tokens(stop_tokens, self.model))
         steps = self.steps_per_dispatch if steps is None else arguments.check_count("steps", steps)
         waiting = arguments.check_waiting(waiting)
-        return self._decode(self.params, state, stops, waiting, steps, tree)
+        context = arguments.check_context(context, self.model)
+        context = self.bound(self.model.max_len if context is None else context)
+        return self._decode(self.params, state, stops, waiting, steps, tree, context)
+
+    def bound(self, longest: int) -> int | None:
+        """The context bound of a dispatch whose rows reach at most ``longest`` positions (``context_floor``,
+        :func:`~jax_oc128.engine.steps.bound`)."""
+        return step_fns.bound(longest, self.model.max_len, self.context_floor)
 
     def generate(
         self,

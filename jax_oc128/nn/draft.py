@@ -236,11 +236,10 @@ class SpeculativeModel(nnx.Module):
         """:meth:`ModelCache.with_prefix_state <jax_oc128.nn.ModelCache.with_prefix_state>`."""
         return cache.with_prefix_state(slots, state)
 
-    def __call__(
-        self, tokens, positions, cache: ModelCache, *, lengths=None, mode=ForwardMode.EXTEND, tree=None
-    ):
-        """The target's forward (:meth:`~jax_oc128.nn.DeepseekV4Model.__call__`)."""
-        return self.target(tokens, positions, cache, lengths=lengths, mode=mode, tree=tree)
+    def __call__(self, tokens, positions, cache: ModelCache, **options):
+        """The target's forward (:meth:`~jax_oc128.nn.DeepseekV4Model.__call__`, ``options`` its keyword
+        arguments: ``lengths``, ``mode``, ``tree``, ``context``)."""
+        return self.target(tokens, positions, cache, **options)
 
     def keep_path(self, cache: ModelCache, tree: Tree, first_positions, nodes) -> ModelCache:
         """The target's :meth:`~jax_oc128.nn.DeepseekV4Model.keep_path`."""

@@ -17,8 +17,10 @@ import jax
 import jax.numpy as jnp
 
 from jax_oc128.controller import ForwardMode, State, backend_of
-from jax_oc128.rules import batch_slots
+from jax_oc128.rules import batch_slots, context_bucket
 from jax_oc128.tree import Tree
+
+__all__ = ["ForwardBatch", "commit_verify", "context_bucket", "prepare_forward"]
 
 #: the metadata of a field in the record's tree structure (hashed, known at trace time)
 _STATIC = {"static": True}
@@ -117,30 +119,6 @@ class ForwardBatch:
     def every_node(self) -> bool:
         """Whether the tokens are every node of the tree (a verify; True for a chain)."""
         return self.tree is None or self.nodes == tuple(range(self.tree.size))
-
-
-def context_bucket(longest: int, max_len: int, floor: int = 256) -> int:
-    """The context bound (:attr:`ForwardBatch.context`) of a dispatch whose rows reach at most ``longest``
-    positions: ``floor * 2^k``, the least at least ``longest``, capped at ``max_len`` (a bounded set of
-    compilations: ``log2(max_len / floor) + 1`` buckets). ``floor``: a multiple of 128 (and of a paged
-    cache's page size), so that every bucket covers whole blocks and pages.
-
-    The contract (the host's; nothing on the device checks it): ``longest`` is at least every row's position
-    plus every token the dispatch may add to it (K steps of up to N verified tokens each: K * N). A row
-    past its bucket reads entries as missing: wrong logits, no error.
-
-    Raises:
-      ValueError: ``longest`` past ``max_len`` (naming both), or a ``floor`` that is not a positive multiple
-        of 128.
-    """
-    if floor < 1 or floor % 128:
-        raise ValueError(f"floor: a positive multiple of 128 (whole C128 blocks), got {floor}")
-    if longest > max_len:
-        raise ValueError(f"longest: {longest} positions exceed max_len {max_len}")
-    bucket = floor
-    while bucket < longest:
-        bucket *= 2
-    return min(bucket, max_len)
 
 
 def _check_tree_call(tree, nodes, tokens: int, mode: ForwardMode) -> tuple[int, ...]:
