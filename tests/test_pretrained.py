@@ -160,7 +160,7 @@ def copying(tmp_path_factory):
     config, written = copying_checkpoint()
     tensors = tensors_of(written)
     named = {n.replace("mtp.0.", "model.layers.2."): v for n, v in deepseek_named(tensors, 2).items()}
-    directory = write(tmp_path_factory.mktemp("copying"), config, named)
+    directory = write(tmp_path_factory.mktemp("copying") / "ckpt", config, named)
     model = load_pretrained(directory, dtype="float32", max_len=512, max_draft=4)
     return directory, tensors, Engine(model, slots=2)
 
