@@ -4,6 +4,8 @@ compiles once per (slots, N, K)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,32 +20,46 @@ from jax_oc128.engine import Engine
 from jax_oc128.nn import ModelConfig
 
 
+@pytest.fixture(scope="module")
+def greedy():
+    """``greedy(backend, n)``: ``generate(prompts(), 100, num_tokens=n)`` on one 3-slot engine per backend
+    (3 slots for 5 requests: slots are reused), each computed once for the module's tests."""
+    engines = {}
+
+    @functools.cache
+    def run(backend, n):
+        if backend not in engines:
+            engines[backend] = Engine(make_model(backend), slots=3)
+        return engines[backend].generate(prompts(), 100, num_tokens=n)
+
+    return run
+
+
+@pytest.mark.parametrize("n", [2, 4, 8], ids=lambda n: f"N={n}")
 @pytest.mark.parametrize("backend", [ONLINE, OFFLINE], ids=["online", "offline"])
-def test_greedy_speculation_equals_plain_greedy(backend):
-    """3 slots for 5 requests (slots are reused), N = 2, 4, 8: token for token the plain greedy output."""
-    engine = Engine(make_model(backend), slots=3)
-    plain = engine.generate(prompts(), 100)
-    for n in (2, 4, 8):
-        spec = engine.generate(prompts(), 100, num_tokens=n)
-        assert spec.tokens == plain.tokens, f"N = {n}"
-        assert spec.steps < plain.steps or n == 2  # drafts of a random head are rarely accepted, but some are
+def test_greedy_speculation_equals_plain_greedy(greedy, backend, n):
+    """Token for token the plain greedy output."""
+    plain, spec = greedy(backend, None), greedy(backend, n)
+    assert spec.tokens == plain.tokens
+    assert spec.steps < plain.steps or n == 2  # drafts of a random head are rarely accepted, but some are
 
 
-def test_backends_agree():
-    online = Engine(make_model(ONLINE), slots=2).generate(prompts(), 40, num_tokens=4)
-    offline = Engine(make_model(OFFLINE), slots=2).generate(prompts(), 40, num_tokens=4)
-    assert online.tokens == offline.tokens
+def test_backends_agree(greedy):
+    for n in (None, 4):
+        assert greedy(ONLINE, n).tokens == greedy(OFFLINE, n).tokens, f"N = {n}"
 
 
 def test_reused_slot_carries_nothing_from_its_previous_owner():
-    """One slot: request B after A gives what B gives alone in a fresh engine, in the same generate call
-    and in the next one (which reuses the last call's state)."""
+    """One slot: request B alone in a fresh engine gives what the same engine then gives for B after A in one
+    generate call (A in the slot B left, B in the slot A left) and in the next call (which reuses the last
+    call's state)."""
     a, b = prompts(lengths=(250, 140))
+    model = make_model(ONLINE)
     for n in (None, 4):
-        engine = Engine(make_model(ONLINE), slots=1)
+        engine = Engine(model, slots=1)
+        alone = engine.generate([b], 70, num_tokens=n)
         together = engine.generate([a, b], 70, num_tokens=n)
         next_call = engine.generate([b], 70, num_tokens=n)
-        alone = Engine(make_model(ONLINE), slots=1).generate([b], 70, num_tokens=n)
         assert together.tokens[1] == alone.tokens[0]
         assert next_call.tokens[0] == alone.tokens[0]
 
@@ -64,30 +80,38 @@ def test_decode_loop_compiles_once_per_slots_n_and_k():
         assert compiles["decode"] == 3
 
 
+@pytest.fixture(scope="module")
+def dispatching():
+    """3-slot engines of one model taking K = 1, 3 and 16 steps per dispatch."""
+    model = make_model(ONLINE)
+    return [Engine(model, slots=3, steps_per_dispatch=k) for k in (1, 3, 16)]
+
+
 @pytest.mark.parametrize("num_tokens", [None, 4], ids=["plain", "N=4"])
-def test_steps_per_dispatch_change_nothing(num_tokens):
+def test_steps_per_dispatch_change_nothing(dispatching, num_tokens):
     """K = 1 (the host reads every step), 3 and 16 steps per dispatch: the same tokens in the same number of
     steps; more steps per dispatch, fewer dispatches. 3 slots for 5 requests: the loop leaves early when a
     row ends while requests wait."""
-    model = make_model(ONLINE)
-    results = [
-        Engine(model, slots=3, steps_per_dispatch=k).generate(prompts(), 60, num_tokens=num_tokens)
-        for k in (1, 3, 16)
-    ]
+    results = [engine.generate(prompts(), 60, num_tokens=num_tokens) for engine in dispatching]
     assert all(r.tokens == results[0].tokens and r.steps == results[0].steps for r in results)
     assert results[0].dispatches > results[1].dispatches > results[2].dispatches
     assert all(len(tokens) == 60 for tokens in results[0].tokens)
 
 
+@pytest.fixture(scope="module")
+def shipped_engine():
+    """The shipped model's engine of 2 slots, 5 steps per dispatch."""
+    return Engine(checkpoint.load()[0], slots=2, steps_per_dispatch=5)
+
+
 @pytest.mark.parametrize("num_tokens", [None, 2, 4], ids=["plain", "N=2", "N=4"])
-def test_stop_tokens_end_a_request_at_the_stop_token(num_tokens):
+def test_stop_tokens_end_a_request_at_the_stop_token(shipped_engine, num_tokens):
     """The shipped (trained) model, whose drafts are often accepted: each request's output is its output
     without stop tokens cut just after the first stop token, also where the stop token is inside an
     accepted run of drafts; a request whose first token is a stop token returns just that token."""
-    model, _ = checkpoint.load()
     texts = (b"Return the number of items in the container. ", b"Raise ValueError if ", b"Open file and ")
     requests = [list(text) for text in texts]
-    engine = Engine(model, slots=2, steps_per_dispatch=5)
+    engine = shipped_engine
     free = engine.generate(requests, 60, num_tokens=num_tokens)
     for stop in ([ord(" ")], [ord("."), ord("\n")], [free.tokens[1][0]]):
         stopped = engine.generate(requests, 60, num_tokens=num_tokens, stop_tokens=stop)
@@ -119,27 +143,35 @@ def test_stop_token_inside_an_accepted_run_of_drafts():
     assert stopped == free[: at + 1]
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_speculative_sampling_follows_the_target(n):
-    """Temperature 1: the first token of a speculative step is distributed as the target's softmax (chi-square
-    over 4096 samples, p > 1e-3), though the draft head (random) proposes from another distribution."""
+@pytest.fixture(scope="module")
+def sampling():
+    """The sampling tests' 512-slot engine (a vocabulary of 12, a random draft head), its state with one
+    prompt prefilled in every slot, and after the prompt and its greedy first token, the next token's
+    distributions ``[12]`` float32 of the target and of the draft head."""
     config = ModelConfig(**{**DECODE_CONFIG.__dict__, "vocab_size": 12})
     model = make_model(ONLINE, seed=3, config=config)
     engine = Engine(model, slots=512)
     prompt = prompts(vocab=12, lengths=(140,))[0]
-    counts = np.zeros(12)
     prefilled, _ = engine.prefill(engine.init_state(), dict.fromkeys(range(512), prompt), 10)
-    first = int(prefilled.token[0])
-    for seed in range(8):
-        _, output = engine.decode(resampled(prefilled, seed + 1, 1.0), num_tokens=n, steps=1)
-        counts += np.bincount(np.asarray(output.tokens[0, :, 0]), minlength=12)
-    sequence = jnp.asarray([[*prompt, first]], jnp.int32)
+    sequence = jnp.asarray([[*prompt, int(prefilled.token[0])]], jnp.int32)
     logits, _, _ = model.target(sequence, jnp.arange(sequence.shape[1])[None], model.target.init_cache(1))
-    expected = np.asarray(jax.nn.softmax(logits[0, -1])) * counts.sum()
-    chi2 = float(np.sum((counts - expected) ** 2 / expected))
-    # survival function of chi-square with 11 degrees of freedom at 31.3 is 1e-3
-    assert chi2 < 31.3, (chi2, counts, expected)
     position = jnp.full((1, 1), sequence.shape[1] - 1, jnp.int32)
     hidden = jnp.zeros((1, 1, config.hidden_size))
     draft_logits, _, _ = model.mtp(sequence[:, -1:], hidden, position, model.mtp.init_cache(1))
-    assert np.abs(np.asarray(jax.nn.softmax(draft_logits[0, 0])) - expected / counts.sum()).max() > 0.05
+    return engine, prefilled, *(np.asarray(jax.nn.softmax(x[0, -1])) for x in (logits, draft_logits))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_speculative_sampling_follows_the_target(sampling, n):
+    """Temperature 1: the first token of a speculative step is distributed as the target's softmax (chi-square
+    over 4096 samples, p > 1e-3), though the draft head (random) proposes from another distribution."""
+    engine, prefilled, target, draft = sampling
+    counts = np.zeros(12)
+    for seed in range(8):
+        _, output = engine.decode(resampled(prefilled, seed + 1, 1.0), num_tokens=n, steps=1)
+        counts += np.bincount(np.asarray(output.tokens[0, :, 0]), minlength=12)
+    expected = target * counts.sum()
+    chi2 = float(np.sum((counts - expected) ** 2 / expected))
+    # survival function of chi-square with 11 degrees of freedom at 31.3 is 1e-3
+    assert chi2 < 31.3, (chi2, counts, expected)
+    assert np.abs(draft - target).max() > 0.05

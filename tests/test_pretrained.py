@@ -157,18 +157,25 @@ def copying_checkpoint() -> tuple[dict, SpeculativeModel]:
     return config, model
 
 
-def test_mtp_layer_drafts_are_accepted(tmp_path):
-    """The copying MTP layer of :func:`copying_checkpoint`, named the DeepSeek-V3 way
-    (``model.layers.{num_hidden_layers}.*``): its drafts are mostly accepted (mean accepted length well
-    above 1 at N = 4) and greedy speculative decoding still gives the plain greedy tokens."""
+@pytest.fixture(scope="module")
+def copying(tmp_path_factory):
+    """:func:`copying_checkpoint` written with the MTP layer named the DeepSeek-V3 way
+    (``model.layers.{num_hidden_layers}.*``): its directory, its tensors, and the float32 model loaded from
+    it in a 2-slot engine."""
     config, written = copying_checkpoint()
     tensors = tensors_of(written)
     named = {n.replace("mtp.0.", "model.layers.2."): v for n, v in deepseek_named(tensors, 2).items()}
-    model = load_pretrained(
-        write(tmp_path / "ckpt", config, named), dtype="float32", max_len=512, max_draft=4
-    )
-    assert_same_parameters(model, tensors)
-    engine = Engine(model, slots=2)
+    directory = write(tmp_path_factory.mktemp("copying") / "ckpt", config, named)
+    model = load_pretrained(directory, dtype="float32", max_len=512, max_draft=4)
+    return directory, tensors, Engine(model, slots=2)
+
+
+def test_mtp_layer_drafts_are_accepted(copying):
+    """The copying MTP layer, named the DeepSeek-V3 way: exactly the weights written; its drafts are mostly
+    accepted (mean accepted length well above 1 at N = 4) and greedy speculative decoding still gives the
+    plain greedy tokens."""
+    _, tensors, engine = copying
+    assert_same_parameters(engine.model, tensors)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
     plain = engine.generate(prompts, 40, stop_tokens=())  # the full 40 (no stop at the config's EOS id)
     speculative = engine.generate(prompts, 40, num_tokens=4, stop_tokens=())
@@ -176,7 +183,7 @@ def test_mtp_layer_drafts_are_accepted(tmp_path):
     assert speculative.mean_accepted > 2.5, speculative.mean_accepted
 
 
-def test_bfloat16_against_float32(tmp_path):
+def test_bfloat16_against_float32(copying):
     """The copying checkpoint (:func:`copying_checkpoint`) in bfloat16 and in float32 on the same prompts
     (the small-window fixture's first 100 tokens): prefill logits, greedy tokens and the MTP layer's accepted
     lengths. bfloat16 rounds each matmul's inputs to 8 significant bits: the logits are within 5% (2x the
@@ -185,13 +192,12 @@ def test_bfloat16_against_float32(tmp_path):
     the positions (99% measured), the greedy speculative tokens are the plain greedy tokens in bfloat16 too,
     and the drafts are accepted as often. Prints the numbers
     (``pytest -s``; bench/RESULTS.md records them)."""
-    config, written = copying_checkpoint()
-    directory = write(tmp_path / "ckpt", config, deepseek_named(tensors_of(written), 2))
+    directory, _, float32 = copying
     prompts = fixture("small_window")[2]["prompt"][:, :100]
+    bfloat16 = load_pretrained(directory, dtype="bfloat16", max_len=512, max_draft=4)
     report = {}
-    for dtype in ("float32", "bfloat16"):
-        model = load_pretrained(directory, dtype=dtype, max_len=512, max_draft=4)
-        engine = Engine(model, slots=2)
+    for dtype, engine in (("float32", float32), ("bfloat16", Engine(bfloat16, slots=2))):
+        model = engine.model
         requests = [list(map(int, row)) for row in prompts]
         plain = engine.generate(requests, 100, stop_tokens=())  # the full 100: no stop at the EOS id
         speculative = engine.generate(requests, 100, num_tokens=4, stop_tokens=())

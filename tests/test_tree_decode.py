@@ -5,6 +5,7 @@ name."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,13 +32,21 @@ def make_model(seed=0, config=TREE_CONFIG, backend=ONLINE):
     return SpeculativeModel(config, DECODE_RUNTIME, backend=backend, rngs=nnx.Rngs(seed))
 
 
-@pytest.mark.parametrize("tree", TREES, ids=str)
-def test_greedy_tree_speculation_equals_plain_greedy(tree):
-    """3 slots for 5 requests (slots reused): token for token the plain greedy output, in fewer steps."""
+@pytest.fixture(scope="module")
+def greedy():
+    """``greedy(num_tokens, tree)``: ``generate(prompts, 60, ...)`` of one engine (3 slots for 5 requests:
+    slots reused), each computed once for the module's tests."""
     engine = Engine(make_model(), slots=3, steps_per_dispatch=8)
     requests = prompts(vocab=TREE_CONFIG.vocab_size)
-    plain = engine.generate(requests, 60)
-    spec = engine.generate(requests, 60, tree=tree)
+    return functools.cache(
+        lambda num_tokens, tree: engine.generate(requests, 60, num_tokens=num_tokens, tree=tree)
+    )
+
+
+@pytest.mark.parametrize("tree", TREES, ids=str)
+def test_greedy_tree_speculation_equals_plain_greedy(greedy, tree):
+    """Token for token the plain greedy output, in fewer steps."""
+    plain, spec = greedy(None, None), greedy(None, tree)
     assert spec.tokens == plain.tokens
     assert spec.steps < plain.steps  # some drafts were accepted
 
@@ -55,23 +64,25 @@ def test_greedy_tree_speculation_with_csa_layers_equals_plain_greedy():
     assert spec.steps < plain.steps
 
 
-def test_a_wider_tree_accepts_more_than_the_chain_of_its_width():
-    engine = Engine(make_model(), slots=3, steps_per_dispatch=8)
-    requests = prompts(vocab=TREE_CONFIG.vocab_size)
-    chain = engine.generate(requests, 60, num_tokens=8)
-    tree = engine.generate(requests, 60, tree=TREES[1])
+def test_a_wider_tree_accepts_more_than_the_chain_of_its_width(greedy):
+    chain, tree = greedy(8, None), greedy(None, TREES[1])
     assert tree.tokens == chain.tokens
     assert tree.mean_accepted > chain.mean_accepted, (tree.mean_accepted, chain.mean_accepted)
 
 
+@pytest.fixture(scope="module")
+def sampling():
+    """The sampling tests' model (a vocabulary of 12) and its 512-slot engine."""
+    model = make_model(seed=3, config=dataclasses.replace(TREE_CONFIG, vocab_size=12))
+    return model, Engine(model, slots=512)
+
+
 @pytest.mark.parametrize("tree", TREES[:2], ids=str)
-def test_sampled_tree_speculation_follows_the_target(tree):
+def test_sampled_tree_speculation_follows_the_target(sampling, tree):
     """Temperature 1: the first token of a tree step is distributed as the target's softmax (chi-square over
     4096 samples, p > 1e-3), though the draft head (random) proposes from another distribution."""
     vocab = 12
-    config = dataclasses.replace(TREE_CONFIG, vocab_size=vocab)
-    model = make_model(seed=3, config=config)
-    engine = Engine(model, slots=512)
+    model, engine = sampling
     prompt = prompts(vocab=vocab, lengths=(140,))[0]
     counts = np.zeros(vocab)
     prefilled, _ = engine.prefill(engine.init_state(), dict.fromkeys(range(512), prompt), 10, tree=tree)
