@@ -57,7 +57,8 @@ def test_completions_and_chat_equal_generate(plain):
         done = api.completions.create(model="shipped", prompt=prompt, max_tokens=NEW, temperature=0)
         assert done.choices[0].text == decode(tokens)
         assert done.choices[0].finish_reason == "length"
-        assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(prompt.encode()), NEW)
+        usage = (done.usage.prompt_tokens, done.usage.completion_tokens)
+        assert usage == (len(server.tokenizer.encode(prompt)), NEW)
         chunks = api.completions.create(
             model="shipped", prompt=prompt, max_tokens=NEW, temperature=0, stream=True
         )
@@ -84,7 +85,8 @@ def test_stop_strings_and_token_ids(plain):
     )
     assert done.choices[0].text == text[: text.index(stop)] and done.choices[0].finish_reason == "stop"
     token = expected[0][4]
-    offline = server.scheduler.engine.generate([PROMPTS[0].encode()], NEW, stop_tokens=[token]).tokens[0]
+    prompt = server.tokenizer.encode(PROMPTS[0])
+    offline = server.scheduler.engine.generate([prompt], NEW, stop_tokens=[token]).tokens[0]
     done = api.completions.create(
         model="shipped",
         prompt=PROMPTS[0],
@@ -106,7 +108,8 @@ def test_seeded_sampling_is_reproducible(plain):
         .text
         for _ in range(2)
     ]
-    offline = server.scheduler.engine.generate([PROMPTS[1].encode()], NEW, temperature=0.8, seed=7).tokens[0]
+    prompt = server.tokenizer.encode(PROMPTS[1])
+    offline = server.scheduler.engine.generate([prompt], NEW, temperature=0.8, seed=7).tokens[0]
     assert texts[0] == texts[1] == server.tokenizer.decode(offline)
 
 
@@ -115,13 +118,14 @@ BAD = [
     ("/v1/completions", {"model": "shipped", "prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"model": "shipped", "prompt": "x", "max_tokens": 1023}, "max_tokens"),
     ("/v1/completions", {"model": "shipped", "prompt": "x", "max_tokens": "5"}, "max_tokens"),
-    ("/v1/completions", {"model": "shipped", "prompt": "x" * 1020, "max_tokens": 8}, "prompt"),
-    ("/v1/completions", {"model": "shipped", "prompt": [1, 256]}, "prompt"),
+    # a character of two bytes that no merge of the ASCII corpus joins: 1200 tokens
+    ("/v1/completions", {"model": "shipped", "prompt": "\u00e9" * 600, "max_tokens": 8}, "prompt"),
+    ("/v1/completions", {"model": "shipped", "prompt": [1, 2048]}, "prompt"),
     ("/v1/completions", {"model": "shipped", "prompt": ["a", "b"]}, "prompt"),
     ("/v1/completions", {"model": "shipped", "prompt": "x", "n": 2}, "n"),
     ("/v1/completions", {"model": "shipped", "prompt": "x", "top_p": 0.5}, "top_p"),
     ("/v1/completions", {"model": "shipped", "prompt": "x", "temperature": -1}, "temperature"),
-    ("/v1/completions", {"model": "shipped", "prompt": "x", "stop_token_ids": [999]}, "stop_token_ids"),
+    ("/v1/completions", {"model": "shipped", "prompt": "x", "stop_token_ids": [99999]}, "stop_token_ids"),
     ("/v1/completions", {"model": "shipped", "prompt": "x", "stop": [""]}, "stop"),
     ("/v1/completions", {"model": "other", "prompt": "x"}, "model"),
     ("/v1/completions", {"model": "shipped"}, "prompt"),
