@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import pathlib
 import socket
 import threading
 import time
@@ -60,6 +61,7 @@ def build(parser: argparse.ArgumentParser, args):
     """The server of ``args`` (:class:`~jax_oc128.serve.app.Server`), argparse's error for a bad flag."""
     from jax_oc128.engine import Engine
     from jax_oc128.engine.requests import RequestScheduler
+    from jax_oc128.loading.hf_config import CONFIG, read_config
     from jax_oc128.pretrained import load_pretrained
     from jax_oc128.serve.app import Server
     from jax_oc128.text import SHIPPED_MODEL, load_tokenizer
@@ -73,6 +75,9 @@ def build(parser: argparse.ArgumentParser, args):
     path = SHIPPED_MODEL if args.path is None else args.path
     try:
         tokenizer = load_tokenizer(path)
+        positions = read_config(pathlib.Path(path) / CONFIG)[0].max_len  # max_position_embeddings
+        if args.max_len is not None and args.max_len > positions:
+            parser.error(f"argument --max-len: at most the model's max_position_embeddings ({positions})")
         model = load_pretrained(path, dtype=args.dtype, max_len=args.max_len or 4096, max_draft=n)
         name = "shipped" if args.path is None else args.path.rstrip("/").split("/")[-1]
         engine = Engine(
