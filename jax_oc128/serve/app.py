@@ -64,7 +64,8 @@ class Server:
                 f"max_len {self.max_len}",
                 prompt_field,
             )
-        stop_ids = list(dict.fromkeys([*(body.stop_token_ids or []), *self.tokenizer.eos_token_ids]))
+        eos = () if body.ignore_eos else self.tokenizer.eos_token_ids
+        stop_ids = list(dict.fromkeys([*(body.stop_token_ids or []), *eos]))
         if len(stop_ids) > MAX_STOP_TOKENS:
             raise RequestError(
                 f"stop_token_ids: at most {MAX_STOP_TOKENS} with the EOS tokens, got {len(stop_ids)}",
