@@ -6,9 +6,9 @@ request and output-token throughput, the server's SSE events per request and dec
 
 Workloads (``--dataset``): ``random``, prompts of random token ids of ``--input-len`` tokens (lengths drawn
 uniformly down to ``--range-ratio`` of it); ``shared-prefix``, each prompt a common ``--prefix-len``-token
-prefix then a random suffix of that length. Every request asks ``--output-len`` greedy tokens and no stop, so
-each gives exactly that many. With ``--offline``, ``Engine.generate`` of the same prompts is timed too (its
-output tokens/s: the serving overhead's baseline).
+prefix then a random suffix of that length. Every request asks ``--output-len`` greedy tokens and no stop
+(``ignore_eos``), so each gives exactly that many. With ``--offline``, ``Engine.generate`` of the same prompts
+is timed too (its output tokens/s: the serving overhead's baseline).
 
     python bench/bench_serving.py --slots 8 --pages 256 --rates 2 8 inf --num-prompts 64
     python bench/bench_serving.py --rates inf --num-prompts 64 --input-len 128 --output-len 64 --offline
@@ -46,7 +46,7 @@ def workload(args, vocab: int) -> list[list[int]]:
 
 async def one(http: httpx.AsyncClient, model: str, prompt: list[int], new: int) -> dict:
     """Stream one completion; its TTFT, end-to-end latency and output tokens (from the usage)."""
-    body = dict(model=model, prompt=prompt, max_tokens=new, temperature=0, stream=True)
+    body = dict(model=model, prompt=prompt, max_tokens=new, temperature=0, stream=True, ignore_eos=True)
     body["stream_options"] = {"include_usage": True}
     start = time.perf_counter()
     first, tokens, events = None, 0, 0

@@ -343,7 +343,11 @@ def _command(argv) -> int:
         formatter_class=_HelpFormatter,
     )
     text.add_argument(
-        "path", help="a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json)"
+        "path",
+        nargs="?",
+        default=None,
+        help="a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json; default: the "
+        "shipped text model)",
     )
     source = text.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", type=_nonempty, metavar="TEXT", help="the prompt's text, streamed back")

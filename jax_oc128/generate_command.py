@@ -1,4 +1,5 @@
-"""``jax-oc128 generate`` (:func:`run`): text from a Hugging Face checkpoint and its tokenizer, for one
+"""``jax-oc128 generate`` (:func:`run`): text from a Hugging Face checkpoint and its tokenizer (default: the
+shipped text model, :data:`~jax_oc128.text.SHIPPED_MODEL`), for one
 prompt (``--prompt``, streamed to stdout) or several (``--prompts-file``, JSONL in and out), plainly or with
 speculation, on one device or a mesh (``--mesh``), cut at ``--stop`` strings on the host."""
 
@@ -206,8 +207,10 @@ def run(parser, args) -> int:
     tokenizer tells before the checkpoint loads, what the model tells (its MTP layer, its vocabulary)
     once loaded."""
     from jax_oc128.engine import MAX_STOP_TOKENS
-    from jax_oc128.text import load_tokenizer
+    from jax_oc128.text import SHIPPED_MODEL, load_tokenizer
 
+    if args.path is None:
+        args.path = str(SHIPPED_MODEL)
     try:
         tokenizer = load_tokenizer(args.path)
     except ValueError as error:

@@ -33,6 +33,9 @@ from jax_oc128 import files
 from jax_oc128.chat_template import compile_template
 from jax_oc128.checks import check_token_ids
 
+#: the text model shipped in the package (DeepSeek's released layout with its tokenizer;
+#: ``scripts/train_text_model.py``): the default checkpoint of ``jax-oc128 generate`` and ``serve``
+SHIPPED_MODEL = pathlib.Path(__file__).parent / "assets" / "text_model"
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 CHAT_TEMPLATE = "chat_template.jinja"
@@ -258,36 +261,3 @@ def _chat_template(directory: pathlib.Path, config: dict) -> tuple[str | None, p
     if template is not None and not isinstance(template, str):
         raise ValueError(f"{file}: chat_template: must be a string or named templates, got {template!r}")
     return template, (None if template is None else file)
-
-
-#: the chat template of :func:`byte_tokenizer`: ``role: content`` lines, the assistant's turn opened
-BYTE_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant: {% endif %}"
-)
-
-
-def byte_tokenizer() -> TextTokenizer:
-    """The byte-level tokenizer of the shipped model (vocabulary 256): a text's ids are its UTF-8 bytes and
-    ids decode as those bytes; no BOS or EOS token; a ``role: content`` chat template
-    (:data:`BYTE_CHAT_TEMPLATE`). Built with the ``tokenizers`` package (GPT-2's byte-level pre-tokenizer
-    and decoder over a vocabulary of the 256 bytes, no merges)."""
-    # GPT-2's printable stand-in of each byte (tokenizers' ByteLevel): bytes that print stand for
-    # themselves, the others for 256, 257, ... in byte order
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
-    others = (b for b in range(256) if b not in printable)
-    chars = {b: chr(b) for b in printable} | {b: chr(256 + k) for k, b in enumerate(others)}
-    vocab = {chars[b]: b for b in range(256)}
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [], fuse_unk=False))
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = tokenizers.decoders.ByteLevel()
-    directory = pathlib.Path("<bytes>")
-    return TextTokenizer(
-        tokenizer,
-        None,
-        (),
-        False,
-        BYTE_CHAT_TEMPLATE,
-        directory,
-        compile_template(BYTE_CHAT_TEMPLATE, directory / CHAT_TEMPLATE),
-    )

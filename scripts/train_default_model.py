@@ -26,8 +26,9 @@ from jax_oc128.controller import OFFLINE
 from jax_oc128.nn import ModelConfig, SpeculativeModel
 
 
-def corpus(limit_bytes=4_000_000) -> bytes:
-    """Module, class and function docstrings of the standard library, in sorted file order."""
+def docstrings(limit_bytes=4_000_000) -> list[str]:
+    """Module, class and function docstrings of the standard library (ASCII, over 80 characters, stripped),
+    in sorted file order, up to about ``limit_bytes`` of text."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     texts, size = [], 0
     for path in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
@@ -41,11 +42,16 @@ def corpus(limit_bytes=4_000_000) -> bytes:
             if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
                 doc = ast.get_docstring(node)
                 if doc and len(doc) > 80 and doc.isascii():
-                    texts.append(doc.strip() + "\n\n")
-                    size += len(texts[-1])
+                    texts.append(doc.strip())
+                    size += len(texts[-1]) + 2
         if size > limit_bytes:
             break
-    return "".join(texts).encode("ascii")
+    return texts
+
+
+def corpus(limit_bytes=4_000_000) -> bytes:
+    """:func:`docstrings`, each followed by a blank line, as ASCII bytes."""
+    return "".join(doc + "\n\n" for doc in docstrings(limit_bytes)).encode("ascii")
 
 
 def loss_fn(model, tokens, mtp_weight):

@@ -56,7 +56,8 @@ class Server:
             raise RequestError(f"model: this server serves {self.model_name!r}, got {body.model!r}", "model")
         if max_tokens is None:
             max_tokens = max(1, self.scheduler.engine.model.max_len - len(prompt) - self.scheduler.width)
-        stop_ids = list(dict.fromkeys([*(body.stop_token_ids or []), *self.tokenizer.eos_token_ids]))
+        eos = () if body.ignore_eos else self.tokenizer.eos_token_ids
+        stop_ids = list(dict.fromkeys([*(body.stop_token_ids or []), *eos]))
         if len(stop_ids) > MAX_STOP_TOKENS:
             raise RequestError(
                 f"stop_token_ids: at most {MAX_STOP_TOKENS} with the EOS tokens, got {len(stop_ids)}",

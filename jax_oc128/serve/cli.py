@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import pathlib
 import socket
 import threading
 import time
@@ -23,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "path",
         nargs="?",
         default=None,
-        help="a Hugging Face checkpoint directory (default: the shipped byte-level model)",
+        help="a Hugging Face checkpoint directory (default: the shipped text model)",
     )
     speculation = parser.add_mutually_exclusive_group()
     speculation.add_argument("--draft", type=int_argument(2), metavar="N", help="speculate with a chain of N")
@@ -44,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-len",
         type=int_argument(2),
         default=None,
-        help="the longest request, prompt + max_tokens + N (default: 4096, the shipped model's)",
+        help="the longest request, prompt + max_tokens + N (default: 4096)",
     )
     parser.add_argument(
         "--max-queued", type=int_argument(0), default=256, help="requests waiting beyond the slots (then 503)"
@@ -65,12 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build(parser: argparse.ArgumentParser, args):
     """The server of ``args`` (:class:`~jax_oc128.serve.app.Server`), argparse's error for a bad flag."""
-    from jax_oc128 import checkpoint
     from jax_oc128.engine import Engine
     from jax_oc128.engine.requests import RequestScheduler
-    from jax_oc128.nn import RuntimeConfig
+    from jax_oc128.loading.hf_config import CONFIG, read_config
+    from jax_oc128.pretrained import load_pretrained
     from jax_oc128.serve.app import Server
-    from jax_oc128.text import byte_tokenizer, load_tokenizer
+    from jax_oc128.text import SHIPPED_MODEL, load_tokenizer
 
     n = args.draft or args.tree or 1
     if n > MAX_DRAFT:
@@ -78,16 +79,14 @@ def build(parser: argparse.ArgumentParser, args):
     speculation = f"--{'draft' if args.draft else 'tree'}"
     flags = {"num_tokens": speculation, "tree": speculation, "slots": "--slots", "pages": "--pages"}
     flags |= {"page_size": "--page-size", "max_len": "--max-len", "prefix_cache": "--prefix-cache"}
+    path = SHIPPED_MODEL if args.path is None else args.path
     try:
-        if args.path is None:
-            model, _ = checkpoint.load(runtime=None if args.max_len is None else RuntimeConfig(args.max_len))
-            tokenizer, name = byte_tokenizer(), "shipped"
-        else:
-            from jax_oc128.pretrained import load_pretrained
-
-            tokenizer = load_tokenizer(args.path)
-            model = load_pretrained(args.path, dtype=args.dtype, max_len=args.max_len or 4096, max_draft=n)
-            name = args.path.rstrip("/").split("/")[-1]
+        tokenizer = load_tokenizer(path)
+        positions = read_config(pathlib.Path(path) / CONFIG).runtime.max_len  # max_position_embeddings
+        if args.max_len is not None and args.max_len > positions:
+            parser.error(f"argument --max-len: at most the model's max_position_embeddings ({positions})")
+        model = load_pretrained(path, dtype=args.dtype, max_len=args.max_len or 4096, max_draft=n)
+        name = "shipped" if args.path is None else args.path.rstrip("/").split("/")[-1]
         engine = Engine(
             model,
             args.slots,

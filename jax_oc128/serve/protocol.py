@@ -48,6 +48,7 @@ class _Common(BaseModel):
     temperature: float | None = Field(default=None, ge=0)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM's extension: token ids that end the request
+    ignore_eos: bool = False  # vLLM's extension: the EOS tokens do not end the request
     seed: int | None = Field(default=None, ge=0, le=2**32 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
