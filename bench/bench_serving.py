@@ -127,8 +127,8 @@ def main(argv=None) -> list[dict]:
     prompts = workload(args, engine.model.config.vocab_size)
     rows = []
     if args.offline:
-        options = dict(tree=server.scheduler.tree)
-        engine.generate(prompts[:1], args.output_len, **options)  # compiles
+        options = dict(tree=server.scheduler.tree, stop_tokens=())  # no EOS stop, as the requests' ignore_eos
+        engine.generate(prompts, args.output_len, **options)  # compiles every shape and bucket it meets
         result = engine.generate(prompts, args.output_len, **options)
         tokens = sum(map(len, result.tokens))
         rows.append(
