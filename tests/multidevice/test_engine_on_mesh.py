@@ -80,13 +80,14 @@ def steps_collectives(on_mesh):
     that generate ran: after test_same_greedy_tokens_as_one_device, they are compiled already)."""
     state = on_mesh.init_state()
     stops, steps = stop_array(()), on_mesh.steps_per_dispatch
+    context = on_mesh.bound(on_mesh.model.max_len)
     decode = on_mesh._decode.lower(
-        on_mesh.params, state, stops, np.bool_(False), steps, Tree.chain(N), 0.0
+        on_mesh.params, state, stops, np.bool_(False), steps, Tree.chain(N), context
     ).compile()
     tokens, lengths = np.zeros((SLOTS, 256), np.int32), np.ones(SLOTS, np.int32)
     starts = np.zeros(SLOTS, np.int32)
     prefill = on_mesh._prefill.lower(
-        on_mesh.params, state, tokens, starts, lengths, lengths, stops, 0.0
+        on_mesh.params, state, tokens, starts, lengths, lengths, state.sampling, stops, None, 0
     ).compile()
     outputs = {hlo_shape(bool, [SLOTS])}
     for k, n in ((1, 1), (steps, N)):
