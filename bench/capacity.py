@@ -132,9 +132,10 @@ def weight_bytes(model: SpeculativeModel, released: bool) -> int:
 
 def per_slot_bytes(model: SpeculativeModel) -> int:
     """Bytes of one slot's vectors of the engine's decode state besides the caches (token, position, the
-    draft head's hidden input, flags, budget)."""
+    draft head's hidden input, flags, budget, sampling parameters)."""
     state = jax.eval_shape(lambda: init_state(model, 1, 0, 0))
-    return kv.nbytes((state.token, state.position, state.hidden, state.active, state.remaining))
+    vectors = (state.token, state.position, state.hidden, state.active, state.remaining, state.sampling)
+    return kv.nbytes(vectors)
 
 
 def slot_bytes(config: ModelConfig, runtime: RuntimeConfig, backend, per_slot: int) -> dict[str, int]:

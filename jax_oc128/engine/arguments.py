@@ -383,7 +383,7 @@ def check_context_floor(context_floor, pages, page_size: int) -> int | None:
         return None
     context_floor = check_count("context_floor", context_floor)
     if context_floor % BLOCK:
-        raise ValueError(f"context_floor: must be None or a multiple of {BLOCK}, got {context_floor}")
+        raise ArgumentError("context_floor", f"must be None or a multiple of {BLOCK}, got {context_floor}")
     return context_floor if pages is None else math.lcm(context_floor, page_size)
 
 

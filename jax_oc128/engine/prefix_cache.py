@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_oc128.checks import check_int
+from jax_oc128.checks import ArgumentError, ArgumentTypeError, check_int
 from jax_oc128.engine import steps
 from jax_oc128.protocols import PrefixState
 
@@ -122,11 +122,13 @@ def check_prefix_cache(value, engine) -> int:
     value = check_int("prefix_cache", value, 0)
     if value:
         if engine.pages is None:
-            raise ValueError("prefix_cache: needs paged caches (Engine(..., pages=...))")
+            raise ArgumentError("prefix_cache", "needs paged caches (Engine(..., pages=...))")
         if engine.mesh is not None:
-            raise ValueError("prefix_cache: an engine on one device only (no mesh)")
+            raise ArgumentError("prefix_cache", "an engine on one device only (no mesh)")
         if not isinstance(engine.model, PrefixState):
-            raise TypeError("prefix_cache: the model stores no prefix state (protocols.PrefixState)")
+            raise ArgumentTypeError(
+                "prefix_cache", "the model stores no prefix state (protocols.PrefixState)"
+            )
     return value
 
 
