@@ -64,7 +64,10 @@ def hlo_shape(dtype, shape) -> str:
 def kind_of(collective, outputs) -> str:
     """What a collective of the compiled prefill or decode moves: "counts" (the loop's condition and counts),
     "output" (the dispatch's output, gathered once at its end for the host), "tensor parallel" (an all-reduce
-    of a split contraction, an all-gather of a vocabulary-split argmax), or "other"."""
+    of a split contraction, an all-gather of a vocabulary-split argmax), "sampling" (an all-reduce of a
+    per-row reduction of the sampler's top-k / top-p over the vocabulary-split logits: its max, sum,
+    cumulative sum or threshold, or the rows' logits gathered whole for top-p's cumulative sum), or
+    "other"."""
     kind, shape, op = collective
     if kind == "all-reduce" and shape == "s32[]":
         return "counts"
@@ -72,6 +75,10 @@ def kind_of(collective, outputs) -> str:
         return "output"
     if (kind, op) in (("all-reduce", "dot_general"), ("all-gather", "reduce")):
         return "tensor parallel"
+    if (kind == "all-reduce" and op in ("reduce_max", "reduce_sum", "window_sum", "gather")) or (
+        kind == "all-gather" and op == "reduce_window_sum"
+    ):
+        return "sampling"
     return "other"
 
 
@@ -109,9 +116,10 @@ def test_data_parallel_steps_communicate_only_the_loops_counts():
 
 
 def test_tensor_parallel_steps_move_no_cache_or_state():
-    """2x2: the model axis adds the all-reduces of the split contractions (o-projection, MLP down) and the
-    all-gathers of the vocabulary-split argmax; no other collective than the output's has the shape of an
-    array of the decode state (whole or one device's)."""
+    """2x2: the model axis adds the all-reduces of the split contractions (o-projection, MLP down), the
+    all-gathers of the vocabulary-split argmax and the sampler's per-row reductions over the vocabulary-split
+    logits (one number per row); no other collective than the output's has the shape of an array of the
+    decode state (whole or one device's)."""
     on_mesh = engine((2, 2))
     state_shapes = set()
     layout = jax.tree.leaves(on_mesh._state_layout)
@@ -120,8 +128,14 @@ def test_tensor_parallel_steps_move_no_cache_or_state():
             for shape in (leaf.shape, NamedSharding(on_mesh.mesh, spec).shard_shape(leaf.shape)):
                 state_shapes.add(hlo_shape(leaf.dtype, shape))
     found = steps_collectives(on_mesh)
-    assert {kind for kind, _ in found} == {"counts", "output", "tensor parallel"}, found
-    assert not [c for kind, c in found if kind != "output" and c[1] in state_shapes], found
+    assert {kind for kind, _ in found} == {"counts", "output", "tensor parallel", "sampling"}, found
+    # the sampler moves per row of a device's slots (per node of a verify) a number or a row of logits
+    rows, per_node = str(SLOTS // 2), {"1", str(N), str(on_mesh.model.vocab_size)}
+    for kind, (_, shape, _) in found:
+        dims = shape[shape.index("[") + 1 : -1].split(",")
+        assert kind != "sampling" or (dims[0] == rows and set(dims[1:]) <= per_node), found
+    moved = [c for kind, c in found if kind not in ("output", "sampling") and c[1] in state_shapes]
+    assert not moved, found
 
 
 def test_a_mesh_of_explicit_axes_gives_one_devices_tokens():
