@@ -175,10 +175,10 @@ BAD = [
     ("/v1/completions", {"model": "shipped", "prompt": "x", "max_tokens": "5"}, "max_tokens", None),
     (
         "/v1/completions",
-        # a character of two bytes that no merge of the ASCII corpus joins: 1200 tokens
+        # a character of two bytes that no merge of the ASCII corpus joins: 1200 tokens and the BOS token
         {"model": "shipped", "prompt": "\u00e9" * 600, "max_tokens": 8},
         "prompt",
-        "prompt: length 1200 must be in [1, 1014 = max_len - max_new_tokens - N]",
+        "prompt: length 1201 must be in [1, 1014 = max_len - max_new_tokens - N]",
     ),
     (
         "/v1/completions",
@@ -212,7 +212,7 @@ BAD = [
         "/v1/chat/completions",
         {"model": "shipped", "messages": [{"role": "user", "content": "\u00e9" * 600}], "max_tokens": 8},
         "messages",
-        "must be in [1, 1014 = max_len - max_new_tokens - N]",
+        "messages: length 1216 must be in [1, 1014 = max_len - max_new_tokens - N]",  # with the template
     ),
 ]
 
