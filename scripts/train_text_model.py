@@ -27,7 +27,7 @@ from train_default_model import docstrings, loss_fn
 
 from jax_oc128 import released
 from jax_oc128.controller import OFFLINE
-from jax_oc128.nn import CSA, HCA, SLIDING, ModelConfig, SpeculativeModel
+from jax_oc128.nn import CSA, HCA, SLIDING, ModelConfig, RuntimeConfig, SpeculativeModel
 from jax_oc128.nn.moe import HASH_MOE, MOE
 from jax_oc128.text import TOKENIZER, TOKENIZER_CONFIG
 
@@ -114,7 +114,9 @@ def _floating(path, value) -> bool:
 def train(config: ModelConfig, stream: np.ndarray, args) -> SpeculativeModel:
     """The model of ``config`` trained on windows of ``stream`` (the target's next token and the MTP head's
     token after it), AdamW with warm-up and cosine decay."""
-    model = SpeculativeModel(config, backend=OFFLINE, rngs=nnx.Rngs(0))
+    # the dense dispatch: the grouped one has no gradient
+    runtime = RuntimeConfig(max_draft=4, moe_dispatch="dense")
+    model = SpeculativeModel(config, runtime, backend=OFFLINE, rngs=nnx.Rngs(0))
     graphdef, params, fixed = nnx.split(model, _floating, ...)
     warmup = min(100, args.steps // 10)
     schedule = optax.warmup_cosine_decay_schedule(
@@ -164,7 +166,7 @@ def main():
         "eos_token_id": tokenizer.token_to_id(EOS),
     }
     # the dense dispatch: the grouped one (a Pallas gather) has no gradient
-    model = train(ModelConfig.from_hf(hf, max_draft=4, moe_dispatch="dense"), stream, args)
+    model = train(ModelConfig.from_hf(hf), stream, args)
     released.write_released(
         args.out, released.released_config(hf), released.released_tensors(model), shards=2
     )

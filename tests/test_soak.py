@@ -204,12 +204,15 @@ def serve(engine: Engine, state, workload: Workload):
 
 
 def warm_up(engine: Engine, state):
-    """Compiles everything the soak runs: prefill, decode at each (N, K), and generate's restart. Returns
-    the donated ``state``'s successor."""
+    """Compiles everything the soak runs: prefill, decode at each (N, K) and context bucket (the bounded set
+    the engine's dispatches choose from), and generate's restart. Returns the donated ``state``'s
+    successor."""
     state, _ = engine.prefill(state, {0: [0]}, 1)  # the request ends at its first token
+    buckets = sorted({engine.bound(n) for n in range(1, engine.model.max_len + 1)})
     for num_tokens in NUM_TOKENS:
         for steps in STEPS_PER_DISPATCH:
-            state, _ = engine.decode(state, num_tokens=num_tokens, steps=steps)
+            for context in buckets:
+                state, _ = engine.decode(state, num_tokens=num_tokens, steps=steps, context=context)
     engine.generate([[0]], 1)
     return state
 

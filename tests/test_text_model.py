@@ -39,7 +39,8 @@ def test_shipped_model_is_a_released_deepseek_v4():
     """Sliding, CSA and HCA layers, hash-routed then learned-routed MoE, hyper-connections, an MTP layer, FP8
     linears and FP4 experts under DeepSeek's names; a BPE tokenizer of the model's vocabulary whose BOS,
     EOS and chat template are the checkpoint's."""
-    config, mtp_layers, quantization = read_config(SHIPPED_MODEL / CONFIG)
+    hf = read_config(SHIPPED_MODEL / CONFIG)
+    config, mtp_layers, quantization = hf.config, hf.mtp_layers, hf.quantization
     assert set(config.layer_types) == {SLIDING, CSA, HCA} and config.mlp_layer_types[0] == HASH_MOE
     assert set(config.mlp_layer_types) == {HASH_MOE, MOE} and config.hc_mult > 1 and mtp_layers == 1
     assert quantization == FP4
