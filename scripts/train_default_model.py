@@ -66,6 +66,14 @@ def loss_fn(model, tokens, mtp_weight):
     return target_loss + mtp_weight * mtp_loss, (target_loss, mtp_loss)
 
 
+def optimizer(steps: int, lr: float, final: float):
+    """AdamW (weight decay 0.01, gradients clipped to norm 1) at ``lr`` after a linear warm-up of a tenth of
+    ``steps`` (at most 100), decaying along a cosine to ``final * lr`` at ``steps``."""
+    warmup = min(100, steps // 10)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), lr * final)
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3000)
@@ -81,11 +89,7 @@ def main():
     config = ModelConfig.tiny()
     model = SpeculativeModel(config, backend=OFFLINE, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
-    warmup = min(100, args.steps // 10)
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, warmup, max(args.steps, warmup + 1), args.lr * 0.05
-    )
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+    tx = optimizer(args.steps, args.lr, final=0.05)
     opt_state = tx.init(params)
 
     @jax.jit

@@ -23,7 +23,7 @@ import numpy as np
 import optax
 import tokenizers
 from flax import nnx
-from train_default_model import docstrings, loss_fn
+from train_default_model import docstrings, loss_fn, optimizer
 
 from jax_oc128 import released
 from jax_oc128.controller import OFFLINE
@@ -118,11 +118,7 @@ def train(config: ModelConfig, stream: np.ndarray, args) -> SpeculativeModel:
     runtime = RuntimeConfig(max_draft=4, moe_dispatch="dense")
     model = SpeculativeModel(config, runtime, backend=OFFLINE, rngs=nnx.Rngs(0))
     graphdef, params, fixed = nnx.split(model, _floating, ...)
-    warmup = min(100, args.steps // 10)
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, warmup, max(args.steps, warmup + 1), args.lr * 0.1
-    )
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+    tx = optimizer(args.steps, args.lr, final=0.1)
     opt_state = tx.init(params)
 
     @jax.jit
