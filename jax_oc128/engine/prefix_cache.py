@@ -214,8 +214,7 @@ class PrefixCache:
 
     def feed(self, state, rows: dict, starts: dict):
         """``state`` (donated) with ``rows`` {slot: tokens} fed from ``starts`` {slot: position}."""
-        tokens, row_starts, lengths, chunk = self.engine._prompt_rows(rows, starts)
-        start_bound = (self.engine.bound(int(row_starts.max())) or 0) if row_starts.any() else 0
+        tokens, row_starts, lengths, chunk, start_bound = self.engine._prompt_rows(rows, starts)
         return self._feed(
             self.engine.params, state, tokens, row_starts, lengths, chunk=chunk, start_bound=start_bound
         )

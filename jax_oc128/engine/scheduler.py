@@ -247,21 +247,20 @@ class Engine:
         its :class:`SamplingParams`, checked (``top_p`` a float, ``top_k`` an int)}, ``stops``
         ``[MAX_STOP_TOKENS]`` int32 (``arguments.stop_array``); ``starts`` None, or {slot: the position its
         prompt's tokens start at, the slot holding the ones before (:func:`~jax_oc128.engine.steps.feed`)}."""
-        tokens, row_starts, lengths, chunk = self._prompt_rows(prompts, starts)
+        tokens, row_starts, lengths, chunk, start_bound = self._prompt_rows(prompts, starts)
         rows_budget = np.zeros(self.slots, np.int32)
         for slot in prompts:
             rows_budget[slot] = params[slot].max_new_tokens
         sampling = arguments.sampling_rows(self.slots, params)
-        # a bucket at least every row's start (0: none continues), so the chunks' bounds stay few
-        start_bound = (self.bound(int(row_starts.max())) or 0) if row_starts.any() else 0
         rows = jax.tree.map(self._placement.host_rows, (tokens, row_starts, lengths, rows_budget, sampling))
         return self._prefill(self.params, state, *rows, stops, chunk, start_bound)
 
     def _prompt_rows(self, prompts: dict, starts=None):
         """``(tokens [slots, width], starts [slots], lengths [slots])`` int32 host rows of ``prompts`` {slot:
         ``[length]`` int32} from ``starts`` {slot: position} (None: 0), the width a multiple of
-        ``prompt_bucket``, and the prefill's chunk: ``prefill_chunk`` with the width a multiple of it, or
-        None (one forward) for a width of at most one chunk."""
+        ``prompt_bucket``, the prefill's chunk (``prefill_chunk`` with the width a multiple of it, or None:
+        one forward, for a width of at most one chunk) and its start bound (a bucket at least every row's
+        start, 0 when none continues: so the chunks' bounds stay few)."""
         longest = max(map(len, prompts.values()))
         width = -(-longest // self.prompt_bucket) * self.prompt_bucket
         chunk = self.prefill_chunk
@@ -275,7 +274,8 @@ class Engine:
         for slot, prompt in prompts.items():
             tokens[slot, : len(prompt)], lengths[slot] = prompt, len(prompt)
             row_starts[slot] = 0 if starts is None else starts.get(slot, 0)
-        return tokens, row_starts, lengths, chunk
+        start_bound = (self.bound(int(row_starts.max())) or 0) if row_starts.any() else 0
+        return tokens, row_starts, lengths, chunk, start_bound
 
     def _take_state(self, seed: np.uint32) -> DecodeState:
         """The decode state :meth:`generate` keeps between calls (taken: the next taker gets a new one), its
