@@ -455,7 +455,7 @@ class DeepseekV4Attention(nnx.Module):
           ``(y [batch, T, hidden], cache, compressed)``.
         """
         c, fb, positions = self.config, forward_batch, forward_batch.positions
-        batch, tokens, _ = x.shape
+        tokens = x.shape[1]
         if c.layer_type != SLIDING and not fb.every_node:
             raise ValueError(
                 f"nodes: an {c.layer_type} layer verifies every node of the tree at once, got {fb.nodes}"
@@ -463,10 +463,6 @@ class DeepseekV4Attention(nnx.Module):
         if c.layer_type == HCA and compressed is None:
             raise ValueError("compressed: an HCA layer needs the C128 state (init_compressed), got None")
         q_res = rms_norm(linear(x, self.q_a_proj[...]), self.q_a_norm[...], c.rms_norm_eps)
-        q = linear(q_res, self.q_b_proj[...], name=("attn", "q_b_proj")).reshape(
-            batch, tokens, c.num_heads, c.head_dim
-        )
-        q = c.rope.apply(rms_norm(q, 1.0, c.rms_norm_eps), positions)  # per head, unweighted
         kv = c.rope.apply(
             rms_norm(linear(x, self.kv_proj[...]), self.kv_norm[...], c.rms_norm_eps), positions
         )
@@ -475,30 +471,37 @@ class DeepseekV4Attention(nnx.Module):
         keys, visible = _window_keys(
             fb, kv_cache.decode(cache.window), cache.window_positions, kv, c.sliding_window
         )
-        extra = extra_visible = None  # an HCA layer's entries or a CSA layer's picks; what each query sees
+        entries = picks = extra_visible = None  # an HCA layer's entries or a CSA layer's picks; who sees them
         if c.layer_type == HCA:
             with jax.named_scope("compressor"):
-                cache, compressed, extra, extra_visible = self._compress(x, cache, compressed, fb)
+                cache, compressed, entries, extra_visible = self._compress(x, cache, compressed, fb)
         if c.layer_type == CSA:
             with jax.named_scope("compressor"):
-                cache, extra, extra_visible = self._compress_sparse(x, q_res, cache, fb)
-        out = attend.attend(
-            q,
-            keys,
-            visible,
-            extra,
-            extra_visible,
-            self.sinks[...],
-            c.head_dim**-0.5,
-            impl=self.attention_impl,
-            entries_prefix=fb.tree is None,
-        )
-        out = c.rope.apply(out, positions, inverse=True)
+                cache, picks, extra_visible = self._compress_sparse(x, q_res, cache, fb)
 
-        grouped = out.reshape(batch, tokens, c.o_groups, -1)
-        # [batch, tokens, groups, o_lora_rank]
-        o_a = linear(grouped, self.o_a_proj[...], groups=c.o_groups, name=("attn", "o_a_proj"))
-        y = linear(o_a.reshape(batch, tokens, -1), self.o_b_proj[...], name=("attn", "o_b_proj"))
+        def queries(keys, visible, q_res, positions, picks, extra_visible):
+            """The outputs ``[batch, L, hidden]`` of L of the queries (:func:`attend.by_query_blocks`)."""
+            q = linear(q_res, self.q_b_proj[...], name=("attn", "q_b_proj"))
+            q = q.reshape(*q_res.shape[:2], c.num_heads, c.head_dim)
+            q = c.rope.apply(rms_norm(q, 1.0, c.rms_norm_eps), positions)  # per head, unweighted
+            out = attend.attend(
+                q,
+                keys,
+                visible,
+                entries if picks is None else picks,
+                extra_visible,
+                self.sinks[...],
+                c.head_dim**-0.5,
+                impl=self.attention_impl,
+                entries_prefix=fb.tree is None,
+            )
+            grouped = c.rope.apply(out, positions, inverse=True).reshape(*q.shape[:2], c.o_groups, -1)
+            # [batch, L, groups, o_lora_rank]
+            o_a = linear(grouped, self.o_a_proj[...], groups=c.o_groups, name=("attn", "o_a_proj"))
+            return linear(o_a.reshape(*q.shape[:2], -1), self.o_b_proj[...], name=("attn", "o_b_proj"))
+
+        rows = (q_res, positions, picks, extra_visible)
+        y = attend.by_query_blocks(queries, keys, visible, rows, tokens)
         return y, self._update_window(cache, kv, fb), compressed
 
     def _update_window(self, cache, kv, forward_batch: ForwardBatch):
