@@ -287,8 +287,8 @@ def _window_keys(forward_batch: ForwardBatch, ring, window_positions, kv, slidin
     T]``."""
     fb, (batch, ring_size, dim), tokens = forward_batch, ring.shape, kv.shape[1]
     if fb.tree is not None or tokens <= QUERY_BLOCK:
-        keys = jnp.concatenate([ring, kv], axis=1)
-        return keys[:, None], _window_visibility(fb, window_positions, sliding_window)[:, None]
+        keys = jnp.concatenate([ring, kv], axis=1)[:, None]
+        return _seen_keys(keys, _window_visibility(fb, window_positions, sliding_window)[:, None])
     block, span = QUERY_BLOCK, sliding_window - 1
     blocks = -(-tokens // block)
     pad = blocks * block - tokens
@@ -309,7 +309,13 @@ def _window_keys(forward_batch: ForwardBatch, ring, window_positions, kv, slidin
     # of the ring, the rows before the root (the rest hold rejected drafts); every new key
     seen = jnp.where(jnp.asarray(index < ring_size), k < fb.base[:, :, None], True)
     t = jnp.pad(fb.positions, ((0, 0), (0, pad)), constant_values=-1).reshape(batch, blocks, block, 1)
-    return keys, seen[:, :, None, :] & _in_window(t, k[:, :, None, :], sliding_window)
+    return _seen_keys(keys, seen[:, :, None, :] & _in_window(t, k[:, :, None, :], sliding_window))
+
+
+def _seen_keys(keys, visible):
+    """``(keys, visible)`` with the keys no query of their block sees zeroed: the ring's empty rows and
+    rejected drafts never reach the output, whatever they hold."""
+    return jnp.where(jnp.any(visible, axis=2)[..., None], keys, 0.0), visible
 
 
 def _valid(forward_batch: ForwardBatch):
