@@ -114,8 +114,9 @@ Usage (from a directory other than the repository root, or with jax_oc128 instal
         --kv-cache-dtype float32 bfloat16 fp8 fp8_fp4 --pages dense auto
     python bench/bench_decode.py --configs v4flash-slice --experts 256 --layers 6 --weights released bf16 \\
         --modes plain 4 --slots 8 64
-    python bench/bench_decode.py --configs v4flash-slice --experts 256 --weights released --backends online \
-        --modes plain 4 --slots 8 --prompt-len 3072 --max-len 4096 1048576
+    python bench/bench_decode.py --configs v4flash-slice --experts 256 --weights released --backends online \\
+        --modes plain 4 --slots 8 64 --pages auto --steps-per-dispatch 16 --prompt-len 3072 \\
+        --max-len 4096 1048576
 CPU smoke test: python bench/bench_decode.py --configs v4flash-attn --backends online --modes plain \\
     --slots 1 --tokens 8 --device-steps 8 --steps-per-dispatch 4 --kv-cache-dtype float32 fp8 \\
     --pages dense auto --copy-mib 64 --out /tmp/bd.json
