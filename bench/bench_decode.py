@@ -9,11 +9,11 @@ Configs:
   (hidden 4096, 64 heads x 512, q and o LoRA rank 1024, 8 o-groups, rope_dim 64 with the compress RoPE's YaRN,
   window 128) in 6 layers alternating sliding and C128, a dense SwiGLU MLP of 2048 and one residual stream
   (the small MTP head), float32, random weights (``nnx.Rngs(0)``, the same for both backends), ``max_len``
-  4096 (the 64-slot caches stay small), ``max_draft`` 4. The vocabulary is 4096, not V4's 129280: the point
-  is the attention and the C128 state, and a full-size LM head (2 GiB of float32, read at every step and
-  every draft) would dominate the small-batch steps. Prompts are random token ids; the random MTP head's
-  drafts are almost never accepted (mean accepted length about 1), which does not matter for the time per
-  step.
+  4096 (``--max-len``; the 64-slot caches stay small), ``max_draft`` 4. The vocabulary is 4096, not V4's
+  129280: the point is the attention and the C128 state, and a full-size LM head (2 GiB of float32, read at
+  every step and every draft) would dominate the small-batch steps. Prompts are random token ids; the random
+  MTP head's drafts are almost never accepted (mean accepted length about 1), which does not matter for the
+  time per step.
 * ``v4flash-slice``: DeepSeek-V4-Flash as released (``ModelConfig.deepseek_v4_flash``: its config.json), its
   first ``--layers`` (6: sliding, sliding, CSA, HCA, CSA, HCA; hash-routed MoE in the first 3, top-k in the
   others): hidden 4096, 64 heads x 512, q and o LoRA rank 1024, 8 o-groups, rope_dim 64 (compress RoPE YaRN
@@ -21,7 +21,8 @@ Configs:
   routed per token and a shared one, routed scaling 1.5, SwiGLU limit 10, hyper-connections of 4 streams
   with 20 Sinkhorn iterations, the vocabulary of 129280, and DeepSeek-V4's MTP layer as the draft head; but
   ``--experts`` (16; V4-Flash has 256) routed experts, run by the grouped dispatch (``MoEConfig.dispatch``'s
-  default: each picked expert once). ``max_len`` 4096, ``max_draft`` 4; random prompts. ``--weights``:
+  default: each picked expert once). ``max_len`` 4096 (``--max-len``), ``max_draft`` 4; random prompts.
+  ``--weights``:
 
   - ``bf16`` (default): the matrices bfloat16 (norms, hyper-connections and biases float32), random, made
     one at a time (each drawn in float32, stored in bfloat16; the constructor under ``jit`` would hold every
@@ -33,6 +34,14 @@ Configs:
     layer's ``e_proj`` / ``h_proj``), FP4 (packed e2m1, e8m0 1 x 32 scales) for the routed experts, the rest
     as the bfloat16 model has it; the quantized weights made random in that form on the device, one tensor
     at a time. 256 experts: 3.6 GB per layer, 5.7 GB for the MTP layer, embedding and LM head.
+
+``--max-len`` (each in turn, the parameters shared, not rebuilt): the runtime's ``max_len`` instead of the
+config's (4096; the shipped model's ``RuntimeConfig()``'s). Every forward reads only its context bucket
+(``Engine(context_floor=)``, ``--context-floor``, the engine's default 256; ``none``: every forward reads
+``max_len``): ``generate`` and the prefill choose theirs, and each timed ``decode`` dispatch is given the most
+positions the run's rows reach (``decode(context=)``), so that a short context costs the same at any
+``max_len`` (issue 40): compare the rows of two ``--max-len`` at a ``--prompt-len`` whose run stays within
+the smaller (the table's ``context`` column: the bucket the timed dispatches read).
 
 Modes (``--modes``): ``plain``; ``N``, speculative steps verifying a chain of N tokens (the bonus token and
 N - 1 drafts); ``treeN``, tree speculation at the same verify width: the default draft tree of N nodes
@@ -105,6 +114,9 @@ Usage (from a directory other than the repository root, or with jax_oc128 instal
         --kv-cache-dtype float32 bfloat16 fp8 fp8_fp4 --pages dense auto
     python bench/bench_decode.py --configs v4flash-slice --experts 256 --layers 6 --weights released bf16 \\
         --modes plain 4 --slots 8 64
+    python bench/bench_decode.py --configs v4flash-slice --experts 256 --weights released --backends online \\
+        --modes plain 4 --slots 8 64 --pages auto --steps-per-dispatch 16 --prompt-len 3072 \\
+        --max-len 4096 1048576
 CPU smoke test: python bench/bench_decode.py --configs v4flash-attn --backends online --modes plain \\
     --slots 1 --tokens 8 --device-steps 8 --steps-per-dispatch 4 --kv-cache-dtype float32 fp8 \\
     --pages dense auto --copy-mib 64 --out /tmp/bd.json
@@ -116,6 +128,7 @@ import argparse
 import dataclasses
 import functools
 import gc
+import itertools
 import json
 import math
 import pathlib
@@ -166,9 +179,9 @@ def slice_config(layers: int, experts: int) -> ModelConfig:
 #: the default slice: 6 layers, 16 experts
 V4FLASH_SLICE = slice_config(6, 16)
 #: what a row of the table names (with its slots)
-ROW_KEYS = ("config", "weights", "backend", "kv_cache_dtype", "layout", "mode")
+ROW_KEYS = ("config", "weights", "backend", "kv_cache_dtype", "layout", "max_len", "mode")
 #: the table's columns
-COLUMNS = (*ROW_KEYS, "slots", "device us/step", "floor us", "x floor", "e2e us/step", "ratio")
+COLUMNS = (*ROW_KEYS, "slots", "context", "device us/step", "floor us", "x floor", "e2e us/step", "ratio")
 COLUMNS += ("e2e / device, same work", "tokens/s", "mean accepted")
 #: ``--weights``: the slice's matrices in bfloat16, or in DeepSeek's released precision (see the module doc)
 WEIGHTS = ("bf16", "released")
@@ -192,7 +205,7 @@ TEXT = (
 
 def build_model(config: str, backend: str, weights: str = "bf16", slice_: ModelConfig = V4FLASH_SLICE):
     """The model of ``config`` with the C128 ``backend``; the slice's (``slice_``) in ``weights``
-    (:data:`WEIGHTS`)."""
+    (:data:`WEIGHTS`). Its runtime: :data:`RUNTIME` (the shipped model's: ``RuntimeConfig()``)."""
     if config == "shipped":
         return checkpoint.load(backend=BACKENDS[backend])[0]
     if config == "v4flash-attn":
@@ -276,14 +289,13 @@ def random_quantized(key, *, fmt: str, shape: tuple[int, ...], dtype: str) -> Qu
     return QuantizedArray(codes, scales, fmt, dtype)
 
 
-def with_kv_cache_dtype(
-    model: SpeculativeModel, backend: str, kv_cache_dtype: str | None
-) -> SpeculativeModel:
-    """``model`` with its caches stored as ``kv_cache_dtype`` (None: as its runtime says): its parameters
-    (not copied) in the module of that runtime."""
-    if kv_cache_dtype is None or kv_cache_dtype == model.runtime.kv_cache_dtype:
+def with_runtime(model: SpeculativeModel, backend: str, **changes) -> SpeculativeModel:
+    """``model`` with the fields of its runtime that ``changes`` give (``max_len``, ``kv_cache_dtype``; None:
+    as its runtime says): its parameters (not copied) in the module of that runtime."""
+    changes = {k: v for k, v in changes.items() if v is not None and v != getattr(model.runtime, k)}
+    if not changes:
         return model
-    runtime = dataclasses.replace(model.runtime, kv_cache_dtype=kv_cache_dtype)
+    runtime = dataclasses.replace(model.runtime, **changes)
     abstract = build_abstract(
         lambda rngs: SpeculativeModel(model.config, runtime, backend=BACKENDS[backend], rngs=rngs)
     )
@@ -391,6 +403,13 @@ def timed_dispatches(
     return min(max(2, math.ceil(device_steps / steps)), room), budget
 
 
+def device_positions(prompt_len: int, width: int, steps: int, dispatches: int) -> int:
+    """The most positions a row of :func:`device_time` reaches: its prompt, first token and the
+    :data:`UNTIMED_DISPATCHES` + ``dispatches`` dispatches of ``steps`` steps of N = ``width``, and a step's
+    N more."""
+    return prompt_len + 1 + (UNTIMED_DISPATCHES + dispatches) * steps * width + width
+
+
 def tokens_per_slot(args, max_len: int, steps: int) -> int:
     """The most tokens a slot's caches hold in this run (:func:`device_time` and :func:`e2e` at every mode):
     what a paged engine's pool must hold per slot."""
@@ -398,7 +417,7 @@ def tokens_per_slot(args, max_len: int, steps: int) -> int:
     for mode in args.modes:
         width = mode_width(mode)
         dispatches, _ = timed_dispatches(max_len, args.prompt_len, width, steps, args.device_steps)
-        most = max(most, args.prompt_len + 1 + (UNTIMED_DISPATCHES + dispatches) * steps * width + width)
+        most = max(most, device_positions(args.prompt_len, width, steps, dispatches))
         most = max(most, args.prompt_len + args.tokens + width)  # what generate reserves
     return most
 
@@ -407,12 +426,20 @@ def device_time(
     engine: Engine, prompts, mode: dict, steps: int, device_steps: int, profile: pathlib.Path | None = None
 ) -> dict:
     """Device-only time per step of ``engine.decode`` (see the module doc), the prefill's time and the
-    first calls' (compile) times. A paged engine's slots are given its pool in equal parts, in order.
+    first calls' (compile) times, and ``context``: the bucket every dispatch reads (None: ``max_len``), each
+    told the most positions the rows reach (:func:`device_positions`). A paged engine's slots are given its
+    pool in equal parts, in order.
     ``profile``: a directory where one more dispatch, after the timed ones, is traced by jax's profiler;
     the row then gives its kernels per step (:func:`bench_ops.device_kernels`: ``span_us``, ``kernels_us``
     and the 40 largest of ``by_kernel``)."""
     n, max_len = mode_width(mode), engine.model.max_len
     dispatches, budget = timed_dispatches(max_len, len(prompts[0]), n, steps, device_steps)
+    decode = functools.partial(
+        engine.decode,
+        steps=steps,
+        context=min(max_len, device_positions(len(prompts[0]), n, steps, dispatches)),
+        **mode,
+    )
     assignments = dict(enumerate(prompts))
     state, prefill = engine.init_state(0), []
     if engine.pages is not None:
@@ -428,18 +455,18 @@ def device_time(
     warm_up = []
     for _ in range(2):  # the first compiles, the first run on these buffers records the CUDA graph
         start = time.perf_counter()
-        state, output = engine.decode(state, steps=steps, **mode)
+        state, output = decode(state)
         jax.block_until_ready((state, output))
         warm_up.append(time.perf_counter() - start)
     start = time.perf_counter()
     for _ in range(dispatches):
-        state, output = engine.decode(state, steps=steps, **mode)
+        state, output = decode(state)
     jax.block_until_ready((state, output))
     elapsed = time.perf_counter() - start
     kernels = {}
     if profile is not None:
         with jax.profiler.trace(str(profile)):
-            state, output = engine.decode(state, steps=steps, **mode)
+            state, output = decode(state)
             jax.block_until_ready((state, output))
         span, busy, by_kernel = device_kernels(profile, steps)
         kernels = dict(profile=dict(span_us=span, kernels_us=busy, by_kernel=by_kernel[:40]))
@@ -449,6 +476,7 @@ def device_time(
     return dict(
         device_us=elapsed / (dispatches * steps) * 1e6,
         dispatches=dispatches,
+        context=engine.bound(decode.keywords["context"]),
         prefill_ms=prefill[1] * 1e3,
         compile_s=prefill[0] + warm_up[0],
         **kernels,
@@ -555,8 +583,8 @@ def measure(args, bandwidth: float) -> tuple[list[dict], list[dict]]:
                     summary, reads = weights_summary(config, weights_name, base)
                     summaries.append(summary)
                     print(f"\n| {' | '.join(COLUMNS)} |\n" + "|---" * len(COLUMNS) + "|")
-                for kv_cache_dtype in args.kv_cache_dtype:
-                    model = with_kv_cache_dtype(base, backend, kv_cache_dtype)
+                for kv_cache_dtype, max_len in itertools.product(args.kv_cache_dtype, args.max_len):
+                    model = with_runtime(base, backend, kv_cache_dtype=kv_cache_dtype, max_len=max_len)
                     cache = model.runtime.cache_dtypes(model.config.dtype)
                     kv_name = model.runtime.kv_cache_dtype
                     kv_name += f" ({cache.entries})" if kv_name == "auto" else ""
@@ -573,6 +601,7 @@ def measure(args, bandwidth: float) -> tuple[list[dict], list[dict]]:
                                 kv_cache_dtype=kv_name,
                                 cache_dtypes=dataclasses.asdict(cache),
                                 layout="dense" if layout == "dense" else "paged",
+                                max_len=model.max_len,
                             ),
                             layout,
                         )
@@ -590,7 +619,13 @@ def measure_model(args, model, bandwidth: float, reads: WeightReads, keys: dict,
     for slots in args.slots:
         pages = page_count(layout, slots, per_slot, PAGE_SIZE)
         engine = Engine(
-            model, slots, steps_per_dispatch=steps, mesh=args.mesh, pages=pages, page_size=PAGE_SIZE
+            model,
+            slots,
+            steps_per_dispatch=steps,
+            mesh=args.mesh,
+            pages=pages,
+            page_size=PAGE_SIZE,
+            context_floor=args.context_floor,
         )
         prompts = make_prompts(model.config, slots, args.prompt_len)
         for mode in args.modes:
@@ -611,7 +646,7 @@ def measure_model(args, model, bandwidth: float, reads: WeightReads, keys: dict,
             numbers = (row["device_us"], row["floor_us"], row["x_floor"], row["e2e_us"], row["ratio"])
             numbers += (row["ratio_same_work"], row["tokens_per_s"], row["mean_accepted"])
             formats = (".1f", ".1f", ".2f", ".1f", ".2f", ".2f", ".0f", ".2f")
-            cells = [str(row[key]) for key in (*ROW_KEYS, "slots")]
+            cells = [str(row[key]) for key in (*ROW_KEYS, "slots")] + [str(row["context"] or "max_len")]
             cells += [format(x, f) for x, f in zip(numbers, formats, strict=True)]
             print(f"| {' | '.join(cells)} |", flush=True)
             if "profile" in row:
@@ -665,7 +700,9 @@ def check_targets(rows) -> list[str]:
 def sweep(args) -> list[dict]:
     """E2E tokens/s per K at the first config and backend."""
     config, backend = args.configs[0], args.backends[0]
-    model = build_model(config, backend, args.weights[0], args.slice)
+    model = with_runtime(
+        build_model(config, backend, args.weights[0], args.slice), backend, max_len=args.max_len[0]
+    )
     rows = []
     print(f"K sweep: {config}, {backend} state, {args.tokens} new tokens per request")
     print("| mode | slots | K | tokens/s | e2e us/step | dispatches | mean accepted | compile s |")
@@ -674,7 +711,9 @@ def sweep(args) -> list[dict]:
         for slots in args.slots:
             prompts = make_prompts(model.config, slots, args.prompt_len)
             for k in args.sweep_k:
-                engine = Engine(model, slots, steps_per_dispatch=k, mesh=args.mesh)
+                engine = Engine(
+                    model, slots, steps_per_dispatch=k, mesh=args.mesh, context_floor=args.context_floor
+                )
                 start = time.perf_counter()
                 engine.generate(prompts, 4, **mode)  # compiles
                 compile_s = time.perf_counter() - start
@@ -756,6 +795,18 @@ def main():
     parser.add_argument(
         "--steps-per-dispatch", type=int, default=STEPS_PER_DISPATCH, help="K: decoding steps per dispatch"
     )
+    parser.add_argument(
+        "--max-len",
+        type=int,
+        nargs="+",
+        default=[None],
+        help="the runtime's max_len, each in turn (default: the config's own, 4096)",
+    )
+    parser.add_argument(
+        "--context-floor",
+        default="256",
+        help="Engine(context_floor=): the smallest context bucket, or 'none' (every forward reads max_len)",
+    )
     parser.add_argument("--tokens", type=int, default=256, help="new tokens per request (e2e)")
     parser.add_argument("--prompt-len", type=int, default=200, help="prompt tokens per slot")
     parser.add_argument("--device-steps", type=int, default=128, help="steps timed on the device, at least")
@@ -779,6 +830,9 @@ def main():
     except ValueError:
         parser.error(f"--modes: 'plain', integers N >= 2 or treeN, got {args.modes}")
     args.pages = parse_pages(args.pages, parser)
+    if args.context_floor != "none" and not args.context_floor.isdigit():
+        parser.error(f"--context-floor: a multiple of 128 or 'none', got {args.context_floor!r}")
+    args.context_floor = None if args.context_floor == "none" else int(args.context_floor)
     try:
         args.slice = slice_config(args.layers, args.experts)
     except (TypeError, ValueError) as error:
@@ -803,6 +857,7 @@ def main():
         device_steps=args.device_steps,
         kv_cache_dtypes=args.kv_cache_dtype,
         pages=args.pages,
+        context_floor=args.context_floor,
         configs={
             "shipped": "checkpoint.load() (the shipped model)",
             "v4flash-attn": dataclasses.asdict(V4FLASH_ATTN),

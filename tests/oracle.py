@@ -57,6 +57,34 @@ class Stream:
         return m, w.sum(axis=1), (w * self.kv(lo, length)).sum(axis=1) / w.sum(axis=1)
 
 
+def window_attention(q, kv, first, sinks, scale, window=BLOCK):
+    """float64 sliding-window attention of one row's chain of T queries from position ``first``: query t (at
+    ``p = first + t``) over the keys (= values) of positions ``p - window < k <= p``, with the head's sink in
+    the denominator.
+
+    Args:
+      q: ``[T, heads, D]``.
+      kv: ``[first + T, D]``: the key of every position up to the last query's.
+      first: the first query's position.
+      sinks: ``[heads]``.
+      scale: the logits' scale.
+      window: the keys each query sees, itself included.
+
+    Returns:
+      ``[T, heads, D]`` float64.
+    """
+    q, kv, sinks = (np.asarray(a, np.float64) for a in (q, kv, sinks))
+    out = np.empty(q.shape)
+    for t in range(q.shape[0]):
+        p = first + t
+        keys = kv[max(0, p - window + 1) : p + 1]  # [n, D]
+        logits = q[t] @ keys.T * scale  # [heads, n]
+        top = np.maximum(logits.max(axis=1), sinks)
+        weights = np.exp(logits - top[:, None])
+        out[t] = weights @ keys / (weights.sum(axis=1) + np.exp(sinks - top))[:, None]
+    return out
+
+
 def rel_err(x, ref):
     """Normwise relative error ``max|x - ref| / max|ref|``."""
     x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jax_oc128 import attention_op, ops
 from jax_oc128.checks import ArgumentError
 from jax_oc128.nn.functional import FULL
 
 IMPLS = ("jnp", "kernel", "auto")
+#: queries per iteration of a long chain's loop over its query blocks (:func:`by_query_blocks`)
+LOOP_QUERIES = 512
 
 
 def check_impl(impl: str) -> None:
@@ -59,6 +62,46 @@ def attend(q, keys, visible, extra, extra_visible, sinks, scale: float, *, impl,
     if resolve(impl) == "kernel":
         return _kernel(q, keys, visible, extra, extra_visible, sinks, scale, entries_prefix)
     return _jnp(q, keys, visible, extra, extra_visible, sinks, scale)
+
+
+def by_query_blocks(fn, keys, visible, rows, tokens: int):
+    """``fn`` over groups of a forward's query blocks, one group at a time, so that nothing the queries make
+    (their projections, logits, outputs) is held for more than ``max(B, LOOP_QUERIES)`` queries at once.
+
+    Args:
+      fn: ``fn(keys, visible, *rows) -> [batch, L, ...]``: the outputs of ``L`` queries, given their window
+        keys ``[batch, g, K, D]`` and ``visible`` ``[batch, g, B, K]`` (``g * B >= L``) and their ``rows``.
+      keys: ``[batch, n, K, D]``: the window keys of the n blocks of ``B`` queries.
+      visible: ``[batch, n, B, K]`` bool (:func:`attend`'s).
+      rows: arrays ``[batch, T, ...]`` by query (None passed on as None).
+      tokens: T.
+
+    Returns:
+      ``[batch, T, ...]``: ``fn``'s outputs, in order. One group (``n * B <= LOOP_QUERIES``, or one
+      block): ``fn`` called once on everything; otherwise in a loop (``lax.map``) over groups of
+      ``LOOP_QUERIES // B`` blocks, the last padded (keys zero, nothing visible, rows zero).
+    """
+    batch, blocks, block = visible.shape[:3]
+    group = max(1, LOOP_QUERIES // block)
+    if blocks <= group:
+        return fn(keys, visible, *rows)[:, :tokens]
+    groups = -(-blocks // group)
+    size = group * block
+
+    def pad(a, length):
+        return jnp.pad(a, [(0, 0), (0, length - a.shape[1])] + [(0, 0)] * (a.ndim - 2))
+
+    keys, visible = pad(keys, groups * group), pad(visible, groups * group)
+    rows = [None if a is None else pad(a, groups * size) for a in rows]
+
+    def run(i):
+        def take(a, length):
+            return None if a is None else lax.dynamic_slice_in_dim(a, i * length, length, axis=1)
+
+        return fn(take(keys, group), take(visible, group), *(take(a, size) for a in rows))
+
+    out = lax.map(run, jnp.arange(groups))  # [groups, batch, size, ...]
+    return jnp.moveaxis(out, 0, 1).reshape(batch, groups * size, *out.shape[3:])[:, :tokens]
 
 
 def _jnp(q, keys, visible, extra, extra_visible, sinks, scale):

@@ -287,8 +287,8 @@ def _window_keys(forward_batch: ForwardBatch, ring, window_positions, kv, slidin
     T]``."""
     fb, (batch, ring_size, dim), tokens = forward_batch, ring.shape, kv.shape[1]
     if fb.tree is not None or tokens <= QUERY_BLOCK:
-        keys = jnp.concatenate([ring, kv], axis=1)
-        return keys[:, None], _window_visibility(fb, window_positions, sliding_window)[:, None]
+        keys = jnp.concatenate([ring, kv], axis=1)[:, None]
+        return _seen_keys(keys, _window_visibility(fb, window_positions, sliding_window)[:, None])
     block, span = QUERY_BLOCK, sliding_window - 1
     blocks = -(-tokens // block)
     pad = blocks * block - tokens
@@ -309,7 +309,13 @@ def _window_keys(forward_batch: ForwardBatch, ring, window_positions, kv, slidin
     # of the ring, the rows before the root (the rest hold rejected drafts); every new key
     seen = jnp.where(jnp.asarray(index < ring_size), k < fb.base[:, :, None], True)
     t = jnp.pad(fb.positions, ((0, 0), (0, pad)), constant_values=-1).reshape(batch, blocks, block, 1)
-    return keys, seen[:, :, None, :] & _in_window(t, k[:, :, None, :], sliding_window)
+    return _seen_keys(keys, seen[:, :, None, :] & _in_window(t, k[:, :, None, :], sliding_window))
+
+
+def _seen_keys(keys, visible):
+    """``(keys, visible)`` with the keys no query of their block sees zeroed: the ring's empty rows and
+    rejected drafts never reach the output, whatever they hold."""
+    return jnp.where(jnp.any(visible, axis=2)[..., None], keys, 0.0), visible
 
 
 def _valid(forward_batch: ForwardBatch):
@@ -455,7 +461,7 @@ class DeepseekV4Attention(nnx.Module):
           ``(y [batch, T, hidden], cache, compressed)``.
         """
         c, fb, positions = self.config, forward_batch, forward_batch.positions
-        batch, tokens, _ = x.shape
+        tokens = x.shape[1]
         if c.layer_type != SLIDING and not fb.every_node:
             raise ValueError(
                 f"nodes: an {c.layer_type} layer verifies every node of the tree at once, got {fb.nodes}"
@@ -463,10 +469,6 @@ class DeepseekV4Attention(nnx.Module):
         if c.layer_type == HCA and compressed is None:
             raise ValueError("compressed: an HCA layer needs the C128 state (init_compressed), got None")
         q_res = rms_norm(linear(x, self.q_a_proj[...]), self.q_a_norm[...], c.rms_norm_eps)
-        q = linear(q_res, self.q_b_proj[...], name=("attn", "q_b_proj")).reshape(
-            batch, tokens, c.num_heads, c.head_dim
-        )
-        q = c.rope.apply(rms_norm(q, 1.0, c.rms_norm_eps), positions)  # per head, unweighted
         kv = c.rope.apply(
             rms_norm(linear(x, self.kv_proj[...]), self.kv_norm[...], c.rms_norm_eps), positions
         )
@@ -475,30 +477,37 @@ class DeepseekV4Attention(nnx.Module):
         keys, visible = _window_keys(
             fb, kv_cache.decode(cache.window), cache.window_positions, kv, c.sliding_window
         )
-        extra = extra_visible = None  # an HCA layer's entries or a CSA layer's picks; what each query sees
+        entries = picks = extra_visible = None  # an HCA layer's entries or a CSA layer's picks; who sees them
         if c.layer_type == HCA:
             with jax.named_scope("compressor"):
-                cache, compressed, extra, extra_visible = self._compress(x, cache, compressed, fb)
+                cache, compressed, entries, extra_visible = self._compress(x, cache, compressed, fb)
         if c.layer_type == CSA:
             with jax.named_scope("compressor"):
-                cache, extra, extra_visible = self._compress_sparse(x, q_res, cache, fb)
-        out = attend.attend(
-            q,
-            keys,
-            visible,
-            extra,
-            extra_visible,
-            self.sinks[...],
-            c.head_dim**-0.5,
-            impl=self.attention_impl,
-            entries_prefix=fb.tree is None,
-        )
-        out = c.rope.apply(out, positions, inverse=True)
+                cache, picks, extra_visible = self._compress_sparse(x, q_res, cache, fb)
 
-        grouped = out.reshape(batch, tokens, c.o_groups, -1)
-        # [batch, tokens, groups, o_lora_rank]
-        o_a = linear(grouped, self.o_a_proj[...], groups=c.o_groups, name=("attn", "o_a_proj"))
-        y = linear(o_a.reshape(batch, tokens, -1), self.o_b_proj[...], name=("attn", "o_b_proj"))
+        def queries(keys, visible, q_res, positions, picks, extra_visible):
+            """The outputs ``[batch, L, hidden]`` of L of the queries (:func:`attend.by_query_blocks`)."""
+            q = linear(q_res, self.q_b_proj[...], name=("attn", "q_b_proj"))
+            q = q.reshape(*q_res.shape[:2], c.num_heads, c.head_dim)
+            q = c.rope.apply(rms_norm(q, 1.0, c.rms_norm_eps), positions)  # per head, unweighted
+            out = attend.attend(
+                q,
+                keys,
+                visible,
+                entries if picks is None else picks,
+                extra_visible,
+                self.sinks[...],
+                c.head_dim**-0.5,
+                impl=self.attention_impl,
+                entries_prefix=fb.tree is None,
+            )
+            grouped = c.rope.apply(out, positions, inverse=True).reshape(*q.shape[:2], c.o_groups, -1)
+            # [batch, L, groups, o_lora_rank]
+            o_a = linear(grouped, self.o_a_proj[...], groups=c.o_groups, name=("attn", "o_a_proj"))
+            return linear(o_a.reshape(*q.shape[:2], -1), self.o_b_proj[...], name=("attn", "o_b_proj"))
+
+        rows = (q_res, positions, picks, extra_visible)
+        y = attend.by_query_blocks(queries, keys, visible, rows, tokens)
         return y, self._update_window(cache, kv, fb), compressed
 
     def _update_window(self, cache, kv, forward_batch: ForwardBatch):
