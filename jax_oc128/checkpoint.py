@@ -7,8 +7,10 @@ A checkpoint is a ``.npz`` archive: ``__meta__``, the UTF-8 JSON ``{"config": {<
 path in the model's state (``['target']['embed'].value``: ``[vocab_size, hidden_size]`` float32, ...; a
 bfloat16 parameter as its bits, uint16, which the .npy format can hold). :func:`load` checks the file against
 its config before it allocates anything of the model's size: the metadata, every config field, then
-each tensor's name, shape and dtype, read from the ``.npy`` headers before any tensor is decompressed.
-Nothing is unpickled. Every error is a :class:`ValueError` naming the file (and the tensor or field).
+every tensor's name, shape and dtype (its parameter's own, no cast), read from the ``.npy`` headers before
+any tensor is decompressed, by the loaders' one checker (:func:`~jax_oc128.loading.checker.check_tensors`:
+every problem in one error). Nothing is unpickled. Every error is a :class:`ValueError` naming the file
+(and the tensor or field).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from flax import nnx
 
 from jax_oc128.checks import shown
 from jax_oc128.controller import ONLINE, Backend
+from jax_oc128.loading.checker import check_tensors
+from jax_oc128.loading.names import Part
 from jax_oc128.nn import ModelConfig, RuntimeConfig, SpeculativeModel
 from jax_oc128.nn.functional import build_abstract
 
@@ -94,7 +98,10 @@ def load(
             build_abstract(lambda rngs: SpeculativeModel(config, runtime, backend=backend, rngs=rngs))
         )
         expected = dict(_named_leaves(abstract))
-        _check_tensors(headers, expected, path)
+        stored = {name: (path, shape, _dtype_name(dtype)) for name, (shape, dtype) in headers.items()}
+        del stored[META]
+        parts = {name: Part(name) for name in stored}
+        check_tensors(path, stored, parts, expected, None, dtypes=_stored_dtypes)
         arrays = [
             jax.device_put(_read(archive, name, path).view(want.dtype)) for name, want in expected.items()
         ]
@@ -174,19 +181,15 @@ def _config(meta: dict, tensors: int, path) -> ModelConfig:
         raise ValueError(f"{path}: config: {error}") from None
 
 
-def _check_tensors(headers: dict, expected: dict, path) -> None:
-    """Every tensor the config's model has, of its shape and dtype, and no other."""
-    stored = headers.keys() - {META}
-    for problem, names in (("missing", expected.keys() - stored), ("unexpected", stored - expected.keys())):
-        if names:
-            listed = ", ".join(map(shown, sorted(names)[:4])) + (
-                f" and {len(names) - 4} more" if len(names) > 4 else ""
-            )
-            raise ValueError(f"{path}: {problem} tensors (for the model of its config): {listed}")
-    for name, want in expected.items():
-        shape, dtype = headers[name]
-        if shape != want.shape:
-            raise ValueError(f"{path}: tensor {name}: shape {shape}, the config gives {want.shape}")
-        if dtype != STORED_AS.get(want.dtype, want.dtype):
-            stored = f" (stored as {STORED_AS[want.dtype]})" if want.dtype in STORED_AS else ""
-            raise ValueError(f"{path}: tensor {name}: dtype {dtype}, expected {want.dtype}{stored}")
+def _dtype_name(dtype: np.dtype) -> str:
+    """How the checker names a stored dtype: its name (``float32``), its code where its byte order is not
+    the machine's (``>f4``)."""
+    return dtype.name if dtype.isnative else dtype.str
+
+
+def _stored_dtypes(dtype) -> tuple[set[str], str]:
+    """The one dtype a parameter of ``dtype`` is stored as (:data:`STORED_AS`), and how a message says it."""
+    dtype = np.dtype(dtype)
+    if dtype in STORED_AS:
+        return {STORED_AS[dtype].name}, f"{dtype} (stored as {STORED_AS[dtype]})"
+    return {dtype.name}, dtype.name

@@ -72,6 +72,7 @@ from jax_oc128.loading.hf_config import CONFIG, MAX_CONFIG_BYTES, RATIO_LAYER_TY
 from jax_oc128.loading.hf_config import model_config as model_config_of
 from jax_oc128.loading.names import (
     FP8_PARAMS,
+    LAYER_NAME,
     SCALE,
     Part,
     deepseek_name,
@@ -183,16 +184,26 @@ def load_weights(config: dict, weights: dict, *, backend: Backend = ONLINE, **kw
     otherwise), the config's ``eos_token_id`` as ``model.eos_token_ids``; ``kwargs``: ``dtype`` and the
     :class:`~jax_oc128.nn.RuntimeConfig` fields (``max_len``, default the config's
     ``max_position_embeddings``, ``max_draft``, ...) of :func:`~jax_oc128.loading.hf_config.model_config`."""
-    if not isinstance(weights, dict):
-        raise TypeError(f"weights: must be a dict of name -> array, got {type(weights).__name__}")
+    headers, opener = _in_memory(weights)
     hf = model_config_of(config, "config", **kwargs)
-    arrays = {name: np.asarray(value) for name, value in weights.items()}
-    headers = {name: (WEIGHTS, value.shape, _dtype_name(value.dtype)) for name, value in arrays.items()}
-    model = _load(hf, backend, WEIGHTS, headers, lambda _: _InMemory(arrays))
+    model = _load(hf, backend, WEIGHTS, headers, opener)
     if config.get("eos_token_id") is not None:
         where = "config: eos_token_id"
         model.eos_token_ids = check_token_ids(config["eos_token_id"], hf.config.vocab_size, where)
     return model
+
+
+def load_part(module, paths: dict[str, tuple], weights: dict, prefix: str, layers: int) -> None:
+    """Set the parameters of ``module``, a part of a model (``paths``: each of its parameters' full
+    transformers-style name, ``model.layers.{i}.self_attn.sinks``, -> its attribute path in ``module``), from
+    ``weights`` (name -> array: a full name of either naming as it is, any other within ``prefix``), by the
+    pipeline of :func:`load_weights`: every tensor checked first (one ValueError naming ``weights`` and each
+    missing, unexpected, misshaped or mistyped tensor; ``layers``: the model's decoder layers, for
+    DeepSeek's names), then placed."""
+    headers, opener = _in_memory(weights)
+    full = {name: name if LAYER_NAME.fullmatch(name) else prefix + name for name in headers}
+    parts = {name: part(full[name], layers) for name in headers}
+    _place(module, paths, WEIGHTS, headers, parts, opener, layers)
 
 
 #: the "file" of tensors given in memory (:func:`load_weights`), for messages
@@ -221,17 +232,26 @@ class _InMemory:
         return self.arrays[name]
 
 
+def _in_memory(weights: dict):
+    """The headers (name -> (file, shape, safetensors dtype)) and the opener of tensors given in memory
+    (``weights``: name -> array)."""
+    if not isinstance(weights, dict):
+        raise TypeError(f"weights: must be a dict of name -> array, got {type(weights).__name__}")
+    arrays = {name: np.asarray(value) for name, value in weights.items()}
+    headers = {name: (WEIGHTS, value.shape, _dtype_name(value.dtype)) for name, value in arrays.items()}
+    return headers, lambda _: _InMemory(arrays)
+
+
 def _dtype_name(dtype: np.dtype) -> str:
     """The safetensors name of a numpy dtype (else its own name, which the checker refuses)."""
     return SAFETENSORS_DTYPES.get(np.dtype(dtype), np.dtype(dtype).name)
 
 
 def _load(hf: HFConfig, backend, where, headers, opener, mesh=None) -> SpeculativeModel:
-    """The pipeline's checks and placement: the model of ``hf`` (:func:`read_config`) with the tensors of
-    ``headers``
-    (name -> (file, shape, safetensors dtype)) read by ``opener(file)`` (a context manager with
-    ``read(name, shape, dtype)``), ``where`` naming them in messages."""
-    model_config, mtp_layers, quantization = hf.config, hf.mtp_layers, hf.quantization
+    """The model of ``hf`` (:func:`read_config`) with the tensors of ``headers`` (name -> (file, shape,
+    safetensors dtype)) read by ``opener(file)`` (a context manager with ``read(name, shape, dtype)``),
+    ``where`` naming them in messages: built with shapes only, then :func:`_place`."""
+    model_config = hf.config
     layers = len(model_config.layer_types)
     if layers > len(headers):  # before the model is built (work linear in the layers)
         raise ValueError(
@@ -239,20 +259,29 @@ def _load(hf: HFConfig, backend, where, headers, opener, mesh=None) -> Speculati
             "has tensors of its own)"
         )
     parts = {name: part(name, layers) for name in headers}
-    has_mtp = mtp_layers > 0 and any(
+    has_mtp = hf.mtp_layers > 0 and any(
         piece is not None and piece.param.startswith(f"model.layers.{layers}.") for piece in parts.values()
     )
     model_config = dataclasses.replace(model_config, mtp=has_mtp)
     model = build_abstract(lambda rngs: hf.model_class(model_config, hf.runtime, backend=backend, rngs=rngs))
-    params = parameter_paths(model)
-    variables = {name: variable_at(model, path) for name, path in params.items()}
+    _place(model, parameter_paths(model), where, headers, parts, opener, layers, hf.quantization, mesh)
+    return model
+
+
+def _place(module, params, where, headers, parts, opener, layers, quantization=None, mesh=None) -> None:
+    """The pipeline's checks and placement: every parameter of ``module`` (``params``: its
+    transformers-style name -> attribute path) set from the tensors of ``headers`` (each going where
+    ``parts`` says, :func:`~jax_oc128.loading.names.part`), after all of them are checked
+    (:func:`~jax_oc128.loading.checker.check_tensors`, and the hash layers' tables), kept quantized in
+    ``quantization``'s format (:func:`read_quantization`; None: a float checkpoint), placed on ``mesh``."""
+    variables = {name: variable_at(module, path) for name, path in params.items()}
     abstract = {name: v.get_value() for name, v in variables.items()}
     formats = checkpoint_formats(headers, parts, abstract, quantization)
     check_tensors(where, headers, parts, abstract, layers, formats)
     scale_dtypes = {parts[name].param: header[2] for name, header in headers.items() if parts[name].scale}
     for param, fmt in formats.items():  # the quantized parameters' leaves
-        leaves = quantized_leaves(abstract[param], fmt, scale_dtypes[param], model_config.dtype)
-        variables[param].set_value(leaves)
+        want = abstract[param]
+        variables[param].set_value(quantized_leaves(want, fmt, scale_dtypes[param], want.dtype.name))
     placed = {name: placing(params[name], variables[name].get_value(), mesh) for name in params}
     tables = {}  # the hash layers' (small): read once, checked, and placed as checked
     hashes = {n: h for n, h in headers.items() if jnp.issubdtype(abstract[parts[n].param].dtype, jnp.integer)}
@@ -260,7 +289,8 @@ def _load(hf: HFConfig, backend, where, headers, opener, mesh=None) -> Speculati
         with opener(file) as shard:
             for name in names:
                 tables[name] = shard.read(name, *headers[name][1:])
-                check_expert_ids(tables[name], model_config.num_experts, f"{file}: tensor {shown(name)}")
+                moe = variable_at(module, params[parts[name].param][:-1])  # the table's layer
+                check_expert_ids(tables[name], moe.config.num_experts, f"{file}: tensor {shown(name)}")
     for file, names in by_file(headers).items():
         with opener(file) as shard:
             for name in names:
@@ -274,7 +304,6 @@ def _load(hf: HFConfig, backend, where, headers, opener, mesh=None) -> Speculati
                 place(placed[piece.param], piece, value)
     for name, shards in placed.items():
         variables[name].set_value(jax.tree.map(Shards.array, shards))
-    return model
 
 
 def _check_dtype(dtype) -> str:

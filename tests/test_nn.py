@@ -131,10 +131,33 @@ def test_cache_is_donated_under_jit():
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(new_cache))
 
 
-def test_missing_weight_is_named():
+def test_bad_weights_are_named_together(nothing_placed):
+    """A layer's weights go through load_pretrained's checker: a missing, a misshapen and an unexpected
+    tensor (another layer's) named in one error, before anything is placed."""
     weights = attention_weights(1)
-    with pytest.raises(ValueError, match=r"weights: missing tensors \[model\.layers\.1\.self_attn\.sinks\]"):
+    width = weights["q_a_norm.weight"].shape[0]
+    weights["q_a_norm.weight"] = weights["q_a_norm.weight"][:-1]
+    weights["model.layers.0.self_attn.sinks"] = FIXTURE["layer1/sinks"]
+    with pytest.raises(ValueError) as error:
         DeepseekV4Attention.from_hf(MODEL.attention(MODEL.layer_types[1], RUNTIME), 1, weights)
+    assert str(error.value).splitlines() == [
+        "weights: the checkpoint does not fit its config:",
+        "  unexpected tensors (1): model.layers.0.self_attn.sinks",
+        "  missing tensors (1): model.layers.1.self_attn.sinks (DeepSeek: layers.1.attn.attn_sink)",
+        f"  tensor q_a_norm.weight: shape ({width - 1},), the config gives ({width},)",
+    ]
+
+
+def test_weights_named_in_full_load_the_same():
+    """Names with the layer's prefix, or DeepSeek's, load the parameters the bare names load."""
+    weights = attention_weights(1) | {"sinks": FIXTURE["layer1/sinks"]}
+    full = {f"model.layers.1.self_attn.{name}": value for name, value in weights.items()}
+    full["layers.1.attn.wq_a.weight"] = full.pop("model.layers.1.self_attn.q_a_proj.weight")
+    config = MODEL.attention(MODEL.layer_types[1], RUNTIME)
+    loaded = DeepseekV4Attention.from_hf(config, 1, full, max_draft=4)
+    bare = attention_layer(1)
+    assert np.array_equal(loaded.q_a_proj[...], weights["q_a_proj.weight"])
+    assert jax.tree.all(jax.tree.map(np.array_equal, nnx.state(loaded), nnx.state(bare)))
 
 
 def test_ragged_rows():

@@ -1,5 +1,7 @@
-"""The loader's one check of a checkpoint's tensors against the model of its config, from the headers
-alone: :func:`check_tensors`.
+"""The loaders' one check of a checkpoint's tensors against the model of its config, from the headers
+alone: :func:`check_tensors`, for Hugging Face-format checkpoints (safetensors files, or tensors in memory:
+:mod:`jax_oc128.pretrained`, a layer's ``from_hf``) and this library's ``.npz`` files
+(:mod:`jax_oc128.checkpoint`).
 """
 
 from __future__ import annotations
@@ -34,14 +36,31 @@ FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 INT_DTYPES = {"I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8"}
 
 
+def safetensors_dtypes(dtype) -> tuple[set[str], str]:
+    """The safetensors dtypes a parameter of ``dtype`` may be stored in (any of its kind: cast on load), and
+    how a message says them."""
+    if jnp.issubdtype(dtype, jnp.integer):
+        return INT_DTYPES, "an integer dtype"
+    return FLOAT_DTYPES, "a floating-point dtype"
+
+
 def check_tensors(
-    directory, headers: dict, parts: dict, params: dict, layers: int, formats: dict | None = None
+    directory,
+    headers: dict,
+    parts: dict,
+    params: dict,
+    layers: int | None,
+    formats: dict | None = None,
+    dtypes=safetensors_dtypes,
 ) -> None:
     """Every parameter of ``params`` (name -> its abstract value) given exactly once (whole, or every
-    expert's part), no other tensor, each of its shape and of a dtype of its kind; a quantized one's
-    (``formats``: parameter -> FP8 or FP4, :func:`_formats`) each part in its format's dtype and stored
-    shape, with its scale of the format's shape and dtype; raises one ValueError listing every problem
-    (``layers``: the decoder layers, for DeepSeek's names of missing tensors)."""
+    expert's part), no other tensor (``headers``: stored name -> (file, shape, dtype name); ``parts``:
+    stored name -> its :class:`~jax_oc128.loading.names.Part`, None for no parameter's), each of its shape
+    and of a dtype ``dtypes(parameter dtype)`` allows (-> the allowed names, how a message says them); a
+    quantized one's (``formats``: parameter -> FP8 or FP4, :func:`~.formats.checkpoint_formats`) each part
+    in its format's dtype and stored shape, with its scale of the format's shape and dtype; raises one
+    ValueError naming ``directory`` and listing every problem (``layers``: the decoder layers, for
+    DeepSeek's names of missing tensors; None: a format of no other naming)."""
     formats = formats or {}
     unexpected, problems, given, scales = [], [], {}, {}
     for name, part in parts.items():
@@ -67,14 +86,13 @@ def check_tensors(
             continue
         if shape != logical:
             problems.append(f"tensor {shown(name)}: shape {shape}, the config gives {logical}")
-        kinds = INT_DTYPES if jnp.issubdtype(want.dtype, jnp.integer) else FLOAT_DTYPES
-        if stored not in kinds:
-            kind = "an integer" if kinds is INT_DTYPES else "a floating-point"
+        allowed, expected = dtypes(want.dtype)
+        if stored not in allowed:
             note = ""
-            if stored.startswith(("F8", "F6", "F4")) or (stored == "I8" and kinds is FLOAT_DTYPES):
+            if stored.startswith(("F8", "F6", "F4")) or (stored == "I8" and allowed is FLOAT_DTYPES):
                 where = "the format stores this tensor unquantized" if formats else "no quantization_config"
                 note = f" (quantized: {where})"
-            problems.append(f"tensor {shown(name)}: dtype {stored}, expected {kind} dtype{note}")
+            problems.append(f"tensor {shown(name)}: dtype {stored}, expected {expected}{note}")
     unscaled = []  # the quantized weights given without their scales
     for param, pieces in given.items():
         have = scales.get(param, {}) if param in formats else None
@@ -103,8 +121,9 @@ def check_tensors(
             problems.append(f"tensor {param}: given whole and per expert")
         split = halves(param)
         if not pieces:
-            theirs = " and ".join(deepseek_name(Part(param, None, h), layers) for h in split)
-            missing += [f"{param} (DeepSeek: {theirs})"][: MAX_LISTED - len(missing)]
+            theirs = (deepseek_name(Part(param, None, h), layers) for h in split)
+            named = param if layers is None else f"{param} (DeepSeek: {' and '.join(theirs)})"
+            missing += [named][: MAX_LISTED - len(missing)]
             absent += 1
         elif (
             None,

@@ -41,7 +41,7 @@ from jax_oc128.nn import attend, csa, kv_cache
 from jax_oc128.nn import weights as nn_weights
 from jax_oc128.nn.csa import CSACompressor, IndexerConfig
 from jax_oc128.nn.forward import ForwardBatch
-from jax_oc128.nn.functional import assign_weights, normal_param, ones_param, rms_norm, zeros_param
+from jax_oc128.nn.functional import normal_param, ones_param, rms_norm, zeros_param
 from jax_oc128.nn.hca import HCACompressor
 from jax_oc128.nn.kv_cache import CacheDtypes
 from jax_oc128.nn.linear import linear
@@ -406,22 +406,22 @@ class DeepseekV4Attention(nnx.Module):
 
     @classmethod
     def from_hf(cls, config: AttentionConfig, layer_idx: int, weights: dict, **kwargs) -> DeepseekV4Attention:
-        """A layer with transformers weights.
+        """A layer with transformers weights, by :func:`jax_oc128.pretrained.load_part` (each tensor checked).
 
         Args:
           config: the layer's config, ``ModelConfig.from_hf(hf_config).attention(layer_type, runtime)``.
           layer_idx: the layer's index in the model (the weights' names).
           weights: that layer's state-dict entries (numpy arrays), named as in transformers, with or without
-            the ``model.layers.{i}.self_attn.`` prefix.
+            the ``model.layers.{i}.self_attn.`` prefix (or DeepSeek's full names, ``layers.{i}.attn.``).
           kwargs: ``max_draft``, ``compress_layer``, ``rngs`` of the constructor.
         """
+        from jax_oc128.pretrained import load_part  # (the loading pipeline imports the model)
+
         module = cls(config, rngs=kwargs.pop("rngs", nnx.Rngs(0)), **kwargs)
-        given = {name.split("self_attn.")[-1]: value for name, value in weights.items()}
-        paths = {
-            name.removeprefix("self_attn."): path
-            for name, path in nn_weights.hf_paths(module, nn_weights.LAYER, within=("attn",)).items()
-        }
-        assign_weights(module, paths, given, f"model.layers.{layer_idx}.self_attn.")
+        prefix = f"model.layers.{layer_idx}."
+        paths = nn_weights.hf_paths(module, nn_weights.LAYER, within=("attn",))
+        paths = {prefix + name: path for name, path in paths.items()}
+        load_part(module, paths, weights, prefix + "self_attn.", layer_idx + 1)
         return module
 
     def init_cache(self, batch: int, max_len: int | None = None) -> AttentionCache:

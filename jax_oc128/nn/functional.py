@@ -1,5 +1,5 @@
 """The building blocks the modules share: the linear layers' rule in transformers' weight layout, RMSNorm,
-the SwiGLU gate, parameter initialisation, the parameters' dtype and loading.
+the SwiGLU gate, parameter initialisation, the parameters' dtype and the variable at an attribute path.
 
 Precision: activations are float32. The matrices (linear layers, experts, the embedding and the LM head, made
 by :func:`normal_param`) are stored in the model's dtype, float32 or bfloat16; every other parameter stays
@@ -20,10 +20,8 @@ from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from jax_oc128.checks import shown
 from jax_oc128.nn.quant import matrix
 
 FULL = jax.lax.Precision.HIGHEST  # float32 matmuls stay float32 (on GPUs the default would allow TF32)
@@ -120,30 +118,3 @@ def variable_at(module: nnx.Module, path: tuple) -> nnx.Variable:
     for step in path:
         module = module[step] if isinstance(step, int) else getattr(module, step)
     return module
-
-
-def assign_weights(module: nnx.Module, paths: dict, weights: dict, prefix: str = "") -> None:
-    """Set ``module``'s variables from ``weights`` (name -> array), ``paths`` mapping each expected name to
-    the attribute path (a tuple of attribute names and list indices) of its variable: one layer's (a whole
-    model loads by :func:`jax_oc128.pretrained.load_weights`). Every expected name must be given with the
-    variable's shape and kind (integer or floating), and no other; each ValueError names the tensor
-    (``prefix`` + name). Everything is checked before the first variable is set."""
-    for problem, names in (
-        ("missing", paths.keys() - weights.keys()),
-        ("unexpected", weights.keys() - paths.keys()),
-    ):
-        if names:
-            raise ValueError(
-                f"weights: {problem} tensors [{', '.join(shown(prefix + n) for n in sorted(names))}]"
-            )
-    variables = {}
-    for name, path in paths.items():
-        variable = variable_at(module, path)
-        value, want = np.asarray(weights[name]), variable[...]
-        if value.shape != want.shape:
-            raise ValueError(f"weights[{prefix + name!r}]: expected shape {want.shape}, got {value.shape}")
-        if np.issubdtype(value.dtype, np.integer) != jnp.issubdtype(want.dtype, jnp.integer):
-            raise ValueError(f"weights[{prefix + name!r}]: expected a {want.dtype} tensor, got {value.dtype}")
-        variables[name] = variable, value.astype(want.dtype)
-    for variable, value in variables.values():
-        variable[...] = jnp.asarray(value)
