@@ -196,6 +196,12 @@ class RequestScheduler:
         """Requests not yet admitted."""
         return len(self._waiting)
 
+    @property
+    def in_flight(self) -> int:
+        """Dispatches (and prefills) queued on the device and not yet read: 1 after a :meth:`step` that ran
+        one, whose output the next step reads while its own dispatch runs."""
+        return len(self._unread)
+
     def step(self) -> StepOutput:
         """Admit waiting requests into the free slots and prefill them, run one dispatch of up to K decoding
         steps of the running requests and read the outputs. Overlapped: a dispatch is queued behind the one
