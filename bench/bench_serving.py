@@ -8,10 +8,12 @@ Workloads (``--dataset``): ``random``, prompts of random token ids of ``--input-
 uniformly down to ``--range-ratio`` of it); ``shared-prefix``, each prompt a common ``--prefix-len``-token
 prefix then a random suffix of that length. Every request asks ``--output-len`` greedy tokens and no stop
 (``ignore_eos``), so each gives exactly that many. With ``--offline``, ``Engine.generate`` of the same prompts
-is timed too (its output tokens/s: the serving overhead's baseline).
+is timed too (its output tokens/s: the serving overhead's baseline; ``offline_over_served`` per rate). With
+``--sweep-slots S ...``, one server per slot count, one after the other.
 
     python bench/bench_serving.py --slots 8 --pages 256 --rates 2 8 inf --num-prompts 64
     python bench/bench_serving.py --rates inf --num-prompts 64 --input-len 128 --output-len 64 --offline
+    python bench/bench_serving.py --sweep-slots 8 32 --rates inf --num-prompts 128 --input-len 128 --offline
     python bench/bench_serving.py PATH --draft 2 --dataset shared-prefix --prefix-len 4096 --output json
 """
 
@@ -119,49 +121,26 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--rates", type=float, nargs="+", default=[4.0, 16.0, math.inf])
     parser.add_argument("--bench-seed", type=int, default=0)
     parser.add_argument("--offline", action="store_true", help="time Engine.generate of the same prompts")
+    parser.add_argument(
+        "--sweep-slots", type=int, nargs="+", default=None, metavar="S", help="one run per --slots value"
+    )
     parser.add_argument("--output", choices=["table", "json"], default="table")
     args = parser.parse_args(argv)
     args.port = 0
-    server = cli.build(parser, args)
-    engine = server.scheduler.engine
-    prompts = workload(args, engine.model.config.vocab_size)
     rows = []
-    if args.offline:
-        options = dict(tree=server.scheduler.tree, stop_tokens=())  # no EOS stop, as the requests' ignore_eos
-        engine.generate(prompts, args.output_len, **options)  # compiles every shape and bucket it meets
-        result = engine.generate(prompts, args.output_len, **options)
-        tokens = sum(map(len, result.tokens))
-        rows.append(
-            dict(
-                rate="offline",
-                requests=len(prompts),
-                duration_s=result.seconds,
-                output_tokens=tokens,
-                output_tokens_per_s=tokens / result.seconds,
-                dispatches=result.dispatches,
-            )
-        )
-    spawn = multiprocessing.get_context("spawn")  # (no fork of a process running JAX's threads)
-    with cli.running(server) as base, ProcessPoolExecutor(1, mp_context=spawn) as pool:
-        for warm in prompts[:2]:  # compiles (the second: a prefix cache's hit)
-            pool.submit(client, base, server.model_name, [warm], args.output_len, math.inf, 0).result()
-        totals = server.scheduler.totals
-        for rate in args.rates:
-            before, dispatches = dict(totals), server.scheduler.dispatches
-            job = (base, server.model_name, prompts, args.output_len, rate, args.bench_seed)
-            row = pool.submit(client, *job).result()
-            row["dispatches"] = server.scheduler.dispatches - dispatches
-            for key in ("prefill_tokens", "cached_tokens"):  # the prompt tokens fed, and taken from the cache
-                row[key] = totals[key] - before.get(key, 0)
-            rows.append(row)
+    for slots in args.sweep_slots or [args.slots]:
+        args.slots = slots
+        rows += [dict(slots=slots) | row for row in run(parser, args)]
     if args.output == "json":
         print(json.dumps(rows, indent=1))
     else:
         keys = [
+            "slots",
             "rate",
             "requests",
             "duration_s",
             "output_tokens_per_s",
+            "offline_over_served",
             "ttft_p50_ms",
             "ttft_p99_ms",
             "tpot_p50_ms",
@@ -177,6 +156,59 @@ def main(argv=None) -> list[dict]:
         for row in rows:
             cells = [row.get(k, "") for k in keys]
             print(" ".join(f"{c:>14.2f}" if isinstance(c, float) else f"{c!s:>14s}" for c in cells))
+    return rows
+
+
+def run(parser: argparse.ArgumentParser, args) -> list[dict]:
+    """The rows of one server of ``args``: the offline run's (with ``--offline``) and each rate's; the time
+    each phase took on stderr as it ends (so that a run cut short shows where its time went)."""
+    clock = time.perf_counter()
+
+    def phase(name: str) -> None:
+        nonlocal clock
+        print(f"slots {args.slots}: {name} {time.perf_counter() - clock:.1f} s", file=sys.stderr, flush=True)
+        clock = time.perf_counter()
+
+    server = cli.build(parser, args)
+    engine = server.scheduler.engine
+    prompts = workload(args, engine.model.config.vocab_size)
+    phase("loading")
+    rows, offline = [], None
+    if args.offline:
+        options = dict(tree=server.scheduler.tree, stop_tokens=())  # no EOS stop, as the requests' ignore_eos
+        engine.generate(prompts, args.output_len, **options)  # compiles every shape and bucket it meets
+        phase("offline warm-up (compiling)")
+        result = engine.generate(prompts, args.output_len, **options)
+        phase("offline")
+        tokens = sum(map(len, result.tokens))
+        offline = tokens / result.seconds
+        rows.append(
+            dict(
+                rate="offline",
+                requests=len(prompts),
+                duration_s=result.seconds,
+                output_tokens=tokens,
+                output_tokens_per_s=offline,
+                dispatches=result.dispatches,
+            )
+        )
+    spawn = multiprocessing.get_context("spawn")  # (no fork of a process running JAX's threads)
+    with cli.running(server) as base, ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        for warm in prompts[:2]:  # compiles (the second: a prefix cache's hit)
+            pool.submit(client, base, server.model_name, [warm], args.output_len, math.inf, 0).result()
+        phase("served warm-up")
+        totals = server.scheduler.totals
+        for rate in args.rates:
+            before, dispatches = dict(totals), server.scheduler.dispatches
+            job = (base, server.model_name, prompts, args.output_len, rate, args.bench_seed)
+            row = pool.submit(client, *job).result()
+            row["dispatches"] = server.scheduler.dispatches - dispatches
+            for key in ("prefill_tokens", "cached_tokens"):  # the prompt tokens fed, and taken from the cache
+                row[key] = totals[key] - before.get(key, 0)
+            if offline is not None:
+                row["offline_over_served"] = offline / row["output_tokens_per_s"]
+            rows.append(row)
+            phase(f"rate {rate}")
     return rows
 
 

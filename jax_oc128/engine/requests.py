@@ -196,13 +196,19 @@ class RequestScheduler:
         """Requests not yet admitted."""
         return len(self._waiting)
 
+    @property
+    def in_flight(self) -> int:
+        """Dispatches (and prefills) queued on the device and not yet read: 1 after a :meth:`step` that ran
+        one, whose output the next step reads while its own dispatch runs."""
+        return len(self._unread)
+
     def step(self) -> StepOutput:
         """Admit waiting requests into the free slots and prefill them, run one dispatch of up to K decoding
-        steps of the running requests and read the outputs (each dispatch's is read while the next runs,
-        all of them when requests wait). Returns what was read and the requests that ended."""
+        steps of the running requests and read the outputs. Overlapped: a dispatch is queued behind the one
+        before it, which is read (the host's work done) while it runs; so a slot freed by a dispatch is known,
+        and taken, one step later (the schedule depends on the requests alone, not on timing). Returns what
+        was read and the requests that ended."""
         out = StepOutput()
-        if self._waiting and self._unread:  # which slots are free: read everything
-            self._read_all(out)
         pool, engine = self.page_pool, self.engine
         changed, self._released = self._released, False
         admitted = self._admit([slot for slot in range(engine.slots) if slot not in self.owner])
@@ -237,8 +243,8 @@ class RequestScheduler:
             self._unread.append((dict(self.owner), output))
         elif self._waiting and not self._unread:  # paged: every slot is free and the first still has no pages
             raise RuntimeError("paged engine: no request runs and none can be admitted (a bug)")
-        # read everything but this dispatch, which runs meanwhile; all of it when a slot must be freed
-        while len(self._unread) > (0 if self._waiting else 1) or (self._unread and not self.owner):
+        # read everything but this dispatch, which runs meanwhile; all of it when nothing runs
+        while len(self._unread) > 1 or (self._unread and not self.owner):
             self._read(out, *self._unread.popleft())
         out.finished, self._finished = self._finished, {}
         return out
@@ -324,22 +330,20 @@ class RequestScheduler:
         self.totals.update(
             steps=int(host.steps), slot_steps=int(host.slot_steps), accepted=int(host.accepted)
         )
+        kept = np.arange(host.tokens.shape[2]) < host.counts[..., None]  # [K, slots, W]; 0 past the steps run
         for slot, request in owner.items():
             if self.owner.get(slot) != request:  # ended (an abort, a host-side stop) since
                 continue
-            params = self._requests[request].params
-            new, steps = [], 0
-            for step in range(host.tokens.shape[0]):  # counts are 0 past the steps run
-                kept = host.tokens[step, slot, : host.counts[step, slot]].tolist()
-                stop = next((i for i, t in enumerate(kept) if t in params.stop_tokens), None)
-                new.extend(kept if stop is None else kept[: stop + 1])
-                steps += bool(kept)
-                if stop is not None:
-                    break
-            if new:
-                out.tokens.setdefault(request, []).extend(new)
-                out.steps[request] = out.steps.get(request, 0) + steps
-            if stop is not None:
+            new = host.tokens[:, slot][kept[:, slot]]  # its tokens, in order
+            stops = np.flatnonzero(np.isin(new, self._requests[request].params.stop_tokens))
+            if len(stops):
+                new = new[: stops[0] + 1]
+            if len(new):
+                counts = host.counts[:, slot]
+                steps = np.count_nonzero((counts > 0) & (np.cumsum(counts) - counts < len(new)))
+                out.tokens.setdefault(request, []).extend(new.tolist())
+                out.steps[request] = out.steps.get(request, 0) + int(steps)
+            if len(stops):
                 self._end(request, "stop")
             elif not host.active[slot]:
                 self._end(request, "length")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 import time
 import uuid
 
@@ -38,6 +39,10 @@ _FIELDS = {
 DEFAULT_TEMPERATURE = 1.0
 #: how often a non-streamed request checks that its client is still there, in seconds
 DISCONNECT_POLL = 0.25
+#: the interpreter's thread switch interval while the server runs, in seconds (Python's default: 0.005): the
+#: device thread waits for the GIL after each device call it makes (a dispatch, a read) while the event loop
+#: runs Python (events, requests' checks), up to one interval each time, a shorter interval bounds the wait
+SWITCH_INTERVAL = 0.0002
 
 
 class Server:
@@ -162,15 +167,19 @@ class Run:
 
 
 def create_app(server: Server) -> FastAPI:
-    """The application over ``server``; its worker runs while the application does (its lifespan)."""
+    """The application over ``server``; its worker runs while the application does (its lifespan), the
+    process's thread switch interval :data:`SWITCH_INTERVAL` meanwhile."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL)
         server.worker.start(asyncio.get_running_loop().call_soon_threadsafe)
         try:
             yield
         finally:
             server.worker.stop()
+            sys.setswitchinterval(interval)
 
     app = FastAPI(title="jax_oc128", lifespan=lifespan)
     app.state.server = server
