@@ -72,13 +72,9 @@ def _progress_display():
     )
 
 
-def _text(tokens) -> str:
-    return bytes(t for t in tokens if 9 <= t < 127 or t == 10).decode("ascii")
-
-
-def demo(args, model, meta, prompts) -> str:
-    """Generate plainly and with speculation; report the text, exactness, acceptance, speed and memory.
-    ``prompts``: byte strings, checked against the model by :func:`_model_problem`."""
+def demo(args, model, tokenizer, prompts) -> str:
+    """Generate plainly and with speculation (each stops at EOS); report the text, exactness, acceptance,
+    speed and memory. ``prompts``: the token ids of ``args.prompt`` (or :data:`DEMO_PROMPTS`)."""
     import jax
 
     from jax_oc128.controller import OFFLINE, ONLINE
@@ -86,7 +82,6 @@ def demo(args, model, meta, prompts) -> str:
     from jax_oc128.state import bytes_per_slot
     from jax_oc128.tree import Tree
 
-    prompts = [list(prompt) for prompt in prompts]
     slots = min(args.batch, len(prompts))
     engine = Engine(model, slots=slots, steps_per_dispatch=min(args.steps_per_dispatch, args.tokens))
     modes = [("plain", {})] + [(f"speculative N={n}", dict(num_tokens=n)) for n in args.draft]
@@ -110,20 +105,22 @@ def demo(args, model, meta, prompts) -> str:
             results[name] = run(
                 progress=lambda done, task=task: progress.update(task, completed=done, refresh=True)
             )
+            count = sum(map(len, results[name].tokens))  # fewer where EOS stopped a request
+            progress.update(task, total=count, completed=count, refresh=True)
     config = model.config
     c128 = config.compressed_layers
     lines = [
-        f"jax_oc128 demo on {jax.default_backend()}: model {meta.get('trained_on', 'custom')} "
+        f"jax_oc128 demo on {jax.default_backend()}: model {tokenizer.directory.name} "
         f"({len(config.layer_types)} layers, {c128} C128), "
         f"{args.backend} C128 state, {len(prompts)} prompts x {args.tokens} new tokens, {slots} slots, "
         f"temperature {args.temperature}",
         "",
     ]
     plain = results["plain"]
-    for i, prompt in enumerate(prompts):
+    for i, (text, prompt) in enumerate(zip(args.prompt or DEMO_PROMPTS, prompts, strict=True)):
         lines += [
-            f"--- prompt {i + 1} ({len(prompt)} bytes) ---",
-            _text(prompt) + " >>> " + _text(plain.tokens[i]),
+            f"--- prompt {i + 1} ({len(prompt)} tokens) ---",
+            text + " >>> " + tokenizer.decode(plain.tokens[i]),
         ]
     lines += [
         "",
@@ -171,13 +168,6 @@ def _top_p(text: str) -> float:
     return value
 
 
-def _prompt(text: str) -> str:
-    """An argparse type: non-empty ASCII text (the demo feeds its bytes as tokens, unaltered)."""
-    if not text or not text.isascii():
-        raise argparse.ArgumentTypeError(f"must be non-empty ASCII text, got {text!r}")
-    return text
-
-
 def _nonempty(text: str) -> str:
     """An argparse type: non-empty valid Unicode text (an argument of bytes that are not UTF-8 is not)."""
     from jax_oc128.text import check_text
@@ -188,32 +178,6 @@ def _nonempty(text: str) -> str:
         return check_text("text", text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error).removeprefix("text: ")) from None
-
-
-def _file(text: str) -> pathlib.Path:
-    """An argparse type: an existing file."""
-    path = pathlib.Path(text)
-    if not path.is_file():
-        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
-    return path
-
-
-def _model_problem(args, model, prompts) -> str | None:
-    """The first demo flag that the loaded ``model`` refuses, as an argparse message, or None."""
-    longest, n = max(map(len, prompts)), max(args.draft + args.tree)
-    for flag, sizes in (("--draft", args.draft), ("--tree", args.tree)):
-        if sizes and max(sizes) > model.max_draft:
-            most = model.max_draft
-            return f"argument {flag}: N must be at most the model's max_draft ({most}), got {max(sizes)}"
-    if longest + args.tokens + n > model.max_len:
-        return (
-            f"argument --tokens: the longest prompt ({longest} bytes) + {args.tokens} tokens + N ({n}) "
-            f"must be at most the model's max_len ({model.max_len})"
-        )
-    top = max(max(prompt) for prompt in prompts)
-    if top >= model.vocab_size:
-        return f"argument --prompt: byte {top} is not in the model's vocabulary [0, {model.vocab_size})"
-    return None
 
 
 def main(argv=None) -> int:
@@ -299,14 +263,17 @@ def _command(argv) -> int:
     )
     run.add_argument(
         "--prompt",
-        type=_prompt,
+        type=_nonempty,
         action="append",
-        help="an ASCII prompt (repeat for several; default: four built in)",
+        metavar="TEXT",
+        help="a prompt (repeat for several; default: four built in)",
     )
-    run.add_argument("--tokens", type=int_argument(1), default=160, help="new tokens per prompt")
+    run.add_argument(
+        "--tokens", type=int_argument(1), default=160, help="new tokens per prompt at most (EOS stops)"
+    )
     run.add_argument(
         "--draft",
-        type=int_argument(2),
+        type=int_argument(2, MAX_DRAFT),
         nargs="+",
         default=[2, 4],
         help="N of the speculative runs (each >= 2)",
@@ -334,7 +301,10 @@ def _command(argv) -> int:
     )
     run.add_argument("--seed", type=int_argument(0, 2**32 - 1), default=0, help="of the sampling")
     run.add_argument(
-        "--model", type=_file, default=None, help="a checkpoint (default: the one shipped in the package)"
+        "--model",
+        metavar="PATH",
+        help="a Hugging Face checkpoint directory with its tokenizer, as generate's PATH (default: the "
+        "shipped text model)",
     )
     text = commands.add_parser(
         "generate",
@@ -479,19 +449,25 @@ def _command(argv) -> int:
         run.error("argument --tree: tree speculation runs on the online C128 state only (--backend online)")
     if len(set(args.tree)) < len(args.tree):
         run.error(f"argument --tree: each N at most once, got {args.tree}")
-    from jax_oc128 import checkpoint
-    from jax_oc128.controller import BACKENDS
-
-    try:
-        model, meta = checkpoint.load(args.model or checkpoint.DEFAULT_MODEL, backend=BACKENDS[args.backend])
-    except (OSError, ValueError) as error:
-        run.error(f"argument --model: {error}")
-    prompts = [prompt.encode("ascii") for prompt in args.prompt or DEMO_PROMPTS]
-    problem = _model_problem(args, model, prompts)
-    if problem:
-        run.error(problem)
-    print(demo(args, model, meta, prompts), flush=True)
+    print(demo(args, *_demo_model(run, args)), flush=True)
     return 0
+
+
+def _demo_model(parser, args):
+    """The demo's model, its tokenizer and the prompts' token ids, every flag checked against them."""
+    from jax_oc128 import generate_command
+    from jax_oc128.controller import BACKENDS
+    from jax_oc128.text import SHIPPED_MODEL
+
+    path = args.model or SHIPPED_MODEL
+    tokenizer = generate_command.checked_tokenizer(parser, path, "--model")
+    prompts = generate_command.encode_prompts(parser, tokenizer, args.prompt or DEMO_PROMPTS, "--prompt")
+    n = max(args.draft + args.tree)
+    flags = {"path": "--model", "new": "--tokens", "draft": "--draft"}
+    max_len = generate_command.check_request(parser, path, tokenizer, prompts, args.tokens, n, flags=flags)
+    options = dict(backend=BACKENDS[args.backend], max_len=max_len)
+    model = generate_command.load_checked(parser.error, path, n, flags, **options)
+    return model, tokenizer, prompts
 
 
 if __name__ == "__main__":

@@ -66,38 +66,51 @@ class _GenerateDisplay:
                 display.stop()
 
 
-def _max_len(parser, args, prompt: int, n: int) -> int:
-    """The caches' length for ``generate``: ``--max-len``, else the prompt's ``prompt`` tokens, the new
-    tokens and a verify's ``n`` in whole 128-token blocks (as the prefill pads; one length for many
-    prompts, fewer compilations), at most the model's positions (``max_position_embeddings``). Refused by
-    argparse, naming the flag: ``--max-len`` past the positions, a request that does not fit, and
-    ``--kv-cache-dtype`` where the checkpoint's config does not take it, and a config that does not read
-    (as ``path``)."""
+def check_request(
+    parser, path, tokenizer, prompts, new: int, n: int, *, max_len=None, kv_cache_dtype="auto", flags=None
+) -> int:
+    """The caches' length for ``prompts`` (token ids of ``tokenizer``), ``new`` tokens each and a verify's
+    ``n`` on the checkpoint directory ``path``: ``max_len``, else the longest prompt, ``new`` and ``n`` in
+    whole 128-token blocks (as the prefill pads; one length for many prompts, fewer compilations), at most
+    the model's positions (``max_position_embeddings``). Refused by ``parser`` from the config alone, before
+    the checkpoint loads, naming the flag (``flags``: those of ``"path"``, ``"new"`` and ``"prompt"``,
+    default ``generate``'s; ``max_len`` is ``--max-len``): a config that does not read, a token of the
+    prompts or an EOS id of ``tokenizer`` outside the model's vocabulary, ``max_len`` past the positions, a
+    request that does not fit, ``kv_cache_dtype`` where the config does not take it."""
     from jax_oc128.loading.hf_config import read_config
     from jax_oc128.nn import RuntimeConfig
     from jax_oc128.pretrained import CONFIG
 
+    flags = {"path": "path", "new": "--max-new-tokens", "prompt": "--prompt"} | (flags or {})
     try:
-        config, runtime = read_config(pathlib.Path(args.path) / CONFIG)[:2]
+        config, runtime = read_config(pathlib.Path(path) / CONFIG)[:2]
     except (OSError, ValueError, NotImplementedError) as error:
-        parser.error(f"argument path: {error}")
+        parser.error(f"argument {flags['path']}: {error}")
+    vocab = config.vocab_size
+    for name, ids in ((flags["prompt"], [max(p) for p in prompts]), (flags["path"], tokenizer.eos_token_ids)):
+        if ids and max(ids) >= vocab:
+            parser.error(
+                f"argument {name}: token {max(ids)} of the tokenizer is not in the model's vocabulary "
+                f"[0, {vocab})"
+            )
     positions = runtime.max_len  # max_position_embeddings
-    if args.max_len is not None and args.max_len > positions:
+    if max_len is not None and max_len > positions:
         parser.error(f"argument --max-len: at most the model's max_position_embeddings ({positions})")
-    limit, what = (args.max_len, "--max-len") if args.max_len else (positions, "max_position_embeddings")
-    need = prompt + args.max_new_tokens + n
+    limit, what = (max_len, "--max-len") if max_len else (positions, "max_position_embeddings")
+    prompt = max(map(len, prompts))
+    need = prompt + new + n
     if need > limit:
         parser.error(
-            f"argument --max-new-tokens: the (longest) prompt's {prompt} tokens + {args.max_new_tokens} new "
-            f"tokens + N ({n}) are {need} positions, more than the {limit} of {what}"
+            f"argument {flags['new']}: the (longest) prompt's {prompt} tokens + {new} new tokens + N ({n}) "
+            f"are {need} positions, more than the {limit} of {what}"
         )
-    max_len = min(args.max_len or -(-need // 128) * 128, positions)
-    if args.kv_cache_dtype != "auto":  # the config reads with the defaults: its fault is the flag's
+    length = min(max_len or -(-need // 128) * 128, positions)
+    if kv_cache_dtype != "auto":  # the config reads with the defaults: its fault is the flag's
         try:
-            config.check_runtime(RuntimeConfig(max_len, n, args.kv_cache_dtype))
+            config.check_runtime(RuntimeConfig(length, n, kv_cache_dtype))
         except (TypeError, ValueError) as error:
             parser.error(f"argument --kv-cache-dtype: {error}")
-    return max_len
+    return length
 
 
 class StopStrings:
@@ -206,38 +219,34 @@ def run(parser, args) -> int:
     """``generate``: every flag checked (argparse's error, status 2) before the model runs: what the
     tokenizer tells before the checkpoint loads, what the model tells (its MTP layer, its vocabulary)
     once loaded."""
-    from jax_oc128.engine import MAX_STOP_TOKENS
-    from jax_oc128.text import SHIPPED_MODEL, load_tokenizer
+    from jax_oc128.text import SHIPPED_MODEL
 
     if args.path is None:
         args.path = str(SHIPPED_MODEL)
-    try:
-        tokenizer = load_tokenizer(args.path)
-    except ValueError as error:
-        parser.error(f"argument path: {error}")
+    tokenizer = checked_tokenizer(parser, args.path, "path")
     requests = _read_prompts(parser, args)
     flag = "--prompt" if args.prompts_file is None else "--prompts-file"
-    prompts = []
-    for i, request in enumerate(requests):
-        where = "" if args.prompts_file is None else f"prompt {i + 1}: "
-        try:
-            prompts.append(tokenizer.encode(request["prompt"], chat=args.chat))
-        except ValueError as error:  # the chat template's, or the tokenizer's
-            parser.error(f"argument {'--chat' if str(error).startswith('chat:') else flag}: {where}{error}")
-        if not prompts[-1]:
-            parser.error(f"argument {flag}: {where}{request['prompt']!r} is no tokens")
-    if len(tokenizer.eos_token_ids) > MAX_STOP_TOKENS:
-        ids = tokenizer.eos_token_ids
-        parser.error(f"argument path: at most {MAX_STOP_TOKENS} EOS tokens, the tokenizer has {len(ids)}")
+    texts, numbered = [request["prompt"] for request in requests], args.prompts_file is not None
+    prompts = encode_prompts(parser, tokenizer, texts, flag, chat=args.chat, numbered=numbered)
     n = args.draft or args.tree or 1
-    max_len = _max_len(parser, args, max(map(len, prompts)), n)
+    max_len = check_request(
+        parser,
+        args.path,
+        tokenizer,
+        prompts,
+        args.max_new_tokens,
+        n,
+        max_len=args.max_len,
+        kv_cache_dtype=args.kv_cache_dtype,
+        flags={"prompt": flag},
+    )
     mesh = _mesh(parser, args.mesh)
     data = 1 if mesh is None else mesh.shape["data"]
     slots = args.slots or min(len(prompts), MAX_DEFAULT_SLOTS)
     slots = -(-slots // data) * data
     display = _GenerateDisplay(args.max_new_tokens * len(prompts))
     try:
-        model = _load(parser, args, tokenizer, prompts, max_len, n, mesh, display)
+        model = _load(parser, args, max_len, n, mesh, display)
         display.phase(f"compiling, then the prefill of {sum(map(len, prompts))} prompt tokens")
         engine = _engine(args, model, slots, mesh)
         if args.prompts_file is None:
@@ -247,37 +256,64 @@ def run(parser, args) -> int:
         display.stop()
 
 
-def _load(parser, args, tokenizer, prompts, max_len, n, mesh, display):
-    """The checkpoint's model, checked against the flags and the prompts."""
+def checked_tokenizer(parser, path, flag: str):
+    """The tokenizer of the checkpoint directory ``path`` (:func:`~jax_oc128.text.load_tokenizer`), refused
+    by ``parser`` naming ``flag`` where it does not load or has more EOS ids than a generation stops at."""
+    from jax_oc128.engine import MAX_STOP_TOKENS
+    from jax_oc128.text import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(path)
+    except ValueError as error:
+        parser.error(f"argument {flag}: {error}")
+    if len(tokenizer.eos_token_ids) > MAX_STOP_TOKENS:
+        ids = tokenizer.eos_token_ids
+        parser.error(f"argument {flag}: at most {MAX_STOP_TOKENS} EOS tokens, the tokenizer has {len(ids)}")
+    return tokenizer
+
+
+def encode_prompts(parser, tokenizer, texts, flag: str, *, chat=False, numbered=False) -> list[list[int]]:
+    """The token ids of each prompt of ``texts`` (:meth:`~jax_oc128.text.TextTokenizer.encode`), refused by
+    ``parser`` naming ``flag`` (``--chat`` for the chat template's fault; ``numbered``: each prompt's
+    number in the message) for text the tokenizer cannot encode or that is no tokens."""
+    prompts = []
+    for i, text in enumerate(texts):
+        where = f"prompt {i + 1}: " if numbered else ""
+        try:
+            prompts.append(tokenizer.encode(text, chat=chat))
+        except ValueError as error:  # the chat template's, or the tokenizer's
+            parser.error(f"argument {'--chat' if str(error).startswith('chat:') else flag}: {where}{error}")
+        if not prompts[-1]:
+            parser.error(f"argument {flag}: {where}{text!r} is no tokens")
+    return prompts
+
+
+def load_checked(refuse, path, n: int, flags: dict, **options):
+    """``load_pretrained(path, max_draft=n, **options)``; ``refuse(message)`` (which does not return) names
+    the flag of ``flags`` (``"path"``, ``"draft"``) for a checkpoint that does not load and for one without
+    an MTP layer where ``n`` > 1."""
     from jax_oc128.pretrained import load_pretrained
+
+    try:
+        model = load_pretrained(path, max_draft=n, **options)
+    except (OSError, ValueError, NotImplementedError) as error:
+        refuse(f"argument {flags['path']}: {error}")
+    if n > 1 and model.mtp is None:
+        refuse(f"argument {flags['draft']}: {path} has no MTP layer (plain only)")
+    return model
+
+
+def _load(parser, args, max_len, n, mesh, display):
+    """The checkpoint's model, checked against the flags (:func:`load_checked`)."""
 
     def refuse(message):
         display.stop()  # before argparse prints
         parser.error(message)
 
     display.phase(f"loading {args.path}")
-    try:
-        model = load_pretrained(
-            args.path,
-            dtype=args.dtype,
-            max_len=max_len,
-            max_draft=n,
-            kv_cache_dtype=args.kv_cache_dtype,
-            mesh=mesh,
-        )
-    except (OSError, ValueError, NotImplementedError) as error:
-        refuse(f"argument path: {error}")
-    if n > 1 and model.mtp is None:
-        refuse(f"argument --{'draft' if args.draft else 'tree'}: {args.path} has no MTP layer (plain only)")
-    vocab = model.config.vocab_size
-    flag = "--prompt" if args.prompts_file is None else "--prompts-file"
-    for name, ids in ((flag, [max(p) for p in prompts]), ("path", tokenizer.eos_token_ids)):
-        if ids and max(ids) >= vocab:
-            refuse(
-                f"argument {name}: token {max(ids)} of the tokenizer is not in the model's vocabulary "
-                f"[0, {vocab})"
-            )
-    return model
+    flags = {"path": "path", "draft": "--draft" if args.draft else "--tree"}
+    options = dict(dtype=args.dtype, max_len=max_len, kv_cache_dtype=args.kv_cache_dtype, mesh=mesh)
+    return load_checked(refuse, args.path, n, flags, **options)
 
 
 def _engine(args, model, slots, mesh):

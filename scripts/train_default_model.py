@@ -1,7 +1,8 @@
-"""Train the default model shipped in jax_oc128/assets/default_model.npz: a small byte-level DeepSeek-V4-style
-decoder (sliding + C128 layers) and its MTP head, on the docstrings of Python's standard library (text that
-exists on any machine with Python). The C128 compressor is trained through the offline (pure jnp) backend,
-whose math the online state reproduces at inference.
+"""Train the byte-level model in jax_oc128/assets/default_model.npz (``checkpoint.load()``'s default: the
+engine's and the kernels' tests and bench/bench_decode.py run on it; users get the text model,
+train_text_model.py): a small DeepSeek-V4-style decoder (sliding + C128 layers) and its MTP head, on the
+docstrings of Python's standard library (text that exists on any machine with Python). The C128 compressor is
+trained through the offline (pure jnp) backend, whose math the online state reproduces at inference.
 
 Usage: python scripts/train_default_model.py [--steps 3000] [--out jax_oc128/assets/default_model.npz]
 (a GPU makes it a few minutes).

@@ -1,21 +1,25 @@
-"""The command line: ``info``, the demo (the main job) on the shipped model, bad flags refused by argparse
-before anything compiles, and progress without carriage returns when stderr is not a terminal."""
+"""The command line: ``info``, the demo (the main job) on the shipped text model, bad flags refused by
+argparse before anything compiles, and progress without carriage returns when stderr is not a terminal."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import re
+import shutil
 import subprocess
 import sys
 
-import numpy as np
 import pytest
+import tokenizers
 from harness import count_compiles
 
 from jax_oc128 import __main__ as cli
-from jax_oc128 import checkpoint
+from jax_oc128.engine import Engine
 from jax_oc128.generate_command import StopStrings
+from jax_oc128.pretrained import CONFIG
+from jax_oc128.text import SHIPPED_MODEL, TOKENIZER, load_tokenizer
 
 
 def run_cli(*args, env=None):
@@ -32,44 +36,71 @@ def test_info_names_versions_and_targets(capsys):
     assert "jax " in out and "flax" in out and "native targets:" in out and "oc128_verify" in out
 
 
-def test_demo_runs_on_the_shipped_model(capsys):
-    """A short demo: speculative output identical to plain greedy, drafts accepted, memory reported."""
-    args = ["demo", "--tokens", "24", "--draft", "2", "--batch", "2", "--prompt", "Return the "]
-    assert cli.main(args) == 0
+#: the demo tests' prompts and flags (one set of shapes: processes get their executables from the run's cache)
+PROMPTS = ["Return the ", "Open the file and"]
+DEMO = ["demo", "--tokens", "24", "--draft", "2", "--batch", "2"] + [
+    f"--prompt={prompt}" for prompt in PROMPTS
+]
+#: the demo in a process of its own: plain and N = 2 only
+SHORT_DEMO = [*DEMO, "--tree"]
+
+
+def test_demo_prints_the_text_of_the_shipped_text_model(capsys, monkeypatch):
+    """A short demo: each prompt and the decode of the tokens plain greedy generated from the prompt's
+    tokens (the shipped model's tokenizer), speculative output identical to plain greedy, drafts accepted,
+    memory reported."""
+    generated = []
+    original = Engine.generate
+
+    def recording(engine, prompts, *args, **kwargs):
+        result = original(engine, prompts, *args, **kwargs)
+        generated.append((prompts, kwargs, result.tokens))
+        return result
+
+    monkeypatch.setattr(Engine, "generate", recording)
+    assert cli.main(DEMO) == 0
     out = capsys.readouterr().out
+    tokenizer = load_tokenizer(SHIPPED_MODEL)
+    plain = [(ids, tokens) for ids, kw, tokens in generated if "num_tokens" not in kw and "tree" not in kw]
+    assert len(plain) == 2 and plain[0] == plain[1]  # run twice, the second timed
+    ids, plain = plain[0]
+    assert ids == [tokenizer.encode(prompt) for prompt in PROMPTS]
+    for prompt, tokens in zip(PROMPTS, plain, strict=True):
+        assert f"{prompt} >>> {tokenizer.decode(tokens)}\n" in out
+        assert any(c.isalpha() for c in tokenizer.decode(tokens))  # words, not noise
     for mode in ("speculative N=2", "tree N=8"):  # the tree: the default mode of the online state
         line = next(row for row in out.splitlines() if row.startswith(mode))
         assert line.endswith("yes")
         assert float(line.split()[-2]) > 1.2, line  # mean accepted length: the draft head was trained
-    assert "online" in out and "offline" in out
-    assert "1 prompts x 24 new tokens, 1 slots" in out  # one slot per prompt at most
+    assert "online" in out and "offline" in out and "model text_model" in out
+    assert "2 prompts x 24 new tokens, 2 slots" in out
 
 
 def test_progress_into_a_pipe_has_no_carriage_returns():
     """stderr piped: no live updates (before, a carriage return per update), each mode's bar once at the
-    end."""
-    result = run_cli("demo", "--tokens", "8", "--draft", "3", "--batch", "1", "--prompt", "Open file ")
+    end, full (the tokens generated: EOS may stop a request early). The demo test's shapes: its executables
+    come from the run's compilation cache."""
+    result = run_cli(*SHORT_DEMO)
     assert result.returncode == 0, result.stderr
     assert "\r" not in result.stderr
-    for mode in ("plain", "speculative N=3"):
+    for mode in ("plain", "speculative N=2"):
         [line] = [row for row in result.stderr.splitlines() if row.startswith(mode)]
-        assert "8/8 tokens" in line
+        assert re.search(r" (\d+)/\1 tokens", line), line
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """Checkpoint files for the ``--model`` cases: one with a vocabulary of 64 (bytes >= 64 are not tokens),
-    one whose config disagrees with its embedding, and a file that is not a checkpoint."""
+    """Checkpoint directories for the ``--model`` cases, copies of the shipped text model: one whose
+    tokenizer has a token past the model's vocabulary (``xyzzy``), one whose config disagrees with its
+    tensors; and a file that is not a checkpoint."""
     folder = tmp_path_factory.mktemp("checkpoints")
-    with np.load(checkpoint.DEFAULT_MODEL, allow_pickle=False) as data:
-        tensors = {name: data[name] for name in data.files if name != checkpoint.META}
-        meta = json.loads(data[checkpoint.META].tobytes())
-    vocab = ("['mtp']['embed'].value", "['mtp']['lm_head'].value")  # [vocab_size, hidden] (shared)
-    small = {**tensors, **{name: tensors[name][:64] for name in vocab}}
-    for name, stored, vocab_size in (("vocab64.npz", small, 64), ("mismatched.npz", tensors, 300)):
-        config = {**meta["config"], "vocab_size": vocab_size}
-        raw = np.frombuffer(json.dumps({**meta, "config": config}).encode(), np.uint8)
-        np.savez(folder / name, **{checkpoint.META: raw}, **stored)
+    shutil.copytree(SHIPPED_MODEL, folder / "extra_token")
+    tokenizer = tokenizers.Tokenizer.from_file(str(SHIPPED_MODEL / TOKENIZER))
+    tokenizer.add_tokens(["xyzzy"])  # id 1024, the model's vocab_size
+    tokenizer.save(str(folder / "extra_token" / TOKENIZER))
+    shutil.copytree(SHIPPED_MODEL, folder / "mismatched")
+    config = json.loads((SHIPPED_MODEL / CONFIG).read_text())
+    (folder / "mismatched" / CONFIG).write_text(json.dumps(config | {"hidden_size": 128}))
     (folder / "notes.txt").write_text("not a checkpoint")
     return folder
 
@@ -79,10 +110,10 @@ BAD_FLAGS = [
     ("--tokens", ["--tokens", "0"]),
     ("--tokens", ["--tokens", "-5"]),
     ("--tokens", ["--tokens", "ten"]),
-    ("--tokens", ["--tokens", "4090"]),  # a prompt + 4090 tokens + N exceed the model's max_len (4096)
+    ("--tokens", ["--tokens", "4090"]),  # a prompt + 4090 tokens + N exceed max_position_embeddings (4096)
     ("--draft", ["--draft", "1"]),
     ("--draft", ["--draft", "2", "2"]),
-    ("--draft", ["--draft", "9"]),  # past the model's max_draft (8)
+    ("--draft", ["--draft", "17"]),  # past MAX_DRAFT (16)
     ("--batch", ["--batch", "0"]),
     ("--batch", ["--batch", "1.5"]),
     ("--temperature", ["--temperature", "nan"]),
@@ -92,15 +123,15 @@ BAD_FLAGS = [
     ("--seed", ["--seed", str(2**32)]),  # seeds are 32-bit: 2**32 would be seed 0 again
     ("--steps-per-dispatch", ["--steps-per-dispatch", "0"]),
     ("--prompt", ["--prompt="]),
-    ("--prompt", ["--prompt", "caf\u00e9"]),
-    ("--prompt", ["--model", "{dir}/vocab64.npz", "--prompt", "xyz"]),  # 'x' is 120, not a token
+    ("--prompt", ["--prompt", "caf\udce9"]),  # what os.fsdecode makes of bytes that are not UTF-8
+    ("--prompt", ["--model", "{dir}/extra_token", "--prompt", "xyzzy"]),  # not in the model's vocabulary
     ("--backend", ["--backend", "gpu"]),
-    ("--model", ["--model", "{dir}/absent.npz"]),
+    ("--model", ["--model", "{dir}/absent"]),
     ("--model", ["--model", "{dir}/notes.txt"]),
-    ("--model", ["--model", "{dir}/mismatched.npz"]),
+    ("--model", ["--model", "{dir}/mismatched"]),
     ("--tree", ["--tree", "1"]),
     ("--tree", ["--tree", "4", "4"]),
-    ("--tree", ["--tree", "9"]),  # past the model's max_draft (8)
+    ("--tree", ["--tree", "17"]),  # past MAX_DRAFT (16)
     ("--tree", ["--backend", "offline", "--tree", "8"]),  # the offline state verifies chains only
 ]
 
@@ -139,7 +170,7 @@ def test_bad_demo_flags_from_the_shell(checkpoints, flag, args):
 
 @pytest.mark.parametrize(
     "args",
-    [["info"], ["demo", "--tokens", "4", "--draft", "2", "--tree", "--batch", "1", "--prompt", "Open "]],
+    [["info"], SHORT_DEMO],
     ids=["info", "demo"],
 )
 def test_output_into_a_closed_pipe_is_quiet(args):

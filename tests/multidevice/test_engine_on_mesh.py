@@ -4,6 +4,7 @@ keeps its layout from call to call and the compiled steps move no cache or state
 
 from __future__ import annotations
 
+import collections
 import re
 
 import jax
@@ -100,6 +101,23 @@ def steps_collectives(on_mesh):
     for k, n in ((1, 1), (steps, N)):
         outputs |= {hlo_shape(np.int32, [k, SLOTS, n]), hlo_shape(np.int32, [k, SLOTS])}
     return [(kind_of(c, outputs), c) for c in collectives(prefill) + collectives(decode)]
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=[f"{d}x{m}" for d, m in MESHES])
+def test_each_device_holds_its_share_of_the_decode_state(shape):
+    """The decode state (caches, C128 state, lengths) is split by slot over ``"data"``: each device holds 1/D
+    of it, and the same on every device of ``"model"`` (docs/multi-device.md: a CPU mesh's devices share one
+    host's memory, so a model axis of M holds M copies). Only a few bytes (the PRNG key) are whole."""
+    data = shape[0]
+    leaves = jax.tree.leaves(engine(shape).init_state())
+    held = collections.Counter()
+    for leaf in leaves:
+        for shard in leaf.addressable_shards:
+            held[shard.device] += shard.data.nbytes
+    total = sum(leaf.nbytes for leaf in leaves)
+    whole = sum(leaf.nbytes for leaf in leaves if sharding.DATA not in leaf.sharding.spec)
+    assert whole * 1000 < total, (whole, total)
+    assert len(held) == 4 and set(held.values()) == {(total - whole) // data + whole}, held
 
 
 def test_tree_speculation_on_a_mesh_gives_the_plain_greedy_tokens():
