@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jax_oc128.nn import grouped_matmul
+from jax_oc128.nn import fp4_gmm, grouped_matmul
 from jax_oc128.nn.functional import FULL, linear_jnp, normal_param, param, zeros_param
 from jax_oc128.nn.linear import linear, swiglu
 from jax_oc128.nn.sharding import MODEL, traced_model_devices
@@ -194,10 +194,11 @@ def _grouped_by(matmul):
 #: the dispatch functions by name (:attr:`MoEConfig.dispatch`)
 DISPATCHES = {
     "dense": dense,
-    "grouped": _grouped_by(grouped_matmul.gmm),
+    "grouped": _grouped_by(fp4_gmm.gmm),
     "grouped_jnp": _grouped_by(grouped_matmul.gmm_jnp),
     "grouped_pallas": _grouped_by(grouped_matmul.gmm_pallas_anywhere),
     "grouped_ragged_dot": _grouped_by(grouped_matmul.gmm_ragged_dot),
+    "grouped_fp4_op": _grouped_by(fp4_gmm.fp4_gmm),
 }
 
 
