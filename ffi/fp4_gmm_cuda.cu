@@ -1,13 +1,16 @@
 // CUDA handler of the FP4 grouped matmul op (fp4_gmm_ffi.h): a memory-bound W4A16 kernel for decode sizes,
-// where a tile holds few real rows. One block per (tile, kCols output columns): it skips a tile of no expert and
-// its padding rows (only zeros are written there) and streams its expert's kRows weight rows (kCols; gated: the
-// kCols gate rows and the kCols up rows of the same outputs) once per pass of kPass of the tile's rows.
-// Thread c of a block owns the 16 bytes c of every weight row (columns 32c..32c+31, one scale group): it holds
-// its columns of the pass's x rows in registers, loads kUnroll weight rows' 16 bytes at once (wide, coalesced:
-// a warp reads 512 contiguous bytes of a row), decodes each e2m1 code by a 16-entry table in shared memory
-// (conflict free: 16 words in 16 banks), sums code * x in float32 and multiplies the sum by its group's scale.
-// The partial sums of a warp are reduced by a reduce-scatter of shuffles and the warps' in shared memory, in a
-// fixed order: deterministic run to run. The handler only launches on XLA's stream.
+// where a tile holds few real rows, on the tensor cores (mma.sync m16n8k16, bfloat16 in, float32 accumulate).
+// One block per (tile, kGroups x 16 weight rows): it skips a tile of no expert and its padding rows (only zeros
+// are written there) and streams those weight rows of its expert once per pass of 8 of the tile's rows. A group
+// of 16 weight rows is the MMA's M: gated, 8 gate rows and the 8 up rows of the same outputs (a lane then holds
+// both products of an output); plain, 16 outputs. The MMA's N is 8 rows of x, its K 16 columns.
+// Warp w owns the 128-column chunks w, w + warps, ... of K; lane (g = lane / 4, t = lane % 4) of a chunk owns
+// its scale group 4 chunk + t: 16 bytes of weight rows g and g + 8 (one 16-byte load each: a warp reads 64
+// contiguous bytes of 8 rows) and the same 32 columns of x row g, held in registers as the MMA's B operand for
+// the whole pass. Each code is decoded in registers as in gmm_pallas (nn/grouped_matmul.py, FP4_BF16_PTX: an
+// e2m1 code placed as bfloat16 bits, times 2^126 and times its scale, exact for the scales the loader accepts),
+// the k order of A and B permuted alike. The warps' float32 products are summed in shared memory in a fixed
+// order: deterministic run to run. bfloat16 rows only. The handler only launches on XLA's stream.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -18,147 +21,205 @@
 namespace oc128 {
 namespace {
 
-constexpr int kPass = 2;          // the most x rows per pass over the weights (a last odd row: a pass of one)
-constexpr int kUnroll = 8;        // weight rows loaded at once
-constexpr int kRows = 32;         // weight rows per block
-constexpr int kMaxThreads = 512;  // K <= 32 * 512; 128 registers a thread
-constexpr int kSteps = kRows / kUnroll;
+constexpr int kGroups = 4;     // groups of 16 weight rows per block
+constexpr int kMaxWarps = 16;  // warps per block: 128-column chunks of K, kChunks (at most 4) a warp
+constexpr int kMaxChunks = 4;  // K <= 128 * kMaxWarps * kMaxChunks
+constexpr int kXRows = 8;      // x rows per pass (the MMA's N)
 
-__device__ __forceinline__ float load_x(float v) { return v; }
-__device__ __forceinline__ float load_x(Bf16 v) { return to_float(v); }
-
-// Halves the partial sums p[0, M) of each lane by a shuffle at `kOffset`: the lanes with that bit set keep the
-// upper half, the others the lower, each adding its partner's copy of the half it keeps.
-template <int M, int kOffset, int V>
-__device__ __forceinline__ void halve(float (&p)[V], bool upper) {
-#pragma unroll
-  for (int v = 0; v < M / 2; ++v) {
-    const float keep = upper ? p[M / 2 + v] : p[v], send = upper ? p[v] : p[M / 2 + v];
-    p[v] = keep + __shfl_xor_sync(0xffffffffu, send, kOffset);
-  }
-  if constexpr (M > 2) halve<M / 2, kOffset / 2>(p, threadIdx.x & (kOffset / 2));
+// c += a b: a 16x16 (row major), b 16x8 (column major), c 16x8 float32.
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// The lane's share of a reduce-scatter of the V partial sums p over the warp: the warp's sum of
-// p[lane / (32 / V)] (the 32 / V lanes of a run alike), each sum added in the same order every run.
-template <int V>
-__device__ __forceinline__ float reduce_scatter(float (&p)[V]) {
-  static_assert(V >= 2 && V <= 16 && (V & (V - 1)) == 0, "V: a power of two in [2, 16]");
-  halve<V, 16>(p, threadIdx.x & 16);
-  float sum = p[0];
-#pragma unroll
-  for (int offset = 16 / (V / 2) / 2; offset >= 1; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  return sum;
+// The bfloat16 pairs of one nibble of bytes 0, 1 (d[0]) and 2, 3 (d[1]) of `w`, low nibbles (kHigh false) or
+// high ones, times the scale pair s: gmm_pallas's FP4_BF16_PTX.
+template <bool kHigh>
+__device__ __forceinline__ void decode(uint32_t w, uint32_t s, uint32_t& d0, uint32_t& d1) {
+  uint32_t q0, q1, t0, t1;
+  asm("prmt.b32 %0, %2, 0, 0x1404;\n prmt.b32 %1, %2, 0, 0x3424;" : "=r"(q0), "=r"(q1) : "r"(w));
+  if (!kHigh) {
+    q0 <<= 4;
+    q1 <<= 4;
+  }
+  t0 = (q0 >> 6) & 0x01C001C0u;
+  t1 = (q1 >> 6) & 0x01C001C0u;
+  asm("lop3.b32 %0, %0, 0x80008000, %1, 0xEA;" : "+r"(q0) : "r"(t0));
+  asm("lop3.b32 %0, %0, 0x80008000, %1, 0xEA;" : "+r"(q1) : "r"(t1));
+  asm("mul.rn.bf16x2 %0, %0, %3;\n mul.rn.bf16x2 %0, %0, %2;\n mul.rn.bf16x2 %1, %1, %3;\n mul.rn.bf16x2 %1, %1, %2;"
+      : "+r"(q0), "+r"(q1)
+      : "r"(s), "r"(0x7E807E80u));  // 2^126 in both halves
+  d0 = q0;
+  d1 = q1;
 }
 
-// One block's work on a tile's rows r0.. r0 + P - 1 (all real): each weight row's products with them, summed
-// over the block's threads into total[weight row][row] (see the file's comment).
-template <int P, typename T>
-__device__ __forceinline__ void pass(const Fp4GmmArgs<T>& a, int64_t row0, const uint4* codes, const uint8_t* scales,
-                                     const float* table, float (*partial)[kRows * kPass], float (*total)[kPass],
-                                     int64_t cols, int64_t c0) {
-  constexpr int V = kUnroll * P;  // partial sums per thread per step
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warps = blockDim.x / 32;
-  const int64_t groups = a.k / kFp4Group;
-  const bool owns = tid < groups;
-  float x[P][kFp4Group];
+__device__ __forceinline__ uint32_t pair(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
+
+// The e8m0 exponent e as a pair of bfloat16 scales.
+__device__ __forceinline__ uint32_t scale_pair(uint8_t e) { return (uint32_t(e) << 7) | (uint32_t(e) << 23); }
+
+// c += weight rows g and g + 8 (their scale groups' 16 bytes lo and hi, scales slo and shi) times b, the same
+// group's columns of x (x_pairs): per word m of the bytes, two MMAs, of k (8m, 8m + 2), (8m + 1, 8m + 3) and of
+// (8m + 4, 8m + 6), (8m + 5, 8m + 7).
+__device__ __forceinline__ void multiply(float (&c)[4], const uint4& lo, const uint4& hi, uint32_t slo, uint32_t shi,
+                                         const uint32_t (&b)[16]) {
+  const uint32_t wl[4] = {lo.x, lo.y, lo.z, lo.w}, wh[4] = {hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-  for (int r = 0; r < P; ++r) {
-    const T* row = a.x + (row0 + r) * a.k + tid * kFp4Group;
-#pragma unroll
-    for (int i = 0; i < kFp4Group; ++i) x[r][i] = owns ? load_x(row[i]) : 0.0f;
+  for (int m = 0; m < 4; ++m) {
+    uint32_t dl[4], dh[4];
+    decode<false>(wl[m], slo, dl[0], dl[2]);
+    decode<true>(wl[m], slo, dl[1], dl[3]);
+    decode<false>(wh[m], shi, dh[0], dh[2]);
+    decode<true>(wh[m], shi, dh[1], dh[3]);
+    const uint32_t first[4] = {dl[0], dh[0], dl[1], dh[1]}, second[4] = {dl[2], dh[2], dl[3], dh[3]};
+    mma(c, first, b[4 * m], b[4 * m + 1]);
+    mma(c, second, b[4 * m + 2], b[4 * m + 3]);
   }
-  __syncthreads();  // the table; the previous pass's totals stored
-#pragma unroll 1
-  for (int step = 0; step < kSteps; ++step) {
-    uint4 word[kUnroll];
-    uint8_t scale[kUnroll];
+}
+
+// x's 32 columns of a scale group as the B operand's pairs (decode_group's order).
+__device__ __forceinline__ void x_pairs(const Bf16* x, uint32_t (&b)[16]) {
+  uint16_t v[32];
+  const uint4* at = reinterpret_cast<const uint4*>(x);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int j = step * kUnroll + u;  // the block's weight row: gated, j < cols the gate's, the rest the up's
-      const int64_t c = c0 + (a.gated && j >= cols ? j - cols : j);
-      const bool load = owns && c < a.out_cols;
-      const int64_t at = (a.gated && j >= cols ? a.out_cols + c : c) * groups;
-      word[u] = load ? codes[at] : make_uint4(0, 0, 0, 0);
-      scale[u] = load ? scales[at] : uint8_t(127);
+  for (int i = 0; i < 4; ++i) {
+    const uint4 q = at[i];
+    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      v[8 * i + 2 * j] = uint16_t(w[j]);
+      v[8 * i + 2 * j + 1] = uint16_t(w[j] >> 16);
     }
-    float p[V];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const uint32_t w[4] = {word[u].x, word[u].y, word[u].z, word[u].w};
-      float s[P] = {};
-#pragma unroll
-      for (int i = 0; i < kFp4Group; ++i) {
-        const float v = table[(w[i / 8] >> (4 * (i % 8))) & 15u];
-#pragma unroll
-        for (int r = 0; r < P; ++r) s[r] = fmaf(v, x[r][i], s[r]);
-      }
-      const float scaled = e8m0_value(scale[u]);
-#pragma unroll
-      for (int r = 0; r < P; ++r) p[u * P + r] = s[r] * scaled;
-    }
-    const float sum = reduce_scatter<V>(p);
-    if (lane % (32 / V) == 0) partial[warp][step * V + lane / (32 / V)] = sum;  // index: weight row * P + row
   }
-  __syncthreads();
-  for (int i = tid; i < kRows * P; i += blockDim.x) {
-    float sum = 0.0f;
-    for (int w = 0; w < warps; ++w) sum += partial[w][i];
-    total[i / P][i % P] = sum;
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    b[4 * m] = pair(v[8 * m], v[8 * m + 2]);
+    b[4 * m + 1] = pair(v[8 * m + 1], v[8 * m + 3]);
+    b[4 * m + 2] = pair(v[8 * m + 4], v[8 * m + 6]);
+    b[4 * m + 3] = pair(v[8 * m + 5], v[8 * m + 7]);
   }
-  __syncthreads();
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kMaxThreads) fp4_gmm_kernel(Fp4GmmArgs<T> a) {
-  __shared__ float table[16];
-  __shared__ float partial[kMaxThreads / 32][kRows * kPass];
-  __shared__ float total[kRows][kPass];
-  const int tid = threadIdx.x;
+template <int kChunks>
+__global__ void __launch_bounds__(32 * kMaxWarps) fp4_gmm_kernel(Fp4GmmArgs<Bf16> a) {
+  __shared__ float partial[kMaxWarps][kGroups][32][4];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4, warps = blockDim.x / 32;
   const int64_t t = blockIdx.y, groups = a.k / kFp4Group;
-  const int cols = a.gated ? kRows / 2 : kRows;  // output columns of the block
+  const int group_cols = a.gated ? 8 : 16, cols = kGroups * group_cols;  // output columns of a group, a block
   const int64_t c0 = int64_t(blockIdx.x) * cols, e = a.expert(t), rows = a.rows(t);
-  if (tid < 16) table[tid] = e2m1_value(tid);
 
   // zeros for the padding rows (and every row of an unused tile)
-  for (int64_t i = tid; i < (a.block_rows - rows) * cols; i += blockDim.x) {
+  for (int64_t i = threadIdx.x; i < (a.block_rows - rows) * cols; i += blockDim.x) {
     const int64_t row = t * a.block_rows + rows + i / cols, c = c0 + i % cols;
     if (c < a.out_cols) a.store(row, c, 0.0f, 0.0f);
   }
-  const int64_t first = (e < 0 ? 0 : e) * a.n * groups + tid;  // the expert's first row, the thread's bytes
-  const uint4* codes = reinterpret_cast<const uint4*>(a.codes) + first;
-  const uint8_t* scales = a.scales + first;
-  for (int64_t r0 = 0; r0 < rows; r0 += kPass) {
-    const int64_t row0 = t * a.block_rows + r0;
-    const int here = rows - r0 < kPass ? int(rows - r0) : kPass;
-    if (here == 1)
-      pass<1>(a, row0, codes, scales, table, partial, total, cols, c0);
-    else
-      pass<kPass>(a, row0, codes, scales, table, partial, total, cols, c0);
-    for (int i = tid; i < cols * here; i += blockDim.x) {
-      const int64_t j = i / here, r = i % here, c = c0 + j;
-      if (c < a.out_cols) a.store(row0 + r, c, total[j][r], a.gated ? total[j + cols][r] : 0.0f);
+  if (rows == 0) return;
+  const uint4* codes = reinterpret_cast<const uint4*>(a.codes) + e * a.n * groups;
+  const uint8_t* scales = a.scales + e * a.n * groups;
+  // the lane's output columns and weight rows of group i: row g (and g + 8)
+  auto column = [&](int i, int half) { return c0 + i * group_cols + (a.gated ? g : g + 8 * half); };
+  auto weight_row = [&](int i, int half) {
+    const int64_t c = column(i, half);
+    return a.gated && half ? a.out_cols + c : c;
+  };
+
+  for (int64_t r0 = 0; r0 < rows; r0 += kXRows) {
+    const int64_t row0 = t * a.block_rows + r0, here = rows - r0 < kXRows ? rows - r0 : kXRows;
+    uint32_t b[kChunks][16];
+#pragma unroll
+    for (int q = 0; q < kChunks; ++q) {
+      const int64_t grp = 4 * (warp + int64_t(q) * warps) + tg;
+      if (g < here && grp < groups) {
+        x_pairs(a.x + (row0 + g) * a.k + grp * kFp4Group, b[q]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) b[q][i] = 0;
+      }
     }
+#pragma unroll 2
+    for (int i = 0; i < kGroups; ++i) {
+      uint4 words[kChunks][2];
+      uint8_t es[kChunks][2];
+#pragma unroll
+      for (int q = 0; q < kChunks; ++q) {
+        const int64_t grp = 4 * (warp + int64_t(q) * warps) + tg;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const bool load = grp < groups && column(i, half) < a.out_cols;
+          const int64_t at = weight_row(i, half) * groups + grp;
+          words[q][half] = load ? codes[at] : make_uint4(0, 0, 0, 0);
+          es[q][half] = load ? scales[at] : uint8_t(127);
+        }
+      }
+      float c[4] = {};
+#pragma unroll
+      for (int q = 0; q < kChunks; ++q)
+        multiply(c, words[q][0], words[q][1], scale_pair(es[q][0]), scale_pair(es[q][1]), b[q]);
+#pragma unroll
+      for (int v = 0; v < 4; ++v) partial[warp][i][lane][v] = c[v];
+    }
+    __syncthreads();
+    // c[v]: weight row g (v < 2) or g + 8, x row 2 tg + v % 2; summed over the warps in order
+    for (int item = threadIdx.x; item < kGroups * 32 * 2; item += blockDim.x) {
+      const int i = item / 64, l = item / 2 % 32, parity = item % 2, n = 2 * (l % 4) + parity;
+      float first = 0.0f, second = 0.0f;
+      for (int w = 0; w < warps; ++w) {
+        first += partial[w][i][l][parity];
+        second += partial[w][i][l][parity + 2];
+      }
+      if (n >= here) continue;
+      const int64_t cg = c0 + i * group_cols + l / 4, row = row0 + n;
+      if (a.gated) {
+        if (cg < a.out_cols) a.store(row, cg, first, second);
+      } else {
+        if (cg < a.out_cols) a.store(row, cg, first, 0.0f);
+        if (cg + 8 < a.out_cols) a.store(row, cg + 8, second, 0.0f);
+      }
+    }
+    __syncthreads();
   }
 }
 
 struct Fp4GmmCuda {
   cudaStream_t stream;
 
-  template <typename T>
-  ffi::Error fp4_gmm(const Fp4GmmArgs<T>& args) {
-    const int64_t groups = args.k / kFp4Group, cols = args.gated ? kRows / 2 : kRows;
-    if (groups > kMaxThreads)
-      return invalid("x: K must be at most " + std::to_string(32 * kMaxThreads) + " on the GPU, got " +
-                     std::to_string(args.k));
-    if (args.tiles > 65535)
-      return invalid("tile_expert: at most 65535 tiles on the GPU, got " + std::to_string(args.tiles));
-    const unsigned threads = unsigned((groups + 31) / 32 * 32);
+  template <int kChunks>
+  ffi::Error launch(const Fp4GmmArgs<Bf16>& args, unsigned warps) {
+    const int64_t cols = kGroups * (args.gated ? 8 : 16);
     const dim3 grid(unsigned((args.out_cols + cols - 1) / cols), unsigned(args.tiles));
-    fp4_gmm_kernel<T><<<grid, threads, 0, stream>>>(args);
+    fp4_gmm_kernel<kChunks><<<grid, 32 * warps, 0, stream>>>(args);
     const cudaError_t err = cudaGetLastError();
     if (err == cudaSuccess) return ffi::Error::Success();
     return ffi::Error::Internal(std::string("jax_oc128: fp4_gmm launch failed: ") + cudaGetErrorString(err));
+  }
+
+  template <typename T>
+  ffi::Error fp4_gmm(const Fp4GmmArgs<T>& args) {
+    if constexpr (!std::is_same_v<T, Bf16>) {
+      return invalid("x: the CUDA kernel takes bfloat16 rows (its matmul's operands), got float32");
+    } else {
+      const int64_t chunks = (args.k + 127) / 128, warps = chunks < kMaxWarps ? chunks : kMaxWarps;
+      const int64_t per_warp = (chunks + warps - 1) / warps;
+      if (per_warp > kMaxChunks)
+        return invalid("x: K must be at most " + std::to_string(128 * kMaxWarps * kMaxChunks) + " on the GPU, got " +
+                       std::to_string(args.k));
+      if (args.tiles > 65535)
+        return invalid("tile_expert: at most 65535 tiles on the GPU, got " + std::to_string(args.tiles));
+      const unsigned w = unsigned(warps);
+      switch (per_warp) {
+        case 1:
+          return launch<1>(args, w);
+        case 2:
+          return launch<2>(args, w);
+        case 3:
+          return launch<3>(args, w);
+        default:
+          return launch<4>(args, w);
+      }
+    }
   }
 };
 

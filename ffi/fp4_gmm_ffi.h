@@ -18,7 +18,8 @@
 //   limit        attribute (float32, > 0; +inf: no limit)
 // out[row, n] = sum_k x[row, k] * value(codes[e, n, k]) * scale(scales[e, n, k / 32]) in float32, e the row's
 // tile's expert, for the rows a tile holds; 0 for its padding rows and the rows of unused tiles (whose x is
-// never read).
+// never read). The CUDA kernel takes bfloat16 x only, and is exact for the exponents the loader accepts
+// ([2, 252], quant.EXPONENTS: every weight a normal bfloat16 number).
 #pragma once
 
 #include <cmath>

@@ -168,13 +168,20 @@ def test_gmm_takes_the_op_on_cuda_at_decode_sizes_only(cases):
     assert fp4_gmm.TARGET in lowered and "triton" not in lowered
 
 
+def on_gpu(x, weights):
+    """x and the weights on the GPU (the layout stays a closure's constants)."""
+    return jax.device_put((x, weights), jax.devices("gpu")[0])
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype, gated", CASES)
-def test_cuda_kernel_equals_twin_and_float64(cases, dtype, gated):
+@pytest.mark.parametrize("gated", [False, True])
+def test_cuda_kernel_equals_twin_and_float64(cases, gated):
     assert fp4_gmm.TARGET in ops.native_targets("cuda")
-    x, weights, groups = jax.device_put(cases[dtype, gated], jax.devices("gpu")[0])
+    x, weights, groups = cases["bfloat16", gated]
     want, bound = float64_product(x, weights, groups, gated)
+    x, weights = on_gpu(x, weights)
     call = jax.jit(lambda x, w: fp4_gmm.fp4_gmm(x, w, groups, gated=gated, limit=LIMIT))
+    assert fp4_gmm.TARGET in call.lower(x, weights).as_text()
     got = call(x, weights)
     assert_matches(got, want, bound, "cuda vs float64")
     rows = fp4_gmm.tile_rows(groups)
@@ -184,13 +191,19 @@ def test_cuda_kernel_equals_twin_and_float64(cases, dtype, gated):
 
 
 @pytest.mark.cuda
+def test_cuda_kernel_refuses_float32_rows(cases):
+    x, weights, groups = cases["float32", False]
+    with pytest.raises(Exception, match="x: the CUDA kernel takes bfloat16"):
+        jax.block_until_ready(fp4_gmm.fp4_gmm(*on_gpu(x, weights), groups))
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("gated", [False, True])
 def test_cuda_kernel_at_v4_flash_widths(gated):
-    """K 4096 (a block of 128 threads: four warps reduced together), N 1032 (a partial last block of
-    columns), 8 experts of up to 5 rows (passes of two rows, an odd last one)."""
+    """K 4096 (16 warps of two 128-column chunks), N 1032 (a partial last block of columns), 8 experts of up
+    to 13 rows (passes of 8 rows, a partial last one)."""
     rng = np.random.default_rng(5)
-    x, weights, groups = make_case(rng, 8, 1032, 4096, "bfloat16", np.arange(8) % 6)
-    x, weights, groups = jax.device_put((x, weights, groups), jax.devices("gpu")[0])
+    x, weights, groups = make_case(rng, 8, 1032, 4096, "bfloat16", [0, 1, 2, 3, 8, 9, 13, 5])
     want, bound = float64_product(x, weights, groups, gated)
-    got = jax.jit(lambda x, w: fp4_gmm.fp4_gmm(x, w, groups, gated=gated, limit=LIMIT))(x, weights)
-    assert_matches(got, want, bound, "cuda vs float64")
+    call = jax.jit(lambda x, w: fp4_gmm.fp4_gmm(x, w, groups, gated=gated, limit=LIMIT))
+    assert_matches(call(*on_gpu(x, weights)), want, bound, "cuda vs float64")

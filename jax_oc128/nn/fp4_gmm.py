@@ -2,13 +2,14 @@
 an e8m0 scale per 32 columns of a row; :mod:`~jax_oc128.nn.quant`) on the rows of the padded layout of
 :mod:`~jax_oc128.nn.grouped_matmul`, the computation of :func:`~jax_oc128.nn.grouped_matmul.gmm_jnp`.
 
-The native target ``oc128_fp4_gmm`` (ffi/fp4_gmm_ffi.h): on CPU a reference loop, on CUDA a memory-bound
-kernel for decode sizes (each block streams one routed expert's packed codes with 16-byte loads, decodes them
-in registers and multiplies the few rows of its tile in float32; padding rows and tiles of no expert are
-skipped and written 0). Both accumulate in float32 and are deterministic run to run;
-:func:`fp4_gmm_reference` is the jnp twin. The op takes a tile's real rows as a count (``tile_rows``,
-:func:`tile_rows`): the layout puts each tile's pairs first. Subnormal x: the CPU handler runs on XLA's
-threads, which flush them to zero; the CUDA kernel does not.
+The native target ``oc128_fp4_gmm`` (ffi/fp4_gmm_ffi.h): on CPU a reference loop; on CUDA a memory-bound
+kernel for decode sizes on the tensor cores (each block streams one routed expert's packed codes with 16-byte
+loads, decodes them in registers to bfloat16, as :func:`~jax_oc128.nn.grouped_matmul.fp4_bf16_ptx` does, and
+multiplies the few rows of its tile, float32 accumulation; padding rows and tiles of no expert are skipped and
+written 0), bfloat16 rows only, exact for the scales the loader accepts
+(:func:`~jax_oc128.nn.quant.check_scales`). Both are deterministic run to run; :func:`fp4_gmm_reference` is
+the jnp twin. The op takes a tile's real rows as a count (``tile_rows``, :func:`tile_rows`): the layout puts
+each tile's pairs first. Subnormal x: the CPU handler runs on XLA's threads, which flush them to zero.
 
 :func:`gmm` is the grouped matmul of the MoE's ``grouped`` dispatch: this op on CUDA for FP4 weights with e8m0
 scales at decode sizes (:func:`takes`) where the CUDA module is built, else
@@ -32,8 +33,8 @@ TARGET = "oc128_fp4_gmm"
 #: the most rows a tile may have for :func:`gmm` to take the op on CUDA (decode sizes: the layout's tiles are
 #: then of 16 rows; prefill's larger tiles go to the Pallas kernel's tensor cores)
 MAX_BLOCK_ROWS = 16
-#: the widest K the CUDA kernel takes (a thread per 32 columns, at most 512 threads a block)
-MAX_K = 32 * 512
+#: the widest K the CUDA kernel takes (16 warps a block, four 128-column chunks a warp)
+MAX_K = 128 * 16 * 4
 
 
 def tile_rows(groups: Groups) -> jax.Array:
@@ -112,10 +113,11 @@ def fp4_gmm_reference(x, weights, groups: Groups, rows, gated: bool = False, lim
 
 
 def takes(x, weights, groups: Groups) -> bool:
-    """Whether :func:`gmm` runs the op on CUDA for these operands: FP4 weights with e8m0 scales, K at most
-    :data:`MAX_K`, tiles of at most :data:`MAX_BLOCK_ROWS` rows."""
+    """Whether :func:`gmm` runs the op on CUDA for these operands: bfloat16 rows, FP4 weights with e8m0
+    scales, K at most :data:`MAX_K`, tiles of at most :data:`MAX_BLOCK_ROWS` rows."""
     return (
-        isinstance(weights, QuantizedArray)
+        jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16)
+        and isinstance(weights, QuantizedArray)
         and weights.fmt == quant.FP4
         and weights.scales.dtype == jnp.uint8
         and weights.shape[2] <= MAX_K
