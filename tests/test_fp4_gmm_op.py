@@ -120,6 +120,7 @@ def test_cpu_handler_equals_twin_and_float64(cases, dtype, gated):
     assert fp4_gmm.TARGET in ops.native_targets("cpu")
     x, weights, groups = cases[dtype, gated]
     want, bound = float64_product(x, weights, groups, gated)
+    x, weights = jax.device_put((x, weights), jax.devices("cpu")[0])  # the CPU handler, on a GPU machine too
     call = jax.jit(lambda x, w: fp4_gmm.fp4_gmm(x, w, groups, gated=gated, limit=LIMIT))
     assert fp4_gmm.TARGET in call.lower(x, weights).as_text()
     got = call(x, weights)
@@ -133,6 +134,7 @@ def test_cpu_handler_equals_twin_and_float64(cases, dtype, gated):
 
 def test_rows_of_no_pair_are_zero_and_limit_binds(cases):
     x, weights, groups = cases["float32", True]
+    x, weights = jax.device_put((x, weights), jax.devices("cpu")[0])
     got = np.asarray(fp4_gmm.fp4_gmm(x, weights, groups, gated=True, limit=LIMIT))
     real = np.asarray(groups.row_pairs) < groups.rows.shape[0]
     assert np.isfinite(got).all() and (got[~real] == 0).all() and (got[real] != 0).any()
@@ -154,18 +156,26 @@ def test_misuse_is_refused_naming_the_argument(cases):
         fp4_gmm.fp4_gmm(x, weights, groups, gated=True, limit=0.0)
 
 
-def test_gmm_takes_the_op_on_cuda_at_decode_sizes_only(cases):
-    x, weights, groups = cases["bfloat16", True]
-    assert fp4_gmm.takes(x, weights, groups)
-    large = grouped_matmul.group_pairs(jnp.zeros((64,), jnp.int32), 32, 64)
-    assert not fp4_gmm.takes(jnp.zeros((large.num_rows, 128), jnp.bfloat16), weights, large)
+def test_gmm_takes_the_op_on_cuda_at_the_smallest_decode_sizes_only(cases):
+    _, weights, _ = cases["bfloat16", True]
+    few = grouped_matmul.group_pairs(jnp.asarray([3, 9, 9, 20, 31, 0], jnp.int32), 32)  # 6 pairs, 32 experts
+    x = jnp.zeros((few.num_rows, 128), jnp.bfloat16)
+    assert fp4_gmm.takes(x, weights, few)
+    assert not fp4_gmm.takes(x.astype(jnp.float32), weights, few)
     float_scales = dataclasses.replace(weights, scales=quant.scale_values(weights.scales))
-    assert not fp4_gmm.takes(x, float_scales, groups)
+    assert not fp4_gmm.takes(x, float_scales, few)
+    many = grouped_matmul.group_pairs(jnp.arange(17, dtype=jnp.int32) % 32, 32)  # 17 pairs: more than 32 / 2
+    assert not fp4_gmm.takes(jnp.zeros((many.num_rows, 128), jnp.bfloat16), weights, many)
+    large = grouped_matmul.group_pairs(jnp.zeros((8,), jnp.int32), 32, 64)
+    assert not fp4_gmm.takes(jnp.zeros((large.num_rows, 128), jnp.bfloat16), weights, large)
     if fp4_gmm.TARGET not in ops.native_targets("cuda"):
         return
-    call = jax.jit(lambda x, w: fp4_gmm.gmm(x, w, groups, gated=True, limit=LIMIT))
+    call = jax.jit(lambda x, w: fp4_gmm.gmm(x, w, few, gated=True, limit=LIMIT))
     lowered = call.trace(x, weights).lower(lowering_platforms=("cuda",)).as_text()
     assert fp4_gmm.TARGET in lowered and "triton" not in lowered
+    call = jax.jit(lambda x, w: fp4_gmm.fp4_gmm(x, w, few))
+    lowered = call.trace(x.astype(jnp.float32), weights).lower(lowering_platforms=("cuda",)).as_text()
+    assert fp4_gmm.TARGET not in lowered  # float32 rows: the twin on CUDA
 
 
 def on_gpu(x, weights):
@@ -191,10 +201,10 @@ def test_cuda_kernel_equals_twin_and_float64(cases, gated):
 
 
 @pytest.mark.cuda
-def test_cuda_kernel_refuses_float32_rows(cases):
+def test_float32_rows_run_the_twin_on_gpu(cases):
     x, weights, groups = cases["float32", False]
-    with pytest.raises(Exception, match="x: the CUDA kernel takes bfloat16"):
-        jax.block_until_ready(fp4_gmm.fp4_gmm(*on_gpu(x, weights), groups))
+    want, bound = float64_product(x, weights, groups, False)
+    assert_matches(fp4_gmm.fp4_gmm(*on_gpu(x, weights), groups), want, bound, "float32 on the GPU vs float64")
 
 
 @pytest.mark.cuda

@@ -22,7 +22,7 @@ from jax import export
 from jax.experimental import pallas as pl
 from quantization import abstract_quantized, quantized
 
-from jax_oc128.nn import RuntimeConfig, fp4_gmm, grouped_matmul, moe, quant
+from jax_oc128.nn import RuntimeConfig, grouped_matmul, moe, quant
 from jax_oc128.nn.quant import FP4, FP8
 
 EXPERTS, HIDDEN, INTERMEDIATE, K, LIMIT = 8, 64, 32, 3, 10.0
@@ -102,10 +102,9 @@ def test_grouped_equals_dense_and_float64(case, dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", [None, FP8, FP4])
 @pytest.mark.parametrize("case", ["random", "skewed"])
-def test_default_dispatch_runs_the_kernels_on_gpu(case, fmt):
-    """On a GPU the default dispatch is the Triton kernel (FP4 experts at decode sizes, the "random" case's
-    tiles of 16 rows: the FP4 op's CUDA kernel), and it equals the float64 computation (on the dequantized
-    experts for quantized ones)."""
+def test_default_dispatch_runs_the_triton_kernel_on_gpu(case, fmt):
+    """On a GPU the default dispatch is the Triton kernel (these cases have more pairs than the FP4 op takes,
+    fp4_gmm.takes), and it equals the float64 computation (on the dequantized experts for quantized ones)."""
     rng = np.random.default_rng(11)
     x, ids, weights = routing(rng, case)
     if fmt is None:
@@ -115,8 +114,7 @@ def test_default_dispatch_runs_the_kernels_on_gpu(case, fmt):
         gate_up, down = (quantized(w, fmt, "e8m0", "bfloat16") for w in experts(rng, "float32"))
         oracle = routed_f64(x, ids, weights, quant.dequantize(gate_up), quant.dequantize(down), LIMIT)
     fn = jax.jit(moe.DISPATCHES["grouped"], static_argnums=5)
-    kernel = fp4_gmm.TARGET if fmt == FP4 and case == "random" else "__gpu$xla.gpu.triton"
-    assert kernel in fn.lower(x, ids, weights, gate_up, down, LIMIT).as_text()
+    assert "__gpu$xla.gpu.triton" in fn.lower(x, ids, weights, gate_up, down, LIMIT).as_text()
     out = np.asarray(fn(x, ids, weights, gate_up, down, LIMIT))
     assert np.abs(out - oracle).max() < TOL["bfloat16"] * np.abs(oracle).max()
 

@@ -6,14 +6,15 @@ The native target ``oc128_fp4_gmm`` (ffi/fp4_gmm_ffi.h): on CPU a reference loop
 kernel for decode sizes on the tensor cores (each block streams one routed expert's packed codes with 16-byte
 loads, decodes them in registers to bfloat16, as :func:`~jax_oc128.nn.grouped_matmul.fp4_bf16_ptx` does, and
 multiplies the few rows of its tile, float32 accumulation; padding rows and tiles of no expert are skipped and
-written 0), bfloat16 rows only, exact for the scales the loader accepts
+written 0), bfloat16 rows only (float32 ones run the twin there), exact for the scales the loader accepts
 (:func:`~jax_oc128.nn.quant.check_scales`). Both are deterministic run to run; :func:`fp4_gmm_reference` is
 the jnp twin. The op takes a tile's real rows as a count (``tile_rows``, :func:`tile_rows`): the layout puts
 each tile's pairs first. Subnormal x: the CPU handler runs on XLA's threads, which flush them to zero.
 
-:func:`gmm` is the grouped matmul of the MoE's ``grouped`` dispatch: this op on CUDA for FP4 weights with e8m0
-scales at decode sizes (:func:`takes`) where the CUDA module is built, else
-:func:`~jax_oc128.nn.grouped_matmul.gmm` (the Pallas kernel on CUDA, the jnp loop elsewhere).
+:func:`gmm` is the grouped matmul of the MoE's ``grouped`` dispatch: this op on CUDA for FP4 weights with
+e8m0 scales at the smallest decode sizes (:func:`takes`: where it is measured no slower than the Pallas
+kernel) where the CUDA module is built, else :func:`~jax_oc128.nn.grouped_matmul.gmm` (the Pallas kernel on
+CUDA, the jnp loop elsewhere).
 """
 
 from __future__ import annotations
@@ -31,8 +32,12 @@ from jax_oc128.nn.quant import QuantizedArray
 
 TARGET = "oc128_fp4_gmm"
 #: the most rows a tile may have for :func:`gmm` to take the op on CUDA (decode sizes: the layout's tiles are
-#: then of 16 rows; prefill's larger tiles go to the Pallas kernel's tensor cores)
+#: then of 16 rows; prefill's larger tiles go to the Pallas kernel)
 MAX_BLOCK_ROWS = 16
+#: :func:`gmm` takes the op on CUDA for at most one (token, expert) pair per this many experts: on the H100
+#: the op's kernels equal the Pallas kernel's at 8 tokens of V4-Flash (48 pairs, 256 experts: 335 against
+#: 333 us) and are 10% slower at 64 (384 pairs), 78% at 512 (bench/RESULTS.md section 21)
+EXPERTS_PER_PAIR = 2
 #: the widest K the CUDA kernel takes (16 warps a block, four 128-column chunks a warp)
 MAX_K = 128 * 16 * 4
 
@@ -86,7 +91,9 @@ def fp4_gmm(x, weights: QuantizedArray, groups: Groups, *, gated: bool = False, 
     codes = jax.lax.bitcast_convert_type(weights.codes, jnp.uint8)  # int8 as a checkpoint stores them
     operands = (x, codes, weights.scales, groups.tile_expert, tile_rows(groups))
     attrs = dict(gated=np.int64(gated), limit=np.float32(np.inf if limit is None else limit))
-    has_native = {p: TARGET in ops.native_targets(p) for p in ("cpu", "cuda")}
+    # the CUDA kernel takes bfloat16 rows; float32 ones run the twin there
+    bf16 = jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16)
+    has_native = {p: TARGET in ops.native_targets(p) and (bf16 or p == "cpu") for p in ("cpu", "cuda")}
 
     def native(*operands):
         return jax.ffi.ffi_call(TARGET, shape, vmap_method="sequential")(*operands, **attrs)
@@ -114,7 +121,8 @@ def fp4_gmm_reference(x, weights, groups: Groups, rows, gated: bool = False, lim
 
 def takes(x, weights, groups: Groups) -> bool:
     """Whether :func:`gmm` runs the op on CUDA for these operands: bfloat16 rows, FP4 weights with e8m0
-    scales, K at most :data:`MAX_K`, tiles of at most :data:`MAX_BLOCK_ROWS` rows."""
+    scales, K at most :data:`MAX_K`, tiles of at most :data:`MAX_BLOCK_ROWS` rows, at most one pair per
+    :data:`EXPERTS_PER_PAIR` experts."""
     return (
         jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16)
         and isinstance(weights, QuantizedArray)
@@ -122,6 +130,7 @@ def takes(x, weights, groups: Groups) -> bool:
         and weights.scales.dtype == jnp.uint8
         and weights.shape[2] <= MAX_K
         and groups.block_rows <= MAX_BLOCK_ROWS
+        and groups.rows.shape[0] * EXPERTS_PER_PAIR <= weights.shape[0]
     )
 
 
