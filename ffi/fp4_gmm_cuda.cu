@@ -1,16 +1,18 @@
 // CUDA handler of the FP4 grouped matmul op (fp4_gmm_ffi.h): a memory-bound W4A16 kernel for decode sizes,
 // where a tile holds few real rows, on the tensor cores (mma.sync m16n8k16, bfloat16 in, float32 accumulate).
-// One block per (tile, kGroups x 16 weight rows): it skips a tile of no expert and its padding rows (only zeros
-// are written there) and streams those weight rows of its expert once per pass of 8 of the tile's rows. A group
-// of 16 weight rows is the MMA's M: gated, 8 gate rows and the 8 up rows of the same outputs (a lane then holds
-// both products of an output); plain, 16 outputs. The MMA's N is 8 rows of x, its K 16 columns.
-// Warp w owns the 128-column chunks w, w + warps, ... of K; lane (g = lane / 4, t = lane % 4) of a chunk owns
+// One block of kWarps warps per (tile, kGroups x 16 weight rows): it skips a tile of no expert and its padding
+// rows (only zeros are written there) and streams those weight rows of its expert once per pass of up to 16 of
+// the tile's rows (two MMAs of 8 rows per decoded fragment). A group of 16 weight rows is the MMA's M: gated,
+// 8 gate rows and the 8 up rows of the same outputs (a lane then holds both products of an output); plain, 16
+// outputs. The MMA's N is 8 rows of x, its K 16 columns.
+// Warp w owns the 128-column chunks w, w + kWarps, ... of K; lane (g = lane / 4, t = lane % 4) of a chunk owns
 // its scale group 4 chunk + t: 16 bytes of weight rows g and g + 8 (one 16-byte load each: a warp reads 64
-// contiguous bytes of 8 rows) and the same 32 columns of x row g, held in registers as the MMA's B operand for
-// the whole pass. Each code is decoded in registers as in gmm_pallas (nn/grouped_matmul.py, FP4_BF16_PTX: an
-// e2m1 code placed as bfloat16 bits, times 2^126 and times its scale, exact for the scales the loader accepts),
-// the k order of A and B permuted alike. The warps' float32 products are summed in shared memory in a fixed
-// order: deterministic run to run. bfloat16 rows only. The handler only launches on XLA's stream.
+// contiguous bytes of 8 rows) and the same 32 columns of x rows g (and 8 + g), read 8 columns (the B operand of
+// two MMAs) just before their MMAs. Each code is decoded in registers as in gmm_pallas (nn/grouped_matmul.py,
+// FP4_BF16_PTX: an e2m1 code placed as bfloat16 bits, times 2^126 and times its scale, exact for the scales the
+// loader accepts), the k order of A and B permuted alike. The registers are bounded for kMinBlocks blocks a
+// multiprocessor. The warps' float32 products are summed in shared memory in a fixed order: deterministic run
+// to run. bfloat16 rows only. The handler only launches on XLA's stream.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -21,10 +23,11 @@
 namespace oc128 {
 namespace {
 
-constexpr int kGroups = 4;     // groups of 16 weight rows per block
-constexpr int kMaxWarps = 16;  // warps per block: 128-column chunks of K, kChunks (at most 4) a warp
-constexpr int kMaxChunks = 4;  // K <= 128 * kMaxWarps * kMaxChunks
-constexpr int kXRows = 8;      // x rows per pass (the MMA's N)
+constexpr int kGroups = 2;     // groups of 16 weight rows per block
+constexpr int kWarps = 8;      // warps per block: 128-column chunks of K
+constexpr int kMinBlocks = 4;  // blocks a multiprocessor holds at once: the registers' bound
+constexpr int kXRows = 8;      // x rows of an MMA (its N); a pass takes up to two of them
+constexpr int kHalvesMax = 2;
 
 // c += a b: a 16x16 (row major), b 16x8 (column major), c 16x8 float32.
 __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -56,57 +59,89 @@ __device__ __forceinline__ void decode(uint32_t w, uint32_t s, uint32_t& d0, uin
   d1 = q1;
 }
 
-__device__ __forceinline__ uint32_t pair(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
-
 // The e8m0 exponent e as a pair of bfloat16 scales.
 __device__ __forceinline__ uint32_t scale_pair(uint8_t e) { return (uint32_t(e) << 7) | (uint32_t(e) << 23); }
 
-// c += weight rows g and g + 8 (their scale groups' 16 bytes lo and hi, scales slo and shi) times b, the same
-// group's columns of x (x_pairs): per word m of the bytes, two MMAs, of k (8m, 8m + 2), (8m + 1, 8m + 3) and of
-// (8m + 4, 8m + 6), (8m + 5, 8m + 7).
-__device__ __forceinline__ void multiply(float (&c)[4], const uint4& lo, const uint4& hi, uint32_t slo, uint32_t shi,
-                                         const uint32_t (&b)[16]) {
-  const uint32_t wl[4] = {lo.x, lo.y, lo.z, lo.w}, wh[4] = {hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    uint32_t dl[4], dh[4];
-    decode<false>(wl[m], slo, dl[0], dl[2]);
-    decode<true>(wl[m], slo, dl[1], dl[3]);
-    decode<false>(wh[m], shi, dh[0], dh[2]);
-    decode<true>(wh[m], shi, dh[1], dh[3]);
-    const uint32_t first[4] = {dl[0], dh[0], dl[1], dh[1]}, second[4] = {dl[2], dh[2], dl[3], dh[3]};
-    mma(c, first, b[4 * m], b[4 * m + 1]);
-    mma(c, second, b[4 * m + 2], b[4 * m + 3]);
-  }
+// Word m of a 16-byte load.
+__device__ __forceinline__ uint32_t word(const uint4& q, int m) { return m == 0 ? q.x : m == 1 ? q.y : m == 2 ? q.z : q.w; }
+
+// x's 8 columns 8m .. 8m + 7 of a scale group (one 16-byte load at x) as the B operand's pairs of k (8m, 8m + 2),
+// (8m + 1, 8m + 3) (b[0], b[1]) and (8m + 4, 8m + 6), (8m + 5, 8m + 7) (b[2], b[3]): decode's order.
+__device__ __forceinline__ void x_pairs(const Bf16* x, uint32_t (&b)[4]) {
+  const uint4 q = *reinterpret_cast<const uint4*>(x);
+  b[0] = (q.x & 0xFFFFu) | (q.y << 16);
+  b[1] = (q.x >> 16) | (q.y & 0xFFFF0000u);
+  b[2] = (q.z & 0xFFFFu) | (q.w << 16);
+  b[3] = (q.z >> 16) | (q.w & 0xFFFF0000u);
 }
 
-// x's 32 columns of a scale group as the B operand's pairs (decode_group's order).
-__device__ __forceinline__ void x_pairs(const Bf16* x, uint32_t (&b)[16]) {
-  uint16_t v[32];
-  const uint4* at = reinterpret_cast<const uint4*>(x);
+using Partial = float[kWarps][kGroups][kHalvesMax][32][4];
+
+// One pass over the weight rows of a block for kHalves x 8 of its tile's rows from layout row row0 (`here` of
+// them real): the warp's products into partial[warp].
+template <int kHalves>
+__device__ __forceinline__ void pass(const Fp4GmmArgs<Bf16>& a, const uint4* codes, const uint8_t* scales,
+                                     int64_t c0, int64_t row0, int64_t here, Partial& partial) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
+  const int64_t groups = a.k / kFp4Group, chunks = (groups + 3) / 4;
+  const int group_cols = a.gated ? 8 : 16;
+  float c[kGroups][kHalves][4] = {};
+  for (int64_t q = warp; q < chunks; q += kWarps) {
+    const int64_t grp = 4 * q + tg;
+    const bool in_k = grp < groups;
+    uint4 words[kGroups][2];
+    uint32_t s[kGroups][2];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint4 q = at[i];
-    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+    for (int i = 0; i < kGroups; ++i) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      v[8 * i + 2 * j] = uint16_t(w[j]);
-      v[8 * i + 2 * j + 1] = uint16_t(w[j] >> 16);
+      for (int half = 0; half < 2; ++half) {
+        // the lane's output column and weight row of group i: row g (and g + 8)
+        const int64_t column = c0 + i * group_cols + (a.gated ? g : g + 8 * half);
+        const int64_t row = a.gated && half ? a.out_cols + column : column, at = row * groups + grp;
+        const bool load = in_k && column < a.out_cols;
+        words[i][half] = load ? codes[at] : make_uint4(0, 0, 0, 0);
+        s[i][half] = scale_pair(load ? scales[at] : uint8_t(127));
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      uint32_t b[kHalves][4];
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) {
+        if (in_k && kXRows * h + g < here) {
+          x_pairs(a.x + (row0 + kXRows * h + g) * a.k + grp * kFp4Group + 8 * m, b[h]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) b[h][j] = 0;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kGroups; ++i) {
+        // the fragments of k (8m, 8m + 2), (8m + 1, 8m + 3) and of (8m + 4, 8m + 6), (8m + 5, 8m + 7)
+        uint32_t dl[4], dh[4];
+        decode<false>(word(words[i][0], m), s[i][0], dl[0], dl[2]);
+        decode<true>(word(words[i][0], m), s[i][0], dl[1], dl[3]);
+        decode<false>(word(words[i][1], m), s[i][1], dh[0], dh[2]);
+        decode<true>(word(words[i][1], m), s[i][1], dh[1], dh[3]);
+        const uint32_t first[4] = {dl[0], dh[0], dl[1], dh[1]}, second[4] = {dl[2], dh[2], dl[3], dh[3]};
+#pragma unroll
+        for (int h = 0; h < kHalves; ++h) {
+          mma(c[i][h], first, b[h][0], b[h][1]);
+          mma(c[i][h], second, b[h][2], b[h][3]);
+        }
+      }
     }
   }
 #pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    b[4 * m] = pair(v[8 * m], v[8 * m + 2]);
-    b[4 * m + 1] = pair(v[8 * m + 1], v[8 * m + 3]);
-    b[4 * m + 2] = pair(v[8 * m + 4], v[8 * m + 6]);
-    b[4 * m + 3] = pair(v[8 * m + 5], v[8 * m + 7]);
-  }
+  for (int i = 0; i < kGroups; ++i)
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+      for (int v = 0; v < 4; ++v) partial[warp][i][h][lane][v] = c[i][h][v];
 }
 
-template <int kChunks>
-__global__ void __launch_bounds__(32 * kMaxWarps) fp4_gmm_kernel(Fp4GmmArgs<Bf16> a) {
-  __shared__ float partial[kMaxWarps][kGroups][32][4];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4, warps = blockDim.x / 32;
+__global__ void __launch_bounds__(32 * kWarps, kMinBlocks) fp4_gmm_kernel(Fp4GmmArgs<Bf16> a) {
+  __shared__ Partial partial;
   const int64_t t = blockIdx.y, groups = a.k / kFp4Group;
   const int group_cols = a.gated ? 8 : 16, cols = kGroups * group_cols;  // output columns of a group, a block
   const int64_t c0 = int64_t(blockIdx.x) * cols, e = a.expert(t), rows = a.rows(t);
@@ -119,56 +154,19 @@ __global__ void __launch_bounds__(32 * kMaxWarps) fp4_gmm_kernel(Fp4GmmArgs<Bf16
   if (rows == 0) return;
   const uint4* codes = reinterpret_cast<const uint4*>(a.codes) + e * a.n * groups;
   const uint8_t* scales = a.scales + e * a.n * groups;
-  // the lane's output columns and weight rows of group i: row g (and g + 8)
-  auto column = [&](int i, int half) { return c0 + i * group_cols + (a.gated ? g : g + 8 * half); };
-  auto weight_row = [&](int i, int half) {
-    const int64_t c = column(i, half);
-    return a.gated && half ? a.out_cols + c : c;
-  };
-
   for (int64_t r0 = 0; r0 < rows; r0 += kXRows) {
     const int64_t row0 = t * a.block_rows + r0, here = rows - r0 < kXRows ? rows - r0 : kXRows;
-    uint32_t b[kChunks][16];
-#pragma unroll
-    for (int q = 0; q < kChunks; ++q) {
-      const int64_t grp = 4 * (warp + int64_t(q) * warps) + tg;
-      if (g < here && grp < groups) {
-        x_pairs(a.x + (row0 + g) * a.k + grp * kFp4Group, b[q]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) b[q][i] = 0;
-      }
-    }
-#pragma unroll 2
-    for (int i = 0; i < kGroups; ++i) {
-      uint4 words[kChunks][2];
-      uint8_t es[kChunks][2];
-#pragma unroll
-      for (int q = 0; q < kChunks; ++q) {
-        const int64_t grp = 4 * (warp + int64_t(q) * warps) + tg;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const bool load = grp < groups && column(i, half) < a.out_cols;
-          const int64_t at = weight_row(i, half) * groups + grp;
-          words[q][half] = load ? codes[at] : make_uint4(0, 0, 0, 0);
-          es[q][half] = load ? scales[at] : uint8_t(127);
-        }
-      }
-      float c[4] = {};
-#pragma unroll
-      for (int q = 0; q < kChunks; ++q)
-        multiply(c, words[q][0], words[q][1], scale_pair(es[q][0]), scale_pair(es[q][1]), b[q]);
-#pragma unroll
-      for (int v = 0; v < 4; ++v) partial[warp][i][lane][v] = c[v];
-    }
+    const int halves = 1;
+    pass<1>(a, codes, scales, c0, row0, here, partial);
     __syncthreads();
-    // c[v]: weight row g (v < 2) or g + 8, x row 2 tg + v % 2; summed over the warps in order
-    for (int item = threadIdx.x; item < kGroups * 32 * 2; item += blockDim.x) {
-      const int i = item / 64, l = item / 2 % 32, parity = item % 2, n = 2 * (l % 4) + parity;
+    // c[i][h][v]: weight row g (v < 2) or g + 8, x row 8 h + 2 tg + v % 2; summed over the warps in order
+    for (int item = threadIdx.x; item < kGroups * halves * 32 * 2; item += blockDim.x) {
+      const int parity = item % 2, l = item / 2 % 32, h = item / 64 % halves, i = item / (64 * halves);
+      const int n = kXRows * h + 2 * (l % 4) + parity;
       float first = 0.0f, second = 0.0f;
-      for (int w = 0; w < warps; ++w) {
-        first += partial[w][i][l][parity];
-        second += partial[w][i][l][parity + 2];
+      for (int w = 0; w < kWarps; ++w) {
+        first += partial[w][i][h][l][parity];
+        second += partial[w][i][h][l][parity + 2];
       }
       if (n >= here) continue;
       const int64_t cg = c0 + i * group_cols + l / 4, row = row0 + n;
@@ -186,39 +184,19 @@ __global__ void __launch_bounds__(32 * kMaxWarps) fp4_gmm_kernel(Fp4GmmArgs<Bf16
 struct Fp4GmmCuda {
   cudaStream_t stream;
 
-  template <int kChunks>
-  ffi::Error launch(const Fp4GmmArgs<Bf16>& args, unsigned warps) {
-    const int64_t cols = kGroups * (args.gated ? 8 : 16);
-    const dim3 grid(unsigned((args.out_cols + cols - 1) / cols), unsigned(args.tiles));
-    fp4_gmm_kernel<kChunks><<<grid, 32 * warps, 0, stream>>>(args);
-    const cudaError_t err = cudaGetLastError();
-    if (err == cudaSuccess) return ffi::Error::Success();
-    return ffi::Error::Internal(std::string("jax_oc128: fp4_gmm launch failed: ") + cudaGetErrorString(err));
-  }
-
   template <typename T>
   ffi::Error fp4_gmm(const Fp4GmmArgs<T>& args) {
     if constexpr (!std::is_same_v<T, Bf16>) {
       return invalid("x: the CUDA kernel takes bfloat16 rows (its matmul's operands), got float32");
     } else {
-      const int64_t chunks = (args.k + 127) / 128, warps = chunks < kMaxWarps ? chunks : kMaxWarps;
-      const int64_t per_warp = (chunks + warps - 1) / warps;
-      if (per_warp > kMaxChunks)
-        return invalid("x: K must be at most " + std::to_string(128 * kMaxWarps * kMaxChunks) + " on the GPU, got " +
-                       std::to_string(args.k));
       if (args.tiles > 65535)
         return invalid("tile_expert: at most 65535 tiles on the GPU, got " + std::to_string(args.tiles));
-      const unsigned w = unsigned(warps);
-      switch (per_warp) {
-        case 1:
-          return launch<1>(args, w);
-        case 2:
-          return launch<2>(args, w);
-        case 3:
-          return launch<3>(args, w);
-        default:
-          return launch<4>(args, w);
-      }
+      const int64_t cols = kGroups * (args.gated ? 8 : 16);
+      const dim3 grid(unsigned((args.out_cols + cols - 1) / cols), unsigned(args.tiles));
+      fp4_gmm_kernel<<<grid, 32 * kWarps, 0, stream>>>(args);
+      const cudaError_t err = cudaGetLastError();
+      if (err == cudaSuccess) return ffi::Error::Success();
+      return ffi::Error::Internal(std::string("jax_oc128: fp4_gmm launch failed: ") + cudaGetErrorString(err));
     }
   }
 };

@@ -210,7 +210,7 @@ def test_float32_rows_run_the_twin_on_gpu(cases):
 @pytest.mark.cuda
 @pytest.mark.parametrize("gated", [False, True])
 def test_cuda_kernel_at_v4_flash_widths(gated):
-    """K 4096 (16 warps of two 128-column chunks), N 1032 (a partial last block of columns), 8 experts of up
+    """K 4096 (8 warps of four 128-column chunks), N 1032 (a partial last block of columns), 8 experts of up
     to 13 rows (passes of 8 rows, a partial last one)."""
     rng = np.random.default_rng(5)
     x, weights, groups = make_case(rng, 8, 1032, 4096, "bfloat16", [0, 1, 2, 3, 8, 9, 13, 5])

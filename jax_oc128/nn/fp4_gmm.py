@@ -38,8 +38,6 @@ MAX_BLOCK_ROWS = 16
 #: the op's kernels equal the Pallas kernel's at 8 tokens of V4-Flash (48 pairs, 256 experts: 335 against
 #: 333 us) and are 10% slower at 64 (384 pairs), 78% at 512 (bench/RESULTS.md section 21)
 EXPERTS_PER_PAIR = 2
-#: the widest K the CUDA kernel takes (16 warps a block, four 128-column chunks a warp)
-MAX_K = 128 * 16 * 4
 
 
 def tile_rows(groups: Groups) -> jax.Array:
@@ -121,14 +119,13 @@ def fp4_gmm_reference(x, weights, groups: Groups, rows, gated: bool = False, lim
 
 def takes(x, weights, groups: Groups) -> bool:
     """Whether :func:`gmm` runs the op on CUDA for these operands: bfloat16 rows, FP4 weights with e8m0
-    scales, K at most :data:`MAX_K`, tiles of at most :data:`MAX_BLOCK_ROWS` rows, at most one pair per
+    scales, tiles of at most :data:`MAX_BLOCK_ROWS` rows, at most one pair per
     :data:`EXPERTS_PER_PAIR` experts."""
     return (
         jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16)
         and isinstance(weights, QuantizedArray)
         and weights.fmt == quant.FP4
         and weights.scales.dtype == jnp.uint8
-        and weights.shape[2] <= MAX_K
         and groups.block_rows <= MAX_BLOCK_ROWS
         and groups.rows.shape[0] * EXPERTS_PER_PAIR <= weights.shape[0]
     )
