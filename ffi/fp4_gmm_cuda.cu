@@ -25,7 +25,7 @@ namespace {
 
 constexpr int kGroups = 2;     // groups of 16 weight rows per block
 constexpr int kWarps = 8;      // warps per block: 128-column chunks of K
-constexpr int kMinBlocks = 4;  // blocks a multiprocessor holds at once: the registers' bound
+constexpr int kMinBlocks = 3;  // blocks a multiprocessor holds at once: the registers' bound
 constexpr int kXRows = 8;      // x rows of an MMA (its N); a pass takes up to two of them
 constexpr int kHalvesMax = 2;
 
@@ -154,10 +154,14 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks) fp4_gmm_kernel(Fp4Gmm
   if (rows == 0) return;
   const uint4* codes = reinterpret_cast<const uint4*>(a.codes) + e * a.n * groups;
   const uint8_t* scales = a.scales + e * a.n * groups;
-  for (int64_t r0 = 0; r0 < rows; r0 += kXRows) {
-    const int64_t row0 = t * a.block_rows + r0, here = rows - r0 < kXRows ? rows - r0 : kXRows;
-    const int halves = 1;
-    pass<1>(a, codes, scales, c0, row0, here, partial);
+  for (int64_t r0 = 0; r0 < rows; r0 += kHalvesMax * kXRows) {
+    const int64_t row0 = t * a.block_rows + r0, left = rows - r0;
+    const int64_t here = left < kHalvesMax * kXRows ? left : kHalvesMax * kXRows;
+    const int halves = here > kXRows ? 2 : 1;  // one MMA of 8 rows per fragment where a pass has at most 8
+    if (halves == 2)
+      pass<2>(a, codes, scales, c0, row0, here, partial);
+    else
+      pass<1>(a, codes, scales, c0, row0, here, partial);
     __syncthreads();
     // c[i][h][v]: weight row g (v < 2) or g + 8, x row 8 h + 2 tg + v % 2; summed over the warps in order
     for (int item = threadIdx.x; item < kGroups * halves * 32 * 2; item += blockDim.x) {

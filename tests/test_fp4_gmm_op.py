@@ -211,9 +211,10 @@ def test_float32_rows_run_the_twin_on_gpu(cases):
 @pytest.mark.parametrize("gated", [False, True])
 def test_cuda_kernel_at_v4_flash_widths(gated):
     """K 4096 (8 warps of four 128-column chunks), N 1032 (a partial last block of columns), 8 experts of up
-    to 13 rows (passes of 8 rows, a partial last one)."""
+    to 21 rows in tiles of 32 (passes of 16 rows, the MMA's 8 twice; 8 rows or fewer: once; a partial last
+    pass)."""
     rng = np.random.default_rng(5)
-    x, weights, groups = make_case(rng, 8, 1032, 4096, "bfloat16", [0, 1, 2, 3, 8, 9, 13, 5])
+    x, weights, groups = make_case(rng, 8, 1032, 4096, "bfloat16", [0, 1, 2, 3, 8, 9, 13, 21], block_rows=32)
     want, bound = float64_product(x, weights, groups, gated)
     call = jax.jit(lambda x, w: fp4_gmm.fp4_gmm(x, w, groups, gated=gated, limit=LIMIT))
     assert_matches(call(*on_gpu(x, weights)), want, bound, "cuda vs float64")
