@@ -156,7 +156,7 @@ def test_misuse_is_refused_naming_the_argument(cases):
         fp4_gmm.fp4_gmm(x, weights, groups, gated=True, limit=0.0)
 
 
-def test_gmm_takes_the_op_on_cuda_at_the_smallest_decode_sizes_only(cases):
+def test_gmm_takes_the_op_on_cuda_at_decode_sizes_only(cases):
     _, weights, _ = cases["bfloat16", True]
     few = grouped_matmul.group_pairs(jnp.asarray([3, 9, 9, 20, 31, 0], jnp.int32), 32)  # 6 pairs, 32 experts
     x = jnp.zeros((few.num_rows, 128), jnp.bfloat16)
@@ -164,7 +164,9 @@ def test_gmm_takes_the_op_on_cuda_at_the_smallest_decode_sizes_only(cases):
     assert not fp4_gmm.takes(x.astype(jnp.float32), weights, few)
     float_scales = dataclasses.replace(weights, scales=quant.scale_values(weights.scales))
     assert not fp4_gmm.takes(x, float_scales, few)
-    many = grouped_matmul.group_pairs(jnp.arange(17, dtype=jnp.int32) % 32, 32)  # 17 pairs: more than 32 / 2
+    most = grouped_matmul.group_pairs(jnp.arange(48, dtype=jnp.int32) % 32, 32)  # 48 pairs: 1.5 an expert
+    assert fp4_gmm.takes(jnp.zeros((most.num_rows, 128), jnp.bfloat16), weights, most)
+    many = grouped_matmul.group_pairs(jnp.arange(49, dtype=jnp.int32) % 32, 32)  # 49: past 1.5 an expert
     assert not fp4_gmm.takes(jnp.zeros((many.num_rows, 128), jnp.bfloat16), weights, many)
     large = grouped_matmul.group_pairs(jnp.zeros((8,), jnp.int32), 32, 64)
     assert not fp4_gmm.takes(jnp.zeros((large.num_rows, 128), jnp.bfloat16), weights, large)

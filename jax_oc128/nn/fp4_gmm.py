@@ -12,7 +12,7 @@ the jnp twin. The op takes a tile's real rows as a count (``tile_rows``, :func:`
 each tile's pairs first. Subnormal x: the CPU handler runs on XLA's threads, which flush them to zero.
 
 :func:`gmm` is the grouped matmul of the MoE's ``grouped`` dispatch: this op on CUDA for FP4 weights with
-e8m0 scales at the smallest decode sizes (:func:`takes`: where it is measured no slower than the Pallas
+e8m0 scales at decode sizes (:func:`takes`: where it is measured no slower than the Pallas
 kernel) where the CUDA module is built, else :func:`~jax_oc128.nn.grouped_matmul.gmm` (the Pallas kernel on
 CUDA, the jnp loop elsewhere).
 """
@@ -34,10 +34,10 @@ TARGET = "oc128_fp4_gmm"
 #: the most rows a tile may have for :func:`gmm` to take the op on CUDA (decode sizes: the layout's tiles are
 #: then of 16 rows; prefill's larger tiles go to the Pallas kernel)
 MAX_BLOCK_ROWS = 16
-#: :func:`gmm` takes the op on CUDA for at most one (token, expert) pair per this many experts: on the H100
-#: the op's kernels equal the Pallas kernel's at 8 tokens of V4-Flash (48 pairs, 256 experts: 335 against
-#: 333 us) and are 10% slower at 64 (384 pairs), 78% at 512 (bench/RESULTS.md section 21)
-EXPERTS_PER_PAIR = 2
+#: :func:`gmm` takes the op on CUDA for at most this many (token, expert) pairs per expert: on the H100 the
+#: op's kernels are 12% faster than the Pallas kernel's at 8 tokens of V4-Flash (48 pairs, 256 experts) and 5%
+#: at 64 (384 pairs: 1.5 an expert), 15% slower at 512 (12 an expert; bench/RESULTS.md section 21, call 3)
+PAIRS_PER_EXPERT = 1.5
 
 
 def tile_rows(groups: Groups) -> jax.Array:
@@ -119,15 +119,15 @@ def fp4_gmm_reference(x, weights, groups: Groups, rows, gated: bool = False, lim
 
 def takes(x, weights, groups: Groups) -> bool:
     """Whether :func:`gmm` runs the op on CUDA for these operands: bfloat16 rows, FP4 weights with e8m0
-    scales, tiles of at most :data:`MAX_BLOCK_ROWS` rows, at most one pair per
-    :data:`EXPERTS_PER_PAIR` experts."""
+    scales, tiles of at most :data:`MAX_BLOCK_ROWS` rows, at most :data:`PAIRS_PER_EXPERT` pairs per
+    expert."""
     return (
         jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16)
         and isinstance(weights, QuantizedArray)
         and weights.fmt == quant.FP4
         and weights.scales.dtype == jnp.uint8
         and groups.block_rows <= MAX_BLOCK_ROWS
-        and groups.rows.shape[0] * EXPERTS_PER_PAIR <= weights.shape[0]
+        and groups.rows.shape[0] <= PAIRS_PER_EXPERT * weights.shape[0]
     )
 
 

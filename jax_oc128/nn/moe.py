@@ -11,8 +11,8 @@ is added. Activations and routing are float32; the router's and experts' weights
 chosen by :attr:`MoEConfig.dispatch` (:data:`DISPATCHES`), computes the weighted routed experts from them:
 ``dense`` runs every expert on every token and weights the unpicked ones 0 (the exact oracle, memory O(tokens
 x experts)); ``grouped`` sorts the (token, expert) pairs by expert and runs each picked expert once on its
-rows (:mod:`~jax_oc128.nn.grouped_matmul`: the Pallas kernel on CUDA, a jnp loop elsewhere; FP4 experts at the
-smallest decode sizes on CUDA: the FP4 op, :mod:`~jax_oc128.nn.fp4_gmm`), then scatters the outputs back
+rows (:mod:`~jax_oc128.nn.grouped_matmul`: the Pallas kernel on CUDA, a jnp loop elsewhere; FP4 experts at
+decode sizes on CUDA: the FP4 op, :mod:`~jax_oc128.nn.fp4_gmm`), then scatters the outputs back
 weighted. ``grouped_jnp``, ``grouped_pallas``, ``grouped_ragged_dot`` and ``grouped_fp4_op`` force one grouped
 matmul on every platform (the Pallas kernel in interpret mode off GPUs; XLA's ragged dot; the FP4 op, FP4
 experts with e8m0 scales only).
