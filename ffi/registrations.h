@@ -4,6 +4,7 @@
 #pragma once
 
 #include "attention_ffi.h"
+#include "fp4_gmm_ffi.h"
 #include "nanobind/nanobind.h"
 #include "oc128_ffi.h"
 #include "xla/ffi/api/c_api.h"
@@ -19,13 +20,14 @@ nanobind::dict operand_names() {
 }
 
 inline void define_module(nanobind::module_& m, XLA_FFI_Handler* compress, XLA_FFI_Handler* verify,
-                          XLA_FFI_Handler* commit, XLA_FFI_Handler* attention) {
+                          XLA_FFI_Handler* commit, XLA_FFI_Handler* attention, XLA_FFI_Handler* fp4_gmm) {
   m.def("registrations", [=]() {
     nanobind::dict targets;
     targets[Compress::kTarget] = nanobind::capsule(reinterpret_cast<void*>(compress));
     targets[Verify::kTarget] = nanobind::capsule(reinterpret_cast<void*>(verify));
     targets[Commit::kTarget] = nanobind::capsule(reinterpret_cast<void*>(commit));
     targets[Attention::kTarget] = nanobind::capsule(reinterpret_cast<void*>(attention));
+    targets[Fp4Gmm::kTarget] = nanobind::capsule(reinterpret_cast<void*>(fp4_gmm));
     return targets;
   });
   m.def("operands", []() {
@@ -34,6 +36,7 @@ inline void define_module(nanobind::module_& m, XLA_FFI_Handler* compress, XLA_F
     targets[Verify::kTarget] = operand_names<Verify>();
     targets[Commit::kTarget] = operand_names<Commit>();
     targets[Attention::kTarget] = operand_names<Attention>();
+    targets[Fp4Gmm::kTarget] = operand_names<Fp4Gmm>();
     return targets;
   });
 }

@@ -67,6 +67,11 @@ OPERANDS = {
         rets=("out",),
         attrs=("scale",),
     ),
+    "oc128_fp4_gmm": _native.Operands(  # jax_oc128.nn.fp4_gmm
+        args=("x", "codes", "scales", "tile_expert", "tile_rows"),
+        rets=("out",),
+        attrs=("gated", "limit"),
+    ),
 }
 _native.check_operands(OPERANDS)
 
