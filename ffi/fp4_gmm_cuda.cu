@@ -63,7 +63,9 @@ __device__ __forceinline__ void decode(uint32_t w, uint32_t s, uint32_t& d0, uin
 __device__ __forceinline__ uint32_t scale_pair(uint8_t e) { return (uint32_t(e) << 7) | (uint32_t(e) << 23); }
 
 // Word m of a 16-byte load.
-__device__ __forceinline__ uint32_t word(const uint4& q, int m) { return m == 0 ? q.x : m == 1 ? q.y : m == 2 ? q.z : q.w; }
+__device__ __forceinline__ uint32_t word(const uint4& q, int m) {
+  return m == 0 ? q.x : m == 1 ? q.y : m == 2 ? q.z : q.w;
+}
 
 // x's 8 columns 8m .. 8m + 7 of a scale group (one 16-byte load at x) as the B operand's pairs of k (8m, 8m + 2),
 // (8m + 1, 8m + 3) (b[0], b[1]) and (8m + 4, 8m + 6), (8m + 5, 8m + 7) (b[2], b[3]): decode's order.
@@ -80,8 +82,8 @@ using Partial = float[kWarps][kGroups][kHalvesMax][32][4];
 // One pass over the weight rows of a block for kHalves x 8 of its tile's rows from layout row row0 (`here` of
 // them real): the warp's products into partial[warp].
 template <int kHalves>
-__device__ __forceinline__ void pass(const Fp4GmmArgs<Bf16>& a, const uint4* codes, const uint8_t* scales,
-                                     int64_t c0, int64_t row0, int64_t here, Partial& partial) {
+__device__ __forceinline__ void pass(const Fp4GmmArgs<Bf16>& a, const uint4* codes, const uint8_t* scales, int64_t c0,
+                                     int64_t row0, int64_t here, Partial& partial) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
   const int64_t groups = a.k / kFp4Group, chunks = (groups + 3) / 4;
   const int group_cols = a.gated ? 8 : 16;
