@@ -25,8 +25,8 @@ from jax_oc128.protocols import Model
 
 #: numbers the engines of this process (:attr:`Engine.number`)
 _ENGINE_NUMBERS = itertools.count(1)
-#: decoding steps per dispatch by default: on the H200 (shipped model, 8 slots, plain) K = 1 / 4 / 16 / 64
-#: gave 2724 / 9659 / 17127 / 21197 tokens/s end to end (bench/RESULTS.md, bench/bench_decode.py --sweep-k)
+#: decoding steps per dispatch by default: the host's per-dispatch cost shrinks with K; the end-to-end rate
+#: measured highest at 64 of 1 / 4 / 16 / 64 (bench/RESULTS.md, bench/bench_decode.py --sweep-k)
 STEPS_PER_DISPATCH = 64
 #: XLA options of the decode loop on a GPU: XLA's default command buffer (CUDA graph) contents plus WHILE
 #: and CONDITIONAL, so that the ``while_loop`` and its condition are recorded too (conditional nodes) and a

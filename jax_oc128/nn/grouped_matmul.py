@@ -478,9 +478,8 @@ def gather_rows_pallas(x, groups: Groups, k: int, *, block_h: int | None = None,
 
 
 #: the least tile rows at which :func:`gather_rows` skips the unused tiles on CUDA: at prefill sizes their
-#: rows are many (V4-Flash at 8192 tokens: 114688 rows for 49152 pairs; the bf16 layer 7.58 ms against 7.77
-#: with XLA's gather); at decode sizes few, and the extra kernel cost the bf16 layer's call 0.1 ms at 8 tokens
-#: (bench/RESULTS.md section 9)
+#: rows are many and skipping them beats XLA's gather; at decode sizes few, and the extra kernel costs more
+#: than it saves (bench/RESULTS.md section 9)
 GATHER_KERNEL_ROWS = 64
 
 
