@@ -196,19 +196,14 @@ class RequestScheduler:
         """Requests not yet admitted."""
         return len(self._waiting)
 
-    @property
-    def in_flight(self) -> int:
-        """Dispatches (and prefills) queued on the device and not yet read: 1 after a :meth:`step` that ran
-        one, whose output the next step reads while its own dispatch runs."""
-        return len(self._unread)
-
     def step(self) -> StepOutput:
         """Admit waiting requests into the free slots and prefill them, run one dispatch of up to K decoding
-        steps of the running requests and read the outputs. Overlapped: a dispatch is queued behind the one
-        before it, which is read (the host's work done) while it runs; so a slot freed by a dispatch is known,
-        and taken, one step later (the schedule depends on the requests alone, not on timing). Returns what
-        was read and the requests that ended."""
+        steps of the running requests and read the outputs (each dispatch's is read while the next runs,
+        all of them when requests wait: a slot freed by a dispatch is taken at the next step, never left idle
+        for a dispatch). Returns what was read and the requests that ended."""
         out = StepOutput()
+        if self._waiting and self._unread:  # which slots are free: read everything
+            self._read_all(out)
         pool, engine = self.page_pool, self.engine
         changed, self._released = self._released, False
         admitted = self._admit([slot for slot in range(engine.slots) if slot not in self.owner])
@@ -243,8 +238,8 @@ class RequestScheduler:
             self._unread.append((dict(self.owner), output))
         elif self._waiting and not self._unread:  # paged: every slot is free and the first still has no pages
             raise RuntimeError("paged engine: no request runs and none can be admitted (a bug)")
-        # read everything but this dispatch, which runs meanwhile; all of it when nothing runs
-        while len(self._unread) > 1 or (self._unread and not self.owner):
+        # read everything but this dispatch, which runs meanwhile; all of it when a slot must be freed
+        while len(self._unread) > (0 if self._waiting else 1) or (self._unread and not self.owner):
             self._read(out, *self._unread.popleft())
         out.finished, self._finished = self._finished, {}
         return out
