@@ -10,6 +10,7 @@ import math
 import os
 import pathlib
 import sys
+import time
 
 from jax_oc128.checks import int_argument
 from jax_oc128.engine import STEPS_PER_DISPATCH
@@ -57,7 +58,8 @@ DEMO_PROMPTS = (
 def _progress_display():
     """A rich progress display on stderr, one bar per task, redrawn only when a task is updated (no refresh
     thread: one would take the interpreter from the engine's dispatch loop, which the demo times); on a
-    terminal the bars move, elsewhere (a pipe, a file) they are printed once when it stops."""
+    terminal the bars move, elsewhere (a pipe, a file) they are printed once when it stops, and
+    :func:`_phase` writes a line as each phase starts and ends."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -70,6 +72,13 @@ def _progress_display():
         console=Console(stderr=True),
         auto_refresh=False,
     )
+
+
+def _phase(progress, text: str) -> None:
+    """A line of ``text`` on ``progress``'s console where it is not a terminal (a log, a pipe: the bars are
+    printed only at the end there, and a cold run compiles for minutes); nothing on a terminal."""
+    if not progress.console.is_terminal:
+        progress.console.print(text, highlight=False, soft_wrap=True)
 
 
 def demo(args, model, tokenizer, prompts) -> str:
@@ -100,13 +109,19 @@ def demo(args, model, tokenizer, prompts) -> str:
             # each mode runs twice and the second run is timed: the first compiles the prefill (one per
             # padded prompt width) and the decode loop, and on a GPU records their CUDA graphs for the
             # engine's buffers (after another mode ran, a mode's first dispatches record them again)
+            start = time.perf_counter()
+            _phase(progress, f"demo, {name}: compiling and a first run")
             run()
+            _phase(
+                progress, f"demo, {name}: first run in {time.perf_counter() - start:.1f} s, timing the second"
+            )
             task = progress.add_task(name, total=len(prompts) * args.tokens)
             results[name] = run(
                 progress=lambda done, task=task: progress.update(task, completed=done, refresh=True)
             )
             count = sum(map(len, results[name].tokens))  # fewer where EOS stopped a request
             progress.update(task, total=count, completed=count, refresh=True)
+            _phase(progress, f"demo, {name}: {count} tokens in {results[name].seconds:.2f} s")
     config = model.config
     c128 = config.compressed_layers
     lines = [

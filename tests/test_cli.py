@@ -78,14 +78,24 @@ def test_demo_prints_the_text_of_the_shipped_text_model(capsys, monkeypatch):
 
 def test_progress_into_a_pipe_has_no_carriage_returns():
     """stderr piped: no live updates (before, a carriage return per update), each mode's bar once at the
-    end, full (the tokens generated: EOS may stop a request early). The demo test's shapes: its executables
-    come from the run's compilation cache."""
+    end, full (the tokens generated: EOS may stop a request early), and a line as each phase starts and
+    ends, in order (a cold run compiles for minutes: a log shows where it is). The demo test's shapes: its
+    executables come from the run's compilation cache."""
     result = run_cli(*SHORT_DEMO)
     assert result.returncode == 0, result.stderr
     assert "\r" not in result.stderr
+    lines = result.stderr.splitlines()
     for mode in ("plain", "speculative N=2"):
-        [line] = [row for row in result.stderr.splitlines() if row.startswith(mode)]
+        [line] = [row for row in lines if row.startswith(mode)]
         assert re.search(r" (\d+)/\1 tokens", line), line
+    phases = [row for row in lines if row.startswith("demo, ")]
+    assert len(phases) == 6, phases
+    for mode, (start, first, timed) in zip(
+        ("plain", "speculative N=2"), (phases[:3], phases[3:]), strict=True
+    ):
+        assert start == f"demo, {mode}: compiling and a first run"
+        assert re.fullmatch(rf"demo, {mode}: first run in [\d.]+ s, timing the second", first), first
+        assert re.fullmatch(rf"demo, {mode}: \d+ tokens in [\d.]+ s", timed), timed
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The decoder's static configuration: its architecture, :class:`ModelConfig` (its fields and their checks,
 the released DeepSeek-V4 models' presets (:meth:`ModelConfig.deepseek_v4_flash`,
-:meth:`ModelConfig.deepseek_v4_pro`), the shipped model's (:meth:`ModelConfig.tiny`) and the conversion of a
-transformers ``DeepseekV4Config`` (:meth:`ModelConfig.from_hf`)), and how a model of it runs,
+:meth:`ModelConfig.deepseek_v4_pro`), the byte-level model's (:meth:`ModelConfig.tiny`) and the conversion
+of a transformers ``DeepseekV4Config`` (:meth:`ModelConfig.from_hf`)), and how a model of it runs,
 :class:`RuntimeConfig` (the caches' bounds and storage, the MoE's computation), given at construction."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class ModelConfig:
     :meth:`from_hf`). ``mlp_hidden`` is the dense MLP's width, or ``moe_intermediate_size`` (each
     expert's and the shared expert's) with ``mlp_layer_types``.
 
-    Every field is given (no defaults): a config is the shipped model's (:meth:`tiny`), a released
+    Every field is given (no defaults): a config is the byte-level model's (:meth:`tiny`), a released
     DeepSeek-V4's (:meth:`deepseek_v4_flash`, :meth:`deepseek_v4_pro`) or a checkpoint's (:meth:`from_hf`),
     each with the fields a caller replaces."""
 
@@ -205,11 +205,12 @@ class ModelConfig:
 
     @classmethod
     def tiny(cls, **fields) -> ModelConfig:
-        """The small DeepSeek-V4 look-alike the package ships (``jax_oc128/assets/default_model.npz``,
-        trained by ``scripts/train_default_model.py``): byte-level (vocabulary 256), hidden 128, 4 layers
-        alternating sliding (window 32) and C128, 4 heads x 64 (RoPE on 16), q and o LoRA rank 64 in 2
-        o-groups, a dense SwiGLU MLP of 256, one residual stream, an MTP draft head, float32. ``fields``
-        replace any of its fields (a smaller or differently laid out variant)."""
+        """The small byte-level DeepSeek-V4 look-alike the tests run
+        (:data:`~jax_oc128.checkpoint.DEFAULT_MODEL`, trained by ``scripts/train_default_model.py``):
+        vocabulary 256, hidden 128, 4 layers alternating sliding (window 32) and C128, 4 heads x 64 (RoPE
+        on 16), q and o LoRA rank 64 in 2 o-groups, a dense SwiGLU MLP of 256, one residual stream, an MTP
+        draft head, float32. ``fields`` replace any of its fields (a smaller or differently laid out
+        variant)."""
         return cls(**(TINY | fields))
 
     @classmethod
@@ -381,7 +382,7 @@ HF_FIXED = {
     "compress_rates": {CSA.value: 4, HCA.value: 128},
 }
 
-#: :meth:`ModelConfig.tiny`: the shipped model's fields
+#: :meth:`ModelConfig.tiny`: the byte-level model's fields
 TINY = dict(
     vocab_size=256,
     hidden_size=128,

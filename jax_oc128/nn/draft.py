@@ -7,8 +7,8 @@ recursively: its own output hidden state feeds the next draft. The heads are reg
 (:func:`~jax_oc128.registry.register_drafter`):
 
 * :class:`MTPHead` (``"mtp_head"``): the draft head in the DeepSeek manner for a model with one residual
-  stream (the shipped model's): the next token's embedding and the last hidden state, each normed, projected
-  together, one sliding-window block, then the target's final norm and LM head.
+  stream (the byte-level model's): the next token's embedding and the last hidden state, each normed,
+  projected together, one sliding-window block, then the target's final norm and LM head.
 * :class:`DeepseekV4MTP` (``"deepseek_v4_mtp"``): DeepSeek-V4's own MTP layer (its checkpoints'
   ``mtp.0.*``), the draft head of a model with hyper-connections.
 
@@ -147,7 +147,7 @@ class DeepseekV4MTP(BlockHead):
 def default_draft_head(config: ModelConfig) -> str | None:
     """The registered name of the draft head a :class:`SpeculativeModel` of ``config`` has unless told: None
     with ``config.mtp`` False; DeepSeek-V4's MTP layer for a model with hyper-connections (its checkpoints'),
-    else the MTP head of one residual stream (the shipped model's)."""
+    else the MTP head of one residual stream (the byte-level model's)."""
     if not config.mtp:
         return None
     return DEEPSEEK_V4_MTP if config.hyper_connections else MTP_HEAD
