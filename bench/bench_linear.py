@@ -6,7 +6,7 @@ the device.
 The layers (``ModelConfig.deepseek_v4_flash``): the attention's q_a (1024 x 4096), q_b (32768 x 1024), kv
 (512 x 4096), o_a (8 groups of 1024 x 4096) and o_b (4096 x 8192); the CSA indexer's q_b (8192 x 1024); the
 shared expert's gate, up (2048 x 4096) and down (4096 x 2048); each an FP8 weight (e4m3 codes, e8m0 128 x 128
-block scales kept per row, :func:`bench_decode.random_quantized`) in a bfloat16 model, on ``tokens`` rows.
+block scales kept per row, :func:`bench_models.random_quantized`) in a bfloat16 model, on ``tokens`` rows.
 
 Per (tokens, layer), each way (:data:`WAYS`: the model's layer, the kernel for every weight, the weight
 dequantized whole), the summed duration of its kernels per call (jax's profiler,
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_decode import random_quantized
+from bench_models import random_quantized
 from bench_ops import copy_bandwidth, device_kernels
 
 from jax_oc128.nn import ModelConfig, grouped_matmul, linear

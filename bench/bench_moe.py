@@ -13,7 +13,7 @@ matmul) hold O(tokens x experts) intermediates: they are skipped above ``--dense
 
 ``--experts-format fp4`` or ``fp8`` makes the routed experts quantized
 (:class:`~jax_oc128.nn.quant.QuantizedArray`, e8m0 scales, as the released checkpoints hold them; random
-codes and exponents, ``bench_decode.random_quantized``): FP4 packed e2m1 codes (half a byte a parameter plus
+codes and exponents, ``bench_models.random_quantized``): FP4 packed e2m1 codes (half a byte a parameter plus
 a scale per 32), FP8 e4m3 codes (a byte plus a scale per 128 of a row); ``--dtype`` is then the dtype they
 are dequantized to.
 ``grouped_pallas`` dequantizes each weight tile in registers, ``grouped_jnp`` one picked expert per tile,
@@ -55,7 +55,7 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_decode import random_quantized
+from bench_models import random_quantized
 from bench_ops import copy_bandwidth, device_kernels, timed
 
 from jax_oc128.nn import ModelConfig, grouped_matmul, quant

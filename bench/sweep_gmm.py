@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_decode import random_quantized
+from bench_models import random_quantized
 from bench_moe import V4_FLASH_MOE, bytes_per_expert, parse_blocks
 from bench_ops import copy_bandwidth, device_kernels, timed
 

@@ -433,14 +433,15 @@ def test_expert_dispatch_takes_quantized_experts(fmt, dispatch):
 
 
 def test_bench_released_weights():
-    """bench/bench_decode.py's ``--weights released``: every parameter the released format quantizes is a
-    QuantizedArray in the loader's layout, made in that form, its values finite and of the float init's
-    size (std 1 / sqrt(in) within the scales' factor 2, and the sample's noise); every other parameter is
-    the float model's; a plain step of one token reads the target whole and top-k experts of each of its
-    MoE layers."""
-    bench = runpy.run_path(str(pathlib.Path(__file__).parents[1] / "bench" / "bench_decode.py"))
+    """bench/bench_decode.py's ``--weights released`` (bench/bench_models.py): every parameter the released
+    format quantizes is a QuantizedArray in the loader's layout, made in that form, its values finite and of
+    the float init's size (std 1 / sqrt(in) within the scales' factor 2, and the sample's noise); every other
+    parameter is the float model's; a plain step of one token reads the target whole and top-k experts of
+    each of its MoE layers (bench/step_floor.py)."""
+    bench_dir = pathlib.Path(__file__).parents[1] / "bench"
+    models, floor = (runpy.run_path(str(bench_dir / name)) for name in ("bench_models.py", "step_floor.py"))
     config = ModelConfig.from_hf(quantized_config(), dtype="bfloat16")
-    model = bench["released_model"](config, "online")
+    model = models["released_model"](config, "online")
     float_model = SpeculativeModel(config, rngs=nnx.Rngs(0))
     paths = pretrained.parameter_paths(model)
     formats = pretrained.released_formats(paths, FP4, optional=True)
@@ -454,7 +455,7 @@ def test_bench_released_weights():
         weights = np.asarray(quant.dequantize(value), np.float32)
         assert weights.shape == want.shape and np.all(np.isfinite(weights)), name
         assert 0.45 < weights.std() * np.sqrt(weights.shape[-1]) < 2.2, name
-    reads = bench["weight_reads"](model)
+    reads = floor["weight_reads"](model)
     top_k = config.num_experts_per_tok
     experts = sum(top_k * one for owner, _, one in reads.moe if owner == "target")
-    assert bench["step_read_bytes"](reads, {}, 1, top_k) == pytest.approx(reads.target + experts)
+    assert floor["step_read_bytes"](reads, {}, 1, top_k) == pytest.approx(reads.target + experts)
