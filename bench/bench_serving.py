@@ -177,13 +177,13 @@ class Phases:
 def engine(args):
     """In the engine process: the server's scheduler and, with ``--offline``, ``Engine.generate`` of the
     workload timed on its engine before it serves (the offline row; else None)."""
+    phase = Phases(args.slots)
     scheduler = cli.scheduler(args)
     if not args.offline:
         return scheduler, None
-    phase, engine = Phases(args.slots), scheduler.engine
-    prompts = workload(args, scheduler.limits.vocab_size)
-    options = dict(tree=scheduler.tree, stop_tokens=())  # no EOS stop, as the requests' ignore_eos
     phase("loading the engine")
+    engine, prompts = scheduler.engine, workload(args, scheduler.limits.vocab_size)
+    options = dict(tree=scheduler.tree, stop_tokens=())  # no EOS stop, as the requests' ignore_eos
     engine.generate(prompts, args.output_len, **options)  # compiles every shape and bucket it meets
     phase("offline warm-up (compiling)")
     result = engine.generate(prompts, args.output_len, **options)
