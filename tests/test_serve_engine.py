@@ -1,7 +1,8 @@
 """The server's engine process (:class:`~jax_oc128.serve.engine_process.EngineProcess`) over a scheduler
 stand-in (no model), built from a module-level factory: its limits and the factory's extra reported at
 start, one message to the HTTP side per step with every request's tokens and ends, an abort reported and
-counted, and the process stopping when the HTTP side's pipe closes."""
+counted, and the process stopping when the HTTP side's pipe closes (the HTTP side then ending its requests
+and refusing new ones)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import types
 import pytest
 
 from jax_oc128.engine.requests import RequestLimits, SamplingParams, StepOutput
-from jax_oc128.serve.engine_process import EngineProcess, EngineSpec, Handle
+from jax_oc128.serve.engine_process import EngineFailed, EngineProcess, EngineSpec, Handle
 
 SLOTS = 3
 STEP_SECONDS = 0.02  # a step's time (an abort lands long before a request of 60 steps ends)
@@ -153,8 +154,16 @@ def test_an_abort_ends_its_request(engine):
 
 
 def test_stops_when_the_http_side_goes(engine):
-    """With its pipe closed (the HTTP process gone, no stop message), the engine process ends by itself."""
-    engine._sends.put(None)  # the sender closes the pipe without a stop
-    engine._sender.join()
+    """With its pipe closed (the HTTP process gone, no stop message), the engine process ends by itself; the
+    HTTP side sees it go: its running request ends ``"abort"``, a new one is refused."""
+
+    def until(name, received, handle):
+        if len(received) == 1:
+            engine._sends.put(None)  # the sender closes the pipe without a stop
+
+    received, _ = serve(engine, {"long": 60}, until)
+    assert received["long"][-1] == ([], "abort")
     engine.process.join(60)
-    assert engine.process.exitcode == 0
+    assert engine.process.exitcode == 0 and not engine.alive and "exited" in engine.error
+    with pytest.raises(EngineFailed, match="the engine process is gone"):
+        engine.submit(Handle([5], SamplingParams(1), print))
