@@ -109,6 +109,7 @@ class EngineProcess:
 
     Attributes:
       limits, slots, extra: the process's :class:`Ready`.
+      capacity: the requests it holds at most (slots + ``max_queued``).
       stats: its latest :func:`stats`.
       outstanding: requests submitted and not yet ended.
       finished: counts of the ended requests by reason.
@@ -175,8 +176,8 @@ class EngineProcess:
     def submit(self, handle: Handle) -> None:
         """Send ``handle``'s request (checked already); :class:`QueueFull` when the server is full,
         :class:`EngineFailed` when the engine process is gone."""
-        if not self.alive:
-            raise EngineFailed(f"the engine process is gone: {self.error or 'exited'}")
+        if not self.alive:  # why (a traceback): the server's log, not the client's answer
+            raise EngineFailed("the engine process is gone (the server's log says why)")
         if self.outstanding >= self.capacity:
             raise QueueFull(f"the server holds {self.capacity} requests (slots + max_queued)")
         self.outstanding += 1
