@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 import types
 
@@ -71,6 +72,22 @@ class Scripted:
 def scripted(extra):
     """The engine process's factory: a :class:`Scripted` and ``extra``."""
     return Scripted(), extra
+
+
+def failing(how: str):
+    """A factory that fails: raises a bug's error, or returns an extra that cannot be pickled."""
+    if how == "raise":
+        raise RuntimeError("a bug")
+    return Scripted(), threading.Lock()
+
+
+@pytest.mark.parametrize("how", ["raise", "unpicklable"])
+def test_a_failed_build_is_engine_failed(how):
+    """A factory's error that is no bad argument, or an extra the process cannot report: EngineFailed with
+    the process's traceback, not a usage error."""
+    with pytest.raises(EngineFailed, match="RuntimeError: a bug" if how == "raise" else "pickle") as raised:
+        EngineProcess(EngineSpec(failing, (how,)), max_queued=0)
+    assert not raised.value.usage and raised.value.argument is None
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ trip) and runs the loop: the messages that came, one :meth:`~RequestScheduler.st
   build failed: :class:`EngineFailed`); then per step ``("step", news, cached, stats)``: ``news`` id ->
   (its new token ids, None or how it ended: ``"stop"``, ``"length"``, ``"abort"``), ``cached`` id -> its
   prompt tokens taken from the prefix cache (at admission), ``stats`` (:func:`stats`); ``("error",
-  traceback)`` if the loop fails (every request then ends ``"abort"``).
+  traceback)`` if the loop fails (every request then ends ``"abort"``) or ``Ready`` could not be sent.
 
 The engine process stops on ``("stop",)`` or when the HTTP process goes (its pipe closed), ignores SIGINT
 (the HTTP process stops it), and gives the engine its state back (:meth:`RequestScheduler.close`)."""
@@ -133,9 +133,12 @@ class EngineProcess:
             raise EngineFailed(
                 f"the engine process exited ({self.process.exitcode}) before it was built"
             ) from None
-        if kind == "failed":
+        if kind == "failed":  # its factory raised
             self.process.join()
             raise EngineFailed(*message)
+        if kind == "error":  # built, but it could not report (e.g. an extra that cannot be pickled)
+            self.process.join()
+            raise EngineFailed("the engine process failed", trace=message[0])
         ready: Ready = message[0]
         self.limits, self.slots, self.stats, self.extra = ready.limits, ready.slots, ready.stats, ready.extra
         self.capacity = self.slots + max_queued
