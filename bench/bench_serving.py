@@ -1,15 +1,17 @@
 """Serving benchmark in the manner of SGLang's ``bench_serving``: a ``jax-oc128 serve`` in this process (its
-flags as the command takes them), requests streamed to it over HTTP by a client in a process of its own (so
-that the measurement is the server's) with Poisson arrivals at each of ``--rates`` (requests/s; ``inf``: all
-at once), reporting per rate TTFT, time per output token (TPOT) and end-to-end latency at p50 and p99,
-request and output-token throughput, the server's SSE events per request and decode dispatches.
+flags as the command takes them; its engine process apart, as the command's), requests streamed to it over
+HTTP by a client in a process of its own (so that the measurement is the server's) with Poisson arrivals at
+each of ``--rates`` (requests/s; ``inf``: all at once), reporting per rate TTFT, time per output token (TPOT)
+and end-to-end latency at p50 and p99, request and output-token throughput, the server's SSE events per
+request and decode dispatches.
 
 Workloads (``--dataset``): ``random``, prompts of random token ids of ``--input-len`` tokens (lengths drawn
 uniformly down to ``--range-ratio`` of it); ``shared-prefix``, each prompt a common ``--prefix-len``-token
 prefix then a random suffix of that length. Every request asks ``--output-len`` greedy tokens and no stop
 (``ignore_eos``), so each gives exactly that many. With ``--offline``, ``Engine.generate`` of the same prompts
-is timed too (its output tokens/s: the serving overhead's baseline; ``offline_over_served`` per rate). With
-``--sweep-slots S ...``, one server per slot count, one after the other.
+is timed too, in the engine process on its engine before it serves (its output tokens/s: the serving
+overhead's baseline; ``offline_over_served`` per rate). With ``--sweep-slots S ...``, one server per slot
+count, one after the other.
 
     python bench/bench_serving.py --slots 8 --pages 256 --rates 2 8 inf --num-prompts 64
     python bench/bench_serving.py --rates inf --num-prompts 64 --input-len 128 --output-len 64 --offline
@@ -159,54 +161,68 @@ def main(argv=None) -> list[dict]:
     return rows
 
 
+class Phases:
+    """Prints the time each phase took on stderr as it ends (so that a run cut short shows where its time
+    went), in whichever process runs it."""
+
+    def __init__(self, slots: int):
+        self.slots, self.clock = slots, time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        print(f"slots {self.slots}: {name} {now - self.clock:.1f} s", file=sys.stderr, flush=True)
+        self.clock = now
+
+
+def engine(args):
+    """In the engine process: the server's scheduler and, with ``--offline``, ``Engine.generate`` of the
+    workload timed on its engine before it serves (the offline row; else None)."""
+    phase = Phases(args.slots)
+    scheduler = cli.scheduler(args)
+    if not args.offline:
+        return scheduler, None
+    phase("loading the engine")
+    engine, prompts = scheduler.engine, workload(args, scheduler.limits.vocab_size)
+    options = dict(tree=scheduler.tree, stop_tokens=())  # no EOS stop, as the requests' ignore_eos
+    engine.generate(prompts, args.output_len, **options)  # compiles every shape and bucket it meets
+    phase("offline warm-up (compiling)")
+    result = engine.generate(prompts, args.output_len, **options)
+    phase("offline")
+    tokens = sum(map(len, result.tokens))
+    return scheduler, dict(
+        rate="offline",
+        requests=len(prompts),
+        duration_s=result.seconds,
+        output_tokens=tokens,
+        output_tokens_per_s=tokens / result.seconds,
+        dispatches=result.dispatches,
+    )
+
+
 def run(parser: argparse.ArgumentParser, args) -> list[dict]:
-    """The rows of one server of ``args``: the offline run's (with ``--offline``) and each rate's; the time
-    each phase took on stderr as it ends (so that a run cut short shows where its time went)."""
-    clock = time.perf_counter()
-
-    def phase(name: str) -> None:
-        nonlocal clock
-        print(f"slots {args.slots}: {name} {time.perf_counter() - clock:.1f} s", file=sys.stderr, flush=True)
-        clock = time.perf_counter()
-
-    server = cli.build(parser, args)
-    engine = server.scheduler.engine
-    prompts = workload(args, engine.model.config.vocab_size)
-    phase("loading")
-    rows, offline = [], None
-    if args.offline:
-        options = dict(tree=server.scheduler.tree, stop_tokens=())  # no EOS stop, as the requests' ignore_eos
-        engine.generate(prompts, args.output_len, **options)  # compiles every shape and bucket it meets
-        phase("offline warm-up (compiling)")
-        result = engine.generate(prompts, args.output_len, **options)
-        phase("offline")
-        tokens = sum(map(len, result.tokens))
-        offline = tokens / result.seconds
-        rows.append(
-            dict(
-                rate="offline",
-                requests=len(prompts),
-                duration_s=result.seconds,
-                output_tokens=tokens,
-                output_tokens_per_s=offline,
-                dispatches=result.dispatches,
-            )
-        )
+    """The rows of one server of ``args`` (its engine process built by :func:`engine`): the offline run's
+    (with ``--offline``) and each rate's; each phase's time on stderr."""
+    phase = Phases(args.slots)
+    server = cli.build(parser, args, engine)
+    prompts = workload(args, server.engine.limits.vocab_size)
+    phase("loading (the offline run's phases included)")
+    offline = server.engine.extra
+    rows = [] if offline is None else [offline]
     spawn = multiprocessing.get_context("spawn")  # (no fork of a process running JAX's threads)
     with cli.running(server) as base, ProcessPoolExecutor(1, mp_context=spawn) as pool:
         for warm in prompts[:2]:  # compiles (the second: a prefix cache's hit)
             pool.submit(client, base, server.model_name, [warm], args.output_len, math.inf, 0).result()
         phase("served warm-up")
-        totals = server.scheduler.totals
         for rate in args.rates:
-            before, dispatches = dict(totals), server.scheduler.dispatches
+            before = server.engine.stats
             job = (base, server.model_name, prompts, args.output_len, rate, args.bench_seed)
             row = pool.submit(client, *job).result()
-            row["dispatches"] = server.scheduler.dispatches - dispatches
+            after = server.engine.stats
+            row["dispatches"] = after["dispatches"] - before["dispatches"]
             for key in ("prefill_tokens", "cached_tokens"):  # the prompt tokens fed, and taken from the cache
-                row[key] = totals[key] - before.get(key, 0)
+                row[key] = after["totals"].get(key, 0) - before["totals"].get(key, 0)
             if offline is not None:
-                row["offline_over_served"] = offline / row["output_tokens_per_s"]
+                row["offline_over_served"] = offline["output_tokens_per_s"] / row["output_tokens_per_s"]
             rows.append(row)
             phase(f"rate {rate}")
     return rows

@@ -1,26 +1,24 @@
 """``jax-oc128 serve`` live on 127.0.0.1 with the shipped model, through the official ``openai`` client and
-plain HTTP, one server for the module (speculating with a chain of 2, paged caches): completions and chat,
-streamed (one event per step's tokens) and not, equal to ``Engine.generate``'s greedy tokens; stop strings and
-stop token ids with their usage; seeded sampling reproducible and equal to generate's; bad requests refused
-with 400 naming the field and the engine untouched; a full server answers 503 and loses nothing; a load of
-200 streamed requests from 32 clients, a fifth leaving mid-stream, leaks no slot or page and /health answers
-throughout."""
+plain HTTP, one server (one engine process) for the module (speculating with a chain of 2, paged caches),
+the offline references computed by ``Engine.generate`` in its engine process before it serves: completions
+and chat, streamed (one event per step's tokens) and not, equal to ``Engine.generate``'s greedy tokens; stop
+strings and stop token ids with their usage; seeded sampling reproducible and equal to generate's; bad
+requests refused with 400 naming the field and the engine untouched; a full server answers 503 and loses
+nothing; a load of 200 streamed requests from 32 clients, a fifth leaving mid-stream, leaks no slot or page
+and /health answers throughout."""
 
 from __future__ import annotations
 
 import asyncio
 import math
+import multiprocessing
 import random
-import sys
-import threading
 import time
 
 import httpx
 import openai
 import pytest
 from serving import build, live, wait_idle
-
-from jax_oc128.serve.app import SWITCH_INTERVAL
 
 SLOTS, PAGES, MAX_QUEUED, K = 4, 12, 40, 8
 FLAGS = ("--draft", "2", "--slots", str(SLOTS), "--pages", str(PAGES), "--steps-per-dispatch", str(K))
@@ -35,21 +33,35 @@ PROMPTS = [
 ]
 NEW = 12  # max_tokens of the greedy requests
 VOCAB = 1024  # the shipped text model's
+#: seeded sampling (top_p, and vLLM's top_k), the request's and generate's
+SAMPLED = dict(temperature=0.8, seed=7, top_p=0.9, top_k=20)
+#: the references, generate's tokens (tests/serving.py's jobs): greedy, of PROMPTS and of the same prompts as
+#: chat messages, and PROMPTS[1] sampled as SAMPLED
+JOBS = [
+    dict(prompts=PROMPTS, max_new_tokens=NEW),
+    dict(prompts=PROMPTS, chat=True, max_new_tokens=NEW),
+    dict(prompts=PROMPTS[1:2], max_new_tokens=NEW, **SAMPLED),
+]
 
 
 @pytest.fixture(scope="module")
-def plain():
+def gate():
+    """Holds the engine process's steps while clear (set: they run)."""
+    gate = multiprocessing.get_context("spawn").Event()
+    gate.set()
+    return gate
+
+
+@pytest.fixture(scope="module")
+def plain(gate):
     """The server and the greedy tokens of :data:`PROMPTS` and of the same prompts as chat messages, from
     its own engine's ``generate`` before it serves, with its speculation (one compilation for both; the
-    speculative greedy tokens are the plain ones: tests/test_decode.py)."""
-    server = build(*FLAGS)
-    tokenizer, engine = server.tokenizer, server.scheduler.engine
-    chats = [tokenizer.encode(p, chat=True) for p in PROMPTS]
-    tree = server.scheduler.tree
-    expected = engine.generate([tokenizer.encode(p) for p in PROMPTS], NEW, tree=tree).tokens
-    expected_chat = engine.generate(chats, NEW, tree=tree).tokens
+    speculative greedy tokens are the plain ones: tests/test_decode.py), and the sampled tokens of
+    :data:`SAMPLED`."""
+    server = build(*FLAGS, gate=gate, jobs=JOBS)
+    expected, expected_chat, sampled = server.engine.extra
     with live(server) as base:
-        yield server, base, expected, expected_chat
+        yield server, base, expected, expected_chat, sampled
 
 
 def client(base: str, cls=openai.OpenAI):
@@ -60,7 +72,7 @@ def test_completions_and_chat_equal_generate(plain):
     """Completions and chat, streamed and not, give the text of generate's greedy tokens, with their usage;
     a stream sends a step's tokens as one event (at most one per dispatch of K steps, the prefill's first
     token one more), the last one with the finish reason."""
-    server, base, expected, expected_chat = plain
+    server, base, expected, expected_chat, _ = plain
     decode = server.tokenizer.decode
     api = client(base)
     assert [m.id for m in api.models.list().data] == ["shipped"]
@@ -89,8 +101,8 @@ def test_completions_and_chat_equal_generate(plain):
 def test_stop_strings_and_token_ids(plain):
     """A stop string cuts the text before it (finish_reason stop), streamed or not, the usage counting the
     tokens through the one that completes it; a stop token id ends the request at it, kept, as generate's
-    stop_tokens."""
-    server, base, expected, _ = plain
+    stop_tokens (its greedy tokens through the first one: greedy tokens do not depend on where they stop)."""
+    server, base, expected, _, _ = plain
     decode = server.tokenizer.decode
     api = client(base)
     text = decode(expected[0])
@@ -120,9 +132,7 @@ def test_stop_strings_and_token_ids(plain):
         assert "".join(c.choices[0].text for c in chunks[:-1]) == text[:first]
         assert chunks[-2].choices[0].finish_reason == "stop" and chunks[-1].usage.completion_tokens == ends
     token = expected[0][4]
-    engine, tree = server.scheduler.engine, server.scheduler.tree
-    prompt = server.tokenizer.encode(PROMPTS[0])
-    offline = engine.generate([prompt], NEW, stop_tokens=[token], tree=tree).tokens[0]
+    offline = expected[0][: expected[0].index(token) + 1]
     done = api.completions.create(
         model="shipped",
         prompt=PROMPTS[0],
@@ -137,28 +147,19 @@ def test_stop_strings_and_token_ids(plain):
 def test_seeded_sampling_is_reproducible(plain):
     """A sampled request with a seed, top_p and top_k (vLLM's extension) gives the same text twice,
     generate's at that seed and with those parameters (it runs alone)."""
-    server, base, _, _ = plain
+    server, base, _, _, sampled = plain
     api = client(base)
+    options = dict(SAMPLED)
+    top_k = options.pop("top_k")
     texts = [
         api.completions.create(
-            model="shipped",
-            prompt=PROMPTS[1],
-            max_tokens=NEW,
-            temperature=0.8,
-            seed=7,
-            top_p=0.9,
-            extra_body={"top_k": 20},
+            model="shipped", prompt=PROMPTS[1], max_tokens=NEW, extra_body={"top_k": top_k}, **options
         )
         .choices[0]
         .text
         for _ in range(2)
     ]
-    prompt = server.tokenizer.encode(PROMPTS[1])
-    stops = server.tokenizer.eos_token_ids  # the server's own stop tokens
-    sampled = dict(temperature=0.8, seed=7, top_p=0.9, top_k=20, stop_tokens=stops)
-    sampled["tree"] = server.scheduler.tree
-    offline = server.scheduler.engine.generate([prompt], NEW, **sampled).tokens[0]
-    assert texts[0] == texts[1] == server.tokenizer.decode(offline)
+    assert texts[0] == texts[1] == server.tokenizer.decode(sampled[0])
 
 
 BAD = [
@@ -224,7 +225,7 @@ BAD = [
 def test_bad_requests_are_400_naming_the_field(plain, path, body, param, message):
     """Each bad request: 400, an OpenAI error body naming the field (the message starting with it; the
     scheduler's wording where it checks), nothing queued or run."""
-    _, base, _, _ = plain
+    _, base, _, _, _ = plain
     before = wait_idle(base)
     send = dict(content=body) if isinstance(body, str) else dict(json=body)
     response = httpx.post(f"{base}{path}", timeout=30, **send)
@@ -236,12 +237,11 @@ def test_bad_requests_are_400_naming_the_field(plain, path, body, param, message
     assert httpx.get(f"{base}/health").json() == before
 
 
-def test_a_full_server_answers_503_and_loses_nothing(plain):
-    """With the device loop held, the server takes slots + max_queued requests and refuses the next with
-    503; released, every request it took completes with generate's text."""
-    server, base, expected, _ = plain
-    gate, step = threading.Event(), server.scheduler.step
-    server.scheduler.step = lambda: (gate.wait(120), step())[1]
+def test_a_full_server_answers_503_and_loses_nothing(plain, gate):
+    """With the engine process's steps held, the server takes slots + max_queued requests and refuses the
+    next with 503; released, every request it took completes with generate's text."""
+    server, base, expected, _, _ = plain
+    gate.clear()
     capacity = SLOTS + MAX_QUEUED
 
     async def run():
@@ -261,7 +261,6 @@ def test_a_full_server_answers_503_and_loses_nothing(plain):
         refused, taken = asyncio.run(run())
     finally:
         gate.set()
-        server.scheduler.step = step
     assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_busy"
     decode = server.tokenizer.decode
     assert [r.json()["choices"][0]["text"] for r in taken] == [
@@ -271,11 +270,10 @@ def test_a_full_server_answers_503_and_loses_nothing(plain):
 
 def test_load_with_disconnects_leaks_nothing(plain):
     """200 streamed requests from 32 concurrent clients, a random fifth leaving after their first chunk:
-    each completed one is generate's text, the others are aborted; afterwards no request is held and every
-    page is free; /health answered within a second throughout, the GIL handed between the threads at the
-    server's switch interval."""
-    server, base, expected, _ = plain
-    assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL)
+    each completed one is generate's text, the others are aborted; afterwards no request is held, no slot
+    runs and every page is free (the engine process's counts); /health answered within a second
+    throughout."""
+    server, base, expected, _, _ = plain
     decode = server.tokenizer.decode
     rng = random.Random(0)
     leave = set(rng.sample(range(200), 40))
@@ -323,7 +321,7 @@ def test_load_with_disconnects_leaks_nothing(plain):
         if i not in leave:
             assert results[i] == decode(expected[i % 6]), i
     health = wait_idle(base)
-    assert health["free_pages"] == PAGES and not server.scheduler.owner
+    assert health["free_pages"] == PAGES and health["running"] == health["waiting"] == 0
     assert health["finished"]["abort"] >= 1, health  # some left while their request ran
     assert max(health_times) < 1.0, max(health_times)
 

@@ -23,6 +23,7 @@ from jax_oc128.checks import (
     check_int,
     is_int,
 )
+from jax_oc128.engine.pages import pages_for
 from jax_oc128.engine.state import DecodeState
 from jax_oc128.nn import sharding
 from jax_oc128.protocols import Drafter, Model, members
@@ -393,13 +394,13 @@ def check_context(context, model) -> int | None:
     return None if context is None else check_int("context", context, 1, model.max_len)
 
 
-def check_request_fits(name: str, tokens: int, pool) -> None:
+def check_request_fits(name: str, tokens: int, page_size: int, pages: int) -> None:
     """A request (named ``name`` in errors) writing at most ``tokens`` tokens (prompt + max_new_tokens + N)
-    fits in a device's pool of ``pool`` (a :class:`~jax_oc128.engine.pages.PagePool`), else ValueError."""
-    if pool.pages_for(tokens) > pool.per_shard:
+    fits in a device's pool of ``pages`` pages of ``page_size`` tokens, else ValueError."""
+    needs = pages_for(tokens, page_size)
+    if needs > pages:
         raise ArgumentError(
             name,
-            f"needs {pool.pages_for(tokens)} pages of {pool.page_size} tokens (prompt + "
-            f"max_new_tokens + N = {tokens} tokens), more than the {pool.per_shard} of a device's pool "
-            f"(Engine(..., pages=))",
+            f"needs {needs} pages of {page_size} tokens (prompt + max_new_tokens + N = {tokens} tokens), "
+            f"more than the {pages} of a device's pool (Engine(..., pages=))",
         )

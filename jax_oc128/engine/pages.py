@@ -22,6 +22,11 @@ from __future__ import annotations
 import numpy as np
 
 
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages of ``page_size`` tokens that hold ``tokens`` tokens."""
+    return -(-tokens // page_size)
+
+
 class PagePool:
     """Pages of ``page_size`` tokens, ``pages`` in all split evenly over ``shards`` devices, for ``slots``
     slots of up to ``max_pages`` pages each.
@@ -48,7 +53,7 @@ class PagePool:
 
     def pages_for(self, tokens: int) -> int:
         """Pages that hold ``tokens`` tokens."""
-        return -(-tokens // self.page_size)
+        return pages_for(tokens, self.page_size)
 
     def shard(self, slot: int) -> int:
         """The device whose pool slot ``slot`` draws from."""

@@ -36,6 +36,7 @@ from jax_oc128.engine.pages import PagePool
 from jax_oc128.engine.prefix_cache import Plan, PrefixCache, check_prefix_cache
 from jax_oc128.engine.state import DecodeOutput
 from jax_oc128.nn import sharding
+from jax_oc128.tree import Tree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,51 @@ class SamplingParams:
     seed: int | None = None
     top_p: float | None = None
     top_k: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """What a request is checked against (:meth:`check`), picklable: a server's HTTP process checks requests
+    with its engine process's limits (docs/serving.md).
+
+    Attributes:
+      max_len, vocab_size, eos_token_ids: the model's (``eos_token_ids``: the stop tokens of a request that
+        gives None).
+      tree: the speculation's draft tree, or None (plain steps).
+      page_size, pages: a paged engine's page size and pages per device, or None (dense).
+    """
+
+    max_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    tree: Tree | None
+    page_size: int | None = None
+    pages: int | None = None
+
+    @property
+    def width(self) -> int:
+        """The tokens a step writes: the tree's nodes, 1 for plain steps."""
+        return 1 if self.tree is None else self.tree.size
+
+    def check(self, prompt, params: SamplingParams, name: str = "prompt") -> tuple[np.ndarray, int]:
+        """``prompt`` (named ``name`` in errors) and ``params`` checked as :meth:`Engine.generate` checks
+        them, and that the request fits a device's page pool (:class:`~jax_oc128.checks.ArgumentTypeError` /
+        :class:`~jax_oc128.checks.ArgumentError` naming the argument: ``name``, or a field of ``params`` by
+        its name). Returns the prompt as int32 and the most tokens it writes."""
+        if not isinstance(params, SamplingParams):
+            raise ArgumentTypeError("params", f"must be a SamplingParams, got {type(params).__name__}")
+        longest = arguments.check_max_new_tokens(params.max_new_tokens, self.tree, self)
+        arguments.check_temperature(params.temperature)
+        arguments.check_top_p(params.top_p)
+        arguments.check_top_k(params.top_k)
+        arguments.check_stop_tokens(params.stop_tokens, self)
+        if params.seed is not None:
+            arguments.check_seed(params.seed)
+        ids = arguments.check_prompt(name, prompt, self, longest)
+        needs = len(ids) + params.max_new_tokens + self.width
+        if self.pages is not None:
+            arguments.check_request_fits(name, needs, self.page_size, self.pages)
+        return ids, needs
 
 
 @dataclasses.dataclass
@@ -108,6 +154,7 @@ class RequestScheduler:
     (:mod:`~jax_oc128.engine.prefix_cache`).
 
     Attributes:
+      limits: the :class:`RequestLimits` its requests are checked against.
       page_pool: paged engines, the :class:`~jax_oc128.engine.pages.PagePool` of its slots (else None).
       prefix_cache: the :class:`~jax_oc128.engine.prefix_cache.PrefixCache`, or None.
       dispatches: decode dispatches run.
@@ -118,12 +165,21 @@ class RequestScheduler:
     def __init__(self, engine, *, num_tokens=None, tree=None, seed=0, prefix_cache=0):
         self.engine = engine
         self.tree = arguments.check_speculation(num_tokens, tree, engine.model)
-        self.width = 1 if self.tree is None else self.tree.size  # the tokens a step writes
         self.page_pool = None
         if engine.pages is not None:
             shards = 1 if engine.mesh is None else engine.mesh.shape[sharding.DATA]
             pages, size = engine.pages, engine.page_size
             self.page_pool = PagePool(pages, size, engine.slots, engine.model.max_len // size, shards)
+        model, pool = engine.model, self.page_pool
+        self.limits = RequestLimits(
+            model.max_len,
+            model.vocab_size,
+            tuple(arguments.default_stop_tokens(model)),
+            self.tree,
+            None if pool is None else pool.page_size,
+            None if pool is None else pool.per_shard,
+        )
+        self.width = self.limits.width
         capacity = check_prefix_cache(prefix_cache, engine)
         self.prefix_cache = PrefixCache(engine, self.page_pool, capacity) if capacity else None
         self.state = engine._take_state(arguments.check_seed(seed))
@@ -140,26 +196,9 @@ class RequestScheduler:
         self.totals = collections.Counter()
 
     def check_request(self, prompt, params: SamplingParams, name: str = "prompt") -> tuple[np.ndarray, int]:
-        """``prompt`` (named ``name`` in errors) and ``params`` checked as :meth:`Engine.generate` checks
-        them, and that the request fits a device's page pool (:class:`~jax_oc128.checks.ArgumentTypeError` /
-        :class:`~jax_oc128.checks.ArgumentError` naming the argument: ``name``, or a field of ``params`` by
-        its name); no state read or changed (any thread). Returns the prompt as int32 and the most tokens it
-        writes."""
-        if not isinstance(params, SamplingParams):
-            raise ArgumentTypeError("params", f"must be a SamplingParams, got {type(params).__name__}")
-        model = self.engine.model
-        longest = arguments.check_max_new_tokens(params.max_new_tokens, self.tree, model)
-        arguments.check_temperature(params.temperature)
-        arguments.check_top_p(params.top_p)
-        arguments.check_top_k(params.top_k)
-        arguments.check_stop_tokens(params.stop_tokens, model)
-        if params.seed is not None:
-            arguments.check_seed(params.seed)
-        ids = arguments.check_prompt(name, prompt, model, longest)
-        needs = len(ids) + params.max_new_tokens + self.width
-        if self.page_pool is not None:
-            arguments.check_request_fits(name, needs, self.page_pool)
-        return ids, needs
+        """:meth:`RequestLimits.check` of this scheduler's :attr:`limits`; no state read or changed (any
+        thread)."""
+        return self.limits.check(prompt, params, name)
 
     def add_request(self, prompt, params: SamplingParams) -> int:
         """Queue a request (checked by :meth:`check_request`); it joins the running batch at a coming

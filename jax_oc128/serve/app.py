@@ -1,18 +1,18 @@
 """The FastAPI application: OpenAI's ``/v1/completions``, ``/v1/chat/completions`` (both streamed as
-server-sent events or not), ``/v1/models`` and ``/health`` over a :class:`~jax_oc128.serve.worker.Worker`.
+server-sent events or not), ``/v1/models`` and ``/health`` over an
+:class:`~jax_oc128.serve.engine_process.EngineProcess`.
 
-Each request is checked here, on the HTTP side (by the scheduler's checks, OpenAI's names in the errors, the
-engine untouched), then handed to the device thread; its tokens come back in one message per step for all
-requests, and all a request got since its last event go out as one event. Stop strings are matched on the
-decoded text here (``generate_command.StopStrings``: the text held back while it could still begin one); a
-client that disconnects aborts its request."""
+Each request is checked here, on the HTTP side (by the scheduler's checks with the engine process's
+limits, OpenAI's names in the errors, the engine untouched), then sent to the engine process; its tokens
+come back in one message per step for all requests, and all a request got since its last event go out as
+one event. Stop strings are matched on the decoded text here (``generate_command.StopStrings``: the text
+held back while it could still begin one); a client that disconnects aborts its request."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-import sys
 import time
 import uuid
 
@@ -22,10 +22,10 @@ from sse_starlette.sse import EventSourceResponse
 
 from jax_oc128.checks import NamedError
 from jax_oc128.engine import MAX_STOP_TOKENS
-from jax_oc128.engine.requests import RequestScheduler, SamplingParams
+from jax_oc128.engine.requests import SamplingParams
 from jax_oc128.generate_command import StopStrings
+from jax_oc128.serve.engine_process import EngineFailed, EngineProcess, Handle, QueueFull
 from jax_oc128.serve.protocol import ChatRequest, CompletionRequest, RequestError, parse
-from jax_oc128.serve.worker import Handle, QueueFull, Worker
 
 #: the scheduler's argument names (``checks.NamedError.argument``) as the OpenAI API names them; the prompt's
 #: is the request's field (``prompt`` or ``messages``)
@@ -39,28 +39,24 @@ _FIELDS = {
 DEFAULT_TEMPERATURE = 1.0
 #: how often a non-streamed request checks that its client is still there, in seconds
 DISCONNECT_POLL = 0.25
-#: the interpreter's thread switch interval while the server runs, in seconds (Python's default: 0.005): the
-#: device thread waits for the GIL after each device call it makes (a dispatch, a read) while the event loop
-#: runs Python (events, requests' checks), up to one interval each time, a shorter interval bounds the wait
-SWITCH_INTERVAL = 0.0002
 
 
 class Server:
-    """What the endpoints share: the engine's scheduler in a :class:`Worker`, the tokenizer and the served
-    model's name; the longest request is the model's ``max_len`` tokens (prompt + max_tokens + N)."""
+    """What the endpoints share: the :class:`EngineProcess` (running), the tokenizer and the served model's
+    name; the longest request is the model's ``max_len`` tokens (prompt + max_tokens + N)."""
 
-    def __init__(self, scheduler: RequestScheduler, tokenizer, model_name: str, max_queued: int):
-        self.scheduler, self.tokenizer, self.model_name = scheduler, tokenizer, model_name
-        self.worker = Worker(scheduler, scheduler.engine.slots + max_queued)
+    def __init__(self, engine: EngineProcess, tokenizer, model_name: str):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
 
     def request(self, body, prompt, prompt_field: str, max_tokens) -> tuple[list[int], SamplingParams]:
-        """A parsed request's prompt ids and parameters, checked by the scheduler
-        (:meth:`RequestScheduler.check_request`: a RequestError naming the field; ``max_tokens`` None: the
-        rest of ``max_len``)."""
+        """A parsed request's prompt ids and parameters, checked by the scheduler's checks
+        (:meth:`RequestLimits.check` of the engine process's limits: a RequestError naming the field;
+        ``max_tokens`` None: the rest of ``max_len``)."""
+        limits = self.engine.limits
         if body.model != self.model_name:
             raise RequestError(f"model: this server serves {self.model_name!r}, got {body.model!r}", "model")
         if max_tokens is None:
-            max_tokens = max(1, self.scheduler.engine.model.max_len - len(prompt) - self.scheduler.width)
+            max_tokens = max(1, limits.max_len - len(prompt) - limits.width)
         eos = () if body.ignore_eos else self.tokenizer.eos_token_ids
         stop_ids = list(dict.fromkeys([*(body.stop_token_ids or []), *eos]))
         if len(stop_ids) > MAX_STOP_TOKENS:
@@ -72,7 +68,7 @@ class Server:
         top_k = None if body.top_k == -1 else body.top_k
         params = SamplingParams(max_tokens, temperature, tuple(stop_ids), body.seed, body.top_p, top_k)
         try:
-            ids, _ = self.scheduler.check_request(prompt, params, prompt_field)
+            ids, _ = limits.check(prompt, params, prompt_field)
         except NamedError as error:
             field = _FIELDS.get(error.argument, error.argument)
             raise RequestError(f"{field}{str(error)[len(error.argument) :]}", field) from None
@@ -88,7 +84,8 @@ def stop_strings(body) -> list[str]:
 
 
 class Run:
-    """One request on the HTTP side: submitted to the worker, its text as it arrives (:meth:`pieces`)."""
+    """One request on the HTTP side: submitted to the engine process, its text as it arrives
+    (:meth:`pieces`)."""
 
     def __init__(self, server: Server, prompt: list[int], params: SamplingParams, stops: list[str]):
         self.server, self.stops = server, stops
@@ -99,12 +96,14 @@ class Run:
         self.prompt_tokens, self.completion_tokens = len(prompt), 0
         self.done = False
         try:
-            server.worker.submit(self.handle)
+            server.engine.submit(self.handle)
         except QueueFull as error:
             raise RequestError(str(error), None, 503, "server_busy") from None
+        except EngineFailed as error:
+            raise RequestError(str(error), None, 503, "server_failed") from None
 
     def _receive(self, tokens: list[int], finished: str | None) -> None:
-        """The worker's news (on the event loop): kept until :meth:`pieces` takes it."""
+        """The engine process's news (on the event loop): kept until :meth:`pieces` takes it."""
         self._tokens += tokens
         self._finished = finished
         self._arrived.set()
@@ -128,7 +127,7 @@ class Run:
             if cut.stopped:
                 self.done = True
                 if not finished:
-                    self.server.worker.abort(self.handle)
+                    self.server.engine.abort(self.handle)
                 whole = "".join(decoded)  # a stop string begins at emitted: where the first one ends
                 end = emitted + min(len(stop) for stop in self.stops if whole.startswith(stop, emitted))
                 self.completion_tokens = self._through(tokens, end)
@@ -154,7 +153,7 @@ class Run:
     def abort(self) -> None:
         if not self.done:
             self.done = True
-            self.server.worker.abort(self.handle)
+            self.server.engine.abort(self.handle)
 
     def usage(self) -> dict:
         total = self.prompt_tokens + self.completion_tokens
@@ -167,19 +166,16 @@ class Run:
 
 
 def create_app(server: Server) -> FastAPI:
-    """The application over ``server``; its worker runs while the application does (its lifespan), the
-    process's thread switch interval :data:`SWITCH_INTERVAL` meanwhile."""
+    """The application over ``server``; its engine process's news is read on the application's event loop
+    while it runs (its lifespan), and the engine process is stopped when it ends."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(SWITCH_INTERVAL)
-        server.worker.start(asyncio.get_running_loop().call_soon_threadsafe)
+        server.engine.attach(asyncio.get_running_loop())
         try:
             yield
         finally:
-            server.worker.stop()
-            sys.setswitchinterval(interval)
+            server.engine.close()
 
     app = FastAPI(title="jax_oc128", lifespan=lifespan)
     app.state.server = server
@@ -190,13 +186,14 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        worker = server.worker
-        pool = server.scheduler.page_pool
+        engine = server.engine
         body = dict(
-            status="ok" if worker.alive and worker.error is None else "failed",
-            outstanding=worker.outstanding,
-            finished=dict(worker.finished),
-            free_pages=None if pool is None else pool.free_pages,
+            status="ok" if engine.alive else "failed",
+            outstanding=engine.outstanding,
+            finished=dict(engine.finished),
+            free_pages=engine.stats["free_pages"],
+            running=engine.stats["running"],
+            waiting=engine.stats["waiting"],
         )
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 

@@ -64,41 +64,69 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int_argument(0), default=8000)
 
 
-def build(parser: argparse.ArgumentParser, args):
-    """The server of ``args`` (:class:`~jax_oc128.serve.app.Server`), argparse's error for a bad flag."""
-    from jax_oc128.engine import Engine
-    from jax_oc128.engine.requests import RequestScheduler
+#: the engine's argument names (``checks.NamedError.argument``) as the command's flags; the speculation's
+#: is ``--draft`` or ``--tree``, any other is the checkpoint's (``path``)
+_FLAGS = {
+    "slots": "--slots",
+    "pages": "--pages",
+    "page_size": "--page-size",
+    "max_len": "--max-len",
+    "prefix_cache": "--prefix-cache",
+}
+
+
+def build(parser: argparse.ArgumentParser, args, factory=None, *extra):
+    """The server of ``args`` (:class:`~jax_oc128.serve.app.Server`), its engine process started and built
+    by ``factory(args, *extra)`` (a module-level function returning the scheduler and the factory's extra;
+    None: :func:`load_engine`); argparse's error for a bad flag, whichever process finds it."""
     from jax_oc128.loading.hf_config import CONFIG, read_config
-    from jax_oc128.pretrained import load_pretrained
     from jax_oc128.serve.app import Server
+    from jax_oc128.serve.engine_process import EngineFailed, EngineProcess, EngineSpec
     from jax_oc128.text import SHIPPED_MODEL, load_tokenizer
 
     n = args.draft or args.tree or 1
-    if n > MAX_DRAFT:
-        parser.error(f"argument --{'draft' if args.draft else 'tree'}: at most {MAX_DRAFT}")
     speculation = f"--{'draft' if args.draft else 'tree'}"
-    flags = {"num_tokens": speculation, "tree": speculation, "slots": "--slots", "pages": "--pages"}
-    flags |= {"page_size": "--page-size", "max_len": "--max-len", "prefix_cache": "--prefix-cache"}
+    if n > MAX_DRAFT:
+        parser.error(f"argument {speculation}: at most {MAX_DRAFT}")
+    flags = _FLAGS | {"num_tokens": speculation, "tree": speculation}
     path = SHIPPED_MODEL if args.path is None else args.path
     try:
         tokenizer = load_tokenizer(path)
         positions = read_config(pathlib.Path(path) / CONFIG).runtime.max_len  # max_position_embeddings
-        if args.max_len is not None and args.max_len > positions:
-            parser.error(f"argument --max-len: at most the model's max_position_embeddings ({positions})")
-        model = load_pretrained(path, dtype=args.dtype, max_len=args.max_len or 4096, max_draft=n)
-        name = "shipped" if args.path is None else args.path.rstrip("/").split("/")[-1]
-        engine = Engine(
-            model,
-            args.slots,
-            steps_per_dispatch=args.steps_per_dispatch,
-            pages=args.pages,
-            page_size=args.page_size,
-        )
-        tree = None if args.tree is None else _default_tree(args.tree)
-        scheduler = RequestScheduler(engine, num_tokens=args.draft, tree=tree, prefix_cache=args.prefix_cache)
-    except (OSError, ValueError, NotImplementedError) as error:
-        parser.error(f"argument {flags.get(getattr(error, 'argument', None), 'path')}: {error}")
-    return Server(scheduler, tokenizer, args.served_model_name or name, args.max_queued)
+    except (OSError, ValueError) as error:
+        parser.error(f"argument path: {error}")
+    if args.max_len is not None and args.max_len > positions:
+        parser.error(f"argument --max-len: at most the model's max_position_embeddings ({positions})")
+    try:
+        process = EngineProcess(EngineSpec(factory or load_engine, (args, *extra)), args.max_queued)
+    except EngineFailed as error:
+        if not error.usage:
+            raise
+        parser.error(f"argument {flags.get(error.argument, 'path')}: {error.message}")
+    name = "shipped" if args.path is None else args.path.rstrip("/").split("/")[-1]
+    return Server(process, tokenizer, args.served_model_name or name)
+
+
+def scheduler(args):
+    """In the engine process: the :class:`~jax_oc128.engine.requests.RequestScheduler` of ``args`` (the
+    checkpoint loaded, its engine built; a bad argument raises the engine's error naming it)."""
+    from jax_oc128.engine import Engine
+    from jax_oc128.engine.requests import RequestScheduler
+    from jax_oc128.pretrained import load_pretrained
+    from jax_oc128.text import SHIPPED_MODEL
+
+    path = SHIPPED_MODEL if args.path is None else args.path
+    n = args.draft or args.tree or 1
+    model = load_pretrained(path, dtype=args.dtype, max_len=args.max_len or 4096, max_draft=n)
+    options = dict(steps_per_dispatch=args.steps_per_dispatch, pages=args.pages, page_size=args.page_size)
+    engine = Engine(model, args.slots, **options)
+    tree = None if args.tree is None else _default_tree(args.tree)
+    return RequestScheduler(engine, num_tokens=args.draft, tree=tree, prefix_cache=args.prefix_cache)
+
+
+def load_engine(args):
+    """The engine process's factory of ``jax-oc128 serve``: :func:`scheduler` and no extra."""
+    return scheduler(args), None
 
 
 def _default_tree(n: int):
@@ -110,7 +138,8 @@ def _default_tree(n: int):
 @contextlib.contextmanager
 def running(server, host: str = "127.0.0.1", port: int = 0, timeout: float = 120):
     """Serve ``server`` (a :class:`~jax_oc128.serve.app.Server`) under uvicorn in a thread while the block
-    runs (port 0: a free one); yields the base URL. For tests and benchmarks."""
+    runs (port 0: a free one); yields the base URL; its engine process is stopped after. For tests and
+    benchmarks."""
     import uvicorn
 
     from jax_oc128.serve.app import create_app
