@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "attention_ffi.h"
+#include "mma.h"
 
 namespace oc128 {
 namespace {
@@ -30,15 +31,6 @@ __device__ __forceinline__ uint32_t word(const bf16* at) { return *reinterpret_c
 
 __device__ __forceinline__ uint32_t pair(bf16 lo, bf16 hi) {
   return uint32_t(__bfloat16_as_ushort(lo)) | (uint32_t(__bfloat16_as_ushort(hi)) << 16);
-}
-
-// c += a b: a 16x16 (row major), b 16x8 (column major), c 16x8 float32.
-__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // The A fragment of rows `row`.. and columns `col`.. of a bf16 matrix with row stride `stride`.
