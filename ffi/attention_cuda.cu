@@ -1,12 +1,16 @@
-// CUDA handler of the attention op (attention_ffi.h). One block per (query, tile of 64 heads): MQA, so the heads of a
-// query share every key. Warp 0 gathers the next 32 keys of the query's list that name a pool row (keys that name none
-// are skipped: tiles are dense); their rows are copied into shared memory as bfloat16 by 16-byte cp.async,
-// double-buffered (tile i + 1 is in flight while tile i is computed). Per tile:
+// CUDA handler of the attention op (attention_ffi.h). One block per (query, tile of 64 heads, split of the
+// query's keys): MQA, so the heads of a query share every key. Warp 0 gathers the next 32 keys of the query's
+// list that name a pool row (keys that name none are skipped: tiles are dense); their rows are copied into
+// shared memory as bfloat16 by 16-byte cp.async, double-buffered (tile i + 1 is in flight while tile i is
+// computed). Per tile:
 //   S = Q K^T (tensor cores, mma.sync m16n8k16 bf16, float32 accumulate; fragments by ldmatrix), the online
 //   softmax of S's rows (float32 statistics in shared memory; P as bfloat16), O = O * alpha + P V with O in
 //   registers (V's fragments by ldmatrix.trans).
 // 8 warps: for S, warp w has heads 16 (w % 4).. and keys 16 (w / 4)..; for O, heads 16 (w % 4).. and the half
 // w / 4 of head_dim. Rows of the pool the query does not name are never read (cp.async of zeros).
+// Split (flash-decoding, where there are few queries: attention_op.splits): split s of S takes keys
+// [count s / S, count (s + 1) / S) of the list and writes its unnormalized O, running max and sum to the
+// workspace; a second kernel combines the splits in their order (deterministic) with the sink.
 // float32 inputs are rounded to bfloat16 as they are loaded (synchronously). The handler only launches on XLA's
 // stream.
 #include <cuda_bf16.h>
@@ -25,6 +29,7 @@ constexpr int kHeads = 64;  // heads per block (rows of Q), padded with zero row
 constexpr int kKeys = 32;   // keys per tile: one per lane of the gathering warp
 constexpr int kWarps = 8, kThreads = 32 * kWarps;
 constexpr int kScoreStride = kKeys + 4, kProbStride = kKeys + 8;
+constexpr int kCombineThreads = 128;
 
 using bf16 = __nv_bfloat16;
 
@@ -106,13 +111,13 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(AttentionArgs<T>
   int* rows = reinterpret_cast<int*>(rescale + kHeads);  // two tiles
 
   const int64_t bq = blockIdx.x, b = bq / a.tokens;
-  const int h0 = blockIdx.y * kHeads, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int h0 = blockIdx.y * kHeads, split = blockIdx.z, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, tg = lane % 4, mt = warp % 4, half = warp / 4;
   const float inf = __int_as_float(0x7f800000);
   const T* pool = a.kv + b * a.pool * D;
 
-  const int64_t end = a.count(bq);
-  int64_t cursor = 0;  // warp 0's
+  const int64_t keys = a.count(bq), end = keys * (split + 1) / a.splits;
+  int64_t cursor = keys * split / a.splits;  // warp 0's
   if (warp == 0) {
     gather(a, bq, cursor, end, rows);
     gather(a, bq, cursor, end, rows + kKeys);
@@ -227,16 +232,49 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(AttentionArgs<T>
   }
   cp_async_wait<0>();
 
+  const int64_t parts = a.batch * a.tokens * a.splits * a.heads;  // the workspace's O rows
 #pragma unroll
   for (int part = 0; part < 2; ++part) {  // rows g and g + 8 of the warp's 16 heads
     const int row = mt * 16 + g + part * 8, h = h0 + row;
     if (h >= a.heads) continue;
-    const float most = top[row], sink = a.sinks[h], last = fmaxf(most, sink);
-    const float norm = expf(most - last) / (total[row] * expf(most - last) + expf(sink - last));
-    float* out = a.out + (bq * a.heads + h) * D + half * (D / 2) + tg * 2;
+    const float most = top[row], sum = total[row];
+    float norm = 1.0f, *out;
+    if (a.splits == 1) {
+      const float sink = a.sinks[h], last = fmaxf(most, sink);
+      norm = expf(most - last) / (sum * expf(most - last) + expf(sink - last));
+      out = a.out + (bq * a.heads + h) * D;
+    } else {
+      const int64_t at = (bq * a.splits + split) * a.heads + h;
+      out = a.workspace + at * D;
+      if (half == 0 && tg == 0) *reinterpret_cast<float2*>(a.workspace + parts * D + at * 2) = make_float2(most, sum);
+    }
+    out += half * (D / 2) + tg * 2;
 #pragma unroll
     for (int i = 0; i < NT; ++i)
       *reinterpret_cast<float2*>(out + i * 8) = make_float2(acc[i][2 * part] * norm, acc[i][2 * part + 1] * norm);
+  }
+}
+
+// One block per (query, head): the splits' partial results, in split order, with the sink.
+template <typename T>
+__global__ void __launch_bounds__(kCombineThreads) combine_kernel(AttentionArgs<T> a) {
+  const int64_t bq = blockIdx.x / a.heads, h = blockIdx.x % a.heads, S = a.splits, D = a.dim;
+  const float* stats = a.workspace + a.batch * a.tokens * S * a.heads * D;
+  const float sink = a.sinks[h];
+  float last = sink;
+  for (int64_t s = 0; s < S; ++s) last = fmaxf(last, stats[((bq * S + s) * a.heads + h) * 2]);
+  float denominator = expf(sink - last);
+  for (int64_t s = 0; s < S; ++s) {
+    const float* st = stats + ((bq * S + s) * a.heads + h) * 2;
+    denominator += expf(st[0] - last) * st[1];
+  }
+  for (int64_t c = threadIdx.x; c < D; c += kCombineThreads) {
+    float o = 0.0f;
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t at = (bq * S + s) * a.heads + h;
+      o += expf(stats[at * 2] - last) * a.workspace[at * D + c];
+    }
+    a.out[(bq * a.heads + h) * D + c] = o / denominator;
   }
 }
 
@@ -256,9 +294,12 @@ struct AttentionCuda {
     if (cudaFuncSetAttribute(attention_kernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)) !=
         cudaSuccess)
       return launched("shared memory setup");
-    const dim3 grid(unsigned(args.batch * args.tokens), unsigned((args.heads + kHeads - 1) / kHeads));
+    const int64_t queries = args.batch * args.tokens;
+    const dim3 grid(unsigned(queries), unsigned((args.heads + kHeads - 1) / kHeads), unsigned(args.splits));
     attention_kernel<D, T><<<grid, kThreads, bytes, stream>>>(args);
-    return launched("launch");
+    if (args.splits == 1) return launched("launch");
+    combine_kernel<T><<<unsigned(queries * args.heads), kCombineThreads, 0, stream>>>(args);
+    return launched("combine launch");
   }
 
   // head_dim D in {32, 64, 128, 256, 512}: one kernel per D.
