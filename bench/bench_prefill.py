@@ -4,10 +4,12 @@ slice's.
 
 Per row (config, weights, prompt length P in ``--prompt-lens``, chunk C in ``--chunks``): one
 ``Engine(model, 1, prefill_chunk=C)`` (context buckets from the engine's default floor), the model's runtime
-``max_len`` the least multiple of 128 holding P + 2 (``--max-len``: that instead), one random prompt of P
-tokens, ``engine.prefill(state, {0: prompt}, 1)``: the first call compiles (``compile s``, apart), then
-``--reps`` calls each on a fresh state (``engine.init_state``, not timed), ``prefill ms`` their median
-(``jax.block_until_ready`` on the state). ``tokens/s`` = P / that, ``ms/1k`` its time per 1000 prompt tokens.
+``max_len`` the least multiple of 128 holding P + 2 (``--max-len``: that instead; ``--attention-impl`` and
+``--kv-cache-dtype`` its other fields, default the model's), one random prompt of P tokens (at most C: one
+forward, no chunks), ``engine.prefill(state, {0: prompt}, 1)``: the first call compiles (``compile s``,
+apart), then ``--reps`` calls each on a fresh state (``engine.init_state``, not timed), ``prefill ms`` their
+median (``jax.block_until_ready`` on the state). ``tokens/s`` = P / that, ``ms/1k`` its time per 1000 prompt
+tokens.
 
 * Floor (:mod:`prefill_floor`): the prompt's FLOPs (every matmul once per token, the LM head once, the
   attention over the keys each position sees and the CSA indexer's scores) over the bf16 matmul rate
@@ -64,7 +66,8 @@ from prefill_floor import DRAFT, HEAD, by_kind, prefill_flops
 
 from jax_oc128.controller import BACKENDS
 from jax_oc128.engine import Engine
-from jax_oc128.nn import CSA, HCA, SLIDING, ModelConfig, SpeculativeModel
+from jax_oc128.nn import CSA, HCA, SLIDING, ModelConfig, SpeculativeModel, attend
+from jax_oc128.nn.kv_cache import KV_CACHE_DTYPES
 from jax_oc128.nn.moe import HASH_MOE, MOE
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "bench_prefill.json"
@@ -165,7 +168,9 @@ def measure(args, rate: float) -> tuple[list[dict], dict]:
             configs[name] = base.config
             weights = weights or base.config.dtype  # the other configs: their dtype
             for prompt_len in args.prompt_lens:
-                model = with_runtime(base, args.backend, max_len=args.max_len or least_max_len(prompt_len))
+                runtime = dict(attention_impl=args.attention_impl, kv_cache_dtype=args.kv_cache_dtype)
+                max_len = args.max_len or least_max_len(prompt_len)
+                model = with_runtime(base, args.backend, max_len=max_len, **runtime)
                 prompt = make_prompts(base.config, 1, prompt_len)[0]
                 for chunk in args.chunks:
                     rows.append(
@@ -256,6 +261,10 @@ def main(argv=None):
     parser.add_argument("--experts", type=int, default=256, help="v4flash-slice's routed experts")
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[8192, 32768, 131072])
     parser.add_argument("--chunks", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--attention-impl", choices=attend.IMPLS, default=None, help="default: the runtime's")
+    parser.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None, help="default: the runtime's"
+    )
     parser.add_argument("--max-len", type=int, default=None, help="every row's max_len (default: per P)")
     parser.add_argument("--reps", type=int, default=3, help="timed prefills per row (median)")
     parser.add_argument("--matmul-n", type=int, default=8192, help="the bf16 matmul rate's n x n x n")
@@ -274,7 +283,9 @@ def main(argv=None):
 
     device = jax.devices()[0].device_kind
     rate = matmul_rate(args.matmul_n)
+    runtime = dict(attention_impl=args.attention_impl, kv_cache_dtype=args.kv_cache_dtype)
     print(f"device: {device}, jax {jax.__version__}; bf16 matmul {rate / 1e12:.1f} TFLOP/s (the floor's)")
+    print(f"runtime (None: the model's default): {runtime}")
     print("| " + " | ".join(COLUMNS) + " |")
     print("|" + "---|" * len(COLUMNS), flush=True)
     rows, configs = measure(args, rate)
@@ -295,6 +306,7 @@ def main(argv=None):
         jax=jax.__version__,
         matmul_flops=rate,
         reps=args.reps,
+        runtime=runtime,
         configs={name: dataclasses.asdict(config) for name, config in configs.items()},
         rows=rows,
         projection=projected,
