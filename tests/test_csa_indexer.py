@@ -3,11 +3,13 @@ at a time and merged into a running top k pick exactly the entries the whole ``[
 computation picks (ties to the lower index, as ``lax.top_k``), with fewer visible entries than k and NaN
 past what a query sees; and a CSA layer whose picks are made per query group in the loop
 (nn.attend.by_query_blocks) equals the same layer computed at once (one chunk of every key, one group of
-every query)."""
+every query); at V4-Flash's shapes its prefill temporaries stay under the issue's bound."""
 
 from __future__ import annotations
 
 import dataclasses
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,9 @@ from models import MODEL_CONFIG, MODEL_RUNTIME
 from jax_oc128.nn import CSA, DeepseekV4Attention, attend, csa, kv_cache
 from jax_oc128.nn.functional import FULL
 from jax_oc128.nn.linear import linear
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
+import window_memory
 
 CONFIG = dataclasses.replace(
     MODEL_CONFIG, index_n_heads=4, index_head_dim=16, index_topk=8, sliding_window=16
@@ -116,3 +121,10 @@ def test_layer_in_the_loop_equals_at_once(monkeypatch):
         assert np.isfinite(looped[row]).all()
         np.testing.assert_array_equal(looped[row], whole[row], err_msg=f"row {row}")
     jax.tree.map(np.testing.assert_array_equal, looped_caches, whole_caches)
+
+
+def test_indexer_memory_at_128k_context():
+    """bench/window_memory.py's V4-Flash CSA layer (compiled from shapes): a prefill chunk of 8192 at a 128k
+    context needs under 2 GiB of temporaries (the issue's bound; 128 GiB with the indexer's scores over every
+    entry for the whole chunk at once)."""
+    assert 0 < window_memory.temp_bytes(8192, "csa") < 2 * 2**30
