@@ -56,9 +56,10 @@ def whole_select(compressor, q_res, positions, head_weights, limit, nodes, entri
 
 
 def indexer_inputs(seed, tokens, stored, nodes):
-    """Random inputs of :meth:`select` for 2 rows: row 0 sees from 2 entries (fewer than k) to nearly all of
-    its ``stored``, row 1 at most 5 of them; every entry and key past what its row's queries see NaN. Ties:
-    keys 0-9 repeat as keys 20-29 (scores equal across chunks) and keys 10-14 are zero (score 0)."""
+    """Random inputs of :meth:`select` for 2 rows: row 0 sees from 2 entries (fewer than k) to all of its
+    ``stored``, row 1 at most 5 of them; every entry and key past what its row's queries see NaN. Ties: keys
+    0-9 repeat as keys 20-29 (scores equal across chunks) and keys 10-14 are zero (score 0). The last 8 stored
+    keys are larger (the last chunk, which ends at the last key, rescores some of them)."""
     rng = np.random.default_rng(seed)
     c, dim = LAYER_CONFIG.indexer, LAYER_CONFIG.head_dim
     count = stored + nodes
@@ -66,7 +67,8 @@ def indexer_inputs(seed, tokens, stored, nodes):
     keys[:, 20:30] = keys[:, 0:10]
     keys[:, 10:15] = 0.0
     entries = rng.standard_normal((2, count, dim)).astype(np.float32)
-    limit = np.stack([np.linspace(2, stored - 3, tokens).astype(np.int32), rng.integers(0, 6, tokens)])
+    keys[:, stored - 8 : stored] *= 4  # the last stored keys picked first where seen
+    limit = np.stack([np.linspace(2, stored, tokens).astype(np.int32), rng.integers(0, 6, tokens)])
     for row in range(2):
         keys[row, limit[row].max() : stored] = np.nan
         entries[row, limit[row].max() : stored] = np.nan

@@ -232,36 +232,38 @@ class CSACompressor(nnx.Module):
         batch, tokens = q_res.shape[:2]
         q = linear(q_res, self.indexer_q_b_proj[...]).reshape(batch, tokens, c.num_heads, c.head_dim)
         q = self.rope.apply(q, positions)
-        keys = kv_cache.decode(keys)
-        count, k = keys.shape[1], min(c.topk, keys.shape[1])
+        count = jax.tree.leaves(keys)[0].shape[1]
+        k = min(c.topk, count)
         stored = count - (0 if nodes is None else nodes.shape[2])
         chunk = min(count, max(KEY_CHUNK, k))
-        chunks = -(-count // chunk)
-        keys = jnp.pad(keys, ((0, 0), (0, chunks * chunk - count), (0, 0)))  # the pad: never seen
 
         def scores(i):
-            """Chunk i's scores ``[batch, L, chunk]`` (-inf where unseen) and its entries' indices."""
-            index = i * chunk + jnp.arange(chunk)
-            part = jax.lax.dynamic_slice_in_dim(keys, i * chunk, chunk, axis=1)
-            relu = jax.nn.relu(jnp.einsum("bthi,bei->bthe", q, part, precision=FULL)) * c.head_dim**-0.5
+            """Chunk i's scores ``[batch, L, chunk]`` (-inf where unseen) and its entries' indices. The last
+            chunk ends at the last key: those of its keys an earlier chunk scored are unseen here."""
+            start = jnp.minimum(i * chunk, count - chunk)
+            index = start + jnp.arange(chunk)
+            part = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, chunk, axis=1), keys)
+            relu = jnp.einsum("bthi,bei->bthe", q, kv_cache.decode(part), precision=FULL)
+            relu = jax.nn.relu(relu) * c.head_dim**-0.5
             score = jnp.einsum("bth,bthe->bte", head_weights, relu, precision=FULL)
             seen = index < jnp.minimum(limit, stored)[..., None]
             if nodes is not None:
                 node = index - stored
-                in_nodes = (node >= 0) & (index < count)
-                seen |= in_nodes & nodes[..., jnp.clip(node, 0, nodes.shape[2] - 1)]
-            return jnp.where(seen, score, -jnp.inf), index
+                seen |= (node >= 0) & nodes[..., jnp.clip(node, 0, nodes.shape[2] - 1)]
+            return jnp.where(seen & (index >= i * chunk), score, -jnp.inf), index
 
         def merge(running, i):
-            """The running top k merged with chunk i's scores: the running picks' indices are all lower,
-            so the concatenation keeps ``lax.top_k``'s order among equal scores."""
+            """The running top k merged with chunk i's scores. The running picks' indices are lower than the
+            chunk's new keys', so the concatenation keeps ``lax.top_k``'s order among equal scores; its
+            unseen ones (-inf) come first, so an unseen key is picked once."""
             top, picks = running
             score, index = scores(i)
             top, at = jax.lax.top_k(jnp.concatenate([top, score], axis=-1), k)
             candidates = jnp.concatenate([picks, jnp.broadcast_to(index, score.shape)], axis=-1)
             return (top, jnp.take_along_axis(candidates, at, axis=-1)), None
 
-        (top, picks), _ = jax.lax.scan(merge, tuple(jax.lax.top_k(scores(0)[0], k)), jnp.arange(1, chunks))
+        first = tuple(jax.lax.top_k(scores(0)[0], k))
+        (top, picks), _ = jax.lax.scan(merge, first, jnp.arange(1, -(-count // chunk)))
         selected = kv_cache.decode(kv_cache.take(entries, (jnp.arange(batch)[:, None, None], picks)))
         valid = top > -jnp.inf
         return jnp.where(valid[..., None], selected, 0.0), valid
