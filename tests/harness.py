@@ -13,9 +13,11 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from oracle import BLOCK, Stream, random_ape, random_tokens, rel_err, state_err
 
 import jax_oc128 as oc
+from jax_oc128.nn import ForwardBatch, prepare_forward
 
 # Native vs reference run the same float32 recurrence; they differ only in how exp and the divisions
 # round (libm / CUDA expf vs XLA's exp), accumulated over at most 128 folds.
@@ -314,3 +316,35 @@ def poisoned_pages(state):
         for layer in state.cache.layers
     ]
     return dataclasses.replace(state, cache=dataclasses.replace(state.cache, layers=tuple(layers)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Attention layers
+
+
+def run_layer_chunks(layer, chunks, caches=None):
+    """A :class:`~jax_oc128.nn.DeepseekV4Attention` ``layer``'s outputs over chunks of random inputs from
+    position 0, two rows (row 0 every token of each chunk, row 1 7 fewer), each row's valid outputs
+    concatenated, and its ``(cache, compressed)`` after them (from ``caches``, default the layer's empty
+    ones); jitted afresh (module constants such as loop sizes are read at trace)."""
+    graphdef, params = nnx.split(layer)
+
+    @jax.jit
+    def step(caches, x, first, lengths):
+        cache, compressed = caches
+        positions = first[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)
+        fb = ForwardBatch.create(positions, lengths=lengths, mode=oc.ForwardMode.EXTEND)
+        y, cache, compressed = nnx.merge(graphdef, params)(x, cache, prepare_forward(compressed, fb), fb)
+        return y, (cache, compressed)
+
+    rng = np.random.default_rng(3)
+    caches = caches or (layer.init_cache(2), layer.init_compressed(2))
+    outputs, first = [[], []], np.zeros(2, np.int32)
+    for tokens in chunks:
+        x = jnp.asarray(rng.standard_normal((2, tokens, layer.config.hidden_size)), jnp.float32)
+        lengths = np.asarray([tokens, tokens - 7], np.int32)
+        y, caches = step(caches, x, jnp.asarray(first), jnp.asarray(lengths))
+        for row in range(2):
+            outputs[row].append(np.asarray(y[row, : lengths[row]]))
+        first += lengths
+    return [np.concatenate(row) for row in outputs], caches

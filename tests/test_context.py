@@ -28,6 +28,7 @@ from jax_oc128.nn import (
     ForwardBatch,
     SpeculativeModel,
     context_bucket,
+    csa,
     kv_cache,
 )
 from jax_oc128.rules import BLOCK
@@ -155,11 +156,11 @@ def temp_bytes(max_len: int, pages, context) -> int:
 @pytest.mark.parametrize("pages", [None, POOL], ids=["dense", "paged"])
 def test_bounded_reads_follow_the_context(pages):
     """A prefill chunk's compiled program bounded to 256 positions needs the same temporary bytes at max_len
-    16384 as at 1024 (its shapes follow the context), and fewer than a quarter of the unbounded one's at
-    16384 (the indexer's scores over every entry), dense and paged."""
+    16384 as at 1024 (its shapes follow the context), and fewer than half of the unbounded one's at 16384
+    (the indexer's keys of every entry, dense and paged; 3.1x and 15x measured)."""
     bounded = temp_bytes(16384, pages, CONTEXT)
     assert bounded == temp_bytes(1024, pages, CONTEXT)
-    assert bounded < temp_bytes(16384, pages, None) // 4
+    assert bounded < temp_bytes(16384, pages, None) // 2
 
 
 def test_context_bucket():
@@ -276,10 +277,12 @@ def test_engine_tokens_are_the_unbounded_ones(
     assert set(seen) == buckets, seen
 
 
-def test_engine_decode_cost_follows_the_bucket():
+def test_engine_decode_cost_follows_the_bucket(monkeypatch):
     """The engine's compiled decode dispatch (plain, K = 1) at max_len 16384 bounded to the bucket of 256
     positions: fewer temporary bytes and a third of the FLOPs of the same unbounded (the indexer's scores
-    over every CSA entry), the same argument bytes (the decode state)."""
+    over every CSA entry), the same argument bytes (the decode state). The indexer scores its keys in one
+    chunk: XLA's cost analysis counts a loop's body once, not once per chunk."""
+    monkeypatch.setattr(csa, "KEY_CHUNK", 1 << 30)
     model = SpeculativeModel(CONFIG, dataclasses.replace(RUNTIME, max_len=16384), rngs=nnx.Rngs(3))
     bounded = Engine(model, 2, steps_per_dispatch=1)
     state, stops = bounded.init_state(), arguments.stop_array(())

@@ -15,11 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from harness import run_layer_chunks
 from models import MODEL_CONFIG, MODEL_RUNTIME
 from oracle import rel_err, window_attention
 
-from jax_oc128.controller import ForwardMode
-from jax_oc128.nn import CSA, HCA, SLIDING, DeepseekV4Attention, ForwardBatch, attend, prepare_forward
+from jax_oc128.nn import CSA, HCA, SLIDING, DeepseekV4Attention, ForwardBatch, attend
 from jax_oc128.nn import attention as attention_module
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
@@ -32,32 +32,6 @@ CONFIG = dataclasses.replace(
 TOL = dict(rtol=2e-6, atol=2e-6)
 
 
-def run(layer, chunks):
-    """The layer's outputs over chunks of random inputs from position 0 (row 0 every token of each chunk,
-    row 1 7 fewer), each row's valid ones concatenated, and its cache after them; jitted afresh
-    (QUERY_BLOCK is read at trace)."""
-    graphdef, params = nnx.split(layer)
-
-    @jax.jit
-    def step(caches, x, first, lengths):
-        cache, compressed = caches
-        positions = first[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)
-        fb = ForwardBatch.create(positions, lengths=lengths, mode=ForwardMode.EXTEND)
-        y, cache, compressed = nnx.merge(graphdef, params)(x, cache, prepare_forward(compressed, fb), fb)
-        return y, (cache, compressed)
-
-    rng = np.random.default_rng(3)
-    caches, outputs, first = (layer.init_cache(2), layer.init_compressed(2)), [[], []], np.zeros(2, np.int32)
-    for tokens in chunks:
-        x = jnp.asarray(rng.standard_normal((2, tokens, CONFIG.hidden_size)), jnp.float32)
-        lengths = np.asarray([tokens, tokens - 7], np.int32)
-        y, caches = step(caches, x, jnp.asarray(first), jnp.asarray(lengths))
-        for row in range(2):
-            outputs[row].append(np.asarray(y[row, : lengths[row]]))
-        first += lengths
-    return [np.concatenate(row) for row in outputs], caches[0]
-
-
 @pytest.mark.parametrize("layer_type", [SLIDING, HCA, CSA])
 def test_banded_equals_dense(layer_type, monkeypatch):
     """Chunks of 300 (three blocks, the last padded, in a loop of two groups of two blocks, the last group
@@ -67,9 +41,9 @@ def test_banded_equals_dense(layer_type, monkeypatch):
         CONFIG.attention(layer_type, MODEL_RUNTIME), max_draft=MODEL_RUNTIME.max_draft, rngs=nnx.Rngs(4)
     )
     monkeypatch.setattr(attend, "LOOP_QUERIES", 256)
-    banded, banded_cache = run(layer, (300, 140))
+    banded, (banded_cache, _) = run_layer_chunks(layer, (300, 140))
     monkeypatch.setattr(attention_module, "QUERY_BLOCK", 1 << 30)  # the dense twin: [T, R + T]
-    dense, dense_cache = run(layer, (300, 140))
+    dense, (dense_cache, _) = run_layer_chunks(layer, (300, 140))
     for row in range(2):
         assert np.isfinite(banded[row]).all()
         np.testing.assert_allclose(banded[row], dense[row], **TOL, err_msg=f"row {row}")

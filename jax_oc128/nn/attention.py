@@ -319,31 +319,33 @@ def _seen_keys(keys, visible):
 
 
 def _valid(forward_batch: ForwardBatch):
-    """``[batch, T, 1]`` bool: the valid tokens, the first ``lengths`` of each row. Padding sees no entry
+    """``[batch, T]`` bool: the valid tokens, the first ``lengths`` of each row. Padding sees no entry
     (its entries could be ones no valid token wrote: a page's earlier contents)."""
     positions, lengths = forward_batch.positions, forward_batch.lengths
-    return (jnp.arange(positions.shape[1])[None] < lengths[:, None])[..., None]
+    return jnp.arange(positions.shape[1])[None] < lengths[:, None]
+
+
+def _entries_limit(forward_batch: ForwardBatch, rate: int, closed):
+    """What the T tokens of ``forward_batch`` see of an HCA or CSA layer's entries (blocks or windows of
+    ``rate`` tokens): ``(limit [batch, T] int32, nodes)``, a token seeing the stored entries by index below
+    its limit: for a chain those complete at or before the token (its call stored those it closed), for a
+    tree verify those complete before the root; ``nodes`` None for a chain, for a tree ``[batch, N, N]``
+    bool: of the nodes' own entries (``closed`` ``[batch, N]`` the index each node closed, -1 for none)
+    those its ancestors or itself closed. Padding (past each row's length) sees none."""
+    positions, tree, base = forward_batch.positions, forward_batch.tree, forward_batch.base
+    valid = _valid(forward_batch)
+    if tree is None:
+        return jnp.where(valid, (positions + 1) // rate, 0), None
+    nodes = jnp.asarray(tree.mask)[None] & (closed[:, None, :] >= 0) & valid[..., None]
+    return jnp.where(valid, base // rate, 0), nodes
 
 
 def _entries_visibility(forward_batch: ForwardBatch, stored: int, rate: int, closed):
-    """What the T tokens of ``forward_batch`` see of an HCA or CSA layer's entries (blocks or windows of
-    ``rate`` tokens): ``[batch, T, stored]`` bool for a chain, of the ``stored`` entries by index those
-    complete at or before the token (its call stored those it closed); ``[batch, N, stored + N]`` for a tree
-    verify, of the stored entries those complete before the root, then of the nodes' own entries
-    (``closed`` ``[batch, N]`` the index each node closed, -1 for none) those its ancestors or itself
-    closed."""
-    positions, tree, base = forward_batch.positions, forward_batch.tree, forward_batch.base
-    if tree is None:
-        return jnp.arange(stored) < ((positions + 1) // rate)[..., None]
-    before_root = jnp.arange(stored)[None, None, :] < base[:, :, None] // rate  # [batch, 1, stored]
-    batch, nodes = closed.shape
-    return jnp.concatenate(
-        [
-            jnp.broadcast_to(before_root, (batch, nodes, stored)),
-            jnp.asarray(tree.mask)[None] & (closed[:, None, :] >= 0),
-        ],
-        axis=2,
-    )
+    """:func:`_entries_limit` as a mask: ``[batch, T, stored]`` bool for a chain, ``[batch, N, stored + N]``
+    for a tree verify (the stored entries, then the nodes')."""
+    limit, nodes = _entries_limit(forward_batch, rate, closed)
+    visible = jnp.arange(stored) < limit[..., None]
+    return visible if nodes is None else jnp.concatenate([visible, nodes], axis=2)
 
 
 class DeepseekV4Attention(nnx.Module):
@@ -477,16 +479,26 @@ class DeepseekV4Attention(nnx.Module):
         keys, visible = _window_keys(
             fb, kv_cache.decode(cache.window), cache.window_positions, kv, c.sliding_window
         )
-        entries = picks = extra_visible = None  # an HCA layer's entries or a CSA layer's picks; who sees them
+        # what the queries attend to besides the window, per row (attend.by_query_blocks): an HCA layer's
+        # entries by who sees them; a CSA layer's picks, made in the loop from what the indexer reads
+        entries, seen = None, (None,)
         if c.layer_type == HCA:
             with jax.named_scope("compressor"):
-                cache, compressed, entries, extra_visible = self._compress(x, cache, compressed, fb)
+                cache, compressed, entries, visible_entries = self._compress(x, cache, compressed, fb)
+            seen = (visible_entries,)
         if c.layer_type == CSA:
             with jax.named_scope("compressor"):
-                cache, picks, extra_visible = self._compress_sparse(x, q_res, cache, fb)
+                cache, entries, index_keys, limit, nodes = self._compress_sparse(x, cache, fb)
+            seen = (self.compressor.index_weights(x), limit, nodes)
 
-        def queries(keys, visible, q_res, positions, picks, extra_visible):
+        def queries(keys, visible, q_res, positions, *seen):
             """The outputs ``[batch, L, hidden]`` of L of the queries (:func:`attend.by_query_blocks`)."""
+            extra, extra_visible = entries, seen[0]
+            if c.layer_type == CSA:
+                with jax.named_scope("indexer"):
+                    extra, extra_visible = self.compressor.select(
+                        q_res, positions, *seen, entries, index_keys
+                    )
             q = linear(q_res, self.q_b_proj[...], name=("attn", "q_b_proj"))
             q = q.reshape(*q_res.shape[:2], c.num_heads, c.head_dim)
             q = c.rope.apply(rms_norm(q, 1.0, c.rms_norm_eps), positions)  # per head, unweighted
@@ -494,7 +506,7 @@ class DeepseekV4Attention(nnx.Module):
                 q,
                 keys,
                 visible,
-                entries if picks is None else picks,
+                extra,
                 extra_visible,
                 self.sinks[...],
                 c.head_dim**-0.5,
@@ -506,8 +518,7 @@ class DeepseekV4Attention(nnx.Module):
             o_a = linear(grouped, self.o_a_proj[...], groups=c.o_groups, name=("attn", "o_a_proj"))
             return linear(o_a.reshape(*q.shape[:2], -1), self.o_b_proj[...], name=("attn", "o_b_proj"))
 
-        rows = (q_res, positions, picks, extra_visible)
-        y = attend.by_query_blocks(queries, keys, visible, rows, tokens)
+        y = attend.by_query_blocks(queries, keys, visible, (q_res, positions, *seen), tokens)
         return y, self._update_window(cache, kv, fb), compressed
 
     def _update_window(self, cache, kv, forward_batch: ForwardBatch):
@@ -546,15 +557,16 @@ class DeepseekV4Attention(nnx.Module):
             cache = dataclasses.replace(cache, tree_entries=kv_cache.put_nodes(cache.tree_entries, closed))
             view = kv_cache.slot_view(cache.entries, page_table, read)
             entries = jnp.concatenate([kv_cache.decode(view), kv_cache.decode(closed)], axis=1)
-        visible = _entries_visibility(fb, read, BLOCK, blocks) & _valid(fb)
+        visible = _entries_visibility(fb, read, BLOCK, blocks)
         entries = jnp.where(jnp.any(visible, axis=1)[..., None], entries, 0.0)
         return cache, compressed, entries, visible
 
-    def _compress_sparse(self, x, q_res, cache, forward_batch: ForwardBatch):
-        """A CSA layer's compressor and indexer (:mod:`~jax_oc128.nn.csa`): fold the new tokens into the
-        cache (a tree verify's windows by node in ``tree_entries``, ``tree_index_keys``), then pick each
-        query's entries among those it sees (:func:`_entries_visibility`). Returns ``(cache, selected
-        [batch, T, k, D], picked [batch, T, k] bool)``."""
+    def _compress_sparse(self, x, cache, forward_batch: ForwardBatch):
+        """A CSA layer's compressor (:mod:`~jax_oc128.nn.csa`): fold the new tokens into the cache (a tree
+        verify's windows by node in ``tree_entries``, ``tree_index_keys``). Returns ``(cache, entries [batch,
+        E, D], keys [batch, E, index_head_dim], limit, nodes)``: the entries and indexer keys the tokens may
+        pick from, as stored (a tree's nodes' last), and which of them each sees (:func:`_entries_limit`),
+        for :meth:`CSACompressor.select <jax_oc128.nn.csa.CSACompressor.select>`."""
         fb, page_table, compressor = forward_batch, forward_batch.page_table, self.compressor
         read = fb.read_entries(kv_cache.slot_entries(cache.entries, page_table), csa.RATE)
         if fb.tree is None:
@@ -579,6 +591,4 @@ class DeepseekV4Attention(nnx.Module):
             keys = kv_cache.concatenate(
                 kv_cache.slot_view(cache.index_keys, page_table, read), node_keys, axis=1
             )
-        visible = _entries_visibility(fb, read, csa.RATE, windows) & _valid(fb)
-        selected, picked = compressor.select(x, q_res, fb.positions, entries, keys, visible)
-        return cache, selected, picked
+        return (cache, entries, keys, *_entries_limit(fb, csa.RATE, windows))

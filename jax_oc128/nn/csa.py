@@ -36,6 +36,8 @@ from jax_oc128.reference import pool
 RATE = 4
 #: raw rows an entry reads before the window it closes: the previous window's A halves and its own
 LOOKBACK = 2 * RATE
+#: indexer keys scored at once per query (:meth:`CSACompressor.select`; at least ``index_topk``)
+KEY_CHUNK = 1024
 
 
 def ring_rows(max_draft: int) -> int:
@@ -204,21 +206,64 @@ class CSACompressor(nnx.Module):
         )
         return main, index
 
-    def select(self, x, q_res, positions, entries, keys, visible):
-        """The indexer's picks: ``(selected [batch, T, k, head_dim], valid [batch, T, k] bool)``, the top
-        ``k = min(index_topk, E)`` entries each query may see (``visible`` ``[batch, T, E]`` bool; ``valid``
-        False for picks past the visible ones, where fewer than k are visible: those are zeros). ``entries``
-        ``[batch, E, head_dim]`` and ``keys`` ``[batch, E, index_head_dim]`` are stored caches, read in
-        float32; ``selected`` is float32."""
+    def index_weights(self, x):
+        """The indexer's weights of its heads per query, ``[batch, T, index_heads]`` float32, of ``x``
+        ``[batch, T, hidden]`` (:meth:`select`'s ``head_weights``)."""
+        return linear(x, self.indexer_weights_proj[...]) * self.indexer.num_heads**-0.5
+
+    def select(self, q_res, positions, head_weights, limit, nodes, entries, keys):
+        """The indexer's picks for L queries: ``(selected [batch, L, k, head_dim] float32, valid [batch, L, k]
+        bool)``, the top ``k = min(index_topk, E)`` of the entries each query sees by its score (ties: the
+        lower index first, as ``lax.top_k``); ``valid`` False for picks past the visible ones, where fewer
+        than k are visible (those are zeros). The scores are made :data:`KEY_CHUNK` keys at a time, each
+        chunk's merged into a running top k, so that no ``[L, index_heads, E]`` tensor exists.
+
+        Args:
+          q_res: ``[batch, L, q_lora_rank]`` float32: the queries' normed LoRA residual.
+          positions: ``[batch, L]`` int32.
+          head_weights: ``[batch, L, index_heads]`` float32 (:meth:`index_weights`).
+          limit: ``[batch, L]`` int32: a query sees the stored entries below it (0: none).
+          nodes: None, or (a tree verify) ``[batch, L, N]`` bool: which of the last N entries (the nodes')
+            each query sees.
+          entries: ``[batch, E, head_dim]``; keys: ``[batch, E, index_head_dim]``: stored caches (``E - N``
+            stored entries, then the nodes'), read in float32.
+        """
         c = self.indexer
-        batch, tokens, _ = x.shape
+        batch, tokens = q_res.shape[:2]
         q = linear(q_res, self.indexer_q_b_proj[...]).reshape(batch, tokens, c.num_heads, c.head_dim)
         q = self.rope.apply(q, positions)
-        keys = kv_cache.decode(keys)
-        relu = jax.nn.relu(jnp.einsum("bthi,bei->bthe", q, keys, precision=FULL)) * c.head_dim**-0.5
-        head_weights = linear(x, self.indexer_weights_proj[...]) * c.num_heads**-0.5
-        scores = jnp.einsum("bth,bthe->bte", head_weights, relu, precision=FULL)
-        top, picks = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), min(c.topk, keys.shape[1]))
+        count = jax.tree.leaves(keys)[0].shape[1]
+        k = min(c.topk, count)
+        stored = count - (0 if nodes is None else nodes.shape[2])
+        chunk = min(count, max(KEY_CHUNK, k))
+
+        def scores(i):
+            """Chunk i's scores ``[batch, L, chunk]`` (-inf where unseen) and its entries' indices. The last
+            chunk ends at the last key: those of its keys an earlier chunk scored are unseen here."""
+            start = jnp.minimum(i * chunk, count - chunk)
+            index = start + jnp.arange(chunk)
+            part = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, chunk, axis=1), keys)
+            relu = jnp.einsum("bthi,bei->bthe", q, kv_cache.decode(part), precision=FULL)
+            relu = jax.nn.relu(relu) * c.head_dim**-0.5
+            score = jnp.einsum("bth,bthe->bte", head_weights, relu, precision=FULL)
+            seen = index < jnp.minimum(limit, stored)[..., None]
+            if nodes is not None:
+                node = index - stored
+                seen |= (node >= 0) & nodes[..., jnp.clip(node, 0, nodes.shape[2] - 1)]
+            return jnp.where(seen & (index >= i * chunk), score, -jnp.inf), index
+
+        def merge(running, i):
+            """The running top k merged with chunk i's scores. The running picks' indices are lower than the
+            chunk's new keys', so the concatenation keeps ``lax.top_k``'s order among equal scores; its
+            unseen ones (-inf) come first, so an unseen key is picked once."""
+            top, picks = running
+            score, index = scores(i)
+            top, at = jax.lax.top_k(jnp.concatenate([top, score], axis=-1), k)
+            candidates = jnp.concatenate([picks, jnp.broadcast_to(index, score.shape)], axis=-1)
+            return (top, jnp.take_along_axis(candidates, at, axis=-1)), None
+
+        first = tuple(jax.lax.top_k(scores(0)[0], k))
+        (top, picks), _ = jax.lax.scan(merge, first, jnp.arange(1, -(-count // chunk)))
         selected = kv_cache.decode(kv_cache.take(entries, (jnp.arange(batch)[:, None, None], picks)))
         valid = top > -jnp.inf
         return jnp.where(valid[..., None], selected, 0.0), valid

@@ -1,0 +1,132 @@
+"""The CSA lightning indexer streamed over its keys (nn.csa.CSACompressor.select): scores made KEY_CHUNK keys
+at a time and merged into a running top k pick exactly the entries the whole ``[L, index_heads, E]``
+computation picks (ties to the lower index, as ``lax.top_k``), with fewer visible entries than k and NaN
+past what a query sees; and a CSA layer whose picks are made per query group in the loop
+(nn.attend.by_query_blocks) equals the same layer computed at once (one chunk of every key, one group of
+every query); at V4-Flash's shapes its prefill temporaries stay under the issue's bound."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from harness import run_layer_chunks
+from models import MODEL_CONFIG, MODEL_RUNTIME
+
+from jax_oc128.nn import CSA, DeepseekV4Attention, attend, csa, kv_cache
+from jax_oc128.nn.functional import FULL
+from jax_oc128.nn.linear import linear
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
+import window_memory
+
+CONFIG = dataclasses.replace(
+    MODEL_CONFIG, index_n_heads=4, index_head_dim=16, index_topk=8, sliding_window=16
+)
+LAYER_CONFIG = CONFIG.attention(CSA, MODEL_RUNTIME)
+# keys per chunk of the streamed indexer: the top k's size, so that every merge can replace every pick
+SMALL_CHUNK = LAYER_CONFIG.indexer.topk
+
+
+def whole_select(compressor, q_res, positions, head_weights, limit, nodes, entries, keys):
+    """The indexer's picks as one tensor (the computation before the streaming): every query's scores over
+    every key, ``[batch, L, index_heads, E]``, masked by what it sees, then ``lax.top_k``; with the picks'
+    scores ``[batch, L, k]``."""
+    c = compressor.indexer
+    batch, tokens = q_res.shape[:2]
+    q = linear(q_res, compressor.indexer_q_b_proj[...]).reshape(batch, tokens, c.num_heads, c.head_dim)
+    q = compressor.rope.apply(q, positions)
+    keys = kv_cache.decode(keys)
+    relu = jax.nn.relu(jnp.einsum("bthi,bei->bthe", q, keys, precision=FULL)) * c.head_dim**-0.5
+    scores = jnp.einsum("bth,bthe->bte", head_weights, relu, precision=FULL)
+    stored = keys.shape[1] - (0 if nodes is None else nodes.shape[2])
+    visible = jnp.arange(stored) < limit[..., None]
+    if nodes is not None:
+        visible = jnp.concatenate([visible, nodes], axis=2)
+    top, picks = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), min(c.topk, keys.shape[1]))
+    selected = kv_cache.decode(kv_cache.take(entries, (jnp.arange(batch)[:, None, None], picks)))
+    valid = top > -jnp.inf
+    return jnp.where(valid[..., None], selected, 0.0), valid, top
+
+
+def indexer_inputs(seed, tokens, stored, nodes):
+    """Random inputs of :meth:`select` for 2 rows: row 0 sees from 2 entries (fewer than k) to all of its
+    ``stored``, row 1 at most 5 of them; every entry and key past what its row's queries see NaN. Ties: keys
+    0-9 repeat as keys 20-29 (scores equal across chunks) and keys 10-14 are zero (score 0). The last 8 stored
+    keys are larger (the last chunk, which ends at the last key, rescores some of them)."""
+    rng = np.random.default_rng(seed)
+    c, dim = LAYER_CONFIG.indexer, LAYER_CONFIG.head_dim
+    count = stored + nodes
+    keys = rng.standard_normal((2, count, c.head_dim)).astype(np.float32)
+    keys[:, 20:30] = keys[:, 0:10]
+    keys[:, 10:15] = 0.0
+    entries = rng.standard_normal((2, count, dim)).astype(np.float32)
+    keys[:, stored - 8 : stored] *= 4  # the last stored keys picked first where seen
+    limit = np.stack([np.linspace(2, stored, tokens).astype(np.int32), rng.integers(0, 6, tokens)])
+    for row in range(2):
+        keys[row, limit[row].max() : stored] = np.nan
+        entries[row, limit[row].max() : stored] = np.nan
+    node_mask = None if nodes == 0 else rng.random((2, tokens, nodes)) < 0.5
+    return (
+        jnp.asarray(rng.standard_normal((2, tokens, LAYER_CONFIG.q_lora_rank)), jnp.float32),
+        jnp.asarray(rng.integers(0, 4 * stored, (2, tokens)), jnp.int32),
+        jnp.asarray(rng.random((2, tokens, c.num_heads)), jnp.float32),  # positive: relu's zeros tie at 0
+        jnp.asarray(limit),
+        None if node_mask is None else jnp.asarray(node_mask),
+        jnp.asarray(entries),
+        jnp.asarray(keys),
+    )
+
+
+@pytest.mark.parametrize("stored, nodes", [(61, 0), (40, 3)], ids=["chain", "tree"])
+def test_streamed_picks_equal_whole(stored, nodes, monkeypatch):
+    """A chain's 61 entries (8 chunks of 8, the last padded) and a tree's 40 stored entries and 3 nodes'
+    (nodes seen by a random mask), 12 queries: the picked entries and their validity equal the whole
+    tensor's, bit for bit, and the picks are finite."""
+    layer = DeepseekV4Attention(LAYER_CONFIG, max_draft=MODEL_RUNTIME.max_draft, rngs=nnx.Rngs(1))
+    compressor = layer.compressor
+    inputs = indexer_inputs(5, 12, stored, nodes)
+    monkeypatch.setattr(csa, "KEY_CHUNK", SMALL_CHUNK)
+    selected, valid = jax.jit(compressor.select)(*inputs)
+    want_selected, want_valid, top = jax.jit(whole_select, static_argnums=0)(compressor, *inputs)
+    np.testing.assert_array_equal(valid, want_valid)
+    np.testing.assert_array_equal(selected, want_selected)
+    assert np.isfinite(selected).all()
+    # the cases exist: fewer visible entries than k, and equal scores among a query's picks
+    assert not np.asarray(valid).all() and np.asarray(valid).any()
+    top, valid = np.asarray(top), np.asarray(valid)
+    assert ((top[..., 1:] == top[..., :-1]) & valid[..., 1:]).any()
+
+
+def test_layer_in_the_loop_equals_at_once(monkeypatch):
+    """Chunks of 300 (2 groups of 256 queries, the last padded) and 40 tokens from position 0, row 1 7 fewer,
+    the cache's entries and indexer keys NaN until written: with the indexer in chunks of 8 keys the outputs
+    and caches equal those of the whole computation (every key in one chunk, every query in one group), bit
+    for bit, and are finite."""
+    layer = DeepseekV4Attention(LAYER_CONFIG, max_draft=MODEL_RUNTIME.max_draft, rngs=nnx.Rngs(4))
+    cache = layer.init_cache(2)
+    nan = jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), (cache.entries, cache.index_keys))
+    caches = (dataclasses.replace(cache, entries=nan[0], index_keys=nan[1]), None)
+    monkeypatch.setattr(attend, "LOOP_QUERIES", 256)
+    monkeypatch.setattr(csa, "KEY_CHUNK", SMALL_CHUNK)
+    looped, looped_caches = run_layer_chunks(layer, (300, 40), caches)
+    monkeypatch.setattr(attend, "LOOP_QUERIES", 1 << 30)
+    monkeypatch.setattr(csa, "KEY_CHUNK", 1 << 30)
+    whole, whole_caches = run_layer_chunks(layer, (300, 40), caches)
+    for row in range(2):
+        assert np.isfinite(looped[row]).all()
+        np.testing.assert_array_equal(looped[row], whole[row], err_msg=f"row {row}")
+    jax.tree.map(np.testing.assert_array_equal, looped_caches, whole_caches)
+
+
+def test_indexer_memory_at_128k_context():
+    """bench/window_memory.py's V4-Flash CSA layer (compiled from shapes): a prefill chunk of 8192 at a 128k
+    context needs under 2 GiB of temporaries (the issue's bound; 128 GiB with the indexer's scores over every
+    entry for the whole chunk at once)."""
+    assert 0 < window_memory.temp_bytes(8192, "csa") < 2 * 2**30
