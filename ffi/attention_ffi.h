@@ -11,6 +11,10 @@
 //   ranges  [batch, tokens, num_ranges, 2]   int32: [begin, end) of pool rows, clipped to [0, pool)
 //   sinks   [heads]                          float32, finite
 //   out     [batch, tokens, heads, dim]      float32
+//   workspace [n]                            float32: n = batch * tokens * splits * heads * (dim + 2), or 0
+//                                            (one split); the CUDA kernel's partial results when it splits each
+//                                            query's keys into `splits` parts (attention_op.splits chooses);
+//                                            the CPU handler leaves it unwritten
 //   scale   attribute (float32): the logits are scale * q . k
 // A query's keys are its picks (index order) then each range's rows: a multiset (a row named twice counts twice).
 // out = sum_k exp(l_k - m) v_k / (sum_k exp(l_k - m) + exp(sink - m)), m = max(max_k l_k, sink); no key: 0.
@@ -32,7 +36,8 @@ struct AttentionArgs {
   const int32_t* ranges;
   const float* sinks;
   float* out;
-  int64_t batch, tokens, heads, dim, pool, picks, num_ranges;
+  float* workspace;
+  int64_t batch, tokens, heads, dim, pool, picks, num_ranges, splits;
   float scale;
 
   // The ranges of query `bq` (= b * tokens + t): range r clipped to [0, pool), as (begin, length >= 0).
@@ -74,7 +79,7 @@ struct AttentionArgs {
 template <typename Backend>
 ffi::Error attention(Backend& backend, ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> index,
                      ffi::Buffer<ffi::S32> ranges, ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::Buffer<ffi::F32>> out,
-                     float scale) {
+                     ffi::Result<ffi::Buffer<ffi::F32>> workspace, float scale) {
   const auto qd = q.dimensions(), kd = kv.dimensions(), id = index.dimensions(), rd = ranges.dimensions();
   if (qd.size() != 4) return invalid("q: expected rank 4 [batch, tokens, heads, head_dim], got " + shape_string(qd));
   if (q.element_type() != ffi::F32 && q.element_type() != ffi::BF16)
@@ -90,6 +95,10 @@ ffi::Error attention(Backend& backend, ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi:
   OC128_RETURN_IF_ERROR(check_shape("ranges", rd, {batch, tokens, rd[2], 2}));
   OC128_RETURN_IF_ERROR(check_shape("sinks", sinks.dimensions(), {heads}));
   OC128_RETURN_IF_ERROR(check_shape("out", out->dimensions(), {batch, tokens, heads, dim}));
+  const auto wd = workspace->dimensions();
+  const int64_t unit = batch * tokens * heads * (dim + 2), spare = wd.size() == 1 ? wd[0] : -1;
+  if (spare < 0 || (spare > 0 && (unit == 0 || spare % unit != 0)))
+    return invalid("workspace: expected [0] or [splits * " + std::to_string(unit) + "], got " + shape_string(wd));
   if (batch * tokens * heads * dim == 0) return ffi::Error::Success();
   auto run = [&](auto* typed) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
@@ -99,6 +108,7 @@ ffi::Error attention(Backend& backend, ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi:
                                 ranges.typed_data(),
                                 sinks.typed_data(),
                                 out->typed_data(),
+                                workspace->typed_data(),
                                 batch,
                                 tokens,
                                 heads,
@@ -106,6 +116,7 @@ ffi::Error attention(Backend& backend, ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi:
                                 pool,
                                 id[2],
                                 rd[2],
+                                spare == 0 ? 1 : spare / unit,
                                 scale};
     return backend.attention(args);
   };
@@ -118,7 +129,7 @@ struct Attention {
   static constexpr auto kOperands = std::make_tuple(
       NamedArg<ffi::AnyBuffer>{"q"}, NamedArg<ffi::AnyBuffer>{"kv"}, NamedArg<ffi::Buffer<ffi::S32>>{"index"},
       NamedArg<ffi::Buffer<ffi::S32>>{"ranges"}, NamedArg<ffi::Buffer<ffi::F32>>{"sinks"},
-      NamedRet<ffi::Buffer<ffi::F32>>{"out"}, NamedAttr<float>{"scale"});
+      NamedRet<ffi::Buffer<ffi::F32>>{"out"}, NamedRet<ffi::Buffer<ffi::F32>>{"workspace"}, NamedAttr<float>{"scale"});
   template <typename Backend, typename... Operands>
   static ffi::Error run(Backend& backend, Operands... operands) {
     return attention(backend, std::move(operands)...);

@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "fp4_gmm_ffi.h"
+#include "mma.h"
 
 namespace oc128 {
 namespace {
@@ -28,15 +29,6 @@ constexpr int kWarps = 8;      // warps per block: 128-column chunks of K
 constexpr int kMinBlocks = 3;  // blocks a multiprocessor holds at once: the registers' bound
 constexpr int kXRows = 8;      // x rows of an MMA (its N); a pass takes up to two of them
 constexpr int kHalvesMax = 2;
-
-// c += a b: a 16x16 (row major), b 16x8 (column major), c 16x8 float32.
-__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // The bfloat16 pairs of one nibble of bytes 0, 1 (d[0]) and 2, 3 (d[1]) of `w`, low nibbles (kHigh false) or
 // high ones, times the scale pair s: gmm_pallas's FP4_BF16_PTX.

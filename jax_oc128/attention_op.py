@@ -12,10 +12,13 @@ Only the rows a query names are read; the rest of the pool may hold anything (Na
 
 Precision: the CPU handler and the twin compute in float32 (the twin's matmuls at HIGHEST); the CUDA kernel
 rounds q, kv and the softmax weights to bfloat16 (tensor cores) and accumulates in float32. The CUDA kernel
-takes head_dim 32, 64, 128, 256 or 512.
+takes head_dim 32, 64, 128, 256 or 512; where a call has few queries it splits each query's keys into parts
+(:func:`splits`) and combines their partial results in a fixed order (deterministic).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +29,10 @@ from jax_oc128 import ops
 TARGET = "oc128_attention"
 FULL = jax.lax.Precision.HIGHEST
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+HEAD_TILE = 64  # heads per block of the CUDA kernel
+SPLIT_BLOCKS = 128  # blocks the split aims at: about one per multiprocessor of an H100 (132)
+SPLIT_KEYS = 64  # the fewest keys (bound) a part of a split takes
+MAX_SPLITS = 16
 
 
 def _check(q, kv, index, ranges, sinks, scale):
@@ -71,18 +78,33 @@ def attention(q, kv, index, ranges, sinks, *, scale: float):
     _check(q, kv, index, ranges, sinks, scale)
     has_native = {p: TARGET in ops.native_targets(p) for p in ("cpu", "cuda")}
 
-    def native(*operands):
-        call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
-        return call(*operands, scale=np.float32(scale))
+    batch, tokens, heads, dim = q.shape
+    cuda_splits = splits(batch * tokens, heads, index.shape[2] + ranges.shape[2] * kv.shape[1])
+
+    def native(*operands, parts):
+        workspace = batch * tokens * heads * (dim + 2) * parts if parts > 1 else 0
+        results = (
+            jax.ShapeDtypeStruct(q.shape, jnp.float32),
+            jax.ShapeDtypeStruct((workspace,), jnp.float32),
+        )
+        call = jax.ffi.ffi_call(TARGET, results, vmap_method="sequential")
+        return call(*operands, scale=np.float32(scale))[0]
 
     def reference(*operands):
         return attention_reference(*operands, scale=scale)
 
-    operands = (q, kv, index, ranges, sinks)
-    if all(has_native.values()):
-        return native(*operands)
-    branches = {p: native if has else reference for p, has in has_native.items()}
-    return jax.lax.platform_dependent(*operands, default=reference, **branches)
+    parts = {"cpu": 1, "cuda": cuda_splits}  # the CPU handler does not split
+    branches = {p: functools.partial(native, parts=parts[p]) for p, has in has_native.items() if has}
+    return jax.lax.platform_dependent(q, kv, index, ranges, sinks, default=reference, **branches)
+
+
+def splits(queries: int, heads: int, keys: int) -> int:
+    """How many parts the CUDA kernel splits each query's keys into (flash-decoding): enough that its
+    blocks, one per (query, 64 heads, part), about fill the GPU (``SPLIT_BLOCKS``), with at least
+    ``SPLIT_KEYS`` of a query's at most ``keys`` keys a part, at most ``MAX_SPLITS``; 1 (no split) for a
+    prefill's many queries."""
+    blocks = queries * -(-heads // HEAD_TILE)
+    return max(1, min(MAX_SPLITS, -(-SPLIT_BLOCKS // blocks), keys // SPLIT_KEYS))
 
 
 def attention_reference(q, kv, index, ranges, sinks, *, scale: float):

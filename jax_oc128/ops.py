@@ -64,7 +64,7 @@ OPERANDS = {
     ),
     "oc128_attention": _native.Operands(  # jax_oc128.attention_op
         args=("q", "kv", "index", "ranges", "sinks"),
-        rets=("out",),
+        rets=("out", "workspace"),
         attrs=("scale",),
     ),
     "oc128_fp4_gmm": _native.Operands(  # jax_oc128.nn.fp4_gmm

@@ -128,20 +128,26 @@ def test_a_chunk_of_small_heads():
     assert_close(attention_reference(*case, scale=SCALE), want, FP32, "twin")
 
 
-def test_no_key_gives_zero_and_a_key_named_twice_counts_twice():
+def small_case():
+    """Query 0 names no key, queries 1 and 2 the same q and the same multiset of keys (row 1 twice)."""
     rng = np.random.default_rng(2)
     q = rng.standard_normal((1, 3, 2, 32)).astype(np.float32)
-    q[0, 2] = q[0, 1]  # queries 1 and 2: the same q and the same multiset of keys
+    q[0, 2] = q[0, 1]
     q = jnp.asarray(q)
     kv = jnp.asarray(rng.standard_normal((1, 4, 32)), jnp.float32)
     index = jnp.asarray([[[-1, 7], [1, 1], [1, -5]]], jnp.int32)  # out of the pool: no key
     ranges = jnp.asarray([[[[3, 2]], [[0, 0]], [[1, 2]]]], jnp.int32)  # empty, empty, row 1 again
     sinks = jnp.asarray([0.5, -1.0], jnp.float32)
+    return q, kv, index, ranges, sinks
+
+
+def test_no_key_gives_zero_and_a_key_named_twice_counts_twice():
+    case = small_case()
     for fn in (attention, attention_reference):
-        out = np.asarray(fn(*jax.device_put((q, kv, index, ranges, sinks), CPU), scale=0.5))
+        out = np.asarray(fn(*jax.device_put(case, CPU), scale=0.5))
         np.testing.assert_array_equal(out[0, 0], 0.0)
         np.testing.assert_allclose(out[0, 1], out[0, 2], rtol=1e-6)
-        np.testing.assert_allclose(out, float64(q, kv, index, ranges, sinks, 0.5), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out, float64(*case, 0.5), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -183,6 +189,42 @@ def test_cuda_kernel_matches_twin_and_float64(decode_case):
     assert_close(got, want, CUDA, "cuda vs float64")
     twin = attention_reference(*jax.device_put(decode_case, CPU), scale=SCALE)
     assert_close(got, np.asarray(twin, np.float64), CUDA, "cuda vs twin")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("parts", [1, 3, 16])
+def test_cuda_kernel_split_over_keys(decode_case, parts, monkeypatch):
+    """The kernel with each query's keys in 1 (one pass), 3 or 16 parts (flash-decoding: partial results
+    combined with the sink) against float64, at V4-Flash's shapes and on the small case (parts without a
+    key: query 0's, and most of the 16 parts of 2 keys)."""
+    monkeypatch.setattr(attention_op, "splits", lambda *shape: parts)
+    gpu = jax.devices("gpu")[0]
+    got = attention(*jax.device_put(decode_case, gpu), scale=SCALE)
+    assert_close(got, float64(*decode_case), CUDA, f"cuda in {parts} parts")
+    small = small_case()
+    got = np.asarray(attention(*jax.device_put(small, gpu), scale=0.5))
+    np.testing.assert_array_equal(got[0, 0], 0.0)
+    assert_close(got, float64(*small, 0.5), CUDA, f"cuda in {parts} parts, small case")
+
+
+def test_splits_fill_the_gpu_only_where_queries_are_few():
+    """One pass for a prefill's queries; for decode rows enough parts for about SPLIT_BLOCKS blocks, bounded
+    by MAX_SPLITS and by the keys a query may have."""
+    assert attention_op.splits(2048, HEADS, 640) == 1
+    assert attention_op.splits(64, HEADS, 640) == 2
+    assert attention_op.splits(8, HEADS, 9000) == attention_op.MAX_SPLITS
+    assert attention_op.splits(8, 2 * HEADS, 9000) == 8  # two head tiles: twice the blocks
+    assert attention_op.splits(1, HEADS, 3 * attention_op.SPLIT_KEYS + 1) == 3
+
+
+def test_the_handler_refuses_a_workspace_of_no_split():
+    """The workspace (the CUDA kernel's partial results) must be empty or a whole number of splits."""
+    q = jnp.zeros((1, 2, 2, 32))
+    operands = (q, jnp.zeros((1, 4, 32)), jnp.zeros((1, 2, 1), jnp.int32), jnp.zeros((1, 2, 0, 2), jnp.int32))
+    results = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct((5,), jnp.float32))
+    call = jax.ffi.ffi_call(attention_op.TARGET, results)
+    with jax.default_device(CPU), pytest.raises(Exception, match="workspace: expected"):
+        jax.block_until_ready(call(*operands, jnp.zeros(2), scale=np.float32(1.0)))
 
 
 @pytest.mark.cuda
