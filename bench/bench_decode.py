@@ -34,6 +34,9 @@ steps per dispatch:
   its prefill, which the per-step ratio charges to the steps; the table also gives e2e against the device
   time of the same work: seconds / (prefill + result.steps * device time per step).
 
+Attention (``--attention-impl``, each in turn; default the runtime's own): ``jnp``, ``kernel`` or ``auto``
+(``RuntimeConfig.attention_impl``, :mod:`jax_oc128.nn.attend`).
+
 Caches (``--kv-cache-dtype``, each in turn; default the runtime's own, ``auto``: the model's dtype):
 ``float32``, ``bfloat16``, ``fp8`` or ``fp8_fp4`` (``RuntimeConfig.kv_cache_dtype``: DeepSeek's FP8 entries
 and FP8 or FP4 indexer keys beside a window in the model's dtype), the parameters shared, not rebuilt. Layout
@@ -110,12 +113,12 @@ from step_floor import WeightReads, mode_width, step_read_bytes, weights_summary
 
 from jax_oc128.controller import BACKENDS
 from jax_oc128.engine import STEPS_PER_DISPATCH, Engine
-from jax_oc128.nn import sharding
+from jax_oc128.nn import attend, sharding
 from jax_oc128.tree import Tree
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "bench_decode.json"
 #: what a row of the table names (with its slots)
-ROW_KEYS = ("config", "weights", "backend", "kv_cache_dtype", "layout", "max_len", "mode")
+ROW_KEYS = ("config", "weights", "backend", "attention", "kv_cache_dtype", "layout", "max_len", "mode")
 #: the table's columns
 COLUMNS = (*ROW_KEYS, "slots", "context", "device us/step", "floor us", "x floor", "e2e us/step", "ratio")
 COLUMNS += ("e2e / device, same work", "tokens/s", "mean accepted")
@@ -283,8 +286,12 @@ def measure(args, bandwidth: float) -> tuple[list[dict], list[dict]]:
                     summary, reads = weights_summary(config, weights_name, base)
                     summaries.append(summary)
                     print(f"\n| {' | '.join(COLUMNS)} |\n" + "|---" * len(COLUMNS) + "|")
-                for kv_cache_dtype, max_len in itertools.product(args.kv_cache_dtype, args.max_len):
-                    model = with_runtime(base, backend, kv_cache_dtype=kv_cache_dtype, max_len=max_len)
+                for impl, kv_cache_dtype, max_len in itertools.product(
+                    args.attention_impl, args.kv_cache_dtype, args.max_len
+                ):
+                    model = with_runtime(
+                        base, backend, attention_impl=impl, kv_cache_dtype=kv_cache_dtype, max_len=max_len
+                    )
                     cache = model.runtime.cache_dtypes(model.config.dtype)
                     kv_name = model.runtime.kv_cache_dtype
                     kv_name += f" ({cache.entries})" if kv_name == "auto" else ""
@@ -298,6 +305,7 @@ def measure(args, bandwidth: float) -> tuple[list[dict], list[dict]]:
                                 config=config,
                                 weights=weights_name,
                                 backend=backend,
+                                attention=model.runtime.attention_impl,
                                 kv_cache_dtype=kv_name,
                                 cache_dtypes=dataclasses.asdict(cache),
                                 layout="dense" if layout == "dense" else "paged",
@@ -468,6 +476,13 @@ def main():
     )
     parser.add_argument("--slots", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument(
+        "--attention-impl",
+        nargs="+",
+        choices=attend.IMPLS,
+        default=[None],
+        help="the attention math (RuntimeConfig.attention_impl), each in turn (default: the runtime's own)",
+    )
+    parser.add_argument(
         "--kv-cache-dtype",
         nargs="+",
         choices=["float32", "bfloat16", "fp8", "fp8_fp4"],
@@ -555,6 +570,7 @@ def main():
         tokens=args.tokens,
         prompt_len=args.prompt_len,
         device_steps=args.device_steps,
+        attention_impls=args.attention_impl,
         kv_cache_dtypes=args.kv_cache_dtype,
         pages=args.pages,
         context_floor=args.context_floor,

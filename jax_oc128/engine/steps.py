@@ -92,15 +92,14 @@ def _prefill_segment(model, tokens, start, lengths, cache, draft_cache, before, 
     ``before``), the updated caches."""
     rows, width = tokens.shape
     positions = start + jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width))
+    last = jnp.maximum(lengths - 1, 0)
     logits, hidden, cache = model(
-        tokens, positions, cache, lengths=lengths, mode=ForwardMode.EXTEND, context=context
+        tokens, positions, cache, lengths=lengths, mode=ForwardMode.EXTEND, context=context, logits_at=last
     )
     if model.drafter is not None:  # it sees token p with the model's hidden state at p - 1
         prev = jnp.concatenate([before[:, None], hidden[:, :-1]], axis=1)
         _, _, draft_cache = model.drafter(tokens, prev, positions, draft_cache, lengths=lengths)
-    last = jnp.maximum(lengths - 1, 0)[:, None, None]
-    at_last = (jnp.take_along_axis(x, last, axis=1)[:, 0] for x in (logits, hidden))
-    return *at_last, hidden[:, -1], cache, draft_cache
+    return logits[:, 0], hidden[jnp.arange(rows), last], hidden[:, -1], cache, draft_cache
 
 
 def _prefill_chunks(

@@ -238,7 +238,7 @@ class SpeculativeModel(nnx.Module):
 
     def __call__(self, tokens, positions, cache: ModelCache, **options):
         """The target's forward (:meth:`~jax_oc128.nn.DeepseekV4Model.__call__`, ``options`` its keyword
-        arguments: ``lengths``, ``mode``, ``tree``, ``context``)."""
+        arguments: ``lengths``, ``mode``, ``tree``, ``context``, ``logits_at``)."""
         return self.target(tokens, positions, cache, **options)
 
     def keep_path(self, cache: ModelCache, tree: Tree, first_positions, nodes) -> ModelCache:

@@ -267,13 +267,16 @@ class DeepseekV4Model(nnx.Module):
         mode=ForwardMode.EXTEND,
         tree=None,
         context: int | None = None,
+        logits_at=None,
     ):
         """A forward of ``mode`` (static :class:`~jax_oc128.controller.ForwardMode`: EXTEND or DECODE fold
         the tokens into the caches; TARGET_VERIFY writes a verify's banks, kept by :meth:`commit` or
         committed lazily by the rows' next forward; with ``tree``, a static :class:`~jax_oc128.tree.Tree`,
         the tokens are its nodes at ``positions`` = the root's + depth, then :meth:`keep_path`; a chain
         runs as ``tree=None``; ``context``, static: the forward's context bound, at most ``max_len``,
-        :attr:`ForwardBatch.context <jax_oc128.nn.forward.ForwardBatch.context>`). Returns
+        :attr:`ForwardBatch.context <jax_oc128.nn.forward.ForwardBatch.context>`; ``logits_at``: None, or
+        ``[batch]`` int32 indices into T: the LM head runs at those positions only, ``logits`` then
+        ``[batch, 1, vocab]``, as a prefill that samples after its last token needs). Returns
         ``(logits [batch, T, vocab], hidden [batch, T, draft_hidden_size], cache)``; ``hidden`` is what the
         draft head takes, the last block's output (with hyper-connections its residual streams, flattened,
         before their final collapse)."""
@@ -291,9 +294,10 @@ class DeepseekV4Model(nnx.Module):
             h, layer, compressed = block(h, tokens, layer, compressed, forward_batch)
             layers.append(layer)
         cache = ModelCache(tuple(layers), compressed, cache.page_table)
+        out = h if logits_at is None else h[jnp.arange(h.shape[0]), logits_at][:, None]
         if self.config.hyper_connections:
-            return self.logits(self.hc_head(h)), flatten_streams(h), cache
-        return self.logits(h), h, cache
+            return self.logits(self.hc_head(out)), flatten_streams(h), cache
+        return self.logits(out), h, cache
 
     def keep_path(self, cache: ModelCache, tree, first_positions, nodes) -> ModelCache:
         """After a verify of ``tree`` at ``first_positions`` ``[batch]`` (the root's positions), keep each
