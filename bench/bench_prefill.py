@@ -16,9 +16,9 @@ tokens.
   measured at the start of the run (``bench_attention.matmul_rate``, ``--matmul-n``); ``x floor`` = prefill
   ms / floor ms.
 * Memory: ``temp GiB``, the temporaries of the compiled prefill (``memory_analysis()`` of the engine's
-  jitted prefill at the row's shapes: the scan over the chunks, one chunk's activations); ``peak GiB``, the
-  device's peak bytes in use so far in the process (``memory_stats()``, where the device has it; weights and
-  caches included, never reset).
+  prefill at the row's shapes, ``Engine.lower_prefill``: the scan over the chunks, one chunk's activations);
+  ``peak GiB``, the device's peak bytes in use so far in the process (``memory_stats()``, where the device has
+  it; weights and caches included, never reset).
 * Projection (printed after the table, ``projection`` in the JSON): per measured P, the slice's prefill time
   charged to its parts (its layers by kind: sliding, CSA, HCA, each with its MLP; the draft head; the LM head)
   in proportion to their FLOPs, giving a time per layer of each kind; DeepSeek-V4-Flash's TTFT = the sum over
@@ -102,29 +102,18 @@ def build(name: str, args, weights: str | None):
 
 def timed_prefill(engine: Engine, prompt: list[int], reps: int) -> dict:
     """The compile call's and the median of ``reps`` timed calls' seconds of ``engine.prefill`` of
-    ``prompt`` in slot 0 (each on a fresh state), and the compiled prefill's temporaries in bytes."""
-    calls = []
-    jitted = engine._prefill  # the engine's jitted prefill, its arguments recorded (the state donated)
-
-    def recorded(params, state, *rows):
-        calls.append((params, rows))
-        return jitted(params, state, *rows)
-
+    ``prompt`` in slot 0 (each on a fresh state), and the compiled prefill's temporaries in bytes
+    (``Engine.lower_prefill``: the calls' executable)."""
     times, state = [], None
-    engine._prefill = recorded
-    try:
-        for _ in range(reps + 1):
-            del state
-            state = engine.init_state()
-            jax.block_until_ready(state)
-            start = time.perf_counter()
-            state, output = engine.prefill(state, {0: prompt}, 1)
-            jax.block_until_ready((state, output))
-            times.append(time.perf_counter() - start)
-    finally:
-        engine._prefill = jitted
-    params, rows = calls[-1]  # lowered on the last call's state (same layout): the calls' executable
-    memory = jitted.lower(params, state, *rows).compile().memory_analysis()
+    for _ in range(reps + 1):
+        del state
+        state = engine.init_state()
+        jax.block_until_ready(state)
+        start = time.perf_counter()
+        state, output = engine.prefill(state, {0: prompt}, 1)
+        jax.block_until_ready((state, output))
+        times.append(time.perf_counter() - start)
+    memory = engine.lower_prefill(len(prompt)).compile().memory_analysis()
     return dict(compile_s=times[0], prefill_s=statistics.median(times[1:]), temp=memory.temp_size_in_bytes)
 
 

@@ -131,3 +131,20 @@ def test_the_engine_chooses_the_chunk(monkeypatch):
     for length in (20, 40):
         engine.prefill(engine.init_state(), {0: prompts(lengths=(length,))[0]}, 3)
     assert [(args[2].shape[1], args[-2]) for args in calls] == [(32, None), (100, CHUNK)]
+
+
+def test_lower_prefill_is_the_prefill_dispatched(monkeypatch):
+    """Engine.lower_prefill(P), from the shapes alone: the lowering of what engine.prefill dispatches for a
+    prompt of P tokens (its arguments recorded), of one forward and of chunks; a bad P is refused by name."""
+    engine = Engine(make_model(ONLINE, config=CONFIG), slots=SLOTS, prompt_bucket=32, prefill_chunk=CHUNK)
+    calls = []
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "_prefill", lambda *args: calls.append(args))
+        for length in (20, 40):
+            engine.prefill(engine.init_state(), {1: prompts(lengths=(length,))[0]}, 3)
+    for length, args in zip((20, 40), calls, strict=True):
+        assert engine.lower_prefill(length).as_text() == engine._prefill.lower(*args).as_text()
+    assert engine.lower_prefill(20).as_text() != engine.lower_prefill(40).as_text()
+    for bad, error in ((0, ValueError), (engine.model.max_len - 1, ValueError), (20.0, TypeError)):
+        with pytest.raises(error, match=r"^prompt_len: "):
+            engine.lower_prefill(bad)

@@ -34,17 +34,17 @@ LAYER_CONFIG = CONFIG.attention(CSA, MODEL_RUNTIME)
 SMALL_CHUNK = LAYER_CONFIG.indexer.topk
 
 
-def whole_select(compressor, q_res, positions, head_weights, limit, nodes, entries, keys):
+def whole_select(compressor, q_res, positions, queries, entries, keys):
     """The indexer's picks as one tensor (the computation before the streaming): every query's scores over
     every key, ``[batch, L, index_heads, E]``, masked by what it sees, then ``lax.top_k``; with the picks'
     scores ``[batch, L, k]``."""
-    c = compressor.indexer
+    c, limit, nodes = compressor.indexer, queries.limit, queries.nodes
     batch, tokens = q_res.shape[:2]
     q = linear(q_res, compressor.indexer_q_b_proj[...]).reshape(batch, tokens, c.num_heads, c.head_dim)
     q = compressor.rope.apply(q, positions)
     keys = kv_cache.decode(keys)
     relu = jax.nn.relu(jnp.einsum("bthi,bei->bthe", q, keys, precision=FULL)) * c.head_dim**-0.5
-    scores = jnp.einsum("bth,bthe->bte", head_weights, relu, precision=FULL)
+    scores = jnp.einsum("bth,bthe->bte", queries.head_weights, relu, precision=FULL)
     stored = keys.shape[1] - (0 if nodes is None else nodes.shape[2])
     visible = jnp.arange(stored) < limit[..., None]
     if nodes is not None:
@@ -76,9 +76,12 @@ def indexer_inputs(seed, tokens, stored, nodes):
     return (
         jnp.asarray(rng.standard_normal((2, tokens, LAYER_CONFIG.q_lora_rank)), jnp.float32),
         jnp.asarray(rng.integers(0, 4 * stored, (2, tokens)), jnp.int32),
-        jnp.asarray(rng.random((2, tokens, c.num_heads)), jnp.float32),  # positive: relu's zeros tie at 0
-        jnp.asarray(limit),
-        None if node_mask is None else jnp.asarray(node_mask),
+        csa.IndexerQueries(
+            # positive: relu's zeros tie at 0
+            head_weights=jnp.asarray(rng.random((2, tokens, c.num_heads)), jnp.float32),
+            limit=jnp.asarray(limit),
+            nodes=None if node_mask is None else jnp.asarray(node_mask),
+        ),
         jnp.asarray(entries),
         jnp.asarray(keys),
     )

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jax_oc128.checks import check_int
 from jax_oc128.engine import arguments, placement
 from jax_oc128.engine import steps as step_fns
 from jax_oc128.engine.requests import RequestScheduler, SamplingParams
@@ -247,13 +248,29 @@ class Engine:
         its :class:`SamplingParams`, checked (``top_p`` a float, ``top_k`` an int)}, ``stops``
         ``[MAX_STOP_TOKENS]`` int32 (``arguments.stop_array``); ``starts`` None, or {slot: the position its
         prompt's tokens start at, the slot holding the ones before (:func:`~jax_oc128.engine.steps.feed`)}."""
+        return self._prefill(self.params, state, *self._prefill_args(prompts, params, stops, starts))
+
+    def _prefill_args(self, prompts: dict, params: dict, stops, starts=None) -> tuple:
+        """The jitted prefill's arguments after the parameters and the state (:meth:`_prefill_rows`'): the
+        host rows, ``stops``, the chunk and the start bound."""
         tokens, row_starts, lengths, chunk, start_bound = self._prompt_rows(prompts, starts)
         rows_budget = np.zeros(self.slots, np.int32)
         for slot in prompts:
             rows_budget[slot] = params[slot].max_new_tokens
         sampling = arguments.sampling_rows(self.slots, params)
         rows = jax.tree.map(self._placement.host_rows, (tokens, row_starts, lengths, rows_budget, sampling))
-        return self._prefill(self.params, state, *rows, stops, chunk, start_bound)
+        return (*rows, stops, chunk, start_bound)
+
+    def lower_prefill(self, prompt_len: int) -> jax.stages.Lowered:
+        """The prefill that :meth:`prefill` dispatches for new prompts (from position 0), the longest of
+        ``prompt_len`` tokens (an int in [1, max_len - 2]: it sets the padded width and the chunk), lowered
+        from the shapes alone (nothing runs, no state is needed): e.g. ``.compile().memory_analysis()``, its
+        temporaries."""
+        prompt_len = check_int("prompt_len", prompt_len, 1, self.model.max_len - 2, " = max_len - 2")
+        prompts = {0: np.zeros(prompt_len, np.int32)}
+        params = {0: SamplingParams(1, top_p=1.0, top_k=0)}  # the values do not reach the lowering
+        args = self._prefill_args(prompts, params, arguments.stop_array(()))
+        return self._prefill.lower(self.params, self._state_layout, *args)
 
     def _prompt_rows(self, prompts: dict, starts=None):
         """``(tokens [slots, width], starts [slots], lengths [slots])`` int32 host rows of ``prompts`` {slot:

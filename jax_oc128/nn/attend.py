@@ -73,7 +73,8 @@ def by_query_blocks(fn, keys, visible, rows, tokens: int):
         keys ``[batch, g, K, D]`` and ``visible`` ``[batch, g, B, K]`` (``g * B >= L``) and their ``rows``.
       keys: ``[batch, n, K, D]``: the window keys of the n blocks of ``B`` queries.
       visible: ``[batch, n, B, K]`` bool (:func:`attend`'s).
-      rows: arrays ``[batch, T, ...]`` by query (None passed on as None).
+      rows: pytrees of arrays ``[batch, T, ...]`` by query (a layer kind's record, e.g.
+        :class:`~jax_oc128.nn.csa.IndexerQueries`; None passed on as None).
       tokens: T.
 
     Returns:
@@ -92,13 +93,14 @@ def by_query_blocks(fn, keys, visible, rows, tokens: int):
         return jnp.pad(a, [(0, 0), (0, length - a.shape[1])] + [(0, 0)] * (a.ndim - 2))
 
     keys, visible = pad(keys, groups * group), pad(visible, groups * group)
-    rows = [None if a is None else pad(a, groups * size) for a in rows]
+    rows = jax.tree.map(lambda a: pad(a, groups * size), tuple(rows))
 
     def run(i):
         def take(a, length):
-            return None if a is None else lax.dynamic_slice_in_dim(a, i * length, length, axis=1)
+            return lax.dynamic_slice_in_dim(a, i * length, length, axis=1)
 
-        return fn(take(keys, group), take(visible, group), *(take(a, size) for a in rows))
+        group_rows = jax.tree.map(lambda a: take(a, size), rows)
+        return fn(take(keys, group), take(visible, group), *group_rows)
 
     out = lax.map(run, jnp.arange(groups))  # [groups, batch, size, ...]
     return jnp.moveaxis(out, 0, 1).reshape(batch, groups * size, *out.shape[3:])[:, :tokens]

@@ -39,10 +39,10 @@ from flax import nnx
 from jax_oc128.controller import ONLINE, Backend, State
 from jax_oc128.nn import attend, csa, kv_cache
 from jax_oc128.nn import weights as nn_weights
-from jax_oc128.nn.csa import CSACompressor, IndexerConfig
+from jax_oc128.nn.csa import CSACompressor, IndexerConfig, IndexerQueries
 from jax_oc128.nn.forward import ForwardBatch
 from jax_oc128.nn.functional import normal_param, ones_param, rms_norm, zeros_param
-from jax_oc128.nn.hca import HCACompressor
+from jax_oc128.nn.hca import EntriesSeen, HCACompressor
 from jax_oc128.nn.kv_cache import CacheDtypes
 from jax_oc128.nn.linear import linear
 from jax_oc128.nn.rope import RopeConfig
@@ -479,26 +479,25 @@ class DeepseekV4Attention(nnx.Module):
         keys, visible = _window_keys(
             fb, kv_cache.decode(cache.window), cache.window_positions, kv, c.sliding_window
         )
-        # what the queries attend to besides the window, per row (attend.by_query_blocks): an HCA layer's
-        # entries by who sees them; a CSA layer's picks, made in the loop from what the indexer reads
-        entries, seen = None, (None,)
+        # what the queries attend to besides the window: an HCA layer's entries, by who sees them
+        # (EntriesSeen); a CSA layer's picks, made in the loop by the indexer (IndexerQueries)
+        entries, seen = None, None  # seen: by query, sliced by attend.by_query_blocks
         if c.layer_type == HCA:
             with jax.named_scope("compressor"):
-                cache, compressed, entries, visible_entries = self._compress(x, cache, compressed, fb)
-            seen = (visible_entries,)
+                cache, compressed, entries, seen = self._compress(x, cache, compressed, fb)
         if c.layer_type == CSA:
             with jax.named_scope("compressor"):
                 cache, entries, index_keys, limit, nodes = self._compress_sparse(x, cache, fb)
-            seen = (self.compressor.index_weights(x), limit, nodes)
+            seen = IndexerQueries(head_weights=self.compressor.index_weights(x), limit=limit, nodes=nodes)
 
-        def queries(keys, visible, q_res, positions, *seen):
+        def queries(keys, visible, q_res, positions, seen):
             """The outputs ``[batch, L, hidden]`` of L of the queries (:func:`attend.by_query_blocks`)."""
-            extra, extra_visible = entries, seen[0]
+            extra, extra_visible = None, None  # a sliding layer's
+            if c.layer_type == HCA:
+                extra, extra_visible = entries, seen.visible
             if c.layer_type == CSA:
                 with jax.named_scope("indexer"):
-                    extra, extra_visible = self.compressor.select(
-                        q_res, positions, *seen, entries, index_keys
-                    )
+                    extra, extra_visible = self.compressor.select(q_res, positions, seen, entries, index_keys)
             q = linear(q_res, self.q_b_proj[...], name=("attn", "q_b_proj"))
             q = q.reshape(*q_res.shape[:2], c.num_heads, c.head_dim)
             q = c.rope.apply(rms_norm(q, 1.0, c.rms_norm_eps), positions)  # per head, unweighted
@@ -518,7 +517,7 @@ class DeepseekV4Attention(nnx.Module):
             o_a = linear(grouped, self.o_a_proj[...], groups=c.o_groups, name=("attn", "o_a_proj"))
             return linear(o_a.reshape(*q.shape[:2], -1), self.o_b_proj[...], name=("attn", "o_b_proj"))
 
-        y = attend.by_query_blocks(queries, keys, visible, (q_res, positions, *seen), tokens)
+        y = attend.by_query_blocks(queries, keys, visible, (q_res, positions, seen), tokens)
         return y, self._update_window(cache, kv, fb), compressed
 
     def _update_window(self, cache, kv, forward_batch: ForwardBatch):
@@ -540,9 +539,10 @@ class DeepseekV4Attention(nnx.Module):
     def _compress(self, x, cache, compressed, forward_batch: ForwardBatch):
         """An HCA layer's compressor (:class:`~jax_oc128.nn.hca.HCACompressor`) on its layer of the
         prepared state; the entries it closed stored (a tree verify's by node in ``tree_entries``, until
-        :meth:`AttentionCache.keep_path`). Returns ``(cache, compressed, entries [batch, E, D], visible
-        [batch, T, E])``: the entries the tokens may attend to (zero where no token sees them: a page's
-        earlier contents never reach the output) and which of them each sees (:func:`_entries_visibility`)."""
+        :meth:`AttentionCache.keep_path`). Returns ``(cache, compressed, entries [batch, E, D], seen)``: the
+        entries the tokens may attend to (zero where no token sees them: a page's earlier contents never
+        reach the output) and which of them each sees (:class:`~jax_oc128.nn.hca.EntriesSeen` of
+        :func:`_entries_visibility`)."""
         fb, page_table = forward_batch, forward_batch.page_table
         compressed, closed, blocks = self.compressor(x, compressed, fb)
         stored = kv_cache.slot_entries(cache.entries, page_table)
@@ -559,7 +559,7 @@ class DeepseekV4Attention(nnx.Module):
             entries = jnp.concatenate([kv_cache.decode(view), kv_cache.decode(closed)], axis=1)
         visible = _entries_visibility(fb, read, BLOCK, blocks)
         entries = jnp.where(jnp.any(visible, axis=1)[..., None], entries, 0.0)
-        return cache, compressed, entries, visible
+        return cache, compressed, entries, EntriesSeen(visible=visible)
 
     def _compress_sparse(self, x, cache, forward_batch: ForwardBatch):
         """A CSA layer's compressor (:mod:`~jax_oc128.nn.csa`): fold the new tokens into the cache (a tree

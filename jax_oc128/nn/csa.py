@@ -21,6 +21,7 @@ is pooled, so that a window pools the same values from the ring as from a call's
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +59,23 @@ class IndexerConfig:
     num_heads: int  # index_n_heads
     head_dim: int  # index_head_dim
     topk: int  # index_topk
+
+
+class IndexerQueries(NamedTuple):
+    """A CSA layer's T queries' inputs of the indexer (:meth:`CSACompressor.select`), carried through its
+    attention's loop over query blocks (:func:`~jax_oc128.nn.attend.by_query_blocks`, which slices it by
+    query).
+
+    Attributes:
+      head_weights: ``[batch, T, index_heads]`` float32 (:meth:`CSACompressor.index_weights`).
+      limit: ``[batch, T]`` int32: a query sees the stored entries below it (0: none).
+      nodes: None, or (a tree verify) ``[batch, T, N]`` bool: which of the last N entries (the nodes') each
+        query sees.
+    """
+
+    head_weights: jax.Array
+    limit: jax.Array
+    nodes: jax.Array | None
 
 
 class CSACompressor(nnx.Module):
@@ -208,10 +226,10 @@ class CSACompressor(nnx.Module):
 
     def index_weights(self, x):
         """The indexer's weights of its heads per query, ``[batch, T, index_heads]`` float32, of ``x``
-        ``[batch, T, hidden]`` (:meth:`select`'s ``head_weights``)."""
+        ``[batch, T, hidden]`` (:class:`IndexerQueries`' ``head_weights``)."""
         return linear(x, self.indexer_weights_proj[...]) * self.indexer.num_heads**-0.5
 
-    def select(self, q_res, positions, head_weights, limit, nodes, entries, keys):
+    def select(self, q_res, positions, queries: IndexerQueries, entries, keys):
         """The indexer's picks for L queries: ``(selected [batch, L, k, head_dim] float32, valid [batch, L, k]
         bool)``, the top ``k = min(index_topk, E)`` of the entries each query sees by its score (ties: the
         lower index first, as ``lax.top_k``); ``valid`` False for picks past the visible ones, where fewer
@@ -221,14 +239,11 @@ class CSACompressor(nnx.Module):
         Args:
           q_res: ``[batch, L, q_lora_rank]`` float32: the queries' normed LoRA residual.
           positions: ``[batch, L]`` int32.
-          head_weights: ``[batch, L, index_heads]`` float32 (:meth:`index_weights`).
-          limit: ``[batch, L]`` int32: a query sees the stored entries below it (0: none).
-          nodes: None, or (a tree verify) ``[batch, L, N]`` bool: which of the last N entries (the nodes')
-            each query sees.
+          queries: the L queries' :class:`IndexerQueries`.
           entries: ``[batch, E, head_dim]``; keys: ``[batch, E, index_head_dim]``: stored caches (``E - N``
             stored entries, then the nodes'), read in float32.
         """
-        c = self.indexer
+        c, limit, nodes = self.indexer, queries.limit, queries.nodes
         batch, tokens = q_res.shape[:2]
         q = linear(q_res, self.indexer_q_b_proj[...]).reshape(batch, tokens, c.num_heads, c.head_dim)
         q = self.rope.apply(q, positions)
@@ -245,7 +260,7 @@ class CSACompressor(nnx.Module):
             part = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, chunk, axis=1), keys)
             relu = jnp.einsum("bthi,bei->bthe", q, kv_cache.decode(part), precision=FULL)
             relu = jax.nn.relu(relu) * c.head_dim**-0.5
-            score = jnp.einsum("bth,bthe->bte", head_weights, relu, precision=FULL)
+            score = jnp.einsum("bth,bthe->bte", queries.head_weights, relu, precision=FULL)
             seen = index < jnp.minimum(limit, stored)[..., None]
             if nodes is not None:
                 node = index - stored

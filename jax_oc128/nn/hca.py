@@ -14,6 +14,9 @@ Activations, pooling and state are float32; the projections' weights are float32
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -22,6 +25,18 @@ from jax_oc128.nn.forward import ForwardBatch
 from jax_oc128.nn.functional import normal_param, ones_param, rms_norm, zeros_param
 from jax_oc128.nn.linear import linear
 from jax_oc128.rules import BLOCK
+
+
+class EntriesSeen(NamedTuple):
+    """What an HCA layer's T queries carry through its attention's loop over query blocks
+    (:func:`~jax_oc128.nn.attend.by_query_blocks`, which slices it by query).
+
+    Attributes:
+      visible: ``[batch, T, E]`` bool: which of the layer's E entries (the stored ones, then a tree's nodes')
+        each query sees.
+    """
+
+    visible: jax.Array
 
 
 class HCACompressor(nnx.Module):
