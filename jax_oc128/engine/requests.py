@@ -179,7 +179,6 @@ class RequestScheduler:
             None if pool is None else pool.page_size,
             None if pool is None else pool.per_shard,
         )
-        self.width = self.limits.width
         capacity = check_prefix_cache(prefix_cache, engine)
         self.prefix_cache = PrefixCache(engine, self.page_pool, capacity) if capacity else None
         self.state = engine._take_state(arguments.check_seed(seed))
@@ -244,11 +243,12 @@ class RequestScheduler:
         if self._waiting and self._unread:  # which slots are free: read everything
             self._read_all(out)
         pool, engine = self.page_pool, self.engine
+        ahead = engine.steps_per_dispatch * self.limits.width  # the tokens a dispatch may write per slot
         changed, self._released = self._released, False
         admitted = self._admit([slot for slot in range(engine.slots) if slot not in self.owner])
         for slot, request in [*self.owner.items(), *admitted.items()]:  # what the next dispatch can write
             needs = self._requests[request].needs
-            self._written[slot] = min(self._written[slot] + engine.steps_per_dispatch * self.width, needs)
+            self._written[slot] = min(self._written[slot] + ahead, needs)
             if pool is not None:
                 changed |= pool.grow(slot, int(self._written[slot]))
         if pool is not None and changed:
