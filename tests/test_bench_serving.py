@@ -1,5 +1,6 @@
-"""bench/bench_serving.py at a tiny setting on the shipped model: Poisson and all-at-once arrivals, both
-workloads, and the offline baseline; every request gives its output tokens."""
+"""bench/bench_serving.py at a tiny setting on the shipped model (Poisson and all-at-once arrivals, both
+workloads, and the offline baseline; every request gives its output tokens) and on a tiny slice in the
+released format (``--model v4flash-slice``); the prefix cache's TTFT comparison."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import pathlib
 import sys
 
 import pytest
+from hf_fixtures import quantized_config
+
+from jax_oc128.nn import ModelConfig
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
 import bench_serving
@@ -37,3 +41,33 @@ def test_bench_serving_runs_and_counts_every_token(dataset, capsys):
             ratio = offline["output_tokens_per_s"] / row["output_tokens_per_s"]
             assert row["offline_over_served"] == pytest.approx(ratio)
     assert '"rate": "offline"' in capsys.readouterr().out
+
+
+def test_bench_serving_serves_a_released_slice():
+    """``--model v4flash-slice`` (a small DeepSeek-V4 in the released format, built in the engine process)
+    served and offline: every request's tokens counted, its prompt prefilled whole; each token has text
+    (the raw ids' tokenizer), so the first token's event comes before the request's end."""
+    assert bench_serving.raw_tokenizer(64).decode_stream().push([5, 63, 0]) == "5 63 0"
+    config = ModelConfig.from_hf(quantized_config(), dtype="bfloat16")
+    flags = ["--model", "v4flash-slice", "--slots", "2", "--max-len", "256", "--steps-per-dispatch", "4"]
+    flags += ["--num-prompts", "4", "--input-len", "16", "--output-len", "6", "--rates", "inf", "--offline"]
+    offline, served = bench_serving.main([*flags, "--output", "json"], slice_=config)
+    assert (offline["rate"], served["rate"]) == ("offline", math.inf)
+    assert offline["output_tokens"] == served["output_tokens"] == 4 * 6, (offline, served)
+    assert served["prefill_tokens"] == 4 * 16 and served["cached_tokens"] == 0, served
+    assert served["ttft_p50_ms"] < served["e2e_p50_ms"], served
+
+
+def test_the_prefix_cache_comparison_pairs_rows_by_slots_and_rate():
+    """``ttft_off_over_cached``: on each row with the cache on, the TTFT p50 of the row of its slots and rate
+    with the cache off over its own; none where there is no such row, none on the offline rows."""
+    rows = [
+        dict(slots=2, prefix_cache=0, rate="offline"),
+        dict(slots=2, prefix_cache=0, rate=math.inf, ttft_p50_ms=90.0),
+        dict(slots=4, prefix_cache=0, rate=math.inf, ttft_p50_ms=50.0),
+        dict(slots=2, prefix_cache=8, rate="offline"),
+        dict(slots=2, prefix_cache=8, rate=math.inf, ttft_p50_ms=30.0),
+        dict(slots=2, prefix_cache=8, rate=4.0, ttft_p50_ms=10.0),
+    ]
+    bench_serving.compare_prefix_cache(rows)
+    assert [row.get("ttft_off_over_cached") for row in rows] == [None, None, None, None, 3.0, None]
