@@ -10,7 +10,9 @@ uniformly down to ``--range-ratio`` of it); ``shared-prefix``, each prompt a com
 prefix then a random suffix of that length. Every request asks ``--output-len`` greedy tokens and no stop
 (``ignore_eos``), so each gives exactly that many. With ``--offline``, ``Engine.generate`` of the same prompts
 is timed too, in the engine process on its engine before it serves (its output tokens/s: the serving
-overhead's baseline; ``offline_over_served`` per rate). With ``--sweep-slots S ...``, one server per slot
+overhead's baseline; ``offline_over_served`` per rate; ``engine_over_offline``: the engine process's busy
+time, ``engine_busy_s``, over the offline run's: the part of the overhead that is the engine's, the rest
+being the requests' way in and the tokens' way out). With ``--sweep-slots S ...``, one server per slot
 count, and with ``--sweep-prefix-cache N ...`` one per snapshot count (0: prefix caching off), one after the
 other; a row with the cache on then gives ``ttft_off_over_cached``: the TTFT p50 of the same slots and rate
 with the cache off over its own (issue 41's shared-prefix target: at least 3x).
@@ -194,6 +196,8 @@ def main(argv=None, slice_=None) -> list[dict]:
             "duration_s",
             "output_tokens_per_s",
             "offline_over_served",
+            "engine_busy_s",
+            "engine_over_offline",
             "ttft_p50_ms",
             "ttft_p99_ms",
             "ttft_off_over_cached",
@@ -292,10 +296,12 @@ def run(parser: argparse.ArgumentParser, args, slice_=None) -> list[dict]:
             row = pool.submit(client, *job).result()
             after = server.engine.stats
             row["dispatches"] = after["dispatches"] - before["dispatches"]
+            row["engine_busy_s"] = after["busy_seconds"] - before["busy_seconds"]
             for key in ("prefill_tokens", "cached_tokens"):  # the prompt tokens fed, and taken from the cache
                 row[key] = after["totals"].get(key, 0) - before["totals"].get(key, 0)
             if offline is not None:
                 row["offline_over_served"] = offline["output_tokens_per_s"] / row["output_tokens_per_s"]
+                row["engine_over_offline"] = row["engine_busy_s"] / offline["duration_s"]
             rows.append(row)
             phase(f"rate {rate}")
     return rows
