@@ -275,15 +275,16 @@ def engine(args, slice_=None):
 
 def run(parser: argparse.ArgumentParser, args, slice_=None) -> list[dict]:
     """The rows of one server of ``args`` (its engine process built by :func:`engine`, of ``slice_`` if
-    given): the offline run's (with ``--offline``) and each rate's; each phase's time on stderr."""
+    given): the offline run's (with ``--offline``) and each rate's; each phase's time on stderr, with the row
+    it gave."""
     phase = Phases(args.slots)
     if slice_ is None:
         server = cli.build(parser, args, engine)
     else:
         server = cli.build(parser, args, engine, slice_, tokenizer=raw_tokenizer(slice_.vocab_size))
     prompts = workload(args, server.engine.limits.vocab_size)
-    phase("loading (the offline run's phases included)")
     offline = server.engine.extra
+    phase(f"loading (the offline run's phases included): {json.dumps(offline)}")
     rows = [] if offline is None else [offline]
     spawn = multiprocessing.get_context("spawn")  # (no fork of a process running JAX's threads)
     with cli.running(server) as base, ProcessPoolExecutor(1, mp_context=spawn) as pool:
@@ -303,7 +304,7 @@ def run(parser: argparse.ArgumentParser, args, slice_=None) -> list[dict]:
                 row["offline_over_served"] = offline["output_tokens_per_s"] / row["output_tokens_per_s"]
                 row["engine_over_offline"] = row["engine_busy_s"] / offline["duration_s"]
             rows.append(row)
-            phase(f"rate {rate}")
+            phase(f"rate {rate}: {json.dumps(row)}")  # (a run cut short keeps its rows)
     return rows
 
 
