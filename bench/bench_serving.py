@@ -209,6 +209,7 @@ def main(argv=None, slice_=None) -> list[dict]:
             "dispatches",
             "prefill_tokens",
             "cached_tokens",
+            "prefills",
         ]
         print(" ".join(f"{k:>14s}" for k in keys))
         for row in rows:
@@ -298,7 +299,7 @@ def run(parser: argparse.ArgumentParser, args, slice_=None) -> list[dict]:
             after = server.engine.stats
             row["dispatches"] = after["dispatches"] - before["dispatches"]
             row["engine_busy_s"] = after["busy_seconds"] - before["busy_seconds"]
-            for key in ("prefill_tokens", "cached_tokens"):  # the prompt tokens fed, and taken from the cache
+            for key in ("prefill_tokens", "cached_tokens", "prefills"):  # prompt tokens fed, cached; calls
                 row[key] = after["totals"].get(key, 0) - before["totals"].get(key, 0)
             if offline is not None:
                 row["offline_over_served"] = offline["output_tokens_per_s"] / row["output_tokens_per_s"]

@@ -159,7 +159,8 @@ class RequestScheduler:
       prefix_cache: the :class:`~jax_oc128.engine.prefix_cache.PrefixCache`, or None.
       dispatches: decode dispatches run.
       totals: counts of the dispatches read (``steps``, ``slot_steps``, ``accepted``) and of the prompts
-        admitted: ``prefill_tokens`` fed, ``cached_tokens`` taken from the prefix cache.
+        admitted: ``prefill_tokens`` fed, ``cached_tokens`` taken from the prefix cache, ``prefills`` the
+        prefill calls (each runs every slot's row: requests admitted apart cost one each).
     """
 
     def __init__(self, engine, *, num_tokens=None, tree=None, seed=0, prefix_cache=0):
@@ -307,6 +308,7 @@ class RequestScheduler:
         self.totals.update(
             prefill_tokens=sum(len(r.prompt) for r in requests.values()) - sum(out.cached.values()),
             cached_tokens=sum(out.cached.values()),
+            prefills=1,
         )
         prompts = {slot: r.prompt[starts[slot] :] for slot, r in requests.items()}
         params = {slot: r.params for slot, r in requests.items()}
