@@ -10,31 +10,53 @@ uniformly down to ``--range-ratio`` of it); ``shared-prefix``, each prompt a com
 prefix then a random suffix of that length. Every request asks ``--output-len`` greedy tokens and no stop
 (``ignore_eos``), so each gives exactly that many. With ``--offline``, ``Engine.generate`` of the same prompts
 is timed too, in the engine process on its engine before it serves (its output tokens/s: the serving
-overhead's baseline; ``offline_over_served`` per rate). With ``--sweep-slots S ...``, one server per slot
-count, one after the other.
+overhead's baseline; ``offline_over_served`` per rate; ``engine_over_offline``: the engine process's busy
+time, ``engine_busy_s``, over the offline run's: the part of the overhead that is the engine's, the rest
+being the requests' way in and the tokens' way out). With ``--sweep-slots S ...``, one server per slot
+count, and with ``--sweep-prefix-cache N ...`` one per snapshot count (0: prefix caching off), one after the
+other; a row with the cache on then gives ``ttft_off_over_cached``: the TTFT p50 of the same slots and rate
+with the cache off over its own (issue 41's shared-prefix target: at least 3x).
+
+Models (``--model``): ``shipped``, the checkpoint at PATH (default: the shipped text model);
+``v4flash-slice``, DeepSeek-V4-Flash's first ``--layers`` layers with ``--experts`` routed experts, random
+weights in DeepSeek's released format (FP8 attention, FP4 experts: ``bench_models.released_model``), built
+in the engine process (never pickled; 6 layers of 256 experts: 27 GB), its runtime ``--max-len`` (default
+4096) and a draft of up to 4. Its prompts and tokens are raw token ids: the server's tokenizer gives token
+``i`` the word ``i`` (:func:`raw_tokenizer`), so that every token has text (the shipped tokenizer's 1024
+ids would leave most of the slice's 129280 without any, and its events without text).
 
     python bench/bench_serving.py --slots 8 --pages 256 --rates 2 8 inf --num-prompts 64
     python bench/bench_serving.py --rates inf --num-prompts 64 --input-len 128 --output-len 64 --offline
     python bench/bench_serving.py --sweep-slots 8 32 --rates inf --num-prompts 128 --input-len 128 --offline
     python bench/bench_serving.py PATH --draft 2 --dataset shared-prefix --prefix-len 4096 --output json
+    python bench/bench_serving.py --model v4flash-slice --slots 8 --rates inf --num-prompts 64 --offline
+    python bench/bench_serving.py --model v4flash-slice --max-len 8192 --pages 320 --dataset shared-prefix \
+        --prefix-len 4096 --input-len 128 --sweep-prefix-cache 0 8 --rates inf
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import multiprocessing
+import pathlib
 import random
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
+import bench_models
 import httpx
 import numpy as np
+import tokenizers
 
 from jax_oc128.serve import cli
+from jax_oc128.text import TextTokenizer
+
+MODELS = ("shipped", "v4flash-slice")
 
 
 def workload(args, vocab: int) -> list[list[int]]:
@@ -111,9 +133,21 @@ def client(base: str, model: str, prompts, new: int, rate: float, seed: int) -> 
     return asyncio.run(run_rate(base, model, prompts, new, rate, seed))
 
 
-def main(argv=None) -> list[dict]:
+def raw_tokenizer(vocab: int) -> TextTokenizer:
+    """A tokenizer of ``vocab`` ids, id ``i`` the word ``i`` (words joined by spaces; no BOS, no EOS, no chat
+    template): the served text of raw token ids."""
+    model = tokenizers.models.WordLevel({str(i): i for i in range(vocab)}, unk_token="0")
+    return TextTokenizer(tokenizers.Tokenizer(model), None, (), False, None, pathlib.Path(__file__).parent)
+
+
+def main(argv=None, slice_=None) -> list[dict]:
+    """The rows of ``argv``'s runs, printed. ``slice_``: a ``ModelConfig`` for ``--model v4flash-slice`` in
+    place of ``--layers`` / ``--experts``' (a test's small shapes)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     cli.add_arguments(parser)
+    parser.add_argument("--model", choices=MODELS, default="shipped", help="see the module doc")
+    parser.add_argument("--layers", type=int, default=6, help="v4flash-slice: its layers")
+    parser.add_argument("--experts", type=int, default=256, help="v4flash-slice: its routed experts")
     parser.add_argument("--dataset", choices=["random", "shared-prefix"], default="random")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=256)
@@ -126,25 +160,47 @@ def main(argv=None) -> list[dict]:
     parser.add_argument(
         "--sweep-slots", type=int, nargs="+", default=None, metavar="S", help="one run per --slots value"
     )
+    parser.add_argument(
+        "--sweep-prefix-cache",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="one run per --prefix-cache",
+    )
     parser.add_argument("--output", choices=["table", "json"], default="table")
     args = parser.parse_args(argv)
     args.port = 0
+    if args.model == "v4flash-slice" and args.path is not None:
+        parser.error("argument --model: v4flash-slice is built with random weights, not read from PATH")
+    if args.model == "v4flash-slice":
+        slice_ = slice_ or bench_models.slice_config(args.layers, args.experts)
+        args.served_model_name = args.served_model_name or args.model
+    else:
+        slice_ = None
     rows = []
-    for slots in args.sweep_slots or [args.slots]:
-        args.slots = slots
-        rows += [dict(slots=slots) | row for row in run(parser, args)]
+    for slots, cache in itertools.product(
+        args.sweep_slots or [args.slots], args.sweep_prefix_cache or [args.prefix_cache]
+    ):
+        args.slots, args.prefix_cache = slots, cache
+        rows += [dict(slots=slots, prefix_cache=cache) | row for row in run(parser, args, slice_)]
+    compare_prefix_cache(rows)
     if args.output == "json":
         print(json.dumps(rows, indent=1))
     else:
         keys = [
             "slots",
+            "prefix_cache",
             "rate",
             "requests",
             "duration_s",
             "output_tokens_per_s",
             "offline_over_served",
+            "engine_busy_s",
+            "engine_over_offline",
             "ttft_p50_ms",
             "ttft_p99_ms",
+            "ttft_off_over_cached",
             "tpot_p50_ms",
             "tpot_p99_ms",
             "e2e_p50_ms",
@@ -153,12 +209,23 @@ def main(argv=None) -> list[dict]:
             "dispatches",
             "prefill_tokens",
             "cached_tokens",
+            "prefills",
         ]
         print(" ".join(f"{k:>14s}" for k in keys))
         for row in rows:
             cells = [row.get(k, "") for k in keys]
             print(" ".join(f"{c:>14.2f}" if isinstance(c, float) else f"{c!s:>14s}" for c in cells))
     return rows
+
+
+def compare_prefix_cache(rows: list[dict]) -> None:
+    """Give each served row with prefix caching on ``ttft_off_over_cached``: the TTFT p50 of the row of the
+    same slots and rate with it off over its own (when there is one)."""
+    off = {(row["slots"], row["rate"]): row for row in rows if row["prefix_cache"] == 0}
+    for row in rows:
+        base = off.get((row["slots"], row["rate"]))
+        if row["prefix_cache"] and base is not None and "ttft_p50_ms" in row:
+            row["ttft_off_over_cached"] = base["ttft_p50_ms"] / row["ttft_p50_ms"]
 
 
 class Phases:
@@ -174,11 +241,19 @@ class Phases:
         self.clock = now
 
 
-def engine(args):
-    """In the engine process: the server's scheduler and, with ``--offline``, ``Engine.generate`` of the
+def slice_model(args, config):
+    """The V4-Flash slice of ``config`` (a ``ModelConfig``) in the released format, random, its runtime's
+    ``max_len`` ``args.max_len`` (None: 4096)."""
+    model = bench_models.released_model(config, "online")
+    return bench_models.with_runtime(model, "online", max_len=args.max_len)
+
+
+def engine(args, slice_=None):
+    """In the engine process: the server's scheduler (its model ``args.path``'s checkpoint, or with
+    ``slice_``, a ``ModelConfig``, :func:`slice_model`'s) and, with ``--offline``, ``Engine.generate`` of the
     workload timed on its engine before it serves (the offline row; else None)."""
     phase = Phases(args.slots)
-    scheduler = cli.scheduler(args)
+    scheduler = cli.scheduler(args, None if slice_ is None else slice_model(args, slice_))
     if not args.offline:
         return scheduler, None
     phase("loading the engine")
@@ -199,14 +274,18 @@ def engine(args):
     )
 
 
-def run(parser: argparse.ArgumentParser, args) -> list[dict]:
-    """The rows of one server of ``args`` (its engine process built by :func:`engine`): the offline run's
-    (with ``--offline``) and each rate's; each phase's time on stderr."""
+def run(parser: argparse.ArgumentParser, args, slice_=None) -> list[dict]:
+    """The rows of one server of ``args`` (its engine process built by :func:`engine`, of ``slice_`` if
+    given): the offline run's (with ``--offline``) and each rate's; each phase's time on stderr, with the row
+    it gave."""
     phase = Phases(args.slots)
-    server = cli.build(parser, args, engine)
+    if slice_ is None:
+        server = cli.build(parser, args, engine)
+    else:
+        server = cli.build(parser, args, engine, slice_, tokenizer=raw_tokenizer(slice_.vocab_size))
     prompts = workload(args, server.engine.limits.vocab_size)
-    phase("loading (the offline run's phases included)")
     offline = server.engine.extra
+    phase(f"loading (the offline run's phases included): {json.dumps(offline)}")
     rows = [] if offline is None else [offline]
     spawn = multiprocessing.get_context("spawn")  # (no fork of a process running JAX's threads)
     with cli.running(server) as base, ProcessPoolExecutor(1, mp_context=spawn) as pool:
@@ -219,12 +298,14 @@ def run(parser: argparse.ArgumentParser, args) -> list[dict]:
             row = pool.submit(client, *job).result()
             after = server.engine.stats
             row["dispatches"] = after["dispatches"] - before["dispatches"]
-            for key in ("prefill_tokens", "cached_tokens"):  # the prompt tokens fed, and taken from the cache
+            row["engine_busy_s"] = after["busy_seconds"] - before["busy_seconds"]
+            for key in ("prefill_tokens", "cached_tokens", "prefills"):  # prompt tokens fed, cached; calls
                 row[key] = after["totals"].get(key, 0) - before["totals"].get(key, 0)
             if offline is not None:
                 row["offline_over_served"] = offline["output_tokens_per_s"] / row["output_tokens_per_s"]
+                row["engine_over_offline"] = row["engine_busy_s"] / offline["duration_s"]
             rows.append(row)
-            phase(f"rate {rate}")
+            phase(f"rate {rate}: {json.dumps(row)}")  # (a run cut short keeps its rows)
     return rows
 
 

@@ -1,5 +1,6 @@
-"""bench/bench_serving.py at a tiny setting on the shipped model: Poisson and all-at-once arrivals, both
-workloads, and the offline baseline; every request gives its output tokens."""
+"""bench/bench_serving.py at a tiny setting on the shipped model (Poisson and all-at-once arrivals, both
+workloads, and the offline baseline; every request gives its output tokens) and on a tiny slice in the
+released format (``--model v4flash-slice``); the prefix cache's TTFT comparison."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import pathlib
 import sys
 
 import pytest
+from hf_fixtures import quantized_config
+
+from jax_oc128.nn import ModelConfig
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
 import bench_serving
@@ -16,8 +20,8 @@ import bench_serving
 @pytest.mark.parametrize("dataset", ["random", "shared-prefix"])
 def test_bench_serving_runs_and_counts_every_token(dataset, capsys):
     """Each rate's row counts every request's tokens (num_prompts x output_len), orders its percentiles and
-    gives the offline rate over its own; the offline row counts the same tokens; ``--sweep-slots`` (the
-    random workload) gives these rows per slot count."""
+    gives the offline rate over its own and the engine process's busy time (within the run's); the offline
+    row counts the same tokens; ``--sweep-slots`` (the random workload) gives these rows per slot count."""
     flags = ["--pages", "8", "--steps-per-dispatch", "4", "--num-prompts", "6", "--input-len", "16"]
     flags += ["--output-len", "4", "--prefix-len", "40", "--rates", "8", "inf", "--dataset", dataset]
     slots = [1, 2] if dataset == "random" else [2]
@@ -36,4 +40,37 @@ def test_bench_serving_runs_and_counts_every_token(dataset, capsys):
             assert 1 <= row["events_per_request"] <= 4 + 1  # at most a token an event, and the usage's
             ratio = offline["output_tokens_per_s"] / row["output_tokens_per_s"]
             assert row["offline_over_served"] == pytest.approx(ratio)
+            assert 0 < row["engine_busy_s"] <= row["duration_s"], row  # the engine's part of the run
+            assert row["engine_over_offline"] == pytest.approx(row["engine_busy_s"] / offline["duration_s"])
     assert '"rate": "offline"' in capsys.readouterr().out
+
+
+def test_bench_serving_serves_a_released_slice():
+    """``--model v4flash-slice`` (a small DeepSeek-V4 in the released format, built in the engine process)
+    served and offline: every request's tokens counted, its prompt prefilled whole; each token has text
+    (the raw ids' tokenizer), so the first token's event comes before the request's end."""
+    assert bench_serving.raw_tokenizer(64).decode_stream().push([5, 63, 0]) == "5 63 0"
+    config = ModelConfig.from_hf(quantized_config(), dtype="bfloat16")
+    flags = ["--model", "v4flash-slice", "--slots", "2", "--max-len", "256", "--steps-per-dispatch", "4"]
+    flags += ["--num-prompts", "4", "--input-len", "16", "--output-len", "6", "--rates", "inf", "--offline"]
+    offline, served = bench_serving.main([*flags, "--output", "json"], slice_=config)
+    assert (offline["rate"], served["rate"]) == ("offline", math.inf)
+    assert offline["output_tokens"] == served["output_tokens"] == 4 * 6, (offline, served)
+    assert served["prefill_tokens"] == 4 * 16 and served["cached_tokens"] == 0, served
+    assert 4 / 2 <= served["prefills"] <= 4, served  # the 4 requests in 2 slots: at least 2 admissions
+    assert served["ttft_p50_ms"] < served["e2e_p50_ms"], served
+
+
+def test_the_prefix_cache_comparison_pairs_rows_by_slots_and_rate():
+    """``ttft_off_over_cached``: on each row with the cache on, the TTFT p50 of the row of its slots and rate
+    with the cache off over its own; none where there is no such row, none on the offline rows."""
+    rows = [
+        dict(slots=2, prefix_cache=0, rate="offline"),
+        dict(slots=2, prefix_cache=0, rate=math.inf, ttft_p50_ms=90.0),
+        dict(slots=4, prefix_cache=0, rate=math.inf, ttft_p50_ms=50.0),
+        dict(slots=2, prefix_cache=8, rate="offline"),
+        dict(slots=2, prefix_cache=8, rate=math.inf, ttft_p50_ms=30.0),
+        dict(slots=2, prefix_cache=8, rate=4.0, ttft_p50_ms=10.0),
+    ]
+    bench_serving.compare_prefix_cache(rows)
+    assert [row.get("ttft_off_over_cached") for row in rows] == [None, None, None, None, 3.0, None]

@@ -159,7 +159,8 @@ class RequestScheduler:
       prefix_cache: the :class:`~jax_oc128.engine.prefix_cache.PrefixCache`, or None.
       dispatches: decode dispatches run.
       totals: counts of the dispatches read (``steps``, ``slot_steps``, ``accepted``) and of the prompts
-        admitted: ``prefill_tokens`` fed, ``cached_tokens`` taken from the prefix cache.
+        admitted: ``prefill_tokens`` fed, ``cached_tokens`` taken from the prefix cache, ``prefills`` the
+        prefill calls (each runs every slot's row: requests admitted apart cost one each).
     """
 
     def __init__(self, engine, *, num_tokens=None, tree=None, seed=0, prefix_cache=0):
@@ -179,7 +180,6 @@ class RequestScheduler:
             None if pool is None else pool.page_size,
             None if pool is None else pool.per_shard,
         )
-        self.width = self.limits.width
         capacity = check_prefix_cache(prefix_cache, engine)
         self.prefix_cache = PrefixCache(engine, self.page_pool, capacity) if capacity else None
         self.state = engine._take_state(arguments.check_seed(seed))
@@ -244,11 +244,12 @@ class RequestScheduler:
         if self._waiting and self._unread:  # which slots are free: read everything
             self._read_all(out)
         pool, engine = self.page_pool, self.engine
+        ahead = engine.steps_per_dispatch * self.limits.width  # the tokens a dispatch may write per slot
         changed, self._released = self._released, False
         admitted = self._admit([slot for slot in range(engine.slots) if slot not in self.owner])
         for slot, request in [*self.owner.items(), *admitted.items()]:  # what the next dispatch can write
             needs = self._requests[request].needs
-            self._written[slot] = min(self._written[slot] + engine.steps_per_dispatch * self.width, needs)
+            self._written[slot] = min(self._written[slot] + ahead, needs)
             if pool is not None:
                 changed |= pool.grow(slot, int(self._written[slot]))
         if pool is not None and changed:
@@ -307,6 +308,7 @@ class RequestScheduler:
         self.totals.update(
             prefill_tokens=sum(len(r.prompt) for r in requests.values()) - sum(out.cached.values()),
             cached_tokens=sum(out.cached.values()),
+            prefills=1,
         )
         prompts = {slot: r.prompt[starts[slot] :] for slot, r in requests.items()}
         params = {slot: r.params for slot, r in requests.items()}

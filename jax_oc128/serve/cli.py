@@ -75,10 +75,13 @@ _FLAGS = {
 }
 
 
-def build(parser: argparse.ArgumentParser, args, factory=None, *extra):
+def build(parser: argparse.ArgumentParser, args, factory=None, *extra, tokenizer=None):
     """The server of ``args`` (:class:`~jax_oc128.serve.app.Server`), its engine process started and built
     by ``factory(args, *extra)`` (a module-level function returning the scheduler and the factory's extra;
-    None: :func:`load_engine`); argparse's error for a bad flag, whichever process finds it."""
+    None: :func:`load_engine`); argparse's error for a bad flag, whichever process finds it. ``tokenizer``:
+    None (the checkpoint's, ``args.path``, whose ``max_position_embeddings`` bounds ``--max-len``), or the
+    served model's (a :class:`~jax_oc128.text.TextTokenizer`, for a model the factory builds without a
+    checkpoint: the model's runtime then bounds ``--max-len``)."""
     from jax_oc128.loading.hf_config import CONFIG, read_config
     from jax_oc128.serve.app import Server
     from jax_oc128.serve.engine_process import EngineFailed, EngineProcess, EngineSpec
@@ -90,13 +93,14 @@ def build(parser: argparse.ArgumentParser, args, factory=None, *extra):
         parser.error(f"argument {speculation}: at most {MAX_DRAFT}")
     flags = _FLAGS | {"num_tokens": speculation, "tree": speculation}
     path = SHIPPED_MODEL if args.path is None else args.path
-    try:
-        tokenizer = load_tokenizer(path)
-        positions = read_config(pathlib.Path(path) / CONFIG).runtime.max_len  # max_position_embeddings
-    except (OSError, ValueError) as error:
-        parser.error(f"argument path: {error}")
-    if args.max_len is not None and args.max_len > positions:
-        parser.error(f"argument --max-len: at most the model's max_position_embeddings ({positions})")
+    if tokenizer is None:
+        try:
+            tokenizer = load_tokenizer(path)
+            positions = read_config(pathlib.Path(path) / CONFIG).runtime.max_len  # max_position_embeddings
+        except (OSError, ValueError) as error:
+            parser.error(f"argument path: {error}")
+        if args.max_len is not None and args.max_len > positions:
+            parser.error(f"argument --max-len: at most the model's max_position_embeddings ({positions})")
     try:
         process = EngineProcess(EngineSpec(factory or load_engine, (args, *extra)), args.max_queued)
     except EngineFailed as error:
@@ -107,9 +111,10 @@ def build(parser: argparse.ArgumentParser, args, factory=None, *extra):
     return Server(process, tokenizer, args.served_model_name or name)
 
 
-def scheduler(args):
-    """In the engine process: the :class:`~jax_oc128.engine.requests.RequestScheduler` of ``args`` (the
-    checkpoint loaded, its engine built; a bad argument raises the engine's error naming it)."""
+def scheduler(args, model=None):
+    """In the engine process: the :class:`~jax_oc128.engine.requests.RequestScheduler` of ``args`` over
+    ``model`` (None: the checkpoint's, loaded), its engine built; a bad argument raises the engine's error
+    naming it."""
     from jax_oc128.engine import Engine
     from jax_oc128.engine.requests import RequestScheduler
     from jax_oc128.pretrained import load_pretrained
@@ -117,7 +122,8 @@ def scheduler(args):
 
     path = SHIPPED_MODEL if args.path is None else args.path
     n = args.draft or args.tree or 1
-    model = load_pretrained(path, dtype=args.dtype, max_len=args.max_len or 4096, max_draft=n)
+    if model is None:
+        model = load_pretrained(path, dtype=args.dtype, max_len=args.max_len or 4096, max_draft=n)
     options = dict(steps_per_dispatch=args.steps_per_dispatch, pages=args.pages, page_size=args.page_size)
     engine = Engine(model, args.slots, **options)
     tree = None if args.tree is None else _default_tree(args.tree)

@@ -27,6 +27,7 @@ import multiprocessing
 import queue
 import signal
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -88,9 +89,11 @@ class Handle:
         self.cached = 0  # its prompt tokens taken from the prefix cache, once admitted
 
 
-def stats(scheduler: RequestScheduler) -> dict:
+def stats(scheduler: RequestScheduler, busy_seconds: float = 0.0) -> dict:
     """The scheduler's counts: ``free_pages`` (paged, else None), ``running`` (slots held), ``waiting``,
-    ``dispatches`` and ``totals`` (:attr:`RequestScheduler.totals`)."""
+    ``dispatches``, ``totals`` (:attr:`RequestScheduler.totals`) and ``busy_seconds``: the device loop's time
+    in the iterations that ran a step, from its first message or its start to the step's message (the
+    engine's share of a served run's time, to set against ``Engine.generate``'s)."""
     pool = scheduler.page_pool
     return dict(
         free_pages=None if pool is None else pool.free_pages,
@@ -98,6 +101,7 @@ def stats(scheduler: RequestScheduler) -> dict:
         waiting=scheduler.waiting,
         dispatches=scheduler.dispatches,
         totals=dict(scheduler.totals),
+        busy_seconds=busy_seconds,
     )
 
 
@@ -271,11 +275,15 @@ def _run(scheduler: RequestScheduler, inbox, outbox) -> None:
     requests run (or one was aborted: the step reports it), send the step's news."""
     requests: dict[int, int] = {}  # the scheduler's id -> the HTTP side's
     ids: dict[int, int] = {}  # the HTTP side's id -> the scheduler's
+    busy = 0.0  # stats' busy_seconds
     while True:
         news: dict[int, tuple[list[int], str | None]] = {}
         aborted = False
         wait = None if not scheduler.busy else 0  # None: block until a message (or the pipe's end)
+        start = time.perf_counter()
         while inbox.poll(wait):
+            if wait is None:  # idle until now
+                start = time.perf_counter()
             wait = 0
             kind, *message = inbox.recv()
             if kind == "stop":
@@ -302,5 +310,7 @@ def _run(scheduler: RequestScheduler, inbox, outbox) -> None:
             request = requests.pop(request)
             del ids[request]
             news[request] = (news.get(request, ([], None))[0], reason)
+        if stepped:
+            busy += time.perf_counter() - start
         if stepped or news:
-            outbox.send(("step", news, cached, stats(scheduler)))
+            outbox.send(("step", news, cached, stats(scheduler, busy)))
