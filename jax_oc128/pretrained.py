@@ -115,6 +115,7 @@ def load_pretrained(
     max_draft: int = 8,
     mesh: Mesh | None = None,
     kv_cache_dtype: str = "auto",
+    attention_impl: str = "jnp",
 ) -> SpeculativeModel:
     """The model of the Hugging Face-format checkpoint directory ``path``, of the class registered as its
     ``config.json``'s ``architectures`` (:func:`~jax_oc128.registry.model_class`; DeepSeek-V4's:
@@ -141,6 +142,9 @@ def load_pretrained(
         :mod:`jax_oc128.nn.kv_cache`): ``"auto"`` (the model's dtype), ``"float32"``, ``"bfloat16"``,
         ``"fp8"`` (DeepSeek's FP8 entries and indexer keys) or ``"fp8_fp4"`` (FP8 entries, FP4 indexer keys:
         DeepSeek's inference format).
+      attention_impl: the attention math (``RuntimeConfig.attention_impl``, :mod:`jax_oc128.nn.attend`):
+        ``"jnp"`` (the oracle), ``"kernel"`` (the attention op: the CUDA kernel on a GPU) or ``"auto"`` (the
+        kernel where the default backend is a GPU with the CUDA module built).
 
     Raises ValueError (naming the file, and the field or every tensor at fault) for a directory that is
     not such a checkpoint or that does not fit its config, NotImplementedError for what the config asks
@@ -154,7 +158,12 @@ def load_pretrained(
         raise TypeError(f"backend: must be a jax_oc128.Backend (ONLINE or OFFLINE), got {backend!r}")
     mesh = None if mesh is None else sharding.check_mesh(mesh)
     hf = read_config(
-        directory / CONFIG, dtype=dtype, max_len=max_len, max_draft=max_draft, kv_cache_dtype=kv_cache_dtype
+        directory / CONFIG,
+        dtype=dtype,
+        max_len=max_len,
+        max_draft=max_draft,
+        kv_cache_dtype=kv_cache_dtype,
+        attention_impl=attention_impl,
     )
     model = _load(hf, backend, directory, read_headers(directory), Shard, mesh)
     model.eos_token_ids = eos_token_ids(directory, hf.config.vocab_size)

@@ -396,6 +396,7 @@ def test_bad_configs_are_named(tmp_path, nothing_placed, case):
         ({"kv_cache_dtype": "float16"}, ValueError, r"kv_cache_dtype: must be one of \['auto'"),
         # the fixture's indexer keys have 16 channels, less than one FP4 group
         ({"kv_cache_dtype": "fp8_fp4"}, ValueError, "config.json: index_head_dim: must be a multiple of 32"),
+        ({"attention_impl": "flash"}, ValueError, r"attention_impl: must be one of \('jnp'"),
     ],
 )
 def test_bad_arguments_are_named(nothing_placed, kwargs, error, match):
@@ -405,9 +406,10 @@ def test_bad_arguments_are_named(nothing_placed, kwargs, error, match):
 
 def test_kv_cache_dtype_picks_the_caches():
     """``load_pretrained(kv_cache_dtype=...)`` is the model's cache format: FP8 entries in every compressed
-    layer of the checkpoint's model."""
-    model = load_pretrained(HF_CHECKPOINT, max_len=512, kv_cache_dtype="fp8")
+    layer of the checkpoint's model; ``attention_impl`` is every layer's attention math."""
+    model = load_pretrained(HF_CHECKPOINT, max_len=512, kv_cache_dtype="fp8", attention_impl="kernel")
     assert model.runtime.kv_cache_dtype == "fp8"
+    assert {block.attn.attention_impl for block in model.target.blocks} == {"kernel"}
     cache = jax.eval_shape(lambda: model.target.init_cache(1))
     compressed = [
         layer for layer, kind in zip(cache.layers, model.config.layer_types, strict=True) if kind != SLIDING
