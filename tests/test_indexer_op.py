@@ -121,11 +121,11 @@ def test_bad_scale_is_refused(small_case):
 
 @pytest.mark.cuda
 def test_cuda_kernel_at_v4_shapes():
-    """L 512, E 4096 + 77 (a partial key tile), 64 heads of 128: within the bound of float64 (a query in 8)
-    and of the twin (every query, on the GPU), -inf exactly where unseen (NaN keys past every limit)."""
+    """2 rows, L 512, E 4096 + 77 (a partial key tile), 64 heads of 128: within the bound of float64 (a query
+    in 8) and of the twin (every query, on the GPU), -inf exactly where unseen (NaN keys past every limit)."""
     assert indexer_op.TARGET in indexer_op.ops.native_targets("cuda")
     gpu = jax.devices("gpu")[0]
-    operands = case(1, 1, 512, 4096 + 77)
+    operands = case(1, 2, 512, 4096 + 77)
     on_gpu = jax.jit(indexer_scores, static_argnames="scale")
     device_operands = jax.device_put(operands, gpu)
     assert indexer_op.TARGET in on_gpu.lower(*device_operands, scale=SCALE).as_text()
