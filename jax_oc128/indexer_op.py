@@ -7,7 +7,8 @@ is its jnp twin.
 
 Precision: q and the keys are bfloat16 operands (the model's path rounds its float32 queries and keys to
 bfloat16 for it, as DeepSeek's own indexer runs in FP8); every product of two bfloat16 values is exact in
-float32, and the CPU handler, the twin and the kernel all sum in float32 (in different orders).
+float32, and the CPU handler, the twin and the kernel all sum in float32 (in different orders). The CUDA
+kernel takes dim 128 (V4's ``index_head_dim``) and heads a multiple of 16; other shapes run the twin on a GPU.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from jax_oc128 import ops
 
 TARGET = "oc128_indexer_scores"
 FULL = jax.lax.Precision.HIGHEST
+CUDA_DIM, CUDA_HEAD_MULTIPLE = 128, 16  # the shapes the CUDA kernel takes (elsewhere a GPU runs the twin)
 
 
 def _check(q, keys, weights, limit, scale):
@@ -66,7 +68,11 @@ def indexer_scores(q, keys, weights, limit, *, scale: float):
     def reference(*operands):
         return indexer_scores_reference(*operands, scale=scale)
 
-    branches = {p: native for p in ("cpu", "cuda") if TARGET in ops.native_targets(p)}
+    heads, dim = q.shape[2:]
+    kernel_shape = dim == CUDA_DIM and heads % CUDA_HEAD_MULTIPLE == 0
+    branches = {
+        p: native for p in ("cpu", "cuda") if TARGET in ops.native_targets(p) and (p == "cpu" or kernel_shape)
+    }
     return jax.lax.platform_dependent(q, keys, weights, limit, default=reference, **branches)
 
 

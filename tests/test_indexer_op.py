@@ -145,8 +145,20 @@ def test_cuda_kernel_at_v4_shapes():
 
 
 @pytest.mark.cuda
-def test_cuda_kernel_refuses_other_dims():
+def test_other_shapes_run_the_twin_on_the_gpu():
+    """dim 64 and 8 heads: the GPU runs the twin (the kernel takes dim 128, heads a multiple of 16), whose
+    handler, called directly, refuses them naming q."""
     gpu = jax.devices("gpu")[0]
-    operands = jax.device_put(case(2, 1, 8, 40, heads=16, dim=64), gpu)
-    with pytest.raises(Exception, match="the CUDA kernel takes dim 128"):
-        np.asarray(indexer_scores(*operands, scale=SCALE))
+    operands = case(2, 1, 8, 40, heads=8, dim=64)
+    device_operands = jax.device_put(operands, gpu)
+    assert (
+        indexer_op.TARGET
+        not in jax.jit(indexer_scores, static_argnames="scale").lower(*device_operands, scale=SCALE).as_text()
+    )
+    want, size = float64(*operands, SCALE)
+    got = indexer_scores(*device_operands, scale=SCALE)
+    assert_within(got, want, (64 + 8 + 2) * U * size, "twin on the gpu vs float64")
+    out = jax.ShapeDtypeStruct((1, 8, 40), jnp.float32)
+    call = jax.ffi.ffi_call(indexer_op.TARGET, out)
+    with pytest.raises(Exception, match="q: the CUDA kernel takes dim 128"):
+        np.asarray(jax.jit(lambda *a: call(*a, scale=np.float32(SCALE)))(*device_operands))
