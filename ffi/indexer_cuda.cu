@@ -1,14 +1,13 @@
 // CUDA handler of the lightning indexer's scores op (indexer_ffi.h). One block of 4 warps per (tile of kKeys
-// keys, tile of kQueries queries, batch row): the key tile is copied into shared memory once (16-byte cp.async,
-// rows padded so that a quarter warp's 16-byte reads hit every bank once); each warp then takes the tile's
-// queries w, w + 4, ... one at a time, and per group of kGroupTiles x 8 keys holds their fragments in registers
-// while it streams the query's heads 16 at a time from global memory: the q . k of 16 heads x 8 keys by mma.sync
-// m16n8k16 (bfloat16 in, float32 accumulate), relu and the head weights in registers, summed over the heads (the
-// lanes' own rows, then across lanes by shuffles), one write of the group's scores. No [L, heads, E] tensor
-// exists. The k order of the MMA is permuted alike for q and the keys (lane t holds channels 8 t .. 8 t + 7 of
-// each 32: one 16-byte load), which the sum over k does not see. A key tile that no query of the block sees is not
-// loaded, and a query does no matmul for keys it does not see (their scores are -inf). dim 128 and heads a
-// multiple of 16 only. The handler only launches on XLA's stream.
+// keys, tile of kQueries queries, batch row); warp w owns kWarpKeys of the keys, whose fragments it reads from
+// global memory once and keeps in registers for every query of the tile. Per query (the 4 warps on the same one,
+// so its q is read from global memory once a block and from L1 by the others), the warp streams the query's heads
+// 16 at a time: the q . k of 16 heads x 8 keys by mma.sync m16n8k16 (bfloat16 in, float32 accumulate), relu and
+// the head weights in registers, summed over the heads (the lanes' own rows, then across lanes by shuffles), one
+// write of its keys' scores. No [L, heads, E] tensor exists, and no shared memory is used. The k order of the
+// MMA is permuted alike for q and the keys (lane t holds channels 8 t .. 8 t + 7 of each 32: one 16-byte load),
+// which the sum over k does not see. A warp does no matmul for a query that sees none of its keys (their scores
+// are -inf). dim 128 and heads a multiple of 16 only. The handler only launches on XLA's stream.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -21,94 +20,76 @@
 namespace oc128 {
 namespace {
 
-constexpr int kDim = 128;     // channels per key (V4's index_head_dim)
-constexpr int kKeys = 128;    // keys per block
-constexpr int kQueries = 64;  // queries per block
+constexpr int kDim = 128;              // channels per key (V4's index_head_dim)
+constexpr int kChunks = kDim / 32;     // 32-channel chunks: two MMA k steps each, 16 bytes a lane
+constexpr int kTiles = 4;              // 8-key tiles a warp owns
+constexpr int kWarpKeys = 8 * kTiles;  // keys a warp owns
 constexpr int kWarps = 4, kThreads = 32 * kWarps;
-constexpr int kRow = kDim + 32;     // a key's shared-memory row (bfloat16): a stride of 64 bytes mod 128
-constexpr int kChunks = kDim / 32;  // 32-channel chunks: two MMA k steps each
-constexpr int kGroupTiles = 4;      // 8-key tiles whose fragments a warp holds at once
-constexpr int kGroupKeys = 8 * kGroupTiles;
+constexpr int kKeys = kWarps * kWarpKeys;  // keys per block
+constexpr int kQueries = 64;               // queries per block
 
 __global__ void __launch_bounds__(kThreads, 3) indexer_kernel(IndexerArgs a) {
-  __shared__ alignas(16) uint16_t tile[kKeys * kRow];
-  __shared__ int32_t most;
-  const int64_t b = blockIdx.z, e0 = int64_t(blockIdx.x) * kKeys, l0 = int64_t(blockIdx.y) * kQueries;
+  const int64_t b = blockIdx.z, l0 = int64_t(blockIdx.y) * kQueries;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t e0 = int64_t(blockIdx.x) * kKeys + warp * kWarpKeys;  // the warp's first key
+  if (e0 >= a.count) return;
   const int queries = int(a.tokens - l0 < kQueries ? a.tokens - l0 : kQueries);
-  const int32_t* limit = a.limit + b * a.tokens + l0;
 
-  if (threadIdx.x == 0) most = 0;
-  __syncthreads();
-  for (int i = threadIdx.x; i < queries; i += kThreads) atomicMax(&most, limit[i]);
-  __syncthreads();
-  if (e0 < most) {
-    const Bf16* keys = a.keys + (b * a.count + e0) * kDim;
-    for (int i = threadIdx.x; i < kKeys * kDim / 8; i += kThreads) {
-      const int r = i / (kDim / 8), c = i % (kDim / 8) * 8;
-      const bool valid = e0 + r < a.count;
-      cp_async16(&tile[r * kRow + c], valid ? keys + r * kDim + c : keys, valid);
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
+  // B: key e0 + 8 j + g, channels 32 c + 8 t .. (zeros past E)
+  uint4 bf[kTiles][kChunks];
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j) {
+    const int64_t e = e0 + 8 * j + g;
+    const uint4* row = reinterpret_cast<const uint4*>(a.keys + (b * a.count + (e < a.count ? e : 0)) * kDim);
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) bf[j][c] = e < a.count ? row[4 * c + t] : make_uint4(0, 0, 0, 0);
   }
 
-  for (int i = warp; i < queries; i += kWarps) {
-    const int64_t bl = b * a.tokens + l0 + i, seen = limit[i];
-    const Bf16* q = a.q + bl * a.heads * kDim;
-    const float* weights = a.weights + bl * a.heads;
-    float* out = a.out + bl * a.count + e0;
-    for (int k0 = 0; k0 < kKeys; k0 += kGroupKeys) {
-      float sum[kGroupTiles][2] = {};
-      if (e0 + k0 < seen) {  // uniform over the warp: its query's
-        // B: key k0 + 8 j + g, channels 32 c + 8 t ..
-        uint4 bf[kGroupTiles][kChunks];
+  for (int i = 0; i < queries; ++i) {
+    const int64_t bl = b * a.tokens + l0 + i, seen = a.limit[bl];
+    float sum[kTiles][2] = {};
+    if (e0 < seen) {  // uniform over the warp
+      const uint4* q = reinterpret_cast<const uint4*>(a.q + bl * a.heads * kDim);
+      const float* weights = a.weights + bl * a.heads;
+      for (int64_t h0 = 0; h0 < a.heads; h0 += 16) {
+        // A: heads h0 + g (r = 0) and h0 + g + 8 (r = 1), channels 32 c + 8 t ..
+        uint4 af[kChunks][2];
 #pragma unroll
-        for (int j = 0; j < kGroupTiles; ++j)
+        for (int c = 0; c < kChunks; ++c)
 #pragma unroll
-          for (int c = 0; c < kChunks; ++c)
-            bf[j][c] = *reinterpret_cast<const uint4*>(&tile[(k0 + 8 * j + g) * kRow + 32 * c + 8 * t]);
-        for (int64_t h0 = 0; h0 < a.heads; h0 += 16) {
-          // A: heads h0 + g (r = 0) and h0 + g + 8 (r = 1), channels 32 c + 8 t ..
-          uint4 af[kChunks][2];
+          for (int r = 0; r < 2; ++r) af[c][r] = q[(h0 + g + 8 * r) * (kDim / 8) + 4 * c + t];
+        const float w0 = weights[h0 + g], w1 = weights[h0 + g + 8];
 #pragma unroll
-          for (int c = 0; c < kChunks; ++c)
+        for (int j = 0; j < kTiles; ++j) {
+          float acc[4] = {};
 #pragma unroll
-            for (int r = 0; r < 2; ++r)
-              af[c][r] = *reinterpret_cast<const uint4*>(q + (h0 + g + 8 * r) * kDim + 32 * c + 8 * t);
-          const float w0 = weights[h0 + g], w1 = weights[h0 + g + 8];
-#pragma unroll
-          for (int j = 0; j < kGroupTiles; ++j) {
-            float acc[4] = {};
-#pragma unroll
-            for (int c = 0; c < kChunks; ++c) {
-              const uint32_t first[4] = {af[c][0].x, af[c][1].x, af[c][0].y, af[c][1].y};
-              const uint32_t second[4] = {af[c][0].z, af[c][1].z, af[c][0].w, af[c][1].w};
-              mma(acc, first, bf[j][c].x, bf[j][c].y);
-              mma(acc, second, bf[j][c].z, bf[j][c].w);
-            }
-            // acc: heads (g, g + 8) x keys k0 + 8 j + 2 t (+ 1)
-            sum[j][0] += w0 * fmaxf(acc[0], 0.0f) + w1 * fmaxf(acc[2], 0.0f);
-            sum[j][1] += w0 * fmaxf(acc[1], 0.0f) + w1 * fmaxf(acc[3], 0.0f);
+          for (int c = 0; c < kChunks; ++c) {
+            const uint32_t first[4] = {af[c][0].x, af[c][1].x, af[c][0].y, af[c][1].y};
+            const uint32_t second[4] = {af[c][0].z, af[c][1].z, af[c][0].w, af[c][1].w};
+            mma(acc, first, bf[j][c].x, bf[j][c].y);
+            mma(acc, second, bf[j][c].z, bf[j][c].w);
           }
+          // acc: heads (g, g + 8) x keys e0 + 8 j + 2 t (+ 1)
+          sum[j][0] += w0 * fmaxf(acc[0], 0.0f) + w1 * fmaxf(acc[2], 0.0f);
+          sum[j][1] += w0 * fmaxf(acc[1], 0.0f) + w1 * fmaxf(acc[3], 0.0f);
         }
-#pragma unroll
-        for (int j = 0; j < kGroupTiles; ++j)
-#pragma unroll
-          for (int v = 0; v < 2; ++v)
-#pragma unroll
-            for (int offset = 4; offset < 32; offset *= 2) sum[j][v] += __shfl_xor_sync(0xFFFFFFFFu, sum[j][v], offset);
       }
-      // every lane holds the sums of keys k0 + 8 j + 2 t (+ 1); lane (g, t) writes those of tile j = g
 #pragma unroll
-      for (int j = 0; j < kGroupTiles; ++j) {
-        if (j != g) continue;
+      for (int j = 0; j < kTiles; ++j)
 #pragma unroll
-        for (int v = 0; v < 2; ++v) {
-          const int64_t e = e0 + k0 + 8 * j + 2 * t + v;
-          if (e < a.count) out[k0 + 8 * j + 2 * t + v] = e < seen ? sum[j][v] * a.scale : -INFINITY;
-        }
+        for (int v = 0; v < 2; ++v)
+#pragma unroll
+          for (int offset = 4; offset < 32; offset *= 2) sum[j][v] += __shfl_xor_sync(0xFFFFFFFFu, sum[j][v], offset);
+    }
+    // every lane holds the sums of keys e0 + 8 j + 2 t (+ 1); lane (g, t) writes those of tile j = g
+    float* out = a.out + bl * a.count;
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j) {
+      if (j != g) continue;
+#pragma unroll
+      for (int v = 0; v < 2; ++v) {
+        const int64_t e = e0 + 8 * j + 2 * t + v;
+        if (e < a.count) out[e] = e < seen ? sum[j][v] * a.scale : -INFINITY;
       }
     }
   }
