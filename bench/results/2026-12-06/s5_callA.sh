@@ -1,12 +1,7 @@
 #!/usr/bin/env bash
 # The fifth session's first H100 call: the released V4-Flash slice's prefill against its FLOP floor (the
 # attention kernel), and its decode step with the jnp path and the kernel. Logs to $OUT.
-set -u
-out=${OUT:-gpu_out}; mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-JAX_OC128_CUDA=ON JAX_OC128_CUDA_ARCHS=90 python3 -m pip install --no-build-isolation --no-deps -q . \
-  >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/env.txt"
+source "$(dirname "$0")/s5_build.sh"
 slice="--configs v4flash-slice --layers 6 --experts 256 --weights released"
 start=$SECONDS
 timeout "${PREFILL_TIMEOUT:-300}" python3 bench/bench_prefill.py $slice --prompt-lens 8192 32768 131072 \

@@ -2,12 +2,7 @@
 # The fifth session's second H100 call: the attention kernel of branch attn2 and the FP4 prefill-tile kernel of
 # branch fp4big (their files laid over main's tree before this runs), their GPU tests and benchmarks; the CSA
 # indexer's jnp cost per key chunk; the slice's decode step with the attention kernel. Logs to $OUT.
-set -u
-out=${OUT:-gpu_out}; mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-JAX_OC128_CUDA=ON JAX_OC128_CUDA_ARCHS=90 python3 -m pip install --no-build-isolation --no-deps -q . \
-  >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/env.txt"
+source "$(dirname "$0")/s5_build.sh"
 (cd tests && JAX_OC128_REQUIRE_GPU=1 timeout 200 python3 -m pytest -q -n 4 -p no:cacheprovider test_attention_op.py \
   test_fp4_gmm_op.py test_moe.py 2>&1) >"$out/tests.log"
 echo "== tests: exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests.log" | tail -15
