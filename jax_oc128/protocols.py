@@ -134,6 +134,7 @@ class Model(Protocol):
         mode: ForwardMode = ForwardMode.EXTEND,
         tree: Tree | None = None,
         context: int | None = None,
+        logits_at: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, Cache]:
         """A forward of ``mode`` (static): ``EXTEND`` (a prefill or a chunk of one, at any position) and
         ``DECODE`` (one token) keep the tokens in the cache; ``TARGET_VERIFY`` with ``tree`` verifies its
@@ -141,9 +142,11 @@ class Model(Protocol):
         ancestors), :meth:`keep_path` then keeping the accepted path. ``context`` (static): None, or the
         engine's promise that every row's position + its tokens is at most ``context`` (<= ``max_len``, a
         bucket of :func:`~jax_oc128.nn.context_bucket`): the forward may read only the first ``context``
-        positions of each slot's caches, so that its cost follows the context, not ``max_len``. Returns
-        ``(logits [slots, T, V] float32, hidden [slots, T, H] float32, cache)``: the next token's logits after
-        each token and the hidden state the drafter takes at the next position."""
+        positions of each slot's caches, so that its cost follows the context, not ``max_len``.
+        ``logits_at``: None, or ``[slots]`` int32 indices into T: the logits only there, ``[slots, 1, V]``
+        (a prefill samples after each row's last token only). Returns ``(logits [slots, T, V] float32, hidden
+        [slots, T, H] float32, cache)``: the next token's logits after each token and the hidden state the
+        drafter takes at the next position."""
         ...
 
     def keep_path(self, cache: Cache, tree: Tree, first_positions: jax.Array, nodes: jax.Array) -> Cache:

@@ -193,7 +193,16 @@ class TinyDense(nnx.Module):
         raise ValueError(f"page_table: {type(self).__name__} has dense caches only")
 
     def __call__(
-        self, tokens, positions, cache, *, lengths=None, mode=ForwardMode.EXTEND, tree=None, context=None
+        self,
+        tokens,
+        positions,
+        cache,
+        *,
+        lengths=None,
+        mode=ForwardMode.EXTEND,
+        tree=None,
+        context=None,
+        logits_at=None,
     ):
         batch, width = tokens.shape
         lengths = jnp.full((batch,), width, jnp.int32) if lengths is None else lengths
@@ -229,7 +238,8 @@ class TinyDense(nnx.Module):
                 keys=_at_positions(cache.keys, positions, valid, k),
                 values=_at_positions(cache.values, positions, valid, v),
             )
-        return jnp.matmul(h, self.lm_head[...], precision=HIGHEST), h, cache
+        out = h if logits_at is None else h[jnp.arange(batch), logits_at][:, None]
+        return jnp.matmul(out, self.lm_head[...], precision=HIGHEST), h, cache
 
     def keep_path(self, cache, tree, first_positions, nodes):
         return dataclasses.replace(
