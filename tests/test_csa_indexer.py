@@ -8,6 +8,7 @@ every query); at V4-Flash's shapes its prefill temporaries stay under the issue'
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 import sys
 
@@ -30,8 +31,16 @@ CONFIG = dataclasses.replace(
     MODEL_CONFIG, index_n_heads=4, index_head_dim=16, index_topk=8, sliding_window=16
 )
 LAYER_CONFIG = CONFIG.attention(CSA, MODEL_RUNTIME)
+CPU = jax.devices("cpu")[0]  # the kernel path's test pins it: its CPU handler (any dim)
 # keys per chunk of the streamed indexer: the top k's size, so that every merge can replace every pick
 SMALL_CHUNK = LAYER_CONFIG.indexer.topk
+
+
+def index_queries(compressor, q_res, positions):
+    """The indexer's queries ``[batch, L, index_heads, index_head_dim]`` float32, as ``select`` makes them."""
+    c = compressor.indexer
+    q = linear(q_res, compressor.indexer_q_b_proj[...]).reshape(*q_res.shape[:2], c.num_heads, c.head_dim)
+    return compressor.rope.apply(q, positions)
 
 
 def whole_select(compressor, q_res, positions, queries, entries, keys):
@@ -39,9 +48,8 @@ def whole_select(compressor, q_res, positions, queries, entries, keys):
     every key, ``[batch, L, index_heads, E]``, masked by what it sees, then ``lax.top_k``; with the picks'
     scores ``[batch, L, k]``."""
     c, limit, nodes = compressor.indexer, queries.limit, queries.nodes
-    batch, tokens = q_res.shape[:2]
-    q = linear(q_res, compressor.indexer_q_b_proj[...]).reshape(batch, tokens, c.num_heads, c.head_dim)
-    q = compressor.rope.apply(q, positions)
+    batch = q_res.shape[0]
+    q = index_queries(compressor, q_res, positions)
     keys = kv_cache.decode(keys)
     relu = jax.nn.relu(jnp.einsum("bthi,bei->bthe", q, keys, precision=FULL)) * c.head_dim**-0.5
     scores = jnp.einsum("bth,bthe->bte", queries.head_weights, relu, precision=FULL)
@@ -105,6 +113,48 @@ def test_streamed_picks_equal_whole(stored, nodes, monkeypatch):
     assert not np.asarray(valid).all() and np.asarray(valid).any()
     top, valid = np.asarray(top), np.asarray(valid)
     assert ((top[..., 1:] == top[..., :-1]) & valid[..., 1:]).any()
+
+
+@pytest.mark.parametrize("stored, nodes", [(61, 0), (40, 3)], ids=["chain", "tree"])
+def test_kernel_path_picks_equal_jnp_path(stored, nodes, monkeypatch):
+    """``impl="kernel"`` (the indexer op, its CPU handler) rounds q and the keys to bfloat16: each product
+    moves by at most 2**-8 (+ 2**-18) of its size, so a score by at most ``2**-8 M`` (relu is 1-Lipschitz;
+    ``M = scale sum_h |w_h| sum_d |q_hd k_d|``), plus float32 sums: bound ``2**-7 M``. Where a query's k-th
+    and (k+1)-th scores (float64) differ by more than both their bounds, or it sees at most k entries, its
+    picks equal the jnp path's as a set; validity equal everywhere; chunks of k keys (several merges)."""
+    layer = DeepseekV4Attention(LAYER_CONFIG, max_draft=MODEL_RUNTIME.max_draft, rngs=nnx.Rngs(1))
+    compressor = layer.compressor
+    inputs = indexer_inputs(7, 32, stored, nodes)
+    q_res, positions, queries, _, keys = inputs
+    head_weights, limit, node_mask = queries
+    monkeypatch.setattr(csa, "KEY_CHUNK", SMALL_CHUNK)
+    monkeypatch.setattr(csa, "KERNEL_KEY_CHUNK", SMALL_CHUNK)
+    with jax.default_device(CPU):
+        want, want_valid = jax.jit(compressor.select)(*inputs)
+        got, valid = jax.jit(functools.partial(compressor.select, impl="kernel"))(*inputs)
+    np.testing.assert_array_equal(valid, want_valid)
+    # float64 scores, their bounds and what each query sees
+    c = compressor.indexer
+    q = np.asarray(index_queries(compressor, q_res, positions), np.float64)
+    keys64, weights = np.nan_to_num(np.asarray(keys, np.float64)), np.asarray(head_weights, np.float64)
+    dots = np.einsum("blhd,bed->blhe", q, keys64)
+    scores = np.einsum("blh,blhe->ble", weights, np.maximum(dots, 0)) * c.head_dim**-0.5
+    size = np.einsum("blh,blhe->ble", np.abs(weights), np.einsum("blhd,bed->blhe", np.abs(q), np.abs(keys64)))
+    bound = 2.0**-7 * size * c.head_dim**-0.5
+    seen = np.arange(stored + nodes) < np.minimum(np.asarray(limit), stored)[..., None]
+    if nodes:
+        seen[..., stored:] = np.asarray(node_mask)
+    scores = np.where(seen, scores, -np.inf)
+    order = np.argsort(-scores, axis=-1, kind="stable")
+    kth, next_ = (
+        np.take_along_axis(a, order[..., c.topk - 1 : c.topk + 1], axis=-1) for a in (scores, bound)
+    )
+    few = seen.sum(-1) <= c.topk
+    with np.errstate(invalid="ignore"):  # -inf - -inf where few
+        separated = few | (kth[..., 0] - kth[..., 1] > next_[..., 0] + next_[..., 1])
+    got, want = (np.sort(np.asarray(x)[..., 0], axis=-1) for x in (got, want))  # each pick's first channel
+    np.testing.assert_array_equal(got[separated], want[separated])
+    assert (separated & ~few).sum() >= 5, "too few queries with more than k entries and a gap to test"
 
 
 def test_layer_in_the_loop_equals_at_once(monkeypatch):

@@ -497,7 +497,9 @@ class DeepseekV4Attention(nnx.Module):
                 extra, extra_visible = entries, seen.visible
             if c.layer_type == CSA:
                 with jax.named_scope("indexer"):
-                    extra, extra_visible = self.compressor.select(q_res, positions, seen, entries, index_keys)
+                    extra, extra_visible = self.compressor.select(
+                        q_res, positions, seen, entries, index_keys, impl=self.attention_impl
+                    )
             q = linear(q_res, self.q_b_proj[...], name=("attn", "q_b_proj"))
             q = q.reshape(*q_res.shape[:2], c.num_heads, c.head_dim)
             q = c.rope.apply(rms_norm(q, 1.0, c.rms_norm_eps), positions)  # per head, unweighted
