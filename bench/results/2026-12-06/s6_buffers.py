@@ -1,6 +1,6 @@
-"""The largest buffers of each compiled prefill in an XLA dump (argv[1]: the dump directory): per module, its
-memory-usage report's head when XLA wrote one, and the 25 largest values of its buffer assignment (name, shape,
-MiB). Prints to stdout."""
+"""The largest buffers of each compiled prefill in an XLA dump (argv[1]: the dump directory): per module,
+its memory-usage report's head when XLA wrote one, and the 25 largest values of its buffer assignment
+(name, shape, MiB). Prints to stdout."""
 
 import pathlib
 import re
