@@ -232,19 +232,19 @@ class CSACompressor(nnx.Module):
         ``[batch, T, hidden]`` (:class:`IndexerQueries`' ``head_weights``)."""
         return linear(x, self.indexer_weights_proj[...]) * self.indexer.num_heads**-0.5
 
-    def select(self, q_res, positions, queries: IndexerQueries, entries, keys, *, impl: str = "jnp"):
-        """The indexer's picks for L queries: ``(selected [batch, L, k, head_dim] float32, valid [batch, L, k]
-        bool)``, the top ``k = min(index_topk, E)`` of the entries each query sees by its score (ties: the
-        lower index first, as ``lax.top_k``); ``valid`` False for picks past the visible ones, where fewer
-        than k are visible (those are zeros). The scores are made :data:`KEY_CHUNK` keys at a time, each
-        chunk's merged into a running top k, so that no ``[L, index_heads, E]`` tensor exists.
+    def select(self, q_res, positions, queries: IndexerQueries, keys, *, impl: str = "jnp"):
+        """The indexer's picks for L queries: ``[batch, L, k]`` int32 indices of the entries, the top ``k =
+        min(index_topk, E)`` of those each query sees by its score (ties: the lower index first, as
+        ``lax.top_k``), -1 past the visible ones where fewer than k are visible. The scores are made
+        :data:`KEY_CHUNK` keys at a time, each chunk's merged into a running top k, so that no ``[L,
+        index_heads, E]`` tensor exists.
 
         Args:
           q_res: ``[batch, L, q_lora_rank]`` float32: the queries' normed LoRA residual.
           positions: ``[batch, L]`` int32.
           queries: the L queries' :class:`IndexerQueries`.
-          entries: ``[batch, E, head_dim]``; keys: ``[batch, E, index_head_dim]``: stored caches (``E - N``
-            stored entries, then the nodes'), read in float32.
+          keys: ``[batch, E, index_head_dim]``: the stored indexer keys (``E - N`` stored entries', then the
+            nodes'), read in float32.
           impl: the layer's ``attention_impl`` (:func:`~jax_oc128.nn.attend.resolve`): where it resolves to
             ``"kernel"``, the scores come from the indexer op (:func:`jax_oc128.indexer_op.indexer_scores`,
             :data:`KERNEL_KEY_CHUNK` keys at a time) on the queries and keys rounded to bfloat16.
@@ -299,6 +299,4 @@ class CSACompressor(nnx.Module):
 
         first = tuple(jax.lax.top_k(scores(0)[0], k))
         (top, picks), _ = jax.lax.scan(merge, first, jnp.arange(1, -(-count // chunk)))
-        selected = kv_cache.decode(kv_cache.take(entries, (jnp.arange(batch)[:, None, None], picks)))
-        valid = top > -jnp.inf
-        return jnp.where(valid[..., None], selected, 0.0), valid
+        return jnp.where(top > -jnp.inf, picks, -1)
