@@ -34,6 +34,9 @@ steps per dispatch:
   its prefill, which the per-step ratio charges to the steps; the table also gives e2e against the device
   time of the same work: seconds / (prefill + result.steps * device time per step).
 
+Each phase's time (building a model; per row the prefills and decode warm-ups, whose first ones compile,
+the timed dispatches, ``generate``'s calls) is printed on stderr as it ends: a run cut short shows where.
+
 Attention (``--attention-impl``, each in turn; default the runtime's own): ``jnp``, ``kernel`` or ``auto``
 (``RuntimeConfig.attention_impl``, :mod:`jax_oc128.nn.attend`).
 

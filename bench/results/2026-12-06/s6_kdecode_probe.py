@@ -2,9 +2,9 @@
 sections 29 and 30: `bench_decode.py --attention-impl kernel` printed no row within 200 s, where the jnp
 row did).
 
-Each stage runs in a child process of its own with a time limit (`--timeout`), so that a stage that hangs
-is reported (with its last lines) and the next one still runs. Stages (`--stages`, in this order by
-default):
+Each stage runs in a child process of its own with a time limit (`--timeout`), its lines printed as they
+come, so that a stage that hangs is reported after its last line and the next one still runs. Stages
+(`--stages`, in this order by default):
 
 * `op`: the op alone (jit), once per layer kind, on a decode's inputs at the slice's shapes (8 slots, one
   query each, 64 heads of 512, float32 as nn/attend.py passes them, the context bucket of 512 that
@@ -14,11 +14,15 @@ default):
   output), compiled with XLA's default options.
 * `loop_cmdbuf`: the same loop compiled with the engine's decode options (`GPU_LOOP_OPTIONS`: the loop as
   one CUDA graph, WHILE / CONDITIONAL / CUSTOM_CALL in command buffers), as `Engine.decode` compiles it.
+  In a fresh process its kernels (the split's combine kernel among them) are first launched while XLA
+  captures the handler into the graph; `loop_cmdbuf_warm` first calls each layer's op once outside it.
 * `engine_jnp`, `engine_nocmdbuf`, `engine`: the slice (`--layers`, default 4: two sliding, one CSA, one
   HCA layer; `--experts` 8; bf16 random weights), `Engine(8 slots, K=16)`, 200-token prompts: the
   prefill, then three decode dispatches at the same context bucket, each timed; on the jnp path, on the
-  kernel with XLA's command buffers off (`XLA_FLAGS=--xla_gpu_enable_command_buffer=`) and on the kernel
-  as the engine compiles it.
+  kernel with XLA's command buffers off (`XLA_FLAGS=--xla_gpu_enable_command_buffer=`), on the kernel with
+  CUDA's modules loaded eagerly (`CUDA_MODULE_LOADING=EAGER`: no kernel loaded lazily during a graph's
+  capture; the prefill never launches the combine kernel, the decode's split does) and on the kernel as
+  the engine compiles it.
 
 Run: `python3 bench/results/2026-12-06/s6_kdecode_probe.py [--timeout 150] [--stages op loop ...]` (after
 the CUDA build). Every line is flushed as it is printed.
@@ -34,7 +38,16 @@ import sys
 import time
 
 SLOTS, IDLE, HEADS, DIM, STEPS, CONTEXT, PROMPT = 8, 2, 64, 512, 16, 512, 200
-STAGES = ("op", "loop", "loop_cmdbuf", "engine_jnp", "engine_nocmdbuf", "engine")
+STAGES = (
+    "op",
+    "loop",
+    "loop_cmdbuf",
+    "loop_cmdbuf_warm",
+    "engine_jnp",
+    "engine_nocmdbuf",
+    "engine_eager",
+    "engine",
+)
 
 
 def say(text: str) -> None:
@@ -118,7 +131,7 @@ def stage_op() -> None:
         say(f"op {kind}: max |op - twin| {error:.3g}, finite {finite}, {per_call:.3f} ms per call")
 
 
-def stage_loop(options) -> None:
+def stage_loop(options, warm: bool) -> None:
     import jax
 
     from jax_oc128 import attention_op
@@ -135,6 +148,10 @@ def stage_loop(options) -> None:
 
     loop = jax.jit(run, compiler_options=options)
     q = layers[0][0]
+    if warm:
+        for _q, kv, index, ranges, sinks in layers:
+            jax.block_until_ready(attention_op.attention(q, kv, index, ranges, sinks, scale=DIM**-0.5))
+        say("loop: each layer's op called once outside the loop (its kernels loaded)")
     start = time.perf_counter()
     compiled = loop.lower(q).compile()
     say(f"loop: compile {time.perf_counter() - start:.2f} s, options {options}")
@@ -154,8 +171,8 @@ def stage_engine(impl: str, layers: int, experts: int) -> None:
     from jax_oc128.engine import Engine
     from jax_oc128.nn import ModelConfig, RuntimeConfig, SpeculativeModel
 
-    flags = os.environ.get("XLA_FLAGS", "")
-    say(f"engine {impl}: XLA_FLAGS={flags!r}, building {layers} layers, {experts} experts")
+    env = {name: os.environ.get(name, "") for name in ("XLA_FLAGS", "CUDA_MODULE_LOADING")}
+    say(f"engine {impl}: {env}, building {layers} layers, {experts} experts")
     config = ModelConfig.deepseek_v4_flash(num_layers=layers, num_experts=experts, dtype="bfloat16")
     runtime = RuntimeConfig(max_len=4096, max_draft=4, attention_impl=impl)
     model = SpeculativeModel(config, runtime, backend=ONLINE, rngs=nnx.Rngs(0))
@@ -184,8 +201,9 @@ def child(stage: str, args) -> None:
     say(f"stage {stage}: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     if stage == "op":
         stage_op()
-    elif stage in ("loop", "loop_cmdbuf"):
-        stage_loop(GPU_LOOP_OPTIONS if stage == "loop_cmdbuf" and jax.default_backend() == "gpu" else None)
+    elif stage.startswith("loop"):
+        graph = stage != "loop" and jax.default_backend() == "gpu"
+        stage_loop(GPU_LOOP_OPTIONS if graph else None, warm=stage == "loop_cmdbuf_warm")
     else:
         stage_engine("jnp" if stage == "engine_jnp" else "kernel", args.layers, args.experts)
     say(f"stage {stage}: done")
@@ -206,17 +224,15 @@ def main() -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(root))
         if stage == "engine_nocmdbuf":
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
+        if stage == "engine_eager":
+            env["CUDA_MODULE_LOADING"] = "EAGER"
         command = [sys.executable, __file__, "--child", stage, "--layers", str(args.layers)]
         command += ["--experts", str(args.experts)]
         start = time.perf_counter()
-        try:
-            run = subprocess.run(command, env=env, timeout=args.timeout, capture_output=True, text=True)
-            print(run.stdout + run.stderr[-3000:] if run.returncode else run.stdout, end="", flush=True)
-            say(f"== {stage}: exit {run.returncode}, {time.perf_counter() - start:.1f} s")
-        except subprocess.TimeoutExpired as cut:
-            for text in (cut.stdout, cut.stderr):
-                text = text.decode() if isinstance(text, bytes) else text or ""
-                print(text[-3000:], end="", flush=True)
+        try:  # the child's lines go straight to this process's output, as they are printed
+            code = subprocess.run(command, env=env, timeout=args.timeout).returncode
+            say(f"== {stage}: exit {code}, {time.perf_counter() - start:.1f} s")
+        except subprocess.TimeoutExpired:
             say(f"== {stage}: TIMEOUT after {args.timeout:.0f} s (in the step after its last line)")
 
 
