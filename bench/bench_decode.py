@@ -34,6 +34,9 @@ steps per dispatch:
   its prefill, which the per-step ratio charges to the steps; the table also gives e2e against the device
   time of the same work: seconds / (prefill + result.steps * device time per step).
 
+Each phase's time (building a model; per row the prefills and decode warm-ups, whose first ones compile,
+the timed dispatches, ``generate``'s calls) is printed on stderr as it ends: a run cut short shows where.
+
 Attention (``--attention-impl``, each in turn; default the runtime's own): ``jnp``, ``kernel`` or ``auto``
 (``RuntimeConfig.attention_impl``, :mod:`jax_oc128.nn.attend`).
 
@@ -107,7 +110,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_models import CONFIGS, V4FLASH_ATTN, WEIGHTS, build_model, make_prompts, slice_config, with_runtime
-from bench_ops import copy_bandwidth, device_kernels
+from bench_ops import Phases, copy_bandwidth, device_kernels
 from capacity import PAGE_SIZE
 from step_floor import WeightReads, mode_width, step_read_bytes, weights_summary
 
@@ -162,7 +165,13 @@ def tokens_per_slot(args, max_len: int, steps: int) -> int:
 
 
 def device_time(
-    engine: Engine, prompts, mode: dict, steps: int, device_steps: int, profile: pathlib.Path | None = None
+    engine: Engine,
+    prompts,
+    mode: dict,
+    steps: int,
+    device_steps: int,
+    phase: Phases,
+    profile: pathlib.Path | None = None,
 ) -> dict:
     """Device-only time per step of ``engine.decode`` (see the module doc), the prefill's time and the
     first calls' (compile) times, and ``context``: the bucket every dispatch reads (None: ``max_len``), each
@@ -170,7 +179,7 @@ def device_time(
     pool in equal parts, in order.
     ``profile``: a directory where one more dispatch, after the timed ones, is traced by jax's profiler;
     the row then gives its kernels per step (:func:`bench_ops.device_kernels`: ``span_us``, ``kernels_us``
-    and the 40 largest of ``by_kernel``)."""
+    and the 40 largest of ``by_kernel``). ``phase``: told as each phase ends."""
     n, max_len = mode_width(mode), engine.model.max_len
     dispatches, budget = timed_dispatches(max_len, len(prompts[0]), n, steps, device_steps)
     decode = functools.partial(
@@ -191,17 +200,20 @@ def device_time(
         state, _ = engine.prefill(state, assignments, budget, **mode)
         jax.block_until_ready(state)
         prefill.append(time.perf_counter() - start)
+        phase(f"prefill {len(prefill)} of 2 (the first compiles)")
     warm_up = []
     for _ in range(2):  # the first compiles, the first run on these buffers records the CUDA graph
         start = time.perf_counter()
         state, output = decode(state)
         jax.block_until_ready((state, output))
         warm_up.append(time.perf_counter() - start)
+        phase(f"decode warm-up dispatch {len(warm_up)} of 2 (the first compiles)")
     start = time.perf_counter()
     for _ in range(dispatches):
         state, output = decode(state)
     jax.block_until_ready((state, output))
     elapsed = time.perf_counter() - start
+    phase(f"{dispatches} timed dispatches")
     kernels = {}
     if profile is not None:
         with jax.profiler.trace(str(profile)):
@@ -222,10 +234,14 @@ def device_time(
     )
 
 
-def e2e(engine: Engine, prompts, mode: dict, tokens: int) -> dict:
-    """``Engine.generate``'s tokens/s and time per step, after a short warm-up call."""
+def e2e(engine: Engine, prompts, mode: dict, tokens: int, phase: Phases | None = None) -> dict:
+    """``Engine.generate``'s tokens/s and time per step, after a short warm-up call (``phase``, if given:
+    told as each call ends)."""
+    phase = phase or (lambda name: None)
     engine.generate(prompts, 4, **mode)
+    phase("generate warm-up (compiles)")
     result = engine.generate(prompts, tokens, **mode)
+    phase("generate")
     generated = sum(map(len, result.tokens))
     return dict(
         e2e_us=result.seconds / max(1, result.steps) * 1e6,
@@ -280,7 +296,9 @@ def measure(args, bandwidth: float) -> tuple[list[dict], list[dict]]:
         for weights in args.weights if config == "v4flash-slice" else [None]:
             reads = None
             for backend in args.backends:
+                phase = Phases(f"{config} {weights or ''} {backend}")
                 base = build_model(config, backend, weights, args.slice)
+                phase("building the model")
                 weights_name = weights or base.config.dtype
                 if reads is None:
                     summary, reads = weights_summary(config, weights_name, base)
@@ -339,8 +357,9 @@ def measure_model(args, model, bandwidth: float, reads: WeightReads, keys: dict,
         for mode in args.modes:
             row = dict(keys, mode=mode_name(mode), slots=slots, pages=pages, page_size=PAGE_SIZE)
             profile = None if args.profile is None else pathlib.Path(args.profile) / row_name(row)
-            row.update(device_time(engine, prompts, mode, steps, args.device_steps, profile))
-            row.update(e2e(engine, prompts, mode, args.tokens))
+            phase = Phases(row_name(row))
+            row.update(device_time(engine, prompts, mode, steps, args.device_steps, phase, profile))
+            row.update(e2e(engine, prompts, mode, args.tokens, phase))
             floor_s = row["prefill_ms"] / 1e3 + row["steps"] * row["device_us"] / 1e6
             read = step_read_bytes(reads, mode, slots, model.config.num_experts_per_tok)
             row.update(

@@ -54,6 +54,7 @@ import functools
 import gzip
 import json
 import pathlib
+import sys
 import time
 
 import jax
@@ -71,6 +72,19 @@ V4FLASH = ModelConfig.deepseek_v4_flash()
 LAYERS, DIM = V4FLASH.compressed_layers, V4FLASH.head_dim  # 20 C128 layers, head_dim 512
 PATTERNS = ("chain", "launch", "kernel", "model", "model_jnp", "sglang", "batched", "deferred", "skip")
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "bench_ops.json"
+
+
+class Phases:
+    """Prints the time each phase took on stderr as it ends, after ``label`` (so that a run cut short shows
+    where its time went: in the phase after the last line), in whichever process runs it."""
+
+    def __init__(self, label: str):
+        self.label, self.clock = label, time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        print(f"{self.label}: {name} {now - self.clock:.1f} s", file=sys.stderr, flush=True)
+        self.clock = now
 
 
 def timed(fn, carry, consts, iters, warmup_s=0.2):

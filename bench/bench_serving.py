@@ -52,6 +52,7 @@ import bench_models
 import httpx
 import numpy as np
 import tokenizers
+from bench_ops import Phases
 
 from jax_oc128.serve import cli
 from jax_oc128.text import TextTokenizer
@@ -228,19 +229,6 @@ def compare_prefix_cache(rows: list[dict]) -> None:
             row["ttft_off_over_cached"] = base["ttft_p50_ms"] / row["ttft_p50_ms"]
 
 
-class Phases:
-    """Prints the time each phase took on stderr as it ends (so that a run cut short shows where its time
-    went), in whichever process runs it."""
-
-    def __init__(self, slots: int):
-        self.slots, self.clock = slots, time.perf_counter()
-
-    def __call__(self, name: str) -> None:
-        now = time.perf_counter()
-        print(f"slots {self.slots}: {name} {now - self.clock:.1f} s", file=sys.stderr, flush=True)
-        self.clock = now
-
-
 def slice_model(args, config):
     """The V4-Flash slice of ``config`` (a ``ModelConfig``) in the released format, random, its runtime's
     ``max_len`` ``args.max_len`` (None: 4096)."""
@@ -252,7 +240,7 @@ def engine(args, slice_=None):
     """In the engine process: the server's scheduler (its model ``args.path``'s checkpoint, or with
     ``slice_``, a ``ModelConfig``, :func:`slice_model`'s) and, with ``--offline``, ``Engine.generate`` of the
     workload timed on its engine before it serves (the offline row; else None)."""
-    phase = Phases(args.slots)
+    phase = Phases(f"slots {args.slots}")
     scheduler = cli.scheduler(args, None if slice_ is None else slice_model(args, slice_))
     if not args.offline:
         return scheduler, None
@@ -278,7 +266,7 @@ def run(parser: argparse.ArgumentParser, args, slice_=None) -> list[dict]:
     """The rows of one server of ``args`` (its engine process built by :func:`engine`, of ``slice_`` if
     given): the offline run's (with ``--offline``) and each rate's; each phase's time on stderr, with the row
     it gave."""
-    phase = Phases(args.slots)
+    phase = Phases(f"slots {args.slots}")
     if slice_ is None:
         server = cli.build(parser, args, engine)
     else:

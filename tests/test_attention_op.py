@@ -7,6 +7,7 @@ index (-1 where out of the window), the chunk's own keys and the HCA entries by 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from models import MODEL_CONFIG, MODEL_RUNTIME
 from jax_oc128 import attention_op
 from jax_oc128.attention_op import attention, attention_reference
 from jax_oc128.controller import ForwardMode
+from jax_oc128.engine import GPU_LOOP_OPTIONS
 from jax_oc128.nn import (
     CSA,
     HCA,
@@ -207,6 +209,28 @@ def test_cuda_kernel_split_over_keys(decode_case, parts, monkeypatch):
     got = np.asarray(attention(*jax.device_put(small, gpu), scale=0.5))
     np.testing.assert_array_equal(got[0, 0], 0.0)
     assert_close(got, float64(*small, 0.5), CUDA, f"cuda in {parts} parts, small case")
+
+
+@pytest.mark.cuda
+def test_cuda_kernel_in_the_decode_loops_cuda_graph(decode_case):
+    """The op (split over keys: few queries) in a ``lax.while_loop`` compiled as ``Engine.decode`` compiles
+    its loop (``GPU_LOOP_OPTIONS``: the loop one CUDA graph, the handler traced into it) equals the same
+    steps called one by one, each step's q the last step's output."""
+    gpu = jax.devices("gpu")[0]
+    q, kv, index, ranges, sinks = jax.device_put(decode_case, gpu)
+    assert attention_op.splits(q.shape[0] * q.shape[1], HEADS, index.shape[2] + 2 * kv.shape[1]) > 1
+
+    def step(_, q):
+        return attention(q, kv, index, ranges, sinks, scale=SCALE).astype(q.dtype)
+
+    loop = jax.jit(lambda q: jax.lax.fori_loop(0, 3, step, q), compiler_options=GPU_LOOP_OPTIONS)
+    one = jax.jit(functools.partial(step, 0))
+    want = q
+    for _ in range(3):
+        want = one(want)
+    for _ in range(2):  # the first run records the graph, the second replays it
+        got = jax.block_until_ready(loop(q))
+        assert_close(got, np.asarray(want, np.float64), 0.0, "the loop's graph vs step by step")
 
 
 def test_splits_fill_the_gpu_only_where_queries_are_few():
