@@ -12,10 +12,13 @@ prefix then a random suffix of that length. Every request asks ``--output-len`` 
 is timed too, in the engine process on its engine before it serves (its output tokens/s: the serving
 overhead's baseline; ``offline_over_served`` per rate; ``engine_over_offline``: the engine process's busy
 time, ``engine_busy_s``, over the offline run's: the part of the overhead that is the engine's, the rest
-being the requests' way in and the tokens' way out). With ``--sweep-slots S ...``, one server per slot
-count, and with ``--sweep-prefix-cache N ...`` one per snapshot count (0: prefix caching off), one after the
-other; a row with the cache on then gives ``ttft_off_over_cached``: the TTFT p50 of the same slots and rate
-with the cache off over its own (issue 41's shared-prefix target: at least 3x).
+being the requests' way in and the tokens' way out; ``engine_cpu_s``, ``http_cpu_s``, ``client_cpu_s``: the
+CPU time of the engine process, the HTTP process, this one, and the client's over the rate's run: one near
+``duration_s`` is saturated, on a GPU host the bottleneck; on the CPU backend the engine's includes the
+device's work). With ``--sweep-slots S ...``, one server per slot count, and with ``--sweep-prefix-cache N
+...`` one per snapshot count (0: prefix caching off), one after the other; a row with the cache on then gives
+``ttft_off_over_cached``: the TTFT p50 of the same slots and rate with the cache off over its own (issue 41's
+shared-prefix target: at least 3x).
 
 Models (``--model``): ``shipped``, the checkpoint at PATH (default: the shipped text model);
 ``v4flash-slice``, DeepSeek-V4-Flash's first ``--layers`` layers with ``--experts`` routed experts, random
@@ -97,14 +100,14 @@ async def run_rate(base: str, model: str, prompts, new: int, rate: float, seed: 
     rng = np.random.default_rng(seed)
     limits = httpx.Limits(max_connections=len(prompts))
     async with httpx.AsyncClient(base_url=base, timeout=None, limits=limits) as http:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         tasks = []
         for prompt in prompts:
             tasks.append(asyncio.create_task(one(http, model, prompt, new)))
             if math.isfinite(rate):
                 await asyncio.sleep(rng.exponential(1 / rate))
         results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        duration, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = sum(r["tokens"] for r in results)
 
     def percentiles(key):
@@ -122,6 +125,7 @@ async def run_rate(base: str, model: str, prompts, new: int, rate: float, seed: 
         output_tokens=tokens,
         output_tokens_per_s=tokens / duration,
         events_per_request=sum(r["events"] for r in results) / len(results),
+        client_cpu_s=cpu,
         **percentiles("ttft"),
         **percentiles("tpot"),
         **percentiles("e2e"),
@@ -198,6 +202,9 @@ def main(argv=None, slice_=None) -> list[dict]:
             "offline_over_served",
             "engine_busy_s",
             "engine_over_offline",
+            "engine_cpu_s",
+            "http_cpu_s",
+            "client_cpu_s",
             "ttft_p50_ms",
             "ttft_p99_ms",
             "ttft_off_over_cached",
@@ -293,12 +300,13 @@ def run(parser: argparse.ArgumentParser, args, slice_=None) -> list[dict]:
             pool.submit(client, base, server.model_name, [warm], args.output_len, math.inf, 0).result()
         phase("served warm-up")
         for rate in args.rates:
-            before = server.engine.stats
+            before, cpu = server.engine.stats, time.process_time()
             job = (base, server.model_name, prompts, args.output_len, rate, args.bench_seed)
             row = pool.submit(client, *job).result()
-            after = server.engine.stats
+            after, row["http_cpu_s"] = server.engine.stats, time.process_time() - cpu
             row["dispatches"] = after["dispatches"] - before["dispatches"]
             row["engine_busy_s"] = after["busy_seconds"] - before["busy_seconds"]
+            row["engine_cpu_s"] = after["cpu_seconds"] - before["cpu_seconds"]
             for key in ("prefill_tokens", "cached_tokens", "prefills"):  # prompt tokens fed, cached; calls
                 row[key] = after["totals"].get(key, 0) - before["totals"].get(key, 0)
             if offline is not None:
