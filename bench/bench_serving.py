@@ -1,9 +1,9 @@
 """Serving benchmark in the manner of SGLang's ``bench_serving``: a ``jax-oc128 serve`` in this process (its
 flags as the command takes them; its engine process apart, as the command's), requests streamed to it over
-HTTP by a client in a process of its own (so that the measurement is the server's) with Poisson arrivals at
-each of ``--rates`` (requests/s; ``inf``: all at once), reporting per rate TTFT, time per output token (TPOT)
-and end-to-end latency at p50 and p99, request and output-token throughput, the server's SSE events per
-request and decode dispatches.
+HTTP by a client in a process of its own (``--clients N``: N, each sending every N-th request; so that the
+measurement is the server's) with Poisson arrivals at each of ``--rates`` (requests/s; ``inf``: all at once),
+reporting per rate TTFT, time per output token (TPOT) and end-to-end latency at p50 and p99, request and
+output-token throughput, the server's SSE events per request and decode dispatches.
 
 Workloads (``--dataset``): ``random``, prompts of random token ids of ``--input-len`` tokens (lengths drawn
 uniformly down to ``--range-ratio`` of it); ``shared-prefix``, each prompt a common ``--prefix-len``-token
@@ -56,6 +56,7 @@ import httpx
 import numpy as np
 import tokenizers
 
+from jax_oc128.checks import int_argument
 from jax_oc128.serve import cli
 from jax_oc128.text import TextTokenizer
 
@@ -96,7 +97,9 @@ async def one(http: httpx.AsyncClient, model: str, prompt: list[int], new: int) 
 
 
 async def run_rate(base: str, model: str, prompts, new: int, rate: float, seed: int) -> dict:
-    """Send ``prompts`` at Poisson arrivals of ``rate`` per second; the rate's metrics."""
+    """Send ``prompts`` at Poisson arrivals of ``rate`` per second: each request's :func:`one`, and when the
+    sending began and the last request ended (``time.perf_counter``: one clock for the processes of a
+    machine) with the process's CPU time in between."""
     rng = np.random.default_rng(seed)
     limits = httpx.Limits(max_connections=len(prompts))
     async with httpx.AsyncClient(base_url=base, timeout=None, limits=limits) as http:
@@ -107,7 +110,31 @@ async def run_rate(base: str, model: str, prompts, new: int, rate: float, seed: 
             if math.isfinite(rate):
                 await asyncio.sleep(rng.exponential(1 / rate))
         results = await asyncio.gather(*tasks)
-        duration, cpu = time.perf_counter() - start, time.process_time() - cpu
+        return dict(results=results, start=start, end=time.perf_counter(), cpu=time.process_time() - cpu)
+
+
+#: in a client's process: the barrier of the clients of a rate (:func:`client`)
+_clients = None
+
+
+def _client_process(barrier) -> None:
+    global _clients
+    _clients = barrier
+
+
+def client(base: str, model: str, prompts, new: int, rate: float, seed: int, together=False) -> dict:
+    """In a client's process: :func:`run_rate`; ``together``: once every client has reached the barrier (all
+    the processes started)."""
+    if together:
+        _clients.wait()
+    return asyncio.run(run_rate(base, model, prompts, new, rate, seed))
+
+
+def metrics(rate: float, parts: list[dict]) -> dict:
+    """The rate's metrics from its clients' :func:`run_rate` ``parts``: over all their requests, from the
+    first one's sending to the last one's end; ``client_cpu_s`` the clients' CPU time together."""
+    results = [result for part in parts for result in part["results"]]
+    duration = max(part["end"] for part in parts) - min(part["start"] for part in parts)
     tokens = sum(r["tokens"] for r in results)
 
     def percentiles(key):
@@ -125,16 +152,11 @@ async def run_rate(base: str, model: str, prompts, new: int, rate: float, seed: 
         output_tokens=tokens,
         output_tokens_per_s=tokens / duration,
         events_per_request=sum(r["events"] for r in results) / len(results),
-        client_cpu_s=cpu,
+        client_cpu_s=sum(part["cpu"] for part in parts),
         **percentiles("ttft"),
         **percentiles("tpot"),
         **percentiles("e2e"),
     )
-
-
-def client(base: str, model: str, prompts, new: int, rate: float, seed: int) -> dict:
-    """In the client's process: :func:`run_rate`."""
-    return asyncio.run(run_rate(base, model, prompts, new, rate, seed))
 
 
 def raw_tokenizer(vocab: int) -> TextTokenizer:
@@ -160,6 +182,12 @@ def main(argv=None, slice_=None) -> list[dict]:
     parser.add_argument("--range-ratio", type=float, default=1.0, help="input lengths from this fraction up")
     parser.add_argument("--rates", type=float, nargs="+", default=[4.0, 16.0, math.inf])
     parser.add_argument("--bench-seed", type=int, default=0)
+    parser.add_argument(
+        "--clients",
+        type=int_argument(1),
+        default=1,
+        help="client processes, each sending every N-th prompt at rate / N (Poisson still; default 1)",
+    )
     parser.add_argument("--offline", action="store_true", help="time Engine.generate of the same prompts")
     parser.add_argument(
         "--sweep-slots", type=int, nargs="+", default=None, metavar="S", help="one run per --slots value"
@@ -295,14 +323,19 @@ def run(parser: argparse.ArgumentParser, args, slice_=None) -> list[dict]:
     phase(f"loading (the offline run's phases included): {json.dumps(offline)}")
     rows = [] if offline is None else [offline]
     spawn = multiprocessing.get_context("spawn")  # (no fork of a process running JAX's threads)
-    with cli.running(server) as base, ProcessPoolExecutor(1, mp_context=spawn) as pool:
+    n, model = args.clients, server.model_name
+    pool = ProcessPoolExecutor(n, spawn, _client_process, (spawn.Barrier(n),))
+    with cli.running(server) as base, pool:
         for warm in prompts[:2]:  # compiles (the second: a prefix cache's hit)
-            pool.submit(client, base, server.model_name, [warm], args.output_len, math.inf, 0).result()
+            pool.submit(client, base, model, [warm], args.output_len, math.inf, 0).result()
         phase("served warm-up")
         for rate in args.rates:
             before, cpu = server.engine.stats, time.process_time()
-            job = (base, server.model_name, prompts, args.output_len, rate, args.bench_seed)
-            row = pool.submit(client, *job).result()
+            jobs = [
+                pool.submit(client, base, model, prompts[i::n], args.output_len, rate / n, seed, True)
+                for i, seed in enumerate(range(args.bench_seed, args.bench_seed + n))
+            ]
+            row = metrics(rate, [job.result() for job in jobs])
             after, row["http_cpu_s"] = server.engine.stats, time.process_time() - cpu
             row["dispatches"] = after["dispatches"] - before["dispatches"]
             row["engine_busy_s"] = after["busy_seconds"] - before["busy_seconds"]
