@@ -137,7 +137,9 @@ def scheduler(args, model=None):
     options = dict(steps_per_dispatch=args.steps_per_dispatch, pages=args.pages, page_size=args.page_size)
     engine = Engine(model, args.slots, **options)
     tree = None if args.tree is None else _default_tree(args.tree)
-    return RequestScheduler(engine, num_tokens=args.draft, tree=tree, prefix_cache=args.prefix_cache)
+    return RequestScheduler(
+        engine, num_tokens=args.draft, tree=tree, prefix_cache=args.prefix_cache, align=True
+    )
 
 
 def load_engine(args):
