@@ -185,20 +185,25 @@ def test_an_abort_ends_its_request(engine):
     assert engine.outstanding == 0 and engine.stats["running"] == 0
 
 
-def test_stops_when_the_http_side_goes(engine):
+def test_stops_when_the_http_side_goes():
     """With its pipe closed (the HTTP process gone, no stop message), the engine process ends by itself; the
-    HTTP side sees it go: its running request ends ``"abort"``, a new one is refused."""
+    HTTP side sees it go: its running request ends ``"abort"``, a new one is refused. (An engine process of
+    its own: the module's may serve other tests after this one.)"""
+    engine = EngineProcess(EngineSpec(scripted, (None,)), max_queued=0)
+    try:
 
-    def until(name, received, handle):
-        if len(received) == 1:
-            engine._sends.put(None)  # the sender closes the pipe without a stop
+        def until(name, received, handle):
+            if len(received) == 1:
+                engine._sends.put(None)  # the sender closes the pipe without a stop
 
-    received, _ = serve(engine, {"long": 60}, until)
-    assert received["long"][-1] == ([], "abort")
-    engine.process.join(60)
-    assert engine.process.exitcode == 0 and not engine.alive and "exited" in engine.error
-    with pytest.raises(EngineFailed, match="the engine process is gone"):
-        engine.submit(Handle([5], SamplingParams(1), print))
+        received, _ = serve(engine, {"long": 60}, until)
+        assert received["long"][-1] == ([], "abort")
+        engine.process.join(60)
+        assert engine.process.exitcode == 0 and not engine.alive and "exited" in engine.error
+        with pytest.raises(EngineFailed, match="the engine process is gone"):
+            engine.submit(Handle([5], SamplingParams(1), print))
+    finally:
+        engine.close()
 
 
 def test_an_idle_engine_process_takes_a_burst_as_one_step():
