@@ -1,9 +1,9 @@
 """Serving benchmark in the manner of SGLang's ``bench_serving``: a ``jax-oc128 serve`` in this process (its
 flags as the command takes them; its engine process apart, as the command's), requests streamed to it over
-HTTP by a client in a process of its own (so that the measurement is the server's) with Poisson arrivals at
-each of ``--rates`` (requests/s; ``inf``: all at once), reporting per rate TTFT, time per output token (TPOT)
-and end-to-end latency at p50 and p99, request and output-token throughput, the server's SSE events per
-request and decode dispatches.
+HTTP by a client in a process of its own (``--clients N``: N, each sending every N-th request; so that the
+measurement is the server's) with Poisson arrivals at each of ``--rates`` (requests/s; ``inf``: all at once),
+reporting per rate TTFT, time per output token (TPOT) and end-to-end latency at p50 and p99, request and
+output-token throughput, the server's SSE events per request and decode dispatches.
 
 Workloads (``--dataset``): ``random``, prompts of random token ids of ``--input-len`` tokens (lengths drawn
 uniformly down to ``--range-ratio`` of it); ``shared-prefix``, each prompt a common ``--prefix-len``-token
@@ -12,10 +12,13 @@ prefix then a random suffix of that length. Every request asks ``--output-len`` 
 is timed too, in the engine process on its engine before it serves (its output tokens/s: the serving
 overhead's baseline; ``offline_over_served`` per rate; ``engine_over_offline``: the engine process's busy
 time, ``engine_busy_s``, over the offline run's: the part of the overhead that is the engine's, the rest
-being the requests' way in and the tokens' way out). With ``--sweep-slots S ...``, one server per slot
-count, and with ``--sweep-prefix-cache N ...`` one per snapshot count (0: prefix caching off), one after the
-other; a row with the cache on then gives ``ttft_off_over_cached``: the TTFT p50 of the same slots and rate
-with the cache off over its own (issue 41's shared-prefix target: at least 3x).
+being the requests' way in and the tokens' way out; ``engine_cpu_s``, ``http_cpu_s``, ``client_cpu_s``: the
+CPU time of the engine process, the HTTP process, this one, and the client's over the rate's run: one near
+``duration_s`` is saturated, on a GPU host the bottleneck; on the CPU backend the engine's includes the
+device's work). With ``--sweep-slots S ...``, one server per slot count, and with ``--sweep-prefix-cache N
+...`` one per snapshot count (0: prefix caching off), one after the other; a row with the cache on then gives
+``ttft_off_over_cached``: the TTFT p50 of the same slots and rate with the cache off over its own (issue 41's
+shared-prefix target: at least 3x).
 
 Models (``--model``): ``shipped``, the checkpoint at PATH (default: the shipped text model);
 ``v4flash-slice``, DeepSeek-V4-Flash's first ``--layers`` layers with ``--experts`` routed experts, random
@@ -54,6 +57,7 @@ import numpy as np
 import tokenizers
 from bench_ops import Phases
 
+from jax_oc128.checks import int_argument
 from jax_oc128.serve import cli
 from jax_oc128.text import TextTokenizer
 
@@ -94,18 +98,44 @@ async def one(http: httpx.AsyncClient, model: str, prompt: list[int], new: int) 
 
 
 async def run_rate(base: str, model: str, prompts, new: int, rate: float, seed: int) -> dict:
-    """Send ``prompts`` at Poisson arrivals of ``rate`` per second; the rate's metrics."""
+    """Send ``prompts`` at Poisson arrivals of ``rate`` per second: each request's :func:`one`, and when the
+    sending began and the last request ended (``time.perf_counter``: one clock for the processes of a
+    machine) with the process's CPU time in between."""
     rng = np.random.default_rng(seed)
     limits = httpx.Limits(max_connections=len(prompts))
     async with httpx.AsyncClient(base_url=base, timeout=None, limits=limits) as http:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         tasks = []
         for prompt in prompts:
             tasks.append(asyncio.create_task(one(http, model, prompt, new)))
             if math.isfinite(rate):
                 await asyncio.sleep(rng.exponential(1 / rate))
         results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        return dict(results=results, start=start, end=time.perf_counter(), cpu=time.process_time() - cpu)
+
+
+#: in a client's process: the barrier of the clients of a rate (:func:`client`)
+_clients = None
+
+
+def _client_process(barrier) -> None:
+    global _clients
+    _clients = barrier
+
+
+def client(base: str, model: str, prompts, new: int, rate: float, seed: int, together=False) -> dict:
+    """In a client's process: :func:`run_rate`; ``together``: once every client has reached the barrier (all
+    the processes started)."""
+    if together:
+        _clients.wait()
+    return asyncio.run(run_rate(base, model, prompts, new, rate, seed))
+
+
+def metrics(rate: float, parts: list[dict]) -> dict:
+    """The rate's metrics from its clients' :func:`run_rate` ``parts``: over all their requests, from the
+    first one's sending to the last one's end; ``client_cpu_s`` the clients' CPU time together."""
+    results = [result for part in parts for result in part["results"]]
+    duration = max(part["end"] for part in parts) - min(part["start"] for part in parts)
     tokens = sum(r["tokens"] for r in results)
 
     def percentiles(key):
@@ -123,15 +153,11 @@ async def run_rate(base: str, model: str, prompts, new: int, rate: float, seed: 
         output_tokens=tokens,
         output_tokens_per_s=tokens / duration,
         events_per_request=sum(r["events"] for r in results) / len(results),
+        client_cpu_s=sum(part["cpu"] for part in parts),
         **percentiles("ttft"),
         **percentiles("tpot"),
         **percentiles("e2e"),
     )
-
-
-def client(base: str, model: str, prompts, new: int, rate: float, seed: int) -> dict:
-    """In the client's process: :func:`run_rate`."""
-    return asyncio.run(run_rate(base, model, prompts, new, rate, seed))
 
 
 def raw_tokenizer(vocab: int) -> TextTokenizer:
@@ -157,6 +183,12 @@ def main(argv=None, slice_=None) -> list[dict]:
     parser.add_argument("--range-ratio", type=float, default=1.0, help="input lengths from this fraction up")
     parser.add_argument("--rates", type=float, nargs="+", default=[4.0, 16.0, math.inf])
     parser.add_argument("--bench-seed", type=int, default=0)
+    parser.add_argument(
+        "--clients",
+        type=int_argument(1),
+        default=1,
+        help="client processes, each sending every N-th prompt at rate / N (Poisson still; default 1)",
+    )
     parser.add_argument("--offline", action="store_true", help="time Engine.generate of the same prompts")
     parser.add_argument(
         "--sweep-slots", type=int, nargs="+", default=None, metavar="S", help="one run per --slots value"
@@ -199,6 +231,9 @@ def main(argv=None, slice_=None) -> list[dict]:
             "offline_over_served",
             "engine_busy_s",
             "engine_over_offline",
+            "engine_cpu_s",
+            "http_cpu_s",
+            "client_cpu_s",
             "ttft_p50_ms",
             "ttft_p99_ms",
             "ttft_off_over_cached",
@@ -276,17 +311,23 @@ def run(parser: argparse.ArgumentParser, args, slice_=None) -> list[dict]:
     phase(f"loading (the offline run's phases included): {json.dumps(offline)}")
     rows = [] if offline is None else [offline]
     spawn = multiprocessing.get_context("spawn")  # (no fork of a process running JAX's threads)
-    with cli.running(server) as base, ProcessPoolExecutor(1, mp_context=spawn) as pool:
+    n, model = args.clients, server.model_name
+    pool = ProcessPoolExecutor(n, spawn, _client_process, (spawn.Barrier(n),))
+    with cli.running(server) as base, pool:
         for warm in prompts[:2]:  # compiles (the second: a prefix cache's hit)
-            pool.submit(client, base, server.model_name, [warm], args.output_len, math.inf, 0).result()
+            pool.submit(client, base, model, [warm], args.output_len, math.inf, 0).result()
         phase("served warm-up")
         for rate in args.rates:
-            before = server.engine.stats
-            job = (base, server.model_name, prompts, args.output_len, rate, args.bench_seed)
-            row = pool.submit(client, *job).result()
-            after = server.engine.stats
+            before, cpu = server.engine.stats, time.process_time()
+            jobs = [
+                pool.submit(client, base, model, prompts[i::n], args.output_len, rate / n, seed, True)
+                for i, seed in enumerate(range(args.bench_seed, args.bench_seed + n))
+            ]
+            row = metrics(rate, [job.result() for job in jobs])
+            after, row["http_cpu_s"] = server.engine.stats, time.process_time() - cpu
             row["dispatches"] = after["dispatches"] - before["dispatches"]
             row["engine_busy_s"] = after["busy_seconds"] - before["busy_seconds"]
+            row["engine_cpu_s"] = after["cpu_seconds"] - before["cpu_seconds"]
             for key in ("prefill_tokens", "cached_tokens", "prefills"):  # prompt tokens fed, cached; calls
                 row[key] = after["totals"].get(key, 0) - before["totals"].get(key, 0)
             if offline is not None:

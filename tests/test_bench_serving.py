@@ -20,12 +20,15 @@ import bench_serving
 @pytest.mark.parametrize("dataset", ["random", "shared-prefix"])
 def test_bench_serving_runs_and_counts_every_token(dataset, capsys):
     """Each rate's row counts every request's tokens (num_prompts x output_len), orders its percentiles and
-    gives the offline rate over its own and the engine process's busy time (within the run's); the offline
-    row counts the same tokens; ``--sweep-slots`` (the random workload) gives these rows per slot count."""
+    gives the offline rate over its own, the engine process's busy time (within the run's) and the three
+    processes' CPU times; the offline row counts the same tokens; ``--sweep-slots`` (the random workload)
+    gives these rows per slot count; the shared-prefix workload is sent by two client processes."""
     flags = ["--pages", "8", "--steps-per-dispatch", "4", "--num-prompts", "6", "--input-len", "16"]
     flags += ["--output-len", "4", "--prefix-len", "40", "--rates", "8", "inf", "--dataset", dataset]
     slots = [1, 2] if dataset == "random" else [2]
-    flags += ["--sweep-slots", *map(str, slots)] if dataset == "random" else ["--slots", "2"]
+    flags += (
+        ["--sweep-slots", *map(str, slots)] if dataset == "random" else ["--slots", "2", "--clients", "2"]
+    )
     rows = bench_serving.main([*flags, "--offline", "--output", "json"])
     assert [(row["slots"], row["rate"]) for row in rows] == [
         (s, rate) for s in slots for rate in ("offline", 8.0, math.inf)
@@ -41,6 +44,7 @@ def test_bench_serving_runs_and_counts_every_token(dataset, capsys):
             ratio = offline["output_tokens_per_s"] / row["output_tokens_per_s"]
             assert row["offline_over_served"] == pytest.approx(ratio)
             assert 0 < row["engine_busy_s"] <= row["duration_s"], row  # the engine's part of the run
+            assert all(row[f"{side}_cpu_s"] > 0 for side in ("engine", "http", "client")), row
             assert row["engine_over_offline"] == pytest.approx(row["engine_busy_s"] / offline["duration_s"])
     assert '"rate": "offline"' in capsys.readouterr().out
 

@@ -337,6 +337,7 @@ def test_load_with_disconnects_leaks_nothing(plain):
             "argument --page-size: page_size: must be a multiple of 128",
         ),
         (["--slots", "0"], "argument --slots: must be >= 1, got 0"),
+        (["--admission-wait", "-1"], "argument --admission-wait: must be >= 0, got -1"),
         (["--draft", "2", "--tree", "3"], "argument --tree: not allowed with argument --draft"),
     ],
 )

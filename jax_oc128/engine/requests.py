@@ -135,6 +135,7 @@ class _Request:
     params: SamplingParams
     needs: int  # the most tokens it writes: prompt + max_new_tokens + N
     plan: Plan | None = None  # prefix caching: where its prompt met the cache at admission
+    generated: int = 0  # its tokens read so far
     held: list = dataclasses.field(default_factory=list)  # prefix caching: the nodes it pins
 
     @property
@@ -153,6 +154,12 @@ class RequestScheduler:
     device): prompts' page-aligned prefixes are cached and shared by later requests
     (:mod:`~jax_oc128.engine.prefix_cache`).
 
+    ``align``: when more requests wait than slots are free and a running request's budget ends within the
+    next dispatch, the waiting requests wait for that dispatch (at most every other step) and are admitted
+    with the slots it frees, in one prefill (a prefill call runs every slot's row, whatever the rows
+    admitted): requests admitted apart, and so ending apart, are brought back together (the server's;
+    docs/serving.md).
+
     Attributes:
       limits: the :class:`RequestLimits` its requests are checked against.
       page_pool: paged engines, the :class:`~jax_oc128.engine.pages.PagePool` of its slots (else None).
@@ -163,8 +170,8 @@ class RequestScheduler:
         prefill calls (each runs every slot's row: requests admitted apart cost one each).
     """
 
-    def __init__(self, engine, *, num_tokens=None, tree=None, seed=0, prefix_cache=0):
-        self.engine = engine
+    def __init__(self, engine, *, num_tokens=None, tree=None, seed=0, prefix_cache=0, align=False):
+        self.engine, self.align = engine, align
         self.tree = arguments.check_speculation(num_tokens, tree, engine.model)
         self.page_pool = None
         if engine.pages is not None:
@@ -191,6 +198,7 @@ class RequestScheduler:
         self._written = np.zeros(engine.slots, np.int64)  # the tokens each slot may have written
         self._released = False  # paged: pages released since the page table was last sent
         self._exclusive = False  # the running batch is one seeded sampled request
+        self._held = False  # align: the last step held the waiting requests
         self._finished: dict[int, str] = {}  # ended since the last step returned
         self.dispatches = 0
         self.totals = collections.Counter()
@@ -239,14 +247,15 @@ class RequestScheduler:
         """Admit waiting requests into the free slots and prefill them, run one dispatch of up to K decoding
         steps of the running requests and read the outputs (each dispatch's is read while the next runs,
         all of them when requests wait: a slot freed by a dispatch is taken at the next step, never left idle
-        for a dispatch). Returns what was read and the requests that ended."""
+        for a dispatch unless ``align`` holds it). Returns what was read and the requests that ended."""
         out = StepOutput()
         if self._waiting and self._unread:  # which slots are free: read everything
             self._read_all(out)
         pool, engine = self.page_pool, self.engine
         ahead = engine.steps_per_dispatch * self.limits.width  # the tokens a dispatch may write per slot
         changed, self._released = self._released, False
-        admitted = self._admit([slot for slot in range(engine.slots) if slot not in self.owner])
+        free = [slot for slot in range(engine.slots) if slot not in self.owner]
+        admitted = {} if self._hold(free) else self._admit(free)
         for slot, request in [*self.owner.items(), *admitted.items()]:  # what the next dispatch can write
             needs = self._requests[request].needs
             self._written[slot] = min(self._written[slot] + ahead, needs)
@@ -316,6 +325,18 @@ class RequestScheduler:
         self.owner.update(admitted)
         self._unread.append((admitted, output))
 
+    def _hold(self, free: list[int]) -> bool:
+        """Whether the waiting requests wait a dispatch for the ``free`` slots to be joined by others
+        (``align``): a running request's budget ends within it (K steps of a token or more), so it frees
+        a slot at least (it leaves when a row ends while requests wait). The outputs are all read."""
+        ending = any(
+            self._requests[r].params.max_new_tokens - self._requests[r].generated
+            <= self.engine.steps_per_dispatch
+            for r in self.owner.values()
+        )
+        self._held = self.align and not self._held and len(self._waiting) > len(free) > 0 and ending
+        return self._held
+
     def _admit(self, free: list[int]) -> dict[int, int]:
         """Waiting requests into the ``free`` slots, in arrival order; a seeded sampled request waits for an
         empty batch and runs alone (module docstring). Returns slot -> request."""
@@ -374,6 +395,7 @@ class RequestScheduler:
             stops = np.flatnonzero(np.isin(new, self._requests[request].params.stop_tokens))
             if len(stops):
                 new = new[: stops[0] + 1]
+            self._requests[request].generated += len(new)
             if len(new):
                 counts = host.counts[:, slot]
                 steps = np.count_nonzero((counts > 0) & (np.cumsum(counts) - counts < len(new)))

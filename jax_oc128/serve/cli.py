@@ -16,6 +16,8 @@ from jax_oc128.rules import MAX_DRAFT
 #: decoding steps per dispatch when serving: a new request waits up to a dispatch for its slot, so fewer than
 #: the engine's batch default (64)
 SERVE_STEPS_PER_DISPATCH = 16
+#: the admission wait's default in milliseconds (:class:`~jax_oc128.serve.engine_process.EngineProcess`)
+ADMISSION_WAIT_MS = 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int_argument(1),
         default=SERVE_STEPS_PER_DISPATCH,
         help="K: decoding steps per on-device loop",
+    )
+    parser.add_argument(
+        "--admission-wait",
+        type=int_argument(0),
+        default=ADMISSION_WAIT_MS,
+        metavar="MS",
+        help="an idle server takes arrivals for up to MS ms before its first step (0: none)",
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="of a checkpoint")
     parser.add_argument(
@@ -102,7 +111,8 @@ def build(parser: argparse.ArgumentParser, args, factory=None, *extra, tokenizer
         if args.max_len is not None and args.max_len > positions:
             parser.error(f"argument --max-len: at most the model's max_position_embeddings ({positions})")
     try:
-        process = EngineProcess(EngineSpec(factory or load_engine, (args, *extra)), args.max_queued)
+        spec = EngineSpec(factory or load_engine, (args, *extra))
+        process = EngineProcess(spec, args.max_queued, args.admission_wait / 1000)
     except EngineFailed as error:
         if not error.usage:
             raise
@@ -127,7 +137,9 @@ def scheduler(args, model=None):
     options = dict(steps_per_dispatch=args.steps_per_dispatch, pages=args.pages, page_size=args.page_size)
     engine = Engine(model, args.slots, **options)
     tree = None if args.tree is None else _default_tree(args.tree)
-    return RequestScheduler(engine, num_tokens=args.draft, tree=tree, prefix_cache=args.prefix_cache)
+    return RequestScheduler(
+        engine, num_tokens=args.draft, tree=tree, prefix_cache=args.prefix_cache, align=True
+    )
 
 
 def load_engine(args):

@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 USAGE_ERRORS = (OSError, ValueError, TypeError, NotImplementedError)
 #: seconds the engine process is given to stop once asked, before it is terminated
 STOP_TIMEOUT = 120
+#: seconds without an arrival that end the admission wait early (as do requests enough for the free slots)
+ADMISSION_GAP = 0.005
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +93,10 @@ class Handle:
 
 def stats(scheduler: RequestScheduler, busy_seconds: float = 0.0) -> dict:
     """The scheduler's counts: ``free_pages`` (paged, else None), ``running`` (slots held), ``waiting``,
-    ``dispatches``, ``totals`` (:attr:`RequestScheduler.totals`) and ``busy_seconds``: the device loop's time
+    ``dispatches``, ``totals`` (:attr:`RequestScheduler.totals`), ``busy_seconds``: the device loop's time
     in the iterations that ran a step, from its first message or its start to the step's message (the
-    engine's share of a served run's time, to set against ``Engine.generate``'s)."""
+    engine's share of a served run's time, to set against ``Engine.generate``'s), and ``cpu_seconds``: the
+    engine process's CPU time so far (``time.process_time``: on the CPU backend the device's work too)."""
     pool = scheduler.page_pool
     return dict(
         free_pages=None if pool is None else pool.free_pages,
@@ -102,6 +105,7 @@ def stats(scheduler: RequestScheduler, busy_seconds: float = 0.0) -> dict:
         dispatches=scheduler.dispatches,
         totals=dict(scheduler.totals),
         busy_seconds=busy_seconds,
+        cpu_seconds=time.process_time(),
     )
 
 
@@ -110,6 +114,10 @@ class EngineProcess:
     requests (running or waiting) at a time; more are refused (:class:`QueueFull`). Starting waits for the
     process to be built (:class:`EngineFailed` if it is not). Requests are sent by a thread of their own (a
     send never blocks the event loop); the news is read on the event loop given to :meth:`attach`.
+    ``admission_wait``: the admission wait, seconds (0: none): when a request reaches the engine process
+    while no request runs, it takes further arrivals for up to this long before its first step, so that a
+    burst starts as one batch in one prefill; a pause of :data:`ADMISSION_GAP` or requests enough for the
+    free slots end it early (``serve --admission-wait``).
 
     Attributes:
       limits, slots, extra: the process's :class:`Ready`.
@@ -120,12 +128,12 @@ class EngineProcess:
       error: None, or why the engine process is gone (a traceback or a sentence).
     """
 
-    def __init__(self, spec: EngineSpec, max_queued: int):
+    def __init__(self, spec: EngineSpec, max_queued: int, admission_wait: float = 0.0):
         context = multiprocessing.get_context("spawn")
         inbox, self._inbox = context.Pipe(duplex=False)
         self._outbox, outbox = context.Pipe(duplex=False)
         self.process = context.Process(
-            target=_main, args=(spec, inbox, outbox), name="jax-oc128-engine", daemon=True
+            target=_main, args=(spec, inbox, outbox, admission_wait), name="jax-oc128-engine", daemon=True
         )
         self.process.start()
         inbox.close()  # the process's ends: closed here, so that its exit reads as the pipe's end
@@ -246,7 +254,7 @@ class EngineProcess:
         self.finished[reason] += 1
 
 
-def _main(spec: EngineSpec, inbox, outbox) -> None:
+def _main(spec: EngineSpec, inbox, outbox, admission_wait: float) -> None:
     """The engine process: build, report, run the loop; stop when told or when the HTTP side goes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -257,7 +265,7 @@ def _main(spec: EngineSpec, inbox, outbox) -> None:
         return
     try:
         outbox.send(("ready", Ready(scheduler.limits, scheduler.engine.slots, stats(scheduler), extra)))
-        _run(scheduler, inbox, outbox)
+        _run(scheduler, inbox, outbox, admission_wait)
     except (EOFError, BrokenPipeError):  # the HTTP process is gone
         pass
     except BaseException:
@@ -270,9 +278,10 @@ def _main(spec: EngineSpec, inbox, outbox) -> None:
         scheduler.close()
 
 
-def _run(scheduler: RequestScheduler, inbox, outbox) -> None:
-    """The device loop: take the messages that came (wait for one while no request runs), run a step if
-    requests run (or one was aborted: the step reports it), send the step's news."""
+def _run(scheduler: RequestScheduler, inbox, outbox, admission_wait: float) -> None:
+    """The device loop: take the messages that came (wait for one while no request runs; then, for at most
+    ``admission_wait`` seconds, for more arrivals: :data:`ADMISSION_GAP`), run a step if requests run (or one
+    was aborted: the step reports it), send the step's news."""
     requests: dict[int, int] = {}  # the scheduler's id -> the HTTP side's
     ids: dict[int, int] = {}  # the HTTP side's id -> the scheduler's
     busy = 0.0  # stats' busy_seconds
@@ -280,11 +289,11 @@ def _run(scheduler: RequestScheduler, inbox, outbox) -> None:
         news: dict[int, tuple[list[int], str | None]] = {}
         aborted = False
         wait = None if not scheduler.busy else 0  # None: block until a message (or the pipe's end)
-        start = time.perf_counter()
+        start = deadline = time.perf_counter()
         while inbox.poll(wait):
-            if wait is None:  # idle until now
+            if wait is None:  # idle until now: gather the arrivals of a burst before the first step
                 start = time.perf_counter()
-            wait = 0
+                deadline = start + admission_wait
             kind, *message = inbox.recv()
             if kind == "stop":
                 return
@@ -292,15 +301,17 @@ def _run(scheduler: RequestScheduler, inbox, outbox) -> None:
                 if message[0] in ids:
                     scheduler.abort(ids[message[0]])
                     aborted = True
-                continue
-            request, prompt, params = message
-            try:  # checked on the HTTP side already
-                ids[request] = scheduler.add_request(prompt, params)
-            except (TypeError, ValueError):
-                log.exception("a request passed the HTTP side's checks but not the scheduler's")
-                news[request] = ([], "abort")
-                continue
-            requests[ids[request]] = request
+            else:
+                request, prompt, params = message
+                try:  # checked on the HTTP side already
+                    ids[request] = scheduler.add_request(prompt, params)
+                    requests[ids[request]] = request
+                except (TypeError, ValueError):
+                    log.exception("a request passed the HTTP side's checks but not the scheduler's")
+                    news[request] = ([], "abort")
+            left = deadline - time.perf_counter()
+            free = scheduler.engine.slots - len(scheduler.owner)
+            wait = min(ADMISSION_GAP, left) if left > 0 and scheduler.waiting < free else 0
         stepped = scheduler.busy or aborted
         out = scheduler.step() if stepped else StepOutput()
         cached = {requests[request]: count for request, count in out.cached.items()}
