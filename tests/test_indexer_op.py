@@ -149,7 +149,7 @@ def test_other_shapes_run_the_twin_on_the_gpu():
     """dim 64 and 8 heads: the GPU runs the twin (the kernel takes dim 128, heads a multiple of 16), whose
     handler, called directly, refuses them naming q."""
     gpu = jax.devices("gpu")[0]
-    operands = case(2, 1, 8, 40, heads=8, dim=64)
+    operands = case(2, 1, 8, 100, heads=8, dim=64)  # (100 keys: the case's last row sees up to 30)
     device_operands = jax.device_put(operands, gpu)
     assert (
         indexer_op.TARGET
@@ -158,7 +158,7 @@ def test_other_shapes_run_the_twin_on_the_gpu():
     want, size = float64(*operands, SCALE)
     got = indexer_scores(*device_operands, scale=SCALE)
     assert_within(got, want, (64 + 8 + 2) * U * size, "twin on the gpu vs float64")
-    out = jax.ShapeDtypeStruct((1, 8, 40), jnp.float32)
+    out = jax.ShapeDtypeStruct((1, 8, 100), jnp.float32)
     call = jax.ffi.ffi_call(indexer_op.TARGET, out)
     with pytest.raises(Exception, match="q: the CUDA kernel takes dim 128"):
         np.asarray(jax.jit(lambda *a: call(*a, scale=np.float32(SCALE)))(*device_operands))
