@@ -5,6 +5,7 @@
 
 #include "attention_ffi.h"
 #include "fp4_gmm_ffi.h"
+#include "indexer_ffi.h"
 #include "nanobind/nanobind.h"
 #include "oc128_ffi.h"
 #include "xla/ffi/api/c_api.h"
@@ -20,7 +21,8 @@ nanobind::dict operand_names() {
 }
 
 inline void define_module(nanobind::module_& m, XLA_FFI_Handler* compress, XLA_FFI_Handler* verify,
-                          XLA_FFI_Handler* commit, XLA_FFI_Handler* attention, XLA_FFI_Handler* fp4_gmm) {
+                          XLA_FFI_Handler* commit, XLA_FFI_Handler* attention, XLA_FFI_Handler* fp4_gmm,
+                          XLA_FFI_Handler* indexer_scores) {
   m.def("registrations", [=]() {
     nanobind::dict targets;
     targets[Compress::kTarget] = nanobind::capsule(reinterpret_cast<void*>(compress));
@@ -28,6 +30,7 @@ inline void define_module(nanobind::module_& m, XLA_FFI_Handler* compress, XLA_F
     targets[Commit::kTarget] = nanobind::capsule(reinterpret_cast<void*>(commit));
     targets[Attention::kTarget] = nanobind::capsule(reinterpret_cast<void*>(attention));
     targets[Fp4Gmm::kTarget] = nanobind::capsule(reinterpret_cast<void*>(fp4_gmm));
+    targets[IndexerScores::kTarget] = nanobind::capsule(reinterpret_cast<void*>(indexer_scores));
     return targets;
   });
   m.def("operands", []() {
@@ -37,6 +40,7 @@ inline void define_module(nanobind::module_& m, XLA_FFI_Handler* compress, XLA_F
     targets[Commit::kTarget] = operand_names<Commit>();
     targets[Attention::kTarget] = operand_names<Attention>();
     targets[Fp4Gmm::kTarget] = operand_names<Fp4Gmm>();
+    targets[IndexerScores::kTarget] = operand_names<IndexerScores>();
     return targets;
   });
 }

@@ -72,6 +72,11 @@ OPERANDS = {
         rets=("out",),
         attrs=("gated", "limit"),
     ),
+    "oc128_indexer_scores": _native.Operands(  # jax_oc128.indexer_op
+        args=("q", "keys", "weights", "limit"),
+        rets=("out",),
+        attrs=("scale",),
+    ),
 }
 _native.check_operands(OPERANDS)
 

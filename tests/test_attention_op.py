@@ -29,6 +29,8 @@ from jax_oc128.nn import (
     RuntimeConfig,
     SpeculativeModel,
     attend,
+    csa,
+    kv_cache,
     prepare_forward,
 )
 
@@ -291,8 +293,13 @@ def layer_outputs(layer, chunks):
 @pytest.mark.parametrize("layer_type", [SLIDING, HCA, CSA])
 def test_layer_with_the_op_equals_the_jnp_path(layer_type, monkeypatch):
     """Chunks of 140 (a banded window, its two blocks in a loop) and 1 (decode) tokens: the outputs by the op
-    (its CPU handler) equal the jnp path's within float32 rounding."""
+    (its CPU handler) equal the jnp path's within float32 rounding. The CSA indexer stays on its jnp path here
+    (its kernel path rounds to bfloat16, which moves near-tied picks: test_csa_indexer tests it)."""
     monkeypatch.setattr(attend, "LOOP_QUERIES", 128)
+    select = csa.CSACompressor.select
+    monkeypatch.setattr(
+        csa.CSACompressor, "select", lambda self, *args, impl: select(self, *args, impl="jnp")
+    )
     outputs = {}
     for impl in ("jnp", "kernel"):
         config = SEAM_CONFIG.attention(layer_type)
@@ -304,6 +311,40 @@ def test_layer_with_the_op_equals_the_jnp_path(layer_type, monkeypatch):
     for row in range(2):
         assert np.isfinite(outputs["kernel"][row]).all()
         np.testing.assert_allclose(outputs["kernel"][row], outputs["jnp"][row], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "fp8"])
+def test_csa_picks_by_index_equal_picks_gathered(fmt):
+    """A CSA layer's picks on the kernel path: the pool holding the entries with the picks as indices (a
+    prefill's form) and the pool holding each query's gathered picks (a decode's) give the same outputs bit
+    for bit, within float32 rounding of the jnp path's; the entries never picked (and a pick of -1's row)
+    NaN-poisoned, the outputs finite. Stored entries float32 or FP8 (decoded once for the pool)."""
+    rng = np.random.default_rng(11)
+    batch, tokens, heads, dim, width, count, k = 2, 6, 2, 64, 8, 20, 5
+    q = jnp.asarray(rng.standard_normal((batch, tokens, heads, dim)), jnp.float32)
+    keys = jnp.asarray(rng.standard_normal((batch, 1, width, dim)), jnp.float32)
+    visible = jnp.asarray(np.tril(np.ones((8, width), bool))[None, None].repeat(batch, 0))
+    picks = np.stack([rng.permutation(count - 4)[:k] for _ in range(batch * tokens)])
+    picks = picks.reshape(batch, tokens, k)
+    picks[0, 2, 3:] = -1  # fewer visible entries than k
+    values = rng.standard_normal((batch, count, dim)).astype(np.float32)
+    values[:, count - 4 :] = np.nan  # never picked
+    entries = kv_cache.encode(jnp.asarray(values), kv_cache.zeros((batch, count, dim), fmt, rope_dim=16))
+    sinks = jnp.asarray(rng.standard_normal(heads), jnp.float32)
+    picks = jnp.asarray(picks, jnp.int32)
+    with jax.default_device(CPU):
+        by_index = attend.attend(
+            q, keys, visible, entries, None, sinks, 0.125, impl="kernel", entries_prefix=True, picks=picks
+        )
+        own_rows = attend.gather(entries, picks), picks >= 0
+        gathered = attend._kernel(q, keys, visible, *own_rows, sinks, 0.125, True)
+        jnp_path = attend.attend(
+            q, keys, visible, entries, None, sinks, 0.125, impl="jnp", entries_prefix=True, picks=picks
+        )
+    assert tokens * k > count  # attend's own choice for these shapes is the index form
+    assert np.isfinite(by_index).all()
+    np.testing.assert_array_equal(by_index, gathered)
+    np.testing.assert_allclose(by_index, jnp_path, rtol=1e-5, atol=1e-5)
 
 
 def test_the_setting_is_checked_and_resolved():

@@ -8,6 +8,7 @@ every query); at V4-Flash's shapes its prefill temporaries stay under the issue'
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 import sys
 
@@ -30,18 +31,24 @@ CONFIG = dataclasses.replace(
     MODEL_CONFIG, index_n_heads=4, index_head_dim=16, index_topk=8, sliding_window=16
 )
 LAYER_CONFIG = CONFIG.attention(CSA, MODEL_RUNTIME)
+CPU = jax.devices("cpu")[0]  # the kernel path's test pins it: its CPU handler (any dim)
 # keys per chunk of the streamed indexer: the top k's size, so that every merge can replace every pick
 SMALL_CHUNK = LAYER_CONFIG.indexer.topk
 
 
-def whole_select(compressor, q_res, positions, queries, entries, keys):
+def index_queries(compressor, q_res, positions):
+    """The indexer's queries ``[batch, L, index_heads, index_head_dim]`` float32, as ``select`` makes them."""
+    c = compressor.indexer
+    q = linear(q_res, compressor.indexer_q_b_proj[...]).reshape(*q_res.shape[:2], c.num_heads, c.head_dim)
+    return compressor.rope.apply(q, positions)
+
+
+def whole_select(compressor, q_res, positions, queries, keys):
     """The indexer's picks as one tensor (the computation before the streaming): every query's scores over
-    every key, ``[batch, L, index_heads, E]``, masked by what it sees, then ``lax.top_k``; with the picks'
-    scores ``[batch, L, k]``."""
+    every key, ``[batch, L, index_heads, E]``, masked by what it sees, then ``lax.top_k``: the picks ``[batch,
+    L, k]`` (-1 where unseen) and their scores."""
     c, limit, nodes = compressor.indexer, queries.limit, queries.nodes
-    batch, tokens = q_res.shape[:2]
-    q = linear(q_res, compressor.indexer_q_b_proj[...]).reshape(batch, tokens, c.num_heads, c.head_dim)
-    q = compressor.rope.apply(q, positions)
+    q = index_queries(compressor, q_res, positions)
     keys = kv_cache.decode(keys)
     relu = jax.nn.relu(jnp.einsum("bthi,bei->bthe", q, keys, precision=FULL)) * c.head_dim**-0.5
     scores = jnp.einsum("bth,bthe->bte", queries.head_weights, relu, precision=FULL)
@@ -50,28 +57,24 @@ def whole_select(compressor, q_res, positions, queries, entries, keys):
     if nodes is not None:
         visible = jnp.concatenate([visible, nodes], axis=2)
     top, picks = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), min(c.topk, keys.shape[1]))
-    selected = kv_cache.decode(kv_cache.take(entries, (jnp.arange(batch)[:, None, None], picks)))
-    valid = top > -jnp.inf
-    return jnp.where(valid[..., None], selected, 0.0), valid, top
+    return jnp.where(top > -jnp.inf, picks, -1), top
 
 
 def indexer_inputs(seed, tokens, stored, nodes):
     """Random inputs of :meth:`select` for 2 rows: row 0 sees from 2 entries (fewer than k) to all of its
-    ``stored``, row 1 at most 5 of them; every entry and key past what its row's queries see NaN. Ties: keys
+    ``stored``, row 1 at most 5 of them; every key past what its row's queries see NaN. Ties: keys
     0-9 repeat as keys 20-29 (scores equal across chunks) and keys 10-14 are zero (score 0). The last 8 stored
     keys are larger (the last chunk, which ends at the last key, rescores some of them)."""
     rng = np.random.default_rng(seed)
-    c, dim = LAYER_CONFIG.indexer, LAYER_CONFIG.head_dim
+    c = LAYER_CONFIG.indexer
     count = stored + nodes
     keys = rng.standard_normal((2, count, c.head_dim)).astype(np.float32)
     keys[:, 20:30] = keys[:, 0:10]
     keys[:, 10:15] = 0.0
-    entries = rng.standard_normal((2, count, dim)).astype(np.float32)
     keys[:, stored - 8 : stored] *= 4  # the last stored keys picked first where seen
     limit = np.stack([np.linspace(2, stored, tokens).astype(np.int32), rng.integers(0, 6, tokens)])
     for row in range(2):
         keys[row, limit[row].max() : stored] = np.nan
-        entries[row, limit[row].max() : stored] = np.nan
     node_mask = None if nodes == 0 else rng.random((2, tokens, nodes)) < 0.5
     return (
         jnp.asarray(rng.standard_normal((2, tokens, LAYER_CONFIG.q_lora_rank)), jnp.float32),
@@ -82,7 +85,6 @@ def indexer_inputs(seed, tokens, stored, nodes):
             limit=jnp.asarray(limit),
             nodes=None if node_mask is None else jnp.asarray(node_mask),
         ),
-        jnp.asarray(entries),
         jnp.asarray(keys),
     )
 
@@ -90,21 +92,63 @@ def indexer_inputs(seed, tokens, stored, nodes):
 @pytest.mark.parametrize("stored, nodes", [(61, 0), (40, 3)], ids=["chain", "tree"])
 def test_streamed_picks_equal_whole(stored, nodes, monkeypatch):
     """A chain's 61 entries (8 chunks of 8, the last padded) and a tree's 40 stored entries and 3 nodes'
-    (nodes seen by a random mask), 12 queries: the picked entries and their validity equal the whole
-    tensor's, bit for bit, and the picks are finite."""
+    (nodes seen by a random mask), 12 queries: the picks (-1 past the visible ones) equal the whole
+    tensor's."""
     layer = DeepseekV4Attention(LAYER_CONFIG, max_draft=MODEL_RUNTIME.max_draft, rngs=nnx.Rngs(1))
     compressor = layer.compressor
     inputs = indexer_inputs(5, 12, stored, nodes)
     monkeypatch.setattr(csa, "KEY_CHUNK", SMALL_CHUNK)
-    selected, valid = jax.jit(compressor.select)(*inputs)
-    want_selected, want_valid, top = jax.jit(whole_select, static_argnums=0)(compressor, *inputs)
-    np.testing.assert_array_equal(valid, want_valid)
-    np.testing.assert_array_equal(selected, want_selected)
-    assert np.isfinite(selected).all()
+    picks = jax.jit(compressor.select)(*inputs)
+    want, top = jax.jit(whole_select, static_argnums=0)(compressor, *inputs)
+    np.testing.assert_array_equal(picks, want)
     # the cases exist: fewer visible entries than k, and equal scores among a query's picks
-    assert not np.asarray(valid).all() and np.asarray(valid).any()
-    top, valid = np.asarray(top), np.asarray(valid)
+    valid = np.asarray(picks) >= 0
+    assert not valid.all() and valid.any()
+    top = np.asarray(top)
     assert ((top[..., 1:] == top[..., :-1]) & valid[..., 1:]).any()
+
+
+@pytest.mark.parametrize("stored, nodes", [(61, 0), (40, 3)], ids=["chain", "tree"])
+def test_kernel_path_picks_equal_jnp_path(stored, nodes, monkeypatch):
+    """``impl="kernel"`` (the indexer op, its CPU handler) rounds q and the keys to bfloat16: each product
+    moves by at most 2**-8 (+ 2**-18) of its size, so a score by at most ``2**-8 M`` (relu is 1-Lipschitz;
+    ``M = scale sum_h |w_h| sum_d |q_hd k_d|``), plus float32 sums: bound ``2**-7 M``. Where a query's k-th
+    and (k+1)-th scores (float64) differ by more than both their bounds, or it sees at most k entries, its
+    picks equal the jnp path's as a set; which picks are -1 equal everywhere; chunks of k keys (several
+    merges)."""
+    layer = DeepseekV4Attention(LAYER_CONFIG, max_draft=MODEL_RUNTIME.max_draft, rngs=nnx.Rngs(1))
+    compressor = layer.compressor
+    inputs = indexer_inputs(7, 32, stored, nodes)
+    q_res, positions, queries, keys = inputs
+    head_weights, limit, node_mask = queries
+    monkeypatch.setattr(csa, "KEY_CHUNK", SMALL_CHUNK)
+    monkeypatch.setattr(csa, "KERNEL_KEY_CHUNK", SMALL_CHUNK)
+    with jax.default_device(CPU):
+        want = np.asarray(jax.jit(compressor.select)(*inputs))
+        got = np.asarray(jax.jit(functools.partial(compressor.select, impl="kernel"))(*inputs))
+    np.testing.assert_array_equal(got >= 0, want >= 0)
+    # float64 scores, their bounds and what each query sees
+    c = compressor.indexer
+    q = np.asarray(index_queries(compressor, q_res, positions), np.float64)
+    keys64, weights = np.nan_to_num(np.asarray(keys, np.float64)), np.asarray(head_weights, np.float64)
+    dots = np.einsum("blhd,bed->blhe", q, keys64)
+    scores = np.einsum("blh,blhe->ble", weights, np.maximum(dots, 0)) * c.head_dim**-0.5
+    size = np.einsum("blh,blhe->ble", np.abs(weights), np.einsum("blhd,bed->blhe", np.abs(q), np.abs(keys64)))
+    bound = 2.0**-7 * size * c.head_dim**-0.5
+    seen = np.arange(stored + nodes) < np.minimum(np.asarray(limit), stored)[..., None]
+    if nodes:
+        seen[..., stored:] = np.asarray(node_mask)
+    scores = np.where(seen, scores, -np.inf)
+    order = np.argsort(-scores, axis=-1, kind="stable")
+    kth, next_ = (
+        np.take_along_axis(a, order[..., c.topk - 1 : c.topk + 1], axis=-1) for a in (scores, bound)
+    )
+    few = seen.sum(-1) <= c.topk
+    with np.errstate(invalid="ignore"):  # -inf - -inf where few
+        separated = few | (kth[..., 0] - kth[..., 1] > next_[..., 0] + next_[..., 1])
+    got, want = (np.sort(x, axis=-1) for x in (got, want))
+    np.testing.assert_array_equal(got[separated], want[separated])
+    assert (separated & ~few).sum() >= 5, "too few queries with more than k entries and a gap to test"
 
 
 def test_layer_in_the_loop_equals_at_once(monkeypatch):

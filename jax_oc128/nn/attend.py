@@ -5,7 +5,8 @@ two implementations, chosen by a setting:
 - ``"jnp"``: einsums over masked logits (the oracle, and the CPU path);
 - ``"kernel"``: the attention op (:func:`jax_oc128.attention_op.attention`: the CUDA kernel on a GPU, the CPU
   handler's reference loop on a CPU) over one pool of the same keys, the window and picks by index and a
-  chain's HCA entries by range;
+  chain's HCA entries by range; a CSA layer's picks are gathered into the pool where they are fewer rows
+  than its entries (decode), else the pool holds the entries and the picks index them (prefill);
 - ``"auto"``: the kernel where the default backend is a GPU with the CUDA module built, else jnp.
 
 A model's layers take it from ``RuntimeConfig.attention_impl`` (default ``"jnp"``).
@@ -19,6 +20,7 @@ from jax import lax
 
 from jax_oc128 import attention_op, ops
 from jax_oc128.checks import ArgumentError
+from jax_oc128.nn import kv_cache
 from jax_oc128.nn.functional import FULL
 
 IMPLS = ("jnp", "kernel", "auto")
@@ -41,27 +43,49 @@ def resolve(impl: str) -> str:
     return impl
 
 
-def attend(q, keys, visible, extra, extra_visible, sinks, scale: float, *, impl, entries_prefix: bool):
+def attend(
+    q, keys, visible, extra, extra_visible, sinks, scale: float, *, impl, entries_prefix: bool, picks=None
+):
     """The attention of ``q`` over its window and its compressed keys.
 
     Args:
       q: ``[batch, T, heads, D]`` float32.
       keys: ``[batch, n, K, D]`` float32: the window keys of each of n query blocks of ``B`` queries.
       visible: ``[batch, n, B, K]`` bool: which of its block's keys query ``i * B + j`` sees (``n * B >= T``).
-      extra: None; an HCA layer's entries ``[batch, E, D]``; or a CSA layer's picks ``[batch, T, k, D]``.
-      extra_visible: ``[batch, T, E]`` or ``[batch, T, k]`` bool: which of them each query sees.
+      extra: None; an HCA layer's entries ``[batch, E, D]`` float32; or a CSA layer's stored entries ``[batch,
+        E, D]`` (any :mod:`~jax_oc128.nn.kv_cache` format), of which each query sees its ``picks``.
+      extra_visible: an HCA layer's ``[batch, T, E]`` bool: which entries each query sees; None with picks.
       sinks: ``[heads]`` float32.
       scale: the logits' scale.
       impl: the setting (module docstring).
       entries_prefix: each query's visible HCA entries are a prefix of them (a chain): the kernel gets one
         range.
+      picks: a CSA layer's ``[batch, T, k]`` int32 rows of ``extra`` (-1: none), else None.
 
     Returns:
       ``[batch, T, heads, D]`` float32.
     """
-    if resolve(impl) == "kernel":
+    kernel = resolve(impl) == "kernel"
+    if picks is not None and kernel and q.shape[1] * picks.shape[2] > picks_pool(extra):
+        return _kernel(q, keys, visible, kv_cache.decode(extra), None, sinks, scale, entries_prefix, picks)
+    if picks is not None:  # each query's own rows
+        extra, extra_visible = gather(extra, picks), picks >= 0
+    if kernel:
         return _kernel(q, keys, visible, extra, extra_visible, sinks, scale, entries_prefix)
     return _jnp(q, keys, visible, extra, extra_visible, sinks, scale)
+
+
+def picks_pool(entries) -> int:
+    """E: the rows of stored entries ``[batch, E, D]``."""
+    return jax.tree.leaves(entries)[0].shape[1]
+
+
+def gather(entries, picks):
+    """``[batch, T, k, D]`` float32: the rows ``picks`` ``[batch, T, k]`` (-1: zeros) of stored entries
+    ``[batch, E, D]``."""
+    rows = jnp.arange(picks.shape[0])[:, None, None]
+    picked = kv_cache.decode(kv_cache.take(entries, (rows, jnp.maximum(picks, 0))))
+    return jnp.where((picks >= 0)[..., None], picked, 0.0)
 
 
 def by_query_blocks(fn, keys, visible, rows, tokens: int):
@@ -134,8 +158,9 @@ def _jnp(q, keys, visible, extra, extra_visible, sinks, scale):
     return out
 
 
-def _kernel(q, keys, visible, extra, extra_visible, sinks, scale, entries_prefix):
-    """The attention op over one pool per row: [the blocks' window keys | HCA entries or CSA picks]."""
+def _kernel(q, keys, visible, extra, extra_visible, sinks, scale, entries_prefix, picks=None):
+    """The attention op over one pool per row: [the blocks' window keys | HCA entries, CSA picks or, with
+    ``picks``, CSA entries]."""
     batch, tokens = q.shape[:2]
     _, blocks, width, dim = keys.shape
     block = visible.shape[2]
@@ -145,13 +170,16 @@ def _kernel(q, keys, visible, extra, extra_visible, sinks, scale, entries_prefix
     index = [jnp.where(seen, (t // block * width)[:, None] + jnp.arange(width), -1)]
     ranges = jnp.zeros((batch, tokens, 0, 2), jnp.int32)
     if extra is not None:
-        offset, count = blocks * width, extra_visible.shape[2]
-        if extra.ndim == 3 and entries_prefix:  # HCA entries seen: a prefix of them, one range
+        offset = blocks * width
+        if picks is not None:  # CSA entries, by the picks
+            index.append(jnp.where(picks >= 0, offset + picks, -1))
+        elif extra.ndim == 3 and entries_prefix:  # HCA entries seen: a prefix of them, one range
             seen = jnp.sum(extra_visible, axis=-1, dtype=jnp.int32)
             ranges = jnp.stack([jnp.full_like(seen, offset), offset + seen], axis=-1)[:, :, None]
         elif extra.ndim == 3:  # a tree's HCA entries, by index
-            index.append(jnp.where(extra_visible, offset + jnp.arange(count), -1))
+            index.append(jnp.where(extra_visible, offset + jnp.arange(extra.shape[1]), -1))
         else:  # CSA picks, each query's own rows
+            count = extra.shape[2]
             extra = extra.reshape(batch, tokens * count, dim)
             index.append(jnp.where(extra_visible, offset + t[:, None] * count + jnp.arange(count), -1))
         pool.append(extra)

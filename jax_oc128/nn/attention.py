@@ -492,12 +492,14 @@ class DeepseekV4Attention(nnx.Module):
 
         def queries(keys, visible, q_res, positions, seen):
             """The outputs ``[batch, L, hidden]`` of L of the queries (:func:`attend.by_query_blocks`)."""
-            extra, extra_visible = None, None  # a sliding layer's
+            extra, extra_visible, picks = None, None, None  # a sliding layer's
             if c.layer_type == HCA:
                 extra, extra_visible = entries, seen.visible
             if c.layer_type == CSA:
                 with jax.named_scope("indexer"):
-                    extra, extra_visible = self.compressor.select(q_res, positions, seen, entries, index_keys)
+                    extra = entries
+                    impl = self.attention_impl
+                    picks = self.compressor.select(q_res, positions, seen, index_keys, impl=impl)
             q = linear(q_res, self.q_b_proj[...], name=("attn", "q_b_proj"))
             q = q.reshape(*q_res.shape[:2], c.num_heads, c.head_dim)
             q = c.rope.apply(rms_norm(q, 1.0, c.rms_norm_eps), positions)  # per head, unweighted
@@ -511,6 +513,7 @@ class DeepseekV4Attention(nnx.Module):
                 c.head_dim**-0.5,
                 impl=self.attention_impl,
                 entries_prefix=fb.tree is None,
+                picks=picks,
             )
             grouped = c.rope.apply(out, positions, inverse=True).reshape(*q.shape[:2], c.o_groups, -1)
             # [batch, L, groups, o_lora_rank]

@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_oc128.nn import kv_cache
+from jax_oc128 import indexer_op
+from jax_oc128.nn import attend, kv_cache
 from jax_oc128.nn.forward import ForwardBatch
 from jax_oc128.nn.functional import FULL, normal_param, ones_param, rms_norm, zeros_param
 from jax_oc128.nn.linear import linear
@@ -39,6 +40,8 @@ RATE = 4
 LOOKBACK = 2 * RATE
 #: indexer keys scored at once per query (:meth:`CSACompressor.select`; at least ``index_topk``)
 KEY_CHUNK = 1024
+#: the same where the scores come from the indexer op (``attention_impl`` "kernel"): fewer top-k merges
+KERNEL_KEY_CHUNK = 8192
 
 
 def ring_rows(max_draft: int) -> int:
@@ -229,19 +232,22 @@ class CSACompressor(nnx.Module):
         ``[batch, T, hidden]`` (:class:`IndexerQueries`' ``head_weights``)."""
         return linear(x, self.indexer_weights_proj[...]) * self.indexer.num_heads**-0.5
 
-    def select(self, q_res, positions, queries: IndexerQueries, entries, keys):
-        """The indexer's picks for L queries: ``(selected [batch, L, k, head_dim] float32, valid [batch, L, k]
-        bool)``, the top ``k = min(index_topk, E)`` of the entries each query sees by its score (ties: the
-        lower index first, as ``lax.top_k``); ``valid`` False for picks past the visible ones, where fewer
-        than k are visible (those are zeros). The scores are made :data:`KEY_CHUNK` keys at a time, each
-        chunk's merged into a running top k, so that no ``[L, index_heads, E]`` tensor exists.
+    def select(self, q_res, positions, queries: IndexerQueries, keys, *, impl: str = "jnp"):
+        """The indexer's picks for L queries: ``[batch, L, k]`` int32 indices of the entries, the top ``k =
+        min(index_topk, E)`` of those each query sees by its score (ties: the lower index first, as
+        ``lax.top_k``), -1 past the visible ones where fewer than k are visible. The scores are made
+        :data:`KEY_CHUNK` keys at a time, each chunk's merged into a running top k, so that no ``[L,
+        index_heads, E]`` tensor exists.
 
         Args:
           q_res: ``[batch, L, q_lora_rank]`` float32: the queries' normed LoRA residual.
           positions: ``[batch, L]`` int32.
           queries: the L queries' :class:`IndexerQueries`.
-          entries: ``[batch, E, head_dim]``; keys: ``[batch, E, index_head_dim]``: stored caches (``E - N``
-            stored entries, then the nodes'), read in float32.
+          keys: ``[batch, E, index_head_dim]``: the stored indexer keys (``E - N`` stored entries', then the
+            nodes'), read in float32.
+          impl: the layer's ``attention_impl`` (:func:`~jax_oc128.nn.attend.resolve`): where it resolves to
+            ``"kernel"``, the scores come from the indexer op (:func:`jax_oc128.indexer_op.indexer_scores`,
+            :data:`KERNEL_KEY_CHUNK` keys at a time) on the queries and keys rounded to bfloat16.
         """
         c, limit, nodes = self.indexer, queries.limit, queries.nodes
         batch, tokens = q_res.shape[:2]
@@ -250,17 +256,31 @@ class CSACompressor(nnx.Module):
         count = jax.tree.leaves(keys)[0].shape[1]
         k = min(c.topk, count)
         stored = count - (0 if nodes is None else nodes.shape[2])
-        chunk = min(count, max(KEY_CHUNK, k))
+        kernel = attend.resolve(impl) == "kernel"
+        chunk = min(count, max(KERNEL_KEY_CHUNK if kernel else KEY_CHUNK, k))
+        q_op = q.astype(jnp.bfloat16) if kernel else None
 
         def scores(i):
             """Chunk i's scores ``[batch, L, chunk]`` (-inf where unseen) and its entries' indices. The last
             chunk ends at the last key: those of its keys an earlier chunk scored are unseen here."""
             start = jnp.minimum(i * chunk, count - chunk)
             index = start + jnp.arange(chunk)
-            part = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, chunk, axis=1), keys)
-            relu = jnp.einsum("bthi,bei->bthe", q, kv_cache.decode(part), precision=FULL)
-            relu = jax.nn.relu(relu) * c.head_dim**-0.5
-            score = jnp.einsum("bth,bthe->bte", queries.head_weights, relu, precision=FULL)
+            part = kv_cache.decode(
+                jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, chunk, axis=1), keys)
+            )
+            if kernel:  # the op's limit: the chain's, or every key (a tree's nodes are masked below)
+                below = jnp.minimum(limit, stored) - start if nodes is None else chunk
+                score = indexer_op.indexer_scores(
+                    q_op,
+                    part.astype(jnp.bfloat16),
+                    queries.head_weights,
+                    jnp.broadcast_to(below, limit.shape).astype(jnp.int32),
+                    scale=c.head_dim**-0.5,
+                )
+            else:
+                relu = jnp.einsum("bthi,bei->bthe", q, part, precision=FULL)
+                relu = jax.nn.relu(relu) * c.head_dim**-0.5
+                score = jnp.einsum("bth,bthe->bte", queries.head_weights, relu, precision=FULL)
             seen = index < jnp.minimum(limit, stored)[..., None]
             if nodes is not None:
                 node = index - stored
@@ -279,6 +299,4 @@ class CSACompressor(nnx.Module):
 
         first = tuple(jax.lax.top_k(scores(0)[0], k))
         (top, picks), _ = jax.lax.scan(merge, first, jnp.arange(1, -(-count // chunk)))
-        selected = kv_cache.decode(kv_cache.take(entries, (jnp.arange(batch)[:, None, None], picks)))
-        valid = top > -jnp.inf
-        return jnp.where(valid[..., None], selected, 0.0), valid
+        return jnp.where(top > -jnp.inf, picks, -1)
