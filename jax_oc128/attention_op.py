@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_oc128 import ops
+from jax_oc128.checks import check_scale
 
 TARGET = "oc128_attention"
 FULL = jax.lax.Precision.HIGHEST
@@ -55,8 +56,7 @@ def _check(q, kv, index, ranges, sinks, scale):
             raise TypeError(f"{name}: dtype must be int32, got {x.dtype}")
     if sinks.shape != (heads,) or sinks.dtype != jnp.float32:
         raise ValueError(f"sinks: expected float32 [{heads}], got {sinks.dtype} {sinks.shape}")
-    if not isinstance(scale, (int, float)) or not np.isfinite(scale):
-        raise TypeError(f"scale: must be a finite Python number, got {scale!r}")
+    check_scale(scale)
 
 
 def attention(q, kv, index, ranges, sinks, *, scale: float):

@@ -48,6 +48,13 @@ def check_int(name: str, value, low: int, high: int | None = None, bound: str = 
     return int(value)
 
 
+def check_scale(scale) -> None:
+    """:class:`ArgumentTypeError` (``scale``) unless ``scale`` is a finite Python number (an op's static
+    attribute)."""
+    if not isinstance(scale, (int, float)) or not np.isfinite(scale):
+        raise ArgumentTypeError("scale", f"must be a finite Python number, got {scale!r}")
+
+
 def check_token_ids(value, vocab: int, where: str) -> tuple[int, ...]:
     """A config's token ids (``value``: an int or a list of ints, JSON's) in [0, ``vocab``), as a tuple
     without repeats; ValueError starting with ``where`` (the file and the field) otherwise."""

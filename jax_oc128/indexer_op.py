@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_oc128 import ops
+from jax_oc128.checks import check_scale
 
 TARGET = "oc128_indexer_scores"
 FULL = jax.lax.Precision.HIGHEST
@@ -40,8 +41,7 @@ def _check(q, keys, weights, limit, scale):
         )
     if limit.shape != (batch, tokens) or limit.dtype != jnp.int32:
         raise ValueError(f"limit: expected int32 [{batch}, {tokens}], got {limit.dtype} {limit.shape}")
-    if not isinstance(scale, (int, float)) or not np.isfinite(scale):
-        raise TypeError(f"scale: must be a finite Python number, got {scale!r}")
+    check_scale(scale)
 
 
 def indexer_scores(q, keys, weights, limit, *, scale: float):
