@@ -329,12 +329,12 @@ class RequestScheduler:
         """Whether the waiting requests wait a dispatch for the ``free`` slots to be joined by others
         (``align``): a running request's budget ends within it (K steps of a token or more), so it frees
         a slot at least (it leaves when a row ends while requests wait). The outputs are all read."""
-        ending = any(
+        waits = self.align and not self._held and len(self._waiting) > len(free) > 0
+        self._held = waits and any(
             self._requests[r].params.max_new_tokens - self._requests[r].generated
             <= self.engine.steps_per_dispatch
             for r in self.owner.values()
         )
-        self._held = self.align and not self._held and len(self._waiting) > len(free) > 0 and ending
         return self._held
 
     def _admit(self, free: list[int]) -> dict[int, int]:
