@@ -10,15 +10,15 @@ uniformly down to ``--range-ratio`` of it); ``shared-prefix``, each prompt a com
 prefix then a random suffix of that length. Every request asks ``--output-len`` greedy tokens and no stop
 (``ignore_eos``), so each gives exactly that many. With ``--offline``, ``Engine.generate`` of the same prompts
 is timed too, in the engine process on its engine before it serves (its output tokens/s: the serving
-overhead's baseline; ``offline_over_served`` per rate; ``engine_over_offline``: the engine process's busy
-time, ``engine_busy_s``, over the offline run's: the part of the overhead that is the engine's, the rest
-being the requests' way in and the tokens' way out; ``engine_cpu_s``, ``http_cpu_s``, ``client_cpu_s``: the
-CPU time of the engine process, the HTTP process, this one, and the client's over the rate's run: one near
-``duration_s`` is saturated, on a GPU host the bottleneck; on the CPU backend the engine's includes the
-device's work). With ``--sweep-slots S ...``, one server per slot count, and with ``--sweep-prefix-cache N
-...`` one per snapshot count (0: prefix caching off), one after the other; a row with the cache on then gives
-``ttft_off_over_cached``: the TTFT p50 of the same slots and rate with the cache off over its own (issue 41's
-shared-prefix target: at least 3x).
+overhead's baseline; its ``prefills``, the prefill calls, against each rate's; ``offline_over_served`` per
+rate; ``engine_over_offline``: the engine process's busy time, ``engine_busy_s``, over the offline run's: the
+part of the overhead that is the engine's, the rest being the requests' way in and the tokens' way out;
+``engine_cpu_s``, ``http_cpu_s``, ``client_cpu_s``: the CPU time of the engine process, the HTTP process, this
+one, and the client's over the rate's run: one near ``duration_s`` is saturated, on a GPU host the bottleneck;
+on the CPU backend the engine's includes the device's work). With ``--sweep-slots S ...``, one server per slot
+count, and with ``--sweep-prefix-cache N ...`` one per snapshot count (0: prefix caching off), one after the
+other; a row with the cache on then gives ``ttft_off_over_cached``: the TTFT p50 of the same slots and rate
+with the cache off over its own (issue 41's shared-prefix target: at least 3x).
 
 Models (``--model``): ``shipped``, the checkpoint at PATH (default: the shipped text model);
 ``v4flash-slice``, DeepSeek-V4-Flash's first ``--layers`` layers with ``--experts`` routed experts, random
@@ -294,6 +294,7 @@ def engine(args, slice_=None):
         output_tokens=tokens,
         output_tokens_per_s=tokens / result.seconds,
         dispatches=result.dispatches,
+        prefills=result.prefills,
     )
 
 

@@ -20,6 +20,7 @@
 #include <utility>
 
 #include "attention_ffi.h"
+#include "cuda_check.h"
 #include "mma.h"
 
 namespace oc128 {
@@ -278,12 +279,6 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(AttentionArgs<
   }
 }
 
-ffi::Error launched(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  if (err == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("jax_oc128: attention ") + what + " failed: " + cudaGetErrorString(err));
-}
-
 struct AttentionCuda {
   cudaStream_t stream;
 
@@ -293,13 +288,13 @@ struct AttentionCuda {
     // per launch: the attribute is the current device's
     if (cudaFuncSetAttribute(attention_kernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)) !=
         cudaSuccess)
-      return launched("shared memory setup");
+      return launched("attention shared memory setup");
     const int64_t queries = args.batch * args.tokens;
     const dim3 grid(unsigned(queries), unsigned((args.heads + kHeads - 1) / kHeads), unsigned(args.splits));
     attention_kernel<D, T><<<grid, kThreads, bytes, stream>>>(args);
-    if (args.splits == 1) return launched("launch");
+    if (args.splits == 1) return launched("attention launch");
     combine_kernel<T><<<unsigned(queries * args.heads), kCombineThreads, 0, stream>>>(args);
-    return launched("combine launch");
+    return launched("attention combine launch");
   }
 
   // head_dim D in {32, 64, 128, 256, 512}: one kernel per D.

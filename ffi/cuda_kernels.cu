@@ -7,6 +7,7 @@
 // capture them in command buffers.
 #include <cuda_runtime.h>
 
+#include "cuda_check.h"
 #include "oc128_ffi.h"
 
 namespace oc128 {
@@ -47,12 +48,6 @@ __global__ void __launch_bounds__(kThreads) commit_kernel(CommitArgs args, unsig
   if (w < args.words_per_slot) commit_word(args, unit / unsigned(args.rows), row, w, processed);
 }
 
-ffi::Error launched(const char* kernel) {
-  const cudaError_t err = cudaGetLastError();
-  if (err == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("jax_oc128: ") + kernel + " launch failed: " + cudaGetErrorString(err));
-}
-
 ffi::Error check_grid(int64_t blocks) {
   if (blocks <= 0x7FFFFFFF) return ffi::Error::Success();
   return invalid("too many (layer, row, segment) units for one launch: " + std::to_string(blocks));
@@ -72,7 +67,7 @@ struct CudaBackend {
     const int64_t blocks = call_layers * args.rows * segments * (args.layout.dim / threads);
     OC128_RETURN_IF_ERROR(check_grid(blocks));
     compress_kernel<<<unsigned(blocks), threads, 0, stream>>>(args, unsigned(segments));
-    return launched("compress");
+    return launched("compress launch");
   }
 
   template <int N, bool kTree, bool kBanks, typename T>
@@ -81,7 +76,7 @@ struct CudaBackend {
     const int64_t blocks = call_layers * args.rows * (args.layout.dim / threads);
     OC128_RETURN_IF_ERROR(check_grid(blocks));
     verify_kernel<N, kTree, kBanks><<<unsigned(blocks), threads, 0, stream>>>(args);
-    return launched("verify");
+    return launched("verify launch");
   }
 
   ffi::Error commit(const CommitArgs& args, int64_t num_layers) {
@@ -89,7 +84,7 @@ struct CudaBackend {
     const int64_t blocks = num_layers * args.rows * chunks;
     OC128_RETURN_IF_ERROR(check_grid(blocks));
     commit_kernel<<<unsigned(blocks), kThreads, 0, stream>>>(args, unsigned(chunks));
-    return launched("commit");
+    return launched("commit launch");
   }
 };
 

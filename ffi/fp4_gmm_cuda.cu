@@ -18,6 +18,7 @@
 #include <string>
 #include <utility>
 
+#include "cuda_check.h"
 #include "fp4_gmm_ffi.h"
 #include "mma.h"
 
@@ -192,9 +193,7 @@ struct Fp4GmmCuda {
       const int64_t cols = kGroups * (args.gated ? 8 : 16);
       const dim3 grid(unsigned((args.out_cols + cols - 1) / cols), unsigned(args.tiles));
       fp4_gmm_kernel<<<grid, 32 * kWarps, 0, stream>>>(args);
-      const cudaError_t err = cudaGetLastError();
-      if (err == cudaSuccess) return ffi::Error::Success();
-      return ffi::Error::Internal(std::string("jax_oc128: fp4_gmm launch failed: ") + cudaGetErrorString(err));
+      return launched("fp4_gmm launch");
     }
   }
 };

@@ -14,6 +14,7 @@
 #include <string>
 #include <utility>
 
+#include "cuda_check.h"
 #include "indexer_ffi.h"
 #include "mma.h"
 
@@ -108,9 +109,7 @@ struct IndexerCuda {
       return invalid("q: too many queries or rows for the CUDA kernel's grid");
     const dim3 grid(unsigned(key_tiles), unsigned(query_tiles), unsigned(args.batch));
     indexer_kernel<<<grid, kThreads, 0, stream>>>(args);
-    const cudaError_t err = cudaGetLastError();
-    if (err == cudaSuccess) return ffi::Error::Success();
-    return ffi::Error::Internal(std::string("jax_oc128: indexer_scores launch failed: ") + cudaGetErrorString(err));
+    return launched("indexer_scores launch");
   }
 };
 

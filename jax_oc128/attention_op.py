@@ -26,9 +26,9 @@ import numpy as np
 
 from jax_oc128 import ops
 from jax_oc128.checks import check_scale
+from jax_oc128.ops import FULL
 
 TARGET = "oc128_attention"
-FULL = jax.lax.Precision.HIGHEST
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 HEAD_TILE = 64  # heads per block of the CUDA kernel
 SPLIT_BLOCKS = 128  # blocks the split aims at: about one per multiprocessor of an H100 (132)

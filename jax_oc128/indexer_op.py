@@ -19,9 +19,9 @@ import numpy as np
 
 from jax_oc128 import ops
 from jax_oc128.checks import check_scale
+from jax_oc128.ops import FULL
 
 TARGET = "oc128_indexer_scores"
-FULL = jax.lax.Precision.HIGHEST
 CUDA_DIM, CUDA_HEAD_MULTIPLE = 128, 16  # the shapes the CUDA kernel takes (elsewhere a GPU runs the twin)
 
 

@@ -42,6 +42,9 @@ from jax_oc128.rules import BLOCK, MAX_DRAFT
 from jax_oc128.tree import Tree, check_parents
 
 STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+#: the precision of every float32 matmul (the ops' jnp twins, the model): they stay float32 (on GPUs the
+#: default would allow TF32)
+FULL = jax.lax.Precision.HIGHEST
 
 #: Per native target, the names of the operands the ops below pass it: arguments, results (a result named like
 #: an argument aliases it, in place) and attributes. The order is the C++ binding's (ffi/oc128_ffi.h), the

@@ -1,5 +1,6 @@
 """The slot and bank rules of the C128 state, in one place: the ops' jnp twins, the states, the
-controller and the attention all import them from here.
+controller and the attention all import them from here; and the gather of each batch row's own position
+(:func:`per_row`), which the model and the engine share.
 
 Shapes: ``slots``, ``seq_lens``, ``verify_lens``, ``accept_lens``, ``accept_banks`` are ``[bs]`` int32 per
 row of a call (slot -1 marks a padding row); ``pending`` and ``pending_tokens`` are ``[num_slots]`` int32 per
@@ -20,6 +21,12 @@ def batch_slots(lengths):
     """``[batch]`` int32: the slot of each batch row of a forward (batch row b is slot b); -1 (padding) for
     rows of length 0 (``lengths`` ``[batch]`` int32), which leave every state untouched."""
     return jnp.where(lengths > 0, jnp.arange(lengths.shape[0], dtype=jnp.int32), -1)
+
+
+def per_row(x, index):
+    """``[batch, ...]``: ``x[b, index[b]]`` of ``x`` ``[batch, T, ...]`` for ``index`` ``[batch]`` int32 in
+    ``[0, T)``: each batch row's entry at its own position (its last valid token's, its kept tree node's)."""
+    return x[jnp.arange(x.shape[0]), index]
 
 
 def valid_rows(slots, seq_lens, num_slots):

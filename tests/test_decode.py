@@ -98,6 +98,21 @@ def test_steps_per_dispatch_change_nothing(dispatching, num_tokens):
     assert all(len(tokens) == 60 for tokens in results[0].tokens)
 
 
+def test_result_counts_the_prefill_calls(dispatching, monkeypatch):
+    """``Result.prefills`` is the number of prefill calls generate made: 3 slots for 5 requests, one step
+    per dispatch, so the requests that wait for a slot are admitted by later prefills."""
+    engine, calls = dispatching[0], []
+    prefill_rows = engine._prefill_rows
+
+    def counted(*args, **kwargs):
+        calls.append(len(args[1]))  # the rows (slot: prompt) this call prefills
+        return prefill_rows(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_prefill_rows", counted)
+    result = engine.generate(prompts(), 60)
+    assert result.prefills == len(calls) > 1 and sum(calls) == 5, calls
+
+
 @pytest.fixture(scope="module")
 def shipped_engine():
     """The shipped model's engine of 2 slots, 5 steps per dispatch."""

@@ -403,7 +403,7 @@ def test_empty_batch_returns_at_once(engine, monkeypatch):
     monkeypatch.setattr(engine, "_restart", lambda *args: pytest.fail("dispatched"))
     with count_compiles() as compiles:
         result = engine.generate([], 3)
-    assert (result.tokens, result.steps, result.dispatches) == ([], 0, 0)
+    assert (result.tokens, result.steps, result.dispatches, result.prefills) == ([], 0, 0, 0)
     assert not compiles
     with pytest.raises(ValueError, match=r"^max_new_tokens"):
         engine.generate([], 0)

@@ -420,4 +420,6 @@ class Engine:
         totals = scheduler.totals
         mean = totals["accepted"] / max(1, totals["slot_steps"])
         seconds = time.perf_counter() - start
-        return Result(outputs, totals["steps"], scheduler.dispatches, seconds, mean, steps)
+        return Result(
+            outputs, totals["steps"], scheduler.dispatches, seconds, mean, steps, prefills=totals["prefills"]
+        )

@@ -81,6 +81,8 @@ class Result:
       mean_accepted: tokens a slot gains per step (1 for plain decoding).
       request_steps: per prompt, the steps that gave it tokens (its prefill one of them): ``len(tokens[i]) /
         request_steps[i]`` is its tokens per step.
+      prefills: prefill calls run (each admits the prompts that free slots take at once: one when every
+        prompt has a slot, more when prompts wait for slots).
     """
 
     tokens: list[list[int]]
@@ -89,6 +91,7 @@ class Result:
     seconds: float
     mean_accepted: float
     request_steps: list[int] = dataclasses.field(default_factory=list)
+    prefills: int = 0
 
 
 def init_state(model: Model, slots: int, engine: int, seed, pages=None, page_size: int = 0) -> DecodeState:

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from jax_oc128.controller import ForwardMode
 from jax_oc128.engine.state import DecodeOutput, DecodeState
-from jax_oc128.rules import batch_slots, context_bucket
+from jax_oc128.rules import batch_slots, context_bucket, per_row
 from jax_oc128.sampling import Sampling, pick
 from jax_oc128.tree import Tree, accept, draft_tree
 
@@ -99,7 +99,7 @@ def _prefill_segment(model, tokens, start, lengths, cache, draft_cache, before, 
     if model.drafter is not None:  # it sees token p with the model's hidden state at p - 1
         prev = jnp.concatenate([before[:, None], hidden[:, :-1]], axis=1)
         _, _, draft_cache = model.drafter(tokens, prev, positions, draft_cache, lengths=lengths)
-    return logits[:, 0], hidden[jnp.arange(rows), last], hidden[:, -1], cache, draft_cache
+    return logits[:, 0], per_row(hidden, last), hidden[:, -1], cache, draft_cache
 
 
 def _prefill_chunks(
@@ -298,7 +298,7 @@ def speculative_step(model, state: DecodeState, key, tree: Tree, context=None):
         draft_cache=model.drafter.keep_path(draft_cache, tree, state.position, nodes, drafted),
         token=jnp.where(active, accepted.bonus, state.token),
         position=state.position + counts,
-        hidden=jnp.where(active[:, None], hiddens[jnp.arange(active.shape[0]), accepted.node], state.hidden),
+        hidden=jnp.where(active[:, None], per_row(hiddens, accepted.node), state.hidden),
     )
     return state, accepted.emitted, counts
 

@@ -66,18 +66,13 @@ def attend(
       ``[batch, T, heads, D]`` float32.
     """
     kernel = resolve(impl) == "kernel"
-    if picks is not None and kernel and q.shape[1] * picks.shape[2] > picks_pool(extra):
+    if picks is not None and kernel and q.shape[1] * picks.shape[2] > kv_cache.rows(extra):
         return _kernel(q, keys, visible, kv_cache.decode(extra), None, sinks, scale, entries_prefix, picks)
     if picks is not None:  # each query's own rows
         extra, extra_visible = gather(extra, picks), picks >= 0
     if kernel:
         return _kernel(q, keys, visible, extra, extra_visible, sinks, scale, entries_prefix)
     return _jnp(q, keys, visible, extra, extra_visible, sinks, scale)
-
-
-def picks_pool(entries) -> int:
-    """E: the rows of stored entries ``[batch, E, D]``."""
-    return jax.tree.leaves(entries)[0].shape[1]
 
 
 def gather(entries, picks):

@@ -253,7 +253,7 @@ class CSACompressor(nnx.Module):
         batch, tokens = q_res.shape[:2]
         q = linear(q_res, self.indexer_q_b_proj[...]).reshape(batch, tokens, c.num_heads, c.head_dim)
         q = self.rope.apply(q, positions)
-        count = jax.tree.leaves(keys)[0].shape[1]
+        count = kv_cache.rows(keys)
         k = min(c.topk, count)
         stored = count - (0 if nodes is None else nodes.shape[2])
         kernel = attend.resolve(impl) == "kernel"

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_oc128.nn.quant import matrix
+from jax_oc128.ops import FULL
 
-FULL = jax.lax.Precision.HIGHEST  # float32 matmuls stay float32 (on GPUs the default would allow TF32)
 #: the dtypes a model's weights may have, by name (``ModelConfig.dtype``)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _Built = TypeVar("_Built")

@@ -257,11 +257,16 @@ def slot_view(stored, page_table, count: int | None = None):
     return jax.tree.map(gather, stored)
 
 
+def rows(stored) -> int:
+    """The rows along a stored cache's second axis (static): ``E`` of entries ``[batch, E, ...]`` (a slot's
+    rows), ``per_page`` of a pool of pages ``[pages, per_page, ...]`` (a page's rows)."""
+    return jax.tree.leaves(stored)[0].shape[1]
+
+
 def slot_entries(stored, page_table) -> int:
     """How many entries a slot addresses in ``stored``: ``E`` of the dense ``[batch, E, ...]``, else
     ``max_pages * per_page`` (static)."""
-    per_slot = jax.tree.leaves(stored)[0].shape[1]
-    return per_slot if page_table is None else page_table.shape[1] * per_slot
+    return rows(stored) if page_table is None else page_table.shape[1] * rows(stored)
 
 
 def locate(stored, page_table, rows, index):

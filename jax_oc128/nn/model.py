@@ -38,6 +38,7 @@ from jax_oc128.nn.functional import normal_param, ones_param, rms_norm
 from jax_oc128.nn.hyper_connections import HyperConnection, HyperHead
 from jax_oc128.nn.linear import linear, swiglu
 from jax_oc128.nn.moe import MoE
+from jax_oc128.rules import per_row
 from jax_oc128.tree import check_tree
 
 
@@ -294,7 +295,7 @@ class DeepseekV4Model(nnx.Module):
             h, layer, compressed = block(h, tokens, layer, compressed, forward_batch)
             layers.append(layer)
         cache = ModelCache(tuple(layers), compressed, cache.page_table)
-        out = h if logits_at is None else h[jnp.arange(h.shape[0]), logits_at][:, None]
+        out = h if logits_at is None else per_row(h, logits_at)[:, None]
         if self.config.hyper_connections:
             return self.logits(self.hc_head(out)), flatten_streams(h), cache
         return self.logits(out), h, cache
