@@ -1,10 +1,13 @@
-"""The engine's compiled decode dispatch does no work of ``max_len``'s size when its forwards are bounded
-(issue 40): at ``max_len`` 2^20 (nothing allocated: lowered from the state's layout), bounded to 256
+"""The engine's compiled steps do no work of ``max_len``'s size when their forwards are bounded (issue 40).
+
+The decode dispatch: at ``max_len`` 2^20 (nothing allocated: lowered from the state's layout), bounded to 256
 positions, no instruction of the optimized program other than those that name or update an array in place
 has a dimension that follows ``max_len`` (``bench/hlo_shapes.py``), and its temporaries are those of the
-same dispatch at ``max_len`` 1024. Dense float32 caches and paged FP8 caches (the
-FP8 indexer keys' RoPE part has no channels: the paged read of such a leaf once raised a
-ZeroDivisionError)."""
+same dispatch at ``max_len`` 1024. Dense float32 caches and paged FP8 caches (the FP8 indexer keys' RoPE
+part has no channels: the paged read of such a leaf once raised a ZeroDivisionError).
+
+The prefill likewise: a new request's slot keeps the entries it held (no clear of ``max_len``'s entries),
+and an engine whose every entry and indexer key is NaN gives the tokens of a clean one."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from harness import poisoned_pages
 from models import MODEL_CONFIG, MODEL_RUNTIME
 
 from jax_oc128.engine import Engine, arguments
@@ -74,3 +78,20 @@ def test_decode_does_no_work_of_max_len(kv_cache_dtype, pages):
     assert hlo_shapes.sized(large.as_text(), sizes) == []
     temp = [c.memory_analysis().temp_size_in_bytes for c in (large, compiled(engines[1]))]
     assert temp[0] == temp[1], temp
+
+
+def test_prefill_does_no_work_of_max_len():
+    engines = [engine_at(max_len, "float32", None) for max_len in (MAX_LEN, SMALL_MAX_LEN)]
+    sizes = layout_dims(engines[0]) - layout_dims(engines[1])
+    large, small = (engine.lower_prefill(200).compile() for engine in engines)
+    assert hlo_shapes.sized(large.as_text(), sizes) == []
+    assert large.memory_analysis().temp_size_in_bytes == small.memory_analysis().temp_size_in_bytes
+
+
+def test_entries_left_by_earlier_requests_are_not_read():
+    engine = engine_at(SMALL_MAX_LEN, "float32", None)
+    rng = np.random.default_rng(5)
+    prompts = [list(rng.integers(0, CONFIG.vocab_size, n)) for n in (150, 40)]
+    clean = engine.generate(prompts, 12).tokens
+    engine._idle_state = poisoned_pages(engine._idle_state)  # the next call's state: every entry NaN
+    assert engine.generate(prompts, 12).tokens == clean
