@@ -112,9 +112,19 @@ def describe(text: str) -> str:
     )
 
 
+def option_value(text: str):
+    """An XLA option's value from the command line: an int, a bool (true / false) or the text."""
+    if text.lstrip("-").isdigit():
+        return int(text)
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
 def run_one(args) -> None:
     """One lowering and compile (this process: ``--max-len`` one value, ``--xla-options`` one)."""
-    options = dict(kv.split("=", 1) for kv in args.xla_options[0].split(",") if kv)
+    options = {
+        key: option_value(value)
+        for key, value in (kv.split("=", 1) for kv in args.xla_options[0].split(",") if kv)
+    }
     max_len = args.max_len[0]
     start = time.perf_counter()
     model = abstract_model(args, max_len)
