@@ -305,8 +305,8 @@ def state_bits(state):
 
 
 def poisoned_pages(state):
-    """A paged decode ``state`` with every page of every pool NaN (the float leaves; FP8 and integer leaves
-    left): a read of a page the slot was not given shows."""
+    """A decode ``state`` with every page of every pool (dense: every slot's entries and indexer keys) NaN
+    (the float leaves; FP8 and integer leaves left): a read of what a slot has not written shows."""
     layers = [
         dataclasses.replace(
             layer,

@@ -223,16 +223,16 @@ class AttentionCache:
             kept_cache = dataclasses.replace(kept_cache, index_keys=keys, rows=raw)
         return kept_cache
 
-    def clear(self, rows, paged: bool = False) -> AttentionCache:
-        """Empty ``rows`` ([n] int32, -1 ignored) for new sequences; ``paged``: the entries and indexer keys
-        are a pool of pages, which are not cleared (:mod:`~jax_oc128.nn.kv_cache`)."""
+    def clear(self, rows) -> AttentionCache:
+        """Empty ``rows`` ([n] int32, -1 ignored) for new sequences. Their entries and indexer keys (dense
+        rows or pages) are not cleared: no query reads what a row has not written
+        (:mod:`~jax_oc128.nn.kv_cache`), and clearing them would cost ``max_len``'s entries per request."""
         index = drop_index(rows, self.window.shape[0])
-        pooled = (lambda stored: stored) if paged else (lambda stored: kv_cache.clear(stored, index))
         return AttentionCache(
             self.window.at[index].set(0, mode="drop"),
             self.window_positions.at[index].set(-1, mode="drop"),
-            pooled(self.entries),
-            pooled(self.index_keys),
+            self.entries,
+            self.index_keys,
             self.rows.at[index].set(0, mode="drop"),
             kv_cache.clear(self.tree_entries, index),
             kv_cache.clear(self.tree_index_keys, index),

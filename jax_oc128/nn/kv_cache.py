@@ -26,8 +26,8 @@ slot, ``[batch, max_entries, ...]`` (dense, the oracle), or in a pool of pages s
 order (its first ``count``: under a forward's context bound,
 :attr:`~jax_oc128.nn.forward.ForwardBatch.context`, no entry past it is read, dense or paged) and
 :func:`locate` gives where an entry goes; with the page table None both are the dense layout's own indexing,
-so one code path serves both. A page is never cleared: a stored value no query sees is read as zero
-(attention masks what it reads), so whatever a page held before does not leak.
+so one code path serves both. A page (or a dense slot's row) is never cleared: a stored value no query sees
+is read as zero (attention masks what it reads), so whatever it held before does not leak.
 """
 
 from __future__ import annotations
@@ -252,7 +252,8 @@ def slot_view(stored, page_table, count: int | None = None):
         columns = page_table[:, : -(-count // leaf.shape[1])]
         index = jnp.where(columns >= 0, columns, leaf.shape[0])
         pages = jnp.take(leaf, index, axis=0, mode="fill", fill_value=0)
-        return pages.reshape(page_table.shape[0], -1, *leaf.shape[2:])[:, :count]
+        rows = columns.shape[1] * leaf.shape[1]  # not -1: a leaf may have 0 channels (FP8 keys' RoPE part)
+        return pages.reshape(page_table.shape[0], rows, *leaf.shape[2:])[:, :count]
 
     return jax.tree.map(gather, stored)
 

@@ -92,11 +92,11 @@ class ModelCache:
         return cls(layers, compressed, jnp.full((batch, runtime.max_len // page_size), -1, jnp.int32))
 
     def clear(self, rows) -> ModelCache:
-        """Empty ``rows`` ([n] int32, -1 ignored) for new sequences, in every layer and the compressor (a
-        paged cache's pages are not cleared, nor its page table: the host's)."""
-        paged = self.page_table is not None
+        """Empty ``rows`` ([n] int32, -1 ignored) for new sequences, in every layer and the compressor (not
+        their entries, :meth:`~jax_oc128.nn.attention.AttentionCache.clear`, nor a paged cache's page
+        table: the host's)."""
         return ModelCache(
-            tuple(layer.clear(rows, paged) for layer in self.layers),
+            tuple(layer.clear(rows) for layer in self.layers),
             None if self.compressed is None else self.compressed.alloc(rows),
             self.page_table,
         )
