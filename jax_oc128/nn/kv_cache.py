@@ -252,8 +252,8 @@ def slot_view(stored, page_table, count: int | None = None):
         columns = page_table[:, : -(-count // leaf.shape[1])]
         index = jnp.where(columns >= 0, columns, leaf.shape[0])
         pages = jnp.take(leaf, index, axis=0, mode="fill", fill_value=0)
-        rows = columns.shape[1] * leaf.shape[1]  # not -1: a leaf may have 0 channels (FP8 keys' RoPE part)
-        return pages.reshape(page_table.shape[0], rows, *leaf.shape[2:])[:, :count]
+        gathered = columns.shape[1] * leaf.shape[1]  # not -1: a leaf may have no channels (FP8 keys' RoPE)
+        return pages.reshape(page_table.shape[0], gathered, *leaf.shape[2:])[:, :count]
 
     return jax.tree.map(gather, stored)
 
