@@ -304,7 +304,7 @@ def state_bits(state):
     return state.view(np.uint32 if state.dtype.itemsize == 4 else np.uint16)
 
 
-def poisoned_pages(state):
+def poisoned_entries(state):
     """A decode ``state`` with every page of every pool (dense: every slot's entries and indexer keys) NaN
     (the float leaves; FP8 and integer leaves left): a read of what a slot has not written shows."""
     layers = [

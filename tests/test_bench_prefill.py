@@ -5,14 +5,10 @@ sizes: its table columns and its numbers' relations."""
 from __future__ import annotations
 
 import json
-import pathlib
-import sys
 
-import pytest
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
 import bench_prefill
 import prefill_floor
+import pytest
 
 from jax_oc128.nn import ModelConfig
 

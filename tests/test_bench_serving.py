@@ -5,16 +5,12 @@ released format (``--model v4flash-slice``); the prefix cache's TTFT comparison.
 from __future__ import annotations
 
 import math
-import pathlib
-import sys
 
+import bench_serving
 import pytest
 from hf_fixtures import quantized_config
 
 from jax_oc128.nn import ModelConfig
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
-import bench_serving
 
 
 @pytest.mark.parametrize("dataset", ["random", "shared-prefix"])

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import pathlib
-import sys
 
+import bench_context
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from harness import poisoned_pages
+from harness import poisoned_entries
 from models import MODEL_CONFIG, MODEL_RUNTIME
 
 from jax_oc128.controller import ForwardMode
@@ -33,9 +32,6 @@ from jax_oc128.nn import (
 )
 from jax_oc128.rules import BLOCK
 from jax_oc128.tree import Tree
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
-import bench_context
 
 CONFIG = dataclasses.replace(
     MODEL_CONFIG,
@@ -268,7 +264,7 @@ def test_engine_tokens_are_the_unbounded_ones(
     pass 128 positions while the longest request runs, and an ended slot keeps its most), never max_len's."""
     bounded = engine(speculative_model, context_floor=128, pages=pages, page_size=128)
     if pages is not None:
-        bounded._idle_state = poisoned_pages(bounded.init_state())  # generate's state
+        bounded._idle_state = poisoned_entries(bounded.init_state())  # generate's state
     seen = []
     unspied = bounded.bound
     bounded.bound = lambda longest: seen.append(unspied(longest)) or seen[-1]

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import window_memory
 from flax import nnx
 from harness import run_layer_chunks
 from models import MODEL_CONFIG, MODEL_RUNTIME
@@ -23,9 +22,6 @@ from models import MODEL_CONFIG, MODEL_RUNTIME
 from jax_oc128.nn import CSA, DeepseekV4Attention, attend, csa, kv_cache
 from jax_oc128.nn.functional import FULL
 from jax_oc128.nn.linear import linear
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
-import window_memory
 
 CONFIG = dataclasses.replace(
     MODEL_CONFIG, index_n_heads=4, index_head_dim=16, index_topk=8, sliding_window=16

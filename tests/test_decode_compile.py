@@ -12,21 +12,17 @@ and an engine whose every entry and indexer key is NaN gives the tokens of a cle
 from __future__ import annotations
 
 import dataclasses
-import pathlib
-import sys
 
+import hlo_shapes
 import jax
 import numpy as np
 import pytest
 from flax import nnx
-from harness import poisoned_pages
+from harness import poisoned_entries
 from models import MODEL_CONFIG, MODEL_RUNTIME
 
 from jax_oc128.engine import Engine, arguments
 from jax_oc128.nn import CSA, HCA, SLIDING, SpeculativeModel
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
-import hlo_shapes
 
 CONFIG = dataclasses.replace(
     MODEL_CONFIG, layer_types=(SLIDING, HCA, CSA), index_n_heads=2, index_head_dim=32, index_topk=4
@@ -93,5 +89,5 @@ def test_entries_left_by_earlier_requests_are_not_read():
     rng = np.random.default_rng(5)
     prompts = [list(rng.integers(0, CONFIG.vocab_size, n)) for n in (150, 40)]
     clean = engine.generate(prompts, 12).tokens
-    engine._idle_state = poisoned_pages(engine._idle_state)  # the next call's state: every entry NaN
+    engine._idle_state = poisoned_entries(engine._idle_state)  # the next call's state: every entry NaN
     assert engine.generate(prompts, 12).tokens == clean

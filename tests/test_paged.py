@@ -9,7 +9,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from harness import first_difference, poisoned_pages
+from harness import first_difference, poisoned_entries
 from models import DECODE_CONFIG, DECODE_RUNTIME, make_model, prompts
 
 from jax_oc128.controller import ONLINE
@@ -62,7 +62,7 @@ def test_paged_tokens_are_the_dense_tokens(dense_engine):
     in the last one)."""
     dense = dense_engine
     engine = Engine(dense.model, slots=3, steps_per_dispatch=8, pages=7, page_size=128)
-    engine._idle_state = poisoned_pages(engine.init_state())  # generate's state: its first call runs on it
+    engine._idle_state = poisoned_entries(engine.init_state())  # generate's state: its first call runs on it
     expected = dense.generate(prompts(), 100).tokens
     handed_out = set()
     for options in (dict(), dict(num_tokens=4), dict(tree=(-1, 0, 0, 1))):

@@ -12,7 +12,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from harness import poisoned_pages
+from harness import poisoned_entries
 from models import DECODE_CONFIG, make_model
 
 from jax_oc128.controller import ONLINE
@@ -96,7 +96,7 @@ def test_cached_prefixes_give_the_uncached_tokens(engine, expected, speculation,
     are the uncached ones (plain, chain N = 2; a draft tree: greedy speculation gives plain greedy tokens,
     test_tree_decode); the later requests take the system prompt's three pages from it, the totals count
     what was fed and taken, and no cached page changed while the later requests ran on it."""
-    engine._idle_state = poisoned_pages(engine.init_state())
+    engine._idle_state = poisoned_entries(engine.init_state())
     tokens, cached, scheduler, changed = run(engine, prefix_cache=4, **speculation)
     assert tokens == expected[uncached]
     assert cached == [0, 0, 3 * PAGE, 3 * PAGE, 3 * PAGE]
@@ -111,7 +111,7 @@ def test_eviction_under_a_small_pool(engine, expected):
     are evicted when a slot grows past the free pages; the tokens are still the uncached ones, the requests
     after the first take the system prompt's pages, and every page is back at the end."""
     small = Engine(engine.model, slots=2, steps_per_dispatch=8, pages=6, page_size=PAGE)
-    small._idle_state = poisoned_pages(small.init_state())
+    small._idle_state = poisoned_entries(small.init_state())
     tokens, cached, scheduler, _ = run(small, prefix_cache=4)
     assert tokens == expected[None]
     assert scheduler.prefix_cache.evictions > 0

@@ -3,11 +3,9 @@ op_name metadata of the compiled HLO."""
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import jax
 import jax.numpy as jnp
+import step_kernels
 from flax import nnx
 
 from jax_oc128.controller import ForwardMode
@@ -15,9 +13,6 @@ from jax_oc128.nn import SpeculativeModel
 from jax_oc128.nn.attention import CSA, HCA, SLIDING
 from jax_oc128.nn.config import ModelConfig
 from jax_oc128.nn.moe import MOE
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
-import step_kernels
 
 
 def test_scope_of_keeps_the_models_scopes_in_order():

@@ -7,13 +7,12 @@ the loop's group, not T."""
 from __future__ import annotations
 
 import dataclasses
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import window_memory
 from flax import nnx
 from harness import run_layer_chunks
 from models import MODEL_CONFIG, MODEL_RUNTIME
@@ -21,9 +20,6 @@ from oracle import rel_err, window_attention
 
 from jax_oc128.nn import CSA, HCA, SLIDING, DeepseekV4Attention, ForwardBatch, attend
 from jax_oc128.nn import attention as attention_module
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
-import window_memory
 
 CONFIG = dataclasses.replace(
     MODEL_CONFIG, index_n_heads=2, index_head_dim=16, index_topk=8, sliding_window=16
