@@ -66,9 +66,11 @@ def test_bench_serving_serves_a_released_slice():
     assert served["ttft_p50_ms"] < served["e2e_p50_ms"], served
 
 
-def test_the_prefix_cache_comparison_pairs_rows_by_slots_and_rate():
-    """``ttft_off_over_cached``: on each row with the cache on, the TTFT p50 of the row of its slots and rate
-    with the cache off over its own; none where there is no such row, none on the offline rows."""
+def test_the_comparisons_pair_rows_alike_but_for_the_swept_flag():
+    """``ttft_off_over_cached``: on each row with the cache on, the TTFT p50 of the row of its backend, slots
+    and rate with the cache off over its own; ``offline_c128_over_online``: on each offline-backend row, the
+    output tokens/s of the online row of its slots, cache and rate over its own; none where there is no
+    such row or no such metric."""
     rows = [
         dict(slots=2, prefix_cache=0, rate="offline"),
         dict(slots=2, prefix_cache=0, rate=math.inf, ttft_p50_ms=90.0),
@@ -77,5 +79,14 @@ def test_the_prefix_cache_comparison_pairs_rows_by_slots_and_rate():
         dict(slots=2, prefix_cache=8, rate=math.inf, ttft_p50_ms=30.0),
         dict(slots=2, prefix_cache=8, rate=4.0, ttft_p50_ms=10.0),
     ]
-    bench_serving.compare_prefix_cache(rows)
+    bench_serving.compare(rows, "prefix_cache", 0, "ttft_p50_ms", "ttft_off_over_cached")
     assert [row.get("ttft_off_over_cached") for row in rows] == [None, None, None, None, 3.0, None]
+    rows = [
+        dict(backend="online", slots=2, prefix_cache=0, rate=math.inf, output_tokens_per_s=120.0),
+        dict(backend="online", slots=2, prefix_cache=8, rate=math.inf, output_tokens_per_s=300.0),
+        dict(backend="offline", slots=2, prefix_cache=0, rate=math.inf, output_tokens_per_s=100.0),
+        dict(backend="offline", slots=2, prefix_cache=8, rate=math.inf, output_tokens_per_s=200.0),
+        dict(backend="offline", slots=4, prefix_cache=0, rate=math.inf, output_tokens_per_s=90.0),
+    ]
+    bench_serving.compare(rows, "backend", "online", "output_tokens_per_s", "offline_c128_over_online")
+    assert [row.get("offline_c128_over_online") for row in rows] == [None, None, 1.2, 1.5, None]
