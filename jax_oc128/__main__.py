@@ -366,6 +366,7 @@ def _command(argv) -> int:
         metavar="N",
         help="speculate with the default draft tree of N",
     )
+    add_backend_argument(text)
     text.add_argument(
         "--max-new-tokens",
         type=int_argument(1),
