@@ -18,7 +18,10 @@ one, and the client's over the rate's run: one near ``duration_s`` is saturated,
 on the CPU backend the engine's includes the device's work). With ``--sweep-slots S ...``, one server per slot
 count, and with ``--sweep-prefix-cache N ...`` one per snapshot count (0: prefix caching off), one after the
 other; a row with the cache on then gives ``ttft_off_over_cached``: the TTFT p50 of the same slots and rate
-with the cache off over its own (issue 41's shared-prefix target: at least 3x).
+with the cache off over its own (issue 41's shared-prefix target: at least 3x). With
+``--sweep-backend online offline``, one server per C128 state (``--backend``), the offline rows'
+``offline_c128_over_online`` the online row's output tokens/s (same slots, cache, rate) over their own (>= 1:
+online is no slower).
 
 Models (``--model``): ``shipped``, the checkpoint at PATH (default: the shipped text model);
 ``v4flash-slice``, DeepSeek-V4-Flash's first ``--layers`` layers with ``--experts`` routed experts, random
@@ -33,6 +36,7 @@ ids would leave most of the slice's 129280 without any, and its events without t
     python bench/bench_serving.py --sweep-slots 8 32 --rates inf --num-prompts 128 --input-len 128 --offline
     python bench/bench_serving.py PATH --draft 2 --dataset shared-prefix --prefix-len 4096 --output json
     python bench/bench_serving.py --model v4flash-slice --slots 8 --rates inf --num-prompts 64 --offline
+    python bench/bench_serving.py --sweep-backend online offline --draft 2 --rates inf --num-prompts 64
     python bench/bench_serving.py --model v4flash-slice --max-len 8192 --pages 320 --dataset shared-prefix \
         --prefix-len 4096 --input-len 128 --sweep-prefix-cache 0 8 --rates inf
 """
@@ -57,7 +61,8 @@ import numpy as np
 import tokenizers
 from bench_ops import Phases
 
-from jax_oc128.checks import int_argument
+from jax_oc128.checks import check_backend, int_argument
+from jax_oc128.controller import BACKENDS
 from jax_oc128.serve import cli
 from jax_oc128.text import TextTokenizer
 
@@ -201,6 +206,14 @@ def main(argv=None, slice_=None) -> list[dict]:
         metavar="N",
         help="one run per --prefix-cache",
     )
+    parser.add_argument(
+        "--sweep-backend",
+        choices=list(BACKENDS),
+        nargs="+",
+        default=None,
+        metavar="B",
+        help="one run per --backend (online, offline)",
+    )
     parser.add_argument("--output", choices=["table", "json"], default="table")
     args = parser.parse_args(argv)
     args.port = 0
@@ -211,23 +224,30 @@ def main(argv=None, slice_=None) -> list[dict]:
         args.served_model_name = args.served_model_name or args.model
     else:
         slice_ = None
+    backends = args.sweep_backend or [args.backend]
+    for backend in backends:  # every server's flags checked before the first one runs
+        check_backend(parser, backend, args.tree is not None)
     rows = []
-    for slots, cache in itertools.product(
-        args.sweep_slots or [args.slots], args.sweep_prefix_cache or [args.prefix_cache]
+    for backend, slots, cache in itertools.product(
+        backends, args.sweep_slots or [args.slots], args.sweep_prefix_cache or [args.prefix_cache]
     ):
-        args.slots, args.prefix_cache = slots, cache
-        rows += [dict(slots=slots, prefix_cache=cache) | row for row in run(parser, args, slice_)]
-    compare_prefix_cache(rows)
+        args.backend, args.slots, args.prefix_cache = backend, slots, cache
+        swept = dict(backend=backend, slots=slots, prefix_cache=cache)
+        rows += [swept | row for row in run(parser, args, slice_)]
+    compare(rows, "prefix_cache", 0, "ttft_p50_ms", "ttft_off_over_cached")
+    compare(rows, "backend", "online", "output_tokens_per_s", "offline_c128_over_online")
     if args.output == "json":
         print(json.dumps(rows, indent=1))
     else:
         keys = [
+            "backend",
             "slots",
             "prefix_cache",
             "rate",
             "requests",
             "duration_s",
             "output_tokens_per_s",
+            "offline_c128_over_online",
             "offline_over_served",
             "engine_busy_s",
             "engine_over_offline",
@@ -254,28 +274,34 @@ def main(argv=None, slice_=None) -> list[dict]:
     return rows
 
 
-def compare_prefix_cache(rows: list[dict]) -> None:
-    """Give each served row with prefix caching on ``ttft_off_over_cached``: the TTFT p50 of the row of the
-    same slots and rate with it off over its own (when there is one)."""
-    off = {(row["slots"], row["rate"]): row for row in rows if row["prefix_cache"] == 0}
+#: what tells a row from the others of a sweep: the swept flags and the rate
+ROW_KEYS = ("backend", "slots", "prefix_cache", "rate")
+
+
+def compare(rows: list[dict], key: str, base, metric: str, name: str) -> None:
+    """Give each row whose ``key`` is not ``base`` (and that has ``metric``) ``name``: the ``metric`` of the
+    row alike in every other of :data:`ROW_KEYS` with ``key`` at ``base`` over its own (when there is one).
+    ``prefix_cache`` at 0: ``ttft_off_over_cached``; ``backend`` at online: ``offline_c128_over_online``."""
+    others = [k for k in ROW_KEYS if k != key]
+    bases = {tuple(row.get(k) for k in others): row for row in rows if row.get(key) == base}
     for row in rows:
-        base = off.get((row["slots"], row["rate"]))
-        if row["prefix_cache"] and base is not None and "ttft_p50_ms" in row:
-            row["ttft_off_over_cached"] = base["ttft_p50_ms"] / row["ttft_p50_ms"]
+        alike = bases.get(tuple(row.get(k) for k in others))
+        if row.get(key) != base and alike is not None and metric in row and metric in alike:
+            row[name] = alike[metric] / row[metric]
 
 
 def slice_model(args, config):
-    """The V4-Flash slice of ``config`` (a ``ModelConfig``) in the released format, random, its runtime's
-    ``max_len`` ``args.max_len`` (None: 4096)."""
-    model = bench_models.released_model(config, "online")
-    return bench_models.with_runtime(model, "online", max_len=args.max_len)
+    """The V4-Flash slice of ``config`` (a ``ModelConfig``) in the released format, random, on the C128
+    state ``args.backend``, its runtime's ``max_len`` ``args.max_len`` (None: 4096)."""
+    model = bench_models.released_model(config, args.backend)
+    return bench_models.with_runtime(model, args.backend, max_len=args.max_len)
 
 
 def engine(args, slice_=None):
     """In the engine process: the server's scheduler (its model ``args.path``'s checkpoint, or with
     ``slice_``, a ``ModelConfig``, :func:`slice_model`'s) and, with ``--offline``, ``Engine.generate`` of the
     workload timed on its engine before it serves (the offline row; else None)."""
-    phase = Phases(f"slots {args.slots}")
+    phase = Phases(f"{args.backend}, slots {args.slots}")
     scheduler = cli.scheduler(args, None if slice_ is None else slice_model(args, slice_))
     if not args.offline:
         return scheduler, None
@@ -302,7 +328,7 @@ def run(parser: argparse.ArgumentParser, args, slice_=None) -> list[dict]:
     """The rows of one server of ``args`` (its engine process built by :func:`engine`, of ``slice_`` if
     given): the offline run's (with ``--offline``) and each rate's; each phase's time on stderr, with the row
     it gave."""
-    phase = Phases(f"slots {args.slots}")
+    phase = Phases(f"{args.backend}, slots {args.slots}")
     if slice_ is None:
         server = cli.build(parser, args, engine)
     else:

@@ -12,7 +12,7 @@ import pathlib
 import sys
 import time
 
-from jax_oc128.checks import int_argument
+from jax_oc128.checks import add_backend_argument, check_backend, int_argument
 from jax_oc128.engine import STEPS_PER_DISPATCH
 from jax_oc128.nn.kv_cache import KV_CACHE_DTYPES
 from jax_oc128.rules import MAX_DRAFT
@@ -302,9 +302,7 @@ def _command(argv) -> int:
         "online state; none with the offline one, which verifies chains only)",
     )
     run.add_argument("--temperature", type=_temperature, default=0.0, help="0: greedy")
-    run.add_argument(
-        "--backend", choices=["online", "offline"], default="online", help="C128 compressor state"
-    )
+    add_backend_argument(run)
     run.add_argument(
         "--batch", type=int_argument(1), default=4, help="slots (at most one per prompt is used)"
     )
@@ -368,6 +366,7 @@ def _command(argv) -> int:
         metavar="N",
         help="speculate with the default draft tree of N",
     )
+    add_backend_argument(text)
     text.add_argument(
         "--max-new-tokens",
         type=int_argument(1),
@@ -460,8 +459,7 @@ def _command(argv) -> int:
         run.error(f"argument --draft: each N at most once, got {args.draft}")
     if args.tree is None:
         args.tree = [8] if args.backend == "online" else []
-    if args.tree and args.backend == "offline":
-        run.error("argument --tree: tree speculation runs on the online C128 state only (--backend online)")
+    check_backend(run, args.backend, bool(args.tree))
     if len(set(args.tree)) < len(args.tree):
         run.error(f"argument --tree: each N at most once, got {args.tree}")
     print(demo(args, *_demo_model(run, args)), flush=True)

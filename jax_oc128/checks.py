@@ -82,6 +82,24 @@ def int_argument(low: int, high: int | None = None):
     return parse
 
 
+def add_backend_argument(parser: argparse.ArgumentParser) -> None:
+    """A command's ``--backend``: the C128 compressor state (a name of
+    :data:`~jax_oc128.controller.BACKENDS`), online by default; :func:`check_backend` its rule."""
+    from jax_oc128.controller import BACKENDS, ONLINE
+
+    help_ = "the C128 compressor state (offline: the baseline, which verifies chains only)"
+    parser.add_argument("--backend", choices=list(BACKENDS), default=ONLINE.name, help=help_)
+
+
+def check_backend(parser: argparse.ArgumentParser, backend: str, trees: bool) -> None:
+    """Refuse with ``parser`` (argparse's error naming ``--tree`` and ``--backend``) tree speculation
+    (``trees``) on the offline C128 state ``backend``, which verifies chains only."""
+    if trees and backend == "offline":
+        parser.error(
+            "argument --tree: tree speculation runs on the online C128 state only (--backend online)"
+        )
+
+
 #: the most characters of a file's or a user's string that a message shows (:func:`shown`)
 MAX_SHOWN = 200
 

@@ -10,6 +10,8 @@ import pathlib
 import sys
 import time
 
+from jax_oc128.checks import check_backend
+
 #: the largest --prompts-file read, in bytes
 MAX_PROMPTS_BYTES = 64 << 20
 #: slots by default at most (several prompts: the rest wait for a free slot)
@@ -221,6 +223,7 @@ def run(parser, args) -> int:
     once loaded."""
     from jax_oc128.text import SHIPPED_MODEL
 
+    check_backend(parser, args.backend, args.tree is not None)
     if args.path is None:
         args.path = str(SHIPPED_MODEL)
     tokenizer = checked_tokenizer(parser, args.path, "path")
@@ -305,6 +308,7 @@ def load_checked(refuse, path, n: int, flags: dict, **options):
 
 def _load(parser, args, max_len, n, mesh, display):
     """The checkpoint's model, checked against the flags (:func:`load_checked`)."""
+    from jax_oc128.controller import BACKENDS
 
     def refuse(message):
         display.stop()  # before argparse prints
@@ -313,6 +317,7 @@ def _load(parser, args, max_len, n, mesh, display):
     display.phase(f"loading {args.path}")
     flags = {"path": "path", "draft": "--draft" if args.draft else "--tree"}
     options = dict(dtype=args.dtype, max_len=max_len, kv_cache_dtype=args.kv_cache_dtype, mesh=mesh)
+    options["backend"] = BACKENDS[args.backend]
     return load_checked(refuse, args.path, n, flags, **options)
 
 

@@ -1,7 +1,8 @@
 """``jax-oc128 serve`` live on 127.0.0.1 with the shipped model, through the official ``openai`` client and
 plain HTTP, one server (one engine process) for the module (speculating with a chain of 2, paged caches),
 the offline references computed by ``Engine.generate`` in its engine process before it serves: completions
-and chat, streamed (one event per step's tokens) and not, equal to ``Engine.generate``'s greedy tokens; stop
+and chat, streamed (one event per step's tokens) and not, equal to ``Engine.generate``'s greedy tokens, and
+on the offline C128 state (``--backend offline``: a server of its own) equal to them too; stop
 strings and stop token ids with their usage; seeded sampling reproducible and equal to generate's; bad
 requests refused with 400 naming the field and the engine untouched; a full server answers 503 and loses
 nothing; a load of 200 streamed requests from 32 clients, a fifth leaving mid-stream, leaks no slot or page
@@ -9,6 +10,7 @@ and /health answers throughout."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import math
 import multiprocessing
@@ -19,6 +21,9 @@ import httpx
 import openai
 import pytest
 from serving import build, live, wait_idle
+
+from jax_oc128.controller import OFFLINE
+from jax_oc128.serve import cli
 
 SLOTS, PAGES, MAX_QUEUED, K = 4, 12, 40, 8
 FLAGS = ("--draft", "2", "--slots", str(SLOTS), "--pages", str(PAGES), "--steps-per-dispatch", str(K))
@@ -96,6 +101,30 @@ def test_completions_and_chat_equal_generate(plain):
             model="shipped", messages=messages, max_tokens=NEW, temperature=0, stream=True
         )
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == decode(chat_tokens)
+
+
+def test_the_offline_c128_state_serves_the_same_greedy_tokens(plain):
+    """``--backend offline`` (the module's flags otherwise) builds the scheduler on the offline C128 state;
+    that server gives, streamed and not, its own ``Engine.generate``'s greedy tokens, which are the online
+    state's (the module's server's: the backends agree, tests/test_decode.py)."""
+    _, _, expected, _, _ = plain
+    flags = (*FLAGS, "--backend", "offline")
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert cli.scheduler(parser.parse_args(list(flags))).engine.model.target.backend is OFFLINE
+    server = build(*flags, jobs=[dict(JOBS[0], prompts=PROMPTS[:2])])  # two prompts: cheap, enough
+    (offline,) = server.engine.extra
+    assert offline == expected[:2]
+    decode = server.tokenizer.decode
+    with live(server) as base:
+        api = client(base)
+        for prompt, tokens in zip(PROMPTS[:2], offline, strict=True):
+            done = api.completions.create(model="shipped", prompt=prompt, max_tokens=NEW, temperature=0)
+            assert done.choices[0].text == decode(tokens)
+        chunks = api.completions.create(
+            model="shipped", prompt=PROMPTS[0], max_tokens=NEW, temperature=0, stream=True
+        )
+        assert "".join(c.choices[0].text for c in chunks) == decode(offline[0])
 
 
 def test_stop_strings_and_token_ids(plain):
@@ -339,6 +368,11 @@ def test_load_with_disconnects_leaks_nothing(plain):
         (["--slots", "0"], "argument --slots: must be >= 1, got 0"),
         (["--admission-wait", "-1"], "argument --admission-wait: must be >= 0, got -1"),
         (["--draft", "2", "--tree", "3"], "argument --tree: not allowed with argument --draft"),
+        (
+            ["--backend", "offline", "--tree", "2"],
+            "argument --tree: tree speculation runs on the online C128 state only (--backend online)",
+        ),
+        (["--backend", "gpu"], "argument --backend: invalid choice: 'gpu'"),
     ],
 )
 def test_serve_flags_are_checked(flags, message, capsys):

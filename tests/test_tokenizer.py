@@ -25,6 +25,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jax_oc128 import __main__ as cli
 from jax_oc128 import load_tokenizer, pretrained, text
+from jax_oc128.controller import OFFLINE
 from jax_oc128.engine import Engine
 from jax_oc128.nn import ModelConfig, RuntimeConfig, SpeculativeModel
 from jax_oc128.nn.functional import variable_at
@@ -210,9 +211,10 @@ GENERATE = ["--prompt", PROMPT, "--max-new-tokens", "24", "--steps-per-dispatch"
 
 @pytest.fixture(scope="module")
 def generated(checkpoints):
-    """``generate`` in this process, plainly and with a chain whose prompt is prefilled in chunks of 8 into
-    caches named float32 (the tree runs in a process of its own): {mode: (stdout, stderr, the tokens generate
-    returned, the token lists streamed, generate's stop tokens, the engine)}."""
+    """``generate`` in this process, plainly and with a chain on the offline C128 state whose prompt is
+    prefilled in chunks of 8 into caches named float32 (the tree runs in a process of its own): {mode:
+    (stdout, stderr, the tokens generate returned, the token lists streamed, generate's stop tokens, the
+    engine)}."""
     runs = {}
     original = Engine.generate
 
@@ -225,6 +227,7 @@ def generated(checkpoints):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Engine, "generate", recording)
         chunked = ["--draft", "3", "--prefill-chunk", "8", "--kv-cache-dtype", "float32", "--mesh", "data=1"]
+        chunked += ["--backend", "offline"]
         chunked += ["--temperature", "1.7", "--top-k", "1", "--top-p", "0.9"]  # one token kept: greedy
         for mode, flags in (("plain", []), ("draft", chunked)):
             recorded = []
@@ -280,9 +283,10 @@ def test_generate_several_prompts_as_jsonl(checkpoints, generated, tmp_path):
 
 def test_generate_greedy_text_is_the_same_with_a_chain(generated):
     """... and with the prompt prefilled in chunks on a mesh of one device, sampled at --temperature 1.7
-    with --top-k 1 (the most probable token alone: greedy): --prefill-chunk, --kv-cache-dtype, --mesh and the
-    sampling flags reach the engine."""
+    with --top-k 1 (the most probable token alone: greedy), on the offline C128 state: --prefill-chunk,
+    --kv-cache-dtype, --mesh, the sampling flags and --backend reach the engine."""
     out, err, tokens, _, _, engine = generated["draft"]
+    assert engine.model.target.backend is OFFLINE
     assert engine.prefill_chunk == 8 and engine.model.runtime.kv_cache_dtype == "float32"
     assert dict(engine.mesh.shape) == {"data": 1, "model": 1}
     assert (out, tokens) == (generated["plain"][0], generated["plain"][2])
@@ -341,6 +345,8 @@ BAD_GENERATE = [
     ("--tree", "{plain}", ["--tree", "4"]),
     ("--draft", "{mtp}", ["--draft", "1"]),
     ("--tree", "{mtp}", ["--draft", "2", "--tree", "4"]),
+    ("--tree", "{mtp}", ["--backend", "offline", "--tree", "4"]),  # the offline state verifies chains only
+    ("--backend", "{mtp}", ["--backend", "gpu"]),
     ("--max-new-tokens", "{mtp}", ["--max-new-tokens", "0"]),
     ("--prompt", "{mtp}", ["--prompt="]),
     ("--prefill-chunk", "{mtp}", ["--prefill-chunk", "0"]),

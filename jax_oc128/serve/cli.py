@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 
-from jax_oc128.checks import int_argument
+from jax_oc128.checks import add_backend_argument, check_backend, int_argument
 from jax_oc128.rules import MAX_DRAFT
 
 #: decoding steps per dispatch when serving: a new request waits up to a dispatch for its slot, so fewer than
@@ -31,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     speculation = parser.add_mutually_exclusive_group()
     speculation.add_argument("--draft", type=int_argument(2), metavar="N", help="speculate with a chain of N")
     speculation.add_argument("--tree", type=int_argument(2), metavar="N", help="the default draft tree of N")
+    add_backend_argument(parser)
     parser.add_argument("--slots", type=int_argument(1), default=8, help="requests decoded together")
     parser.add_argument(
         "--pages", type=int_argument(1), default=None, help="paged caches of this many pages (default: dense)"
@@ -96,6 +97,7 @@ def build(parser: argparse.ArgumentParser, args, factory=None, *extra, tokenizer
     from jax_oc128.serve.engine_process import EngineFailed, EngineProcess, EngineSpec
     from jax_oc128.text import SHIPPED_MODEL, load_tokenizer
 
+    check_backend(parser, args.backend, args.tree is not None)
     n = args.draft or args.tree or 1
     speculation = f"--{'draft' if args.draft else 'tree'}"
     if n > MAX_DRAFT:
@@ -125,6 +127,7 @@ def scheduler(args, model=None):
     """In the engine process: the :class:`~jax_oc128.engine.requests.RequestScheduler` of ``args`` over
     ``model`` (None: the checkpoint's, loaded), its engine built; a bad argument raises the engine's error
     naming it."""
+    from jax_oc128.controller import BACKENDS
     from jax_oc128.engine import Engine
     from jax_oc128.engine.requests import RequestScheduler
     from jax_oc128.pretrained import load_pretrained
@@ -133,7 +136,9 @@ def scheduler(args, model=None):
     path = SHIPPED_MODEL if args.path is None else args.path
     n = args.draft or args.tree or 1
     if model is None:
-        model = load_pretrained(path, dtype=args.dtype, max_len=args.max_len or 4096, max_draft=n)
+        model = load_pretrained(
+            path, dtype=args.dtype, backend=BACKENDS[args.backend], max_len=args.max_len or 4096, max_draft=n
+        )
     options = dict(steps_per_dispatch=args.steps_per_dispatch, pages=args.pages, page_size=args.page_size)
     engine = Engine(model, args.slots, **options)
     tree = None if args.tree is None else _default_tree(args.tree)
