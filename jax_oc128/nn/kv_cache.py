@@ -22,12 +22,13 @@ are: the exact path, the oracle of the others.
 **Pages.** The caches that grow with the context (the CSA and HCA entries, the indexer keys) are stored per
 slot, ``[batch, max_entries, ...]`` (dense, the oracle), or in a pool of pages shared by all slots,
 ``[pages, per_page, ...]`` (``per_page`` entries of ``page_size`` tokens), addressed through a page table
-``[batch, max_pages]`` int32 of page indices (-1: no page). :func:`slot_view` reads a slot's entries in
-order (its first ``count``: under a forward's context bound,
-:attr:`~jax_oc128.nn.forward.ForwardBatch.context`, no entry past it is read, dense or paged) and
-:func:`locate` gives where an entry goes; with the page table None both are the dense layout's own indexing,
-so one code path serves both. A page (or a dense slot's row) is never cleared: a stored value no query sees
-is read as zero (attention masks what it reads), so whatever it held before does not leak.
+``[batch, max_pages]`` int32 of page indices (-1: no page). :func:`locate` gives where an entry is;
+:class:`SlotEntries` reads entries by index where they are stored (a CSA layer's picks) and :func:`slot_view`
+a slot's entries in order (its first ``count``: under a forward's context bound,
+:attr:`~jax_oc128.nn.forward.ForwardBatch.context`, no entry past it is read, dense or paged); with the page
+table None they are the dense layout's own indexing, so one code path serves both. A page (or a dense
+slot's row) is never cleared: a stored value no query sees is read as zero (attention masks what it reads),
+so whatever it held before does not leak.
 """
 
 from __future__ import annotations
