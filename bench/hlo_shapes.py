@@ -60,3 +60,14 @@ def sized(hlo: str, sizes) -> list[tuple[str, str, str]]:
             if opcode not in IN_PLACE:
                 found.append((match.group(1), match.group(2), opcode))
     return found
+
+
+def shapes(hlo: str) -> set[tuple[int, ...]]:
+    """The result shapes of every instruction of ``hlo``, those inside fused computations included (what the
+    program addresses as an array, materialized or not)."""
+    return {
+        tuple(int(dim) for dim in match.group(2).split(",") if dim)
+        for lines in computations(hlo).values()
+        for line in lines
+        if (match := INSTRUCTION.search(line))
+    }

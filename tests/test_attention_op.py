@@ -329,7 +329,8 @@ def test_csa_picks_by_index_equal_picks_gathered(fmt):
     picks[0, 2, 3:] = -1  # fewer visible entries than k
     values = rng.standard_normal((batch, count, dim)).astype(np.float32)
     values[:, count - 4 :] = np.nan  # never picked
-    entries = kv_cache.encode(jnp.asarray(values), kv_cache.zeros((batch, count, dim), fmt, rope_dim=16))
+    stored = kv_cache.encode(jnp.asarray(values), kv_cache.zeros((batch, count, dim), fmt, rope_dim=16))
+    entries = kv_cache.SlotEntries(stored, None, None, count)
     sinks = jnp.asarray(rng.standard_normal(heads), jnp.float32)
     picks = jnp.asarray(picks, jnp.int32)
     with jax.default_device(CPU):

@@ -202,6 +202,22 @@ def test_read_entries_and_slot_view():
     np.testing.assert_array_equal(kv_cache.slot_view(pool, table)[:, :5, 0], view)
 
 
+def test_slot_entries_are_read_where_stored():
+    """``SlotEntries.take``: a slot's stored entry i through the page table (or the dense rows), then a tree's
+    nodes, the same values as its ``view`` (``slot_view`` of ``count``, then the nodes) at those indices."""
+    pool = jnp.arange(4 * 3, dtype=jnp.float32).reshape(4, 3, 1)  # 4 pages of 3 entries
+    table = jnp.asarray([[2, 0, -1, -1], [3, 1, -1, -1]], jnp.int32)
+    nodes = jnp.asarray([[[100], [101]], [[200], [201]]], jnp.float32)
+    index = jnp.asarray([[0, 4, 5, 6, 2], [3, 6, 5, 1, 4]], jnp.int32)
+    expected = [[6, 1, 100, 101, 8], [3, 201, 200, 10, 4]]
+    dense = kv_cache.slot_view(pool, table, 5)
+    for stored, page_table in ((pool, table), (dense, None)):
+        entries = kv_cache.SlotEntries(stored, page_table, nodes, 5)
+        assert entries.rows == 7
+        np.testing.assert_array_equal(entries.take(index)[..., 0], expected)
+        np.testing.assert_array_equal(entries.view()[jnp.arange(2)[:, None], index][..., 0], expected)
+
+
 def test_bench_context_runs(capsys):
     """bench/bench_context.py at tiny sizes: a table row per max_len, forward and bound, the bounded prefill
     chunk's temporaries below the unbounded one's at the larger max_len."""

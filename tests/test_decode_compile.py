@@ -4,7 +4,10 @@ The decode dispatch: at ``max_len`` 2^20 (nothing allocated: lowered from the st
 positions, no instruction of the optimized program other than those that name or update an array in place
 has a dimension that follows ``max_len`` (``bench/hlo_shapes.py``), and its temporaries are those of the
 same dispatch at ``max_len`` 1024. Dense float32 caches and paged FP8 caches (the FP8 indexer keys' RoPE
-part has no channels: the paged read of such a leaf once raised a ZeroDivisionError).
+part has no channels: the paged read of such a leaf once raised a ZeroDivisionError). A paged CSA layer's
+decode reads its picked entries where they are stored: no array of the slot's ``[batch, read, ...]``
+entries exists in the program, fused or not (its indexer keys, all of which the indexer scores, are read in
+order).
 
 The prefill likewise: a new request's slot keeps the entries it held (no clear of ``max_len``'s entries),
 and an engine whose every entry and indexer key is NaN gives the tokens of a clean one."""
@@ -12,6 +15,7 @@ and an engine whose every entry and indexer key is NaN gives the tokens of a cle
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import hlo_shapes
 import jax
@@ -41,6 +45,15 @@ def engine_at(max_len: int, kv_cache_dtype: str, pages) -> Engine:
     return Engine(model, 2, steps_per_dispatch=4, pages=pages, page_size=PAGE)
 
 
+@functools.cache
+def decode_at(max_len: int, kv_cache_dtype: str, pages):
+    """``(engine, its decode dispatch compiled for 4 plain steps bounded to CONTEXT positions)``."""
+    engine = engine_at(max_len, kv_cache_dtype, pages)
+    stops, waiting = arguments.stop_array(()), np.bool_(False)
+    lowered = engine._decode.lower(engine.params, engine._state_layout, stops, waiting, 4, None, CONTEXT)
+    return engine, lowered.compile()
+
+
 @pytest.mark.parametrize(
     ("kv_cache_dtype", "pages"),
     [
@@ -59,21 +72,26 @@ def engine_at(max_len: int, kv_cache_dtype: str, pages) -> Engine:
     ids=["dense-float32", "paged-fp8", "dense-bfloat16"],
 )
 def test_decode_does_no_work_of_max_len(kv_cache_dtype, pages):
-    engines = [engine_at(max_len, kv_cache_dtype, pages) for max_len in (MAX_LEN, SMALL_MAX_LEN)]
+    (engine, large), (small_engine, small) = (
+        decode_at(max_len, kv_cache_dtype, pages) for max_len in (MAX_LEN, SMALL_MAX_LEN)
+    )
     # the dimensions that follow max_len: the state's at 2^20 that it does not have at 1024
-    sizes = layout_dims(engines[0]) - layout_dims(engines[1])
+    sizes = layout_dims(engine) - layout_dims(small_engine)
     assert (MAX_LEN // PAGE if pages else MAX_LEN // 4) in sizes, sizes  # the page table's / CSA entries'
-
-    def compiled(engine):
-        stops, waiting = arguments.stop_array(()), np.bool_(False)
-        return engine._decode.lower(
-            engine.params, engine._state_layout, stops, waiting, 4, None, CONTEXT
-        ).compile()
-
-    large = compiled(engines[0])
     assert hlo_shapes.sized(large.as_text(), sizes) == []
-    temp = [c.memory_analysis().temp_size_in_bytes for c in (large, compiled(engines[1]))]
+    temp = [c.memory_analysis().temp_size_in_bytes for c in (large, small)]
     assert temp[0] == temp[1], temp
+
+
+def test_paged_decode_reads_the_picked_entries_where_stored():
+    engine, compiled = decode_at(MAX_LEN, "fp8", POOL)
+    read, batch = CONTEXT // 4, engine.slots
+    # the FP8 entries' leaves: non-RoPE channels (24, not the indexer keys' 32) and RoPE channels (8)
+    widths = (CONFIG.head_dim - CONFIG.rope_dim, CONFIG.rope_dim)
+    assert CONFIG.index_head_dim not in widths
+    shapes = hlo_shapes.shapes(compiled.as_text())
+    assert (batch, read, CONFIG.index_head_dim) in shapes  # the indexer keys, read in order: the check sees
+    assert not {(batch, read, width) for width in widths} & shapes
 
 
 def test_prefill_does_no_work_of_max_len():

@@ -52,8 +52,9 @@ def attend(
       q: ``[batch, T, heads, D]`` float32.
       keys: ``[batch, n, K, D]`` float32: the window keys of each of n query blocks of ``B`` queries.
       visible: ``[batch, n, B, K]`` bool: which of its block's keys query ``i * B + j`` sees (``n * B >= T``).
-      extra: None; an HCA layer's entries ``[batch, E, D]`` float32; or a CSA layer's stored entries ``[batch,
-        E, D]`` (any :mod:`~jax_oc128.nn.kv_cache` format), of which each query sees its ``picks``.
+      extra: None; an HCA layer's entries ``[batch, E, D]`` float32; or a CSA layer's
+        :class:`~jax_oc128.nn.kv_cache.SlotEntries` (E of them, any cache format, read where stored), of
+        which each query sees its ``picks``.
       extra_visible: an HCA layer's ``[batch, T, E]`` bool: which entries each query sees; None with picks.
       sinks: ``[heads]`` float32.
       scale: the logits' scale.
@@ -66,8 +67,9 @@ def attend(
       ``[batch, T, heads, D]`` float32.
     """
     kernel = resolve(impl) == "kernel"
-    if picks is not None and kernel and q.shape[1] * picks.shape[2] > kv_cache.rows(extra):
-        return _kernel(q, keys, visible, kv_cache.decode(extra), None, sinks, scale, entries_prefix, picks)
+    if picks is not None and kernel and q.shape[1] * picks.shape[2] > extra.rows:
+        entries = kv_cache.decode(extra.view())
+        return _kernel(q, keys, visible, entries, None, sinks, scale, entries_prefix, picks)
     if picks is not None:  # each query's own rows
         extra, extra_visible = gather(extra, picks), picks >= 0
     if kernel:
@@ -76,10 +78,9 @@ def attend(
 
 
 def gather(entries, picks):
-    """``[batch, T, k, D]`` float32: the rows ``picks`` ``[batch, T, k]`` (-1: zeros) of stored entries
-    ``[batch, E, D]``."""
-    rows = jnp.arange(picks.shape[0])[:, None, None]
-    picked = kv_cache.decode(kv_cache.take(entries, (rows, jnp.maximum(picks, 0))))
+    """``[batch, T, k, D]`` float32: the entries ``picks`` ``[batch, T, k]`` (-1: zeros) of ``entries``, a
+    :class:`~jax_oc128.nn.kv_cache.SlotEntries`, each read where it is stored."""
+    picked = kv_cache.decode(entries.take(jnp.maximum(picks, 0)))
     return jnp.where((picks >= 0)[..., None], picked, 0.0)
 
 

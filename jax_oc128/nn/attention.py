@@ -566,18 +566,18 @@ class DeepseekV4Attention(nnx.Module):
 
     def _compress_sparse(self, x, cache, forward_batch: ForwardBatch):
         """A CSA layer's compressor (:mod:`~jax_oc128.nn.csa`): fold the new tokens into the cache (a tree
-        verify's windows by node in ``tree_entries``, ``tree_index_keys``). Returns ``(cache, entries [batch,
-        E, D], keys [batch, E, index_head_dim], limit, nodes)``: the entries and indexer keys the tokens may
-        pick from, as stored (a tree's nodes' last), and which of them each sees (:func:`_entries_limit`),
-        for :meth:`CSACompressor.select <jax_oc128.nn.csa.CSACompressor.select>`."""
+        verify's windows by node in ``tree_entries``, ``tree_index_keys``). Returns ``(cache, entries, keys
+        [batch, E, index_head_dim], limit, nodes)``: the E entries (a
+        :class:`~jax_oc128.nn.kv_cache.SlotEntries`, the picks read where they are stored) and indexer keys
+        (stored values, in order) the tokens may pick from, a tree's nodes' last, and which of them each
+        sees (:func:`_entries_limit`), for :meth:`CSACompressor.select
+        <jax_oc128.nn.csa.CSACompressor.select>`."""
         fb, page_table, compressor = forward_batch, forward_batch.page_table, self.compressor
         read = fb.read_entries(kv_cache.slot_entries(cache.entries, page_table), csa.RATE)
         if fb.tree is None:
             rows, entries, keys = compressor.compress(x, cache.rows, cache.entries, cache.index_keys, fb)
             cache = dataclasses.replace(cache, rows=rows, entries=entries, index_keys=keys)
-            entries = kv_cache.slot_view(entries, page_table, read)
-            keys = kv_cache.slot_view(keys, page_table, read)
-            windows = None
+            node_entries, node_keys, windows = None, None, None
         else:
             rows, node_entries, node_keys, windows = compressor.compress_tree(x, cache.rows, fb)
             node_entries = kv_cache.encode(node_entries, cache.tree_entries)
@@ -588,10 +588,6 @@ class DeepseekV4Attention(nnx.Module):
                 tree_entries=kv_cache.put_nodes(cache.tree_entries, node_entries),
                 tree_index_keys=kv_cache.put_nodes(cache.tree_index_keys, node_keys),
             )
-            entries = kv_cache.concatenate(
-                kv_cache.slot_view(cache.entries, page_table, read), node_entries, axis=1
-            )
-            keys = kv_cache.concatenate(
-                kv_cache.slot_view(cache.index_keys, page_table, read), node_keys, axis=1
-            )
+        entries = kv_cache.SlotEntries(cache.entries, page_table, node_entries, read)
+        keys = kv_cache.SlotEntries(cache.index_keys, page_table, node_keys, read).view()
         return (cache, entries, keys, *_entries_limit(fb, csa.RATE, windows))

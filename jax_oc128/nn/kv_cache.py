@@ -22,12 +22,13 @@ are: the exact path, the oracle of the others.
 **Pages.** The caches that grow with the context (the CSA and HCA entries, the indexer keys) are stored per
 slot, ``[batch, max_entries, ...]`` (dense, the oracle), or in a pool of pages shared by all slots,
 ``[pages, per_page, ...]`` (``per_page`` entries of ``page_size`` tokens), addressed through a page table
-``[batch, max_pages]`` int32 of page indices (-1: no page). :func:`slot_view` reads a slot's entries in
-order (its first ``count``: under a forward's context bound,
-:attr:`~jax_oc128.nn.forward.ForwardBatch.context`, no entry past it is read, dense or paged) and
-:func:`locate` gives where an entry goes; with the page table None both are the dense layout's own indexing,
-so one code path serves both. A page (or a dense slot's row) is never cleared: a stored value no query sees
-is read as zero (attention masks what it reads), so whatever it held before does not leak.
+``[batch, max_pages]`` int32 of page indices (-1: no page). :func:`locate` gives where an entry is;
+:class:`SlotEntries` reads entries by index where they are stored (a CSA layer's picks) and :func:`slot_view`
+a slot's entries in order (its first ``count``: under a forward's context bound,
+:attr:`~jax_oc128.nn.forward.ForwardBatch.context`, no entry past it is read, dense or paged); with the page
+table None they are the dense layout's own indexing, so one code path serves both. A page (or a dense
+slot's row) is never cleared: a stored value no query sees is read as zero (attention masks what it reads),
+so whatever it held before does not leak.
 """
 
 from __future__ import annotations
@@ -256,6 +257,53 @@ def slot_view(stored, page_table, count: int | None = None):
         return pages.reshape(page_table.shape[0], gathered, *leaf.shape[2:])[:, :count]
 
     return jax.tree.map(gather, stored)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SlotEntries:
+    """A forward's entries of each slot, read by index where they are stored (no copy of them all, dense or
+    paged): entry ``i < count`` is the slot's stored entry i (:func:`locate` in ``stored``), entry ``count +
+    n`` a tree verify's node n of ``nodes``.
+
+    Attributes:
+      stored: a stored cache, ``[batch, E, ...]`` (dense) or a pool of pages ``[pages, per_page, ...]``.
+      page_table: ``[batch, max_pages]`` int32, or None (dense).
+      nodes: None, or ``[batch, N, ...]`` stored values of ``stored``'s format.
+      count: how many of each slot's stored entries are read (static).
+    """
+
+    stored: jax.Array | FP8Entries | FP4Keys
+    page_table: jax.Array | None
+    nodes: jax.Array | FP8Entries | FP4Keys | None
+    count: int = dataclasses.field(metadata={"static": True})
+
+    @property
+    def rows(self) -> int:
+        """The entries a slot reads: ``count``, then the nodes (static)."""
+        return self.count + (0 if self.nodes is None else rows(self.nodes))
+
+    def take(self, index):
+        """The entries ``index`` ``[batch, ...]`` int32 (in ``[0, rows)``; any other index reads some entry
+        of the pool, to be masked) of each slot, stored values ``[batch, ..., dim]``."""
+        slots = jnp.arange(index.shape[0]).reshape(-1, *[1] * (index.ndim - 1))
+        values = take(self.stored, locate(self.stored, self.page_table, slots, index))
+        if self.nodes is None:
+            return values
+        node = index - self.count
+        from_nodes = take(self.nodes, (slots, jnp.clip(node, 0, rows(self.nodes) - 1)))
+
+        def pick(value, from_node):
+            channels = value.ndim - node.ndim
+            return jnp.where((node >= 0).reshape(*node.shape, *[1] * channels), from_node, value)
+
+        return jax.tree.map(pick, values, from_nodes)
+
+    def view(self):
+        """Every entry a slot reads, in order: ``[batch, rows, ...]`` stored values (a copy where paged:
+        :func:`slot_view`)."""
+        view = slot_view(self.stored, self.page_table, self.count)
+        return view if self.nodes is None else concatenate(view, self.nodes, axis=1)
 
 
 def rows(stored) -> int:
