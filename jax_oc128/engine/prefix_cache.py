@@ -212,12 +212,23 @@ class PrefixCache:
             state, np.int32(slot), self._snapshots, np.int32(plan.path[plan.hit - 1].snapshot)
         )
 
-    def feed(self, state, rows: dict, starts: dict):
-        """``state`` (donated) with ``rows`` {slot: tokens} fed from ``starts`` {slot: position}."""
-        tokens, row_starts, lengths, chunk, start_bound = self.engine._prompt_rows(rows, starts)
-        return self._feed(
-            self.engine.params, state, tokens, row_starts, lengths, chunk=chunk, start_bound=start_bound
+    def feed(self, state, rows: dict, starts: dict, names: dict):
+        """``state`` (donated) with ``rows`` {slot: tokens} fed from ``starts`` {slot: position}, its program
+        first found to fit the device's memory (an error naming the request of ``names`` {slot: name} that
+        reaches furthest; :mod:`~jax_oc128.engine.memory`)."""
+        engine = self.engine
+        tokens, row_starts, lengths, chunk, start_bound = engine._prompt_rows(rows, starts)
+        args = (engine.params, state, tokens, row_starts, lengths)
+        static = dict(chunk=chunk, start_bound=start_bound)
+        engine._check_feed_fits(
+            "prefix feed",
+            lambda: self._feed.lower(*args, **static),
+            rows,
+            starts,
+            names,
+            (tokens, chunk, start_bound),
         )
+        return self._feed(*args, **static)
 
     def insert(self, state, slot: int, prompt, pages: int, held: list[Node]) -> None:
         """After ``slot`` was fed ``prompt``'s first ``pages`` pages: its pages there that the cache lacks

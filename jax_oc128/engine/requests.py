@@ -272,14 +272,17 @@ class RequestScheduler:
         if admitted:
             self._prefill(admitted, stops, out)
         if self.owner:
-            self.state, output = engine._decode(
-                engine.params,
+            slot = int(np.argmax(self._written))
+            reach = int(self._written[slot])
+            what = f"the decode dispatch of {self._name(slot)} ({engine._context_words(reach, reach)})"
+            self.state, output = engine._dispatch_decode(
                 self.state,
                 stops,
                 np.bool_(bool(self._waiting)),
                 engine.steps_per_dispatch,
                 self.tree,
-                engine.bound(int(self._written.max())),
+                engine.bound(reach),
+                what,
             )
             self.dispatches += 1
             for leaf in jax.tree.leaves(output):
@@ -300,6 +303,7 @@ class RequestScheduler:
         cache, size = self.prefix_cache, self.engine.page_size
         requests = {slot: self._requests[r] for slot, r in admitted.items()}
         starts = dict.fromkeys(admitted, 0)
+        names = {slot: self._name(slot, request) for slot, request in admitted.items()}
         if cache is not None:
             for slot, request in requests.items():
                 starts[slot] = request.plan.hit * size
@@ -309,7 +313,7 @@ class RequestScheduler:
             for point in range(max(len(r.plan.points) for r in requests.values())):
                 ends = {s: r.plan.points[point] for s, r in requests.items() if point < len(r.plan.points)}
                 rows = {s: requests[s].prompt[starts[s] : end * size] for s, end in ends.items()}
-                self.state = cache.feed(self.state, rows, starts)
+                self.state = cache.feed(self.state, rows, starts, names)
                 for slot, end in ends.items():
                     request = requests[slot]
                     cache.insert(self.state, slot, request.prompt, end, request.held)
@@ -321,9 +325,14 @@ class RequestScheduler:
         )
         prompts = {slot: r.prompt[starts[slot] :] for slot, r in requests.items()}
         params = {slot: r.params for slot, r in requests.items()}
-        self.state, output = self.engine._prefill_rows(self.state, prompts, params, stops, starts)
+        self.state, output = self.engine._prefill_rows(self.state, prompts, params, stops, starts, names)
         self.owner.update(admitted)
         self._unread.append((admitted, output))
+
+    def _name(self, slot: int, request: int | None = None) -> str:
+        """How an error names the request of ``slot`` (``request``, else its owner; "slot S" if none)."""
+        request = self.owner.get(slot) if request is None else request
+        return f"slot {slot}" if request is None else f"request {request} (slot {slot})"
 
     def _hold(self, free: list[int]) -> bool:
         """Whether the waiting requests wait a dispatch for the ``free`` slots to be joined by others

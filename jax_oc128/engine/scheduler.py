@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jax_oc128.checks import check_int
-from jax_oc128.engine import arguments, placement
+from jax_oc128.engine import arguments, memory, placement
 from jax_oc128.engine import steps as step_fns
 from jax_oc128.engine.requests import RequestScheduler, SamplingParams
 from jax_oc128.engine.state import DecodeOutput, DecodeState, Result, init_state, restart, set_page_table
@@ -160,6 +160,7 @@ class Engine:
         # the decode state's tree, shapes and dtypes (traced, not compiled), what prefill and decode accept
         self._state_layout = jax.eval_shape(new_state, np.uint32(0))
         self._placement = where = placement.Placement(self.mesh, params, self._state_layout)
+        self._state_bytes = memory.per_device_bytes(self._state_layout, where.state, self.mesh)
         self.params = where.put_params(params)
         self._init_state = jax.jit(new_state, **where.state_options())
         self._restart = jax.jit(restart, donate_argnames="state", **where.state_options())
@@ -181,11 +182,29 @@ class Engine:
         )
         self._idle_state = None  # generate's state between calls (its buffers reused, their slots cleared)
         self.page_pool = None  # paged: the last generate call's PagePool
+        self._fitted = set()  # the dispatches' compilations found to fit the devices' memory (_check_fits)
 
     def init_state(self, seed: int = 0) -> DecodeState:
         """An empty decode state (no active slot), its PRNG key ``jax.random.key(seed)`` (``seed`` an int in
-        [0, 2**32)); one dispatch, every leaf its own buffer (the state is donated)."""
-        return self._init_state(arguments.check_seed(seed))
+        [0, 2**32)); one dispatch, every leaf its own buffer (the state is donated). Where the devices report
+        their memory, a state larger than a device's free bytes is refused first, naming ``max_len`` (dense)
+        or ``pages`` (:func:`~jax_oc128.engine.memory.check_state`)."""
+        seed = arguments.check_seed(seed)
+        if self.pages is None:
+            what = f"{self.slots} slots of max_len {self.model.max_len}"
+            memory.check_state(
+                self._state_bytes, self.mesh, what, "max_len", "lower max_len or slots, or use pages"
+            )
+        else:
+            what = f"{self.pages} pages of {self.page_size} tokens, {self.slots} slots"
+            memory.check_state(self._state_bytes, self.mesh, what, "pages", "lower pages or slots")
+        return self._init_state(seed)
+
+    def _check_fits(self, key: tuple, lower, what: str, others: str) -> None:
+        """:func:`~jax_oc128.engine.memory.check_program` of a dispatch's jitted function, once per ``key``
+        (its static arguments and shapes: one compilation) found to fit."""
+        if key not in self._fitted and memory.check_program(lower, self.mesh, what, others):
+            self._fitted.add(key)
 
     def set_page_table(self, state: DecodeState, page_table) -> DecodeState:
         """A paged engine's ``state`` (donated) with the page table ``page_table``, ``[slots, max_len //
@@ -243,12 +262,47 @@ class Engine:
         prompts = arguments.check_assignments(assignments, self.slots, self.model, longest_prompt)
         return self._prefill_rows(state, prompts, dict.fromkeys(prompts, params), stops)
 
-    def _prefill_rows(self, state, prompts: dict, params: dict, stops, starts=None):
+    def _prefill_rows(self, state, prompts: dict, params: dict, stops, starts=None, names=None):
         """:meth:`prefill` of checked arguments: ``prompts`` {slot: ``[length]`` int32}, ``params`` {slot:
         its :class:`SamplingParams`, checked (``top_p`` a float, ``top_k`` an int)}, ``stops``
         ``[MAX_STOP_TOKENS]`` int32 (``arguments.stop_array``); ``starts`` None, or {slot: the position its
-        prompt's tokens start at, the slot holding the ones before (:func:`~jax_oc128.engine.steps.feed`)}."""
-        return self._prefill(self.params, state, *self._prefill_args(prompts, params, stops, starts))
+        prompt's tokens start at, the slot holding the ones before (:func:`~jax_oc128.engine.steps.feed`)};
+        ``names`` None, or {slot: its request as an error names it} (default "slot S's prompt")."""
+        args = self._prefill_args(prompts, params, stops, starts)
+        rows = (args[0], *args[-2:])  # the tokens, the chunk, the start bound
+        self._check_feed_fits(
+            "prefill", lambda: self._prefill.lower(self.params, state, *args), prompts, starts, names, rows
+        )
+        return self._prefill(self.params, state, *args)
+
+    def _check_feed_fits(self, kind: str, lower, prompts: dict, starts, names, rows: tuple) -> None:
+        """:meth:`_check_fits` of a dispatch feeding ``prompts`` from ``starts`` (:meth:`_prefill_rows`'
+        arguments, ``names`` too), ``lower`` giving its program of the rows ``(tokens, chunk, start_bound)``
+        (:meth:`_prompt_rows`'); ``kind`` names it: its error names the slot that reaches furthest."""
+        tokens, chunk, start_bound = rows
+        ends = {
+            slot: len(prompt) + (0 if starts is None else starts.get(slot, 0))
+            for slot, prompt in prompts.items()
+        }
+        slot = max(ends, key=ends.get)
+        name = f"slot {slot}'s prompt" if names is None else names[slot]
+        what = f"the {kind} of {name} ({self._context_words(ends[slot], start_bound + tokens.shape[1])})"
+        key = (kind, tokens.shape, chunk, start_bound)
+        self._check_fits(key, lower, what, "prefill_chunk, slots or the prompt")
+
+    def _context_words(self, longest: int, reach: int) -> str:
+        """How an error names a dispatch's context: ``longest`` positions, and the bucket of ``reach`` (what
+        its forwards may reach)."""
+        bucket = self.bound(reach) or self.model.max_len
+        return f"a context of {longest} positions, context bucket {bucket}"
+
+    def _dispatch_decode(self, state, stops, waiting, steps: int, tree, context, what: str):
+        """The jitted decode loop on ``state`` (donated; the arguments checked), its program first found to
+        fit the devices' memory (:meth:`_check_fits`; ``what`` names the dispatch)."""
+        args = (self.params, state, stops, waiting, steps, tree, context)
+        key = ("decode", steps, tree, context)
+        self._check_fits(key, lambda: self._decode.lower(*args), what, "slots or the draft tree")
+        return self._decode(*args)
 
     def _prefill_args(self, prompts: dict, params: dict, stops, starts=None) -> tuple:
         """The jitted prefill's arguments after the parameters and the state (:meth:`_prefill_rows`'): the
@@ -328,8 +382,9 @@ class Engine:
         steps = self.steps_per_dispatch if steps is None else arguments.check_count("steps", steps)
         waiting = arguments.check_waiting(waiting)
         context = arguments.check_context(context, self.model)
-        context = self.bound(self.model.max_len if context is None else context)
-        return self._decode(self.params, state, stops, waiting, steps, tree, context)
+        given = self.model.max_len if context is None else context
+        what = f"decode(context={context}) ({self._context_words(given, given)})"
+        return self._dispatch_decode(state, stops, waiting, steps, tree, self.bound(given), what)
 
     def bound(self, longest: int) -> int | None:
         """The context bound of a dispatch whose rows reach at most ``longest`` positions (``context_floor``,
