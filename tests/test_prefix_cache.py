@@ -15,8 +15,9 @@ import pytest
 from harness import poisoned_entries
 from models import DECODE_CONFIG, make_model
 
+from jax_oc128.checks import ArgumentError
 from jax_oc128.controller import ONLINE
-from jax_oc128.engine import Engine
+from jax_oc128.engine import Engine, memory
 from jax_oc128.engine.pages import PagePool
 from jax_oc128.engine.requests import RequestScheduler, SamplingParams
 from jax_oc128.nn import CSA, HCA, SLIDING
@@ -142,6 +143,24 @@ class FakeCache:
 
     def evict(self):
         return self.pages.pop()
+
+
+def test_a_prefix_feed_too_large_for_the_device_is_refused_naming_the_request(engine, monkeypatch):
+    """A prefix feed's program larger than the device's free memory (:mod:`jax_oc128.engine.memory`; the CPU
+    reports none: patched) is refused before its dispatch, naming ``max_len`` and the request reaching
+    furthest (the second, fed to its 4th page: the first holds 3 pages and some)."""
+    scheduler = RequestScheduler(engine, prefix_cache=4)
+    try:
+        for prompt in PROMPTS[:2]:
+            scheduler.add_request(prompt, SamplingParams(NEW))
+        monkeypatch.setattr(memory, "free_bytes", lambda device: 1000)
+        context = r"\(a context of 512 positions, context bucket 512\)"
+        with pytest.raises(
+            ArgumentError, match=rf"^max_len: the prefix feed of request 1 \(slot 1\) {context}"
+        ):
+            scheduler.step()
+    finally:
+        scheduler.close()
 
 
 def test_page_pool_shares_adopts_and_evicts():

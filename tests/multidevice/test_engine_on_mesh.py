@@ -16,7 +16,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from models import prompts
 
-from jax_oc128.engine import Engine
+from jax_oc128.checks import ArgumentError
+from jax_oc128.engine import Engine, memory
 from jax_oc128.engine.arguments import stop_array
 from jax_oc128.nn import sharding
 from jax_oc128.tree import Tree
@@ -109,7 +110,8 @@ def test_each_device_holds_its_share_of_the_decode_state(shape):
     of it, and the same on every device of ``"model"`` (docs/multi-device.md: a CPU mesh's devices share one
     host's memory, so a model axis of M holds M copies). Only a few bytes (the PRNG key) are whole."""
     data = shape[0]
-    leaves = jax.tree.leaves(engine(shape).init_state())
+    on_mesh = engine(shape)
+    leaves = jax.tree.leaves(on_mesh.init_state())
     held = collections.Counter()
     for leaf in leaves:
         for shard in leaf.addressable_shards:
@@ -118,6 +120,17 @@ def test_each_device_holds_its_share_of_the_decode_state(shape):
     whole = sum(leaf.nbytes for leaf in leaves if sharding.DATA not in leaf.sharding.spec)
     assert whole * 1000 < total, (whole, total)
     assert len(held) == 4 and set(held.values()) == {(total - whole) // data + whole}, held
+    assert on_mesh._state_bytes == (total - whole) // data + whole  # what the memory check counts
+
+
+def test_the_state_must_fit_every_device_of_the_mesh(monkeypatch):
+    """The memory check (:mod:`jax_oc128.engine.memory`) compares each device's share of the decode state
+    with the least free memory of the mesh's devices: one device short refuses it."""
+    on_mesh = engine((2, 2))
+    need, last = on_mesh._state_bytes, on_mesh.mesh.devices.flat[-1]
+    monkeypatch.setattr(memory, "free_bytes", lambda device: need - 1 if device == last else 2**50)
+    with pytest.raises(ArgumentError, match=f"^max_len: the decode state .* needs {need} bytes"):
+        on_mesh.init_state()
 
 
 def test_tree_speculation_on_a_mesh_gives_the_plain_greedy_tokens():
