@@ -69,22 +69,27 @@ def test_a_bucket_too_large_is_refused_before_its_dispatch(engine, free):
     free(PLENTY)
     state = engine.init_state()
     free(1000)
-    with pytest.raises(ArgumentError) as refused:
+    with count_compiles() as compiles, pytest.raises(ArgumentError) as refused:
         engine.prefill(state, {0: PROMPTS[0], 1: PROMPTS[1]}, 3)
+    assert list(compiles) == ["prefill"]  # the program measured
     message = str(refused.value)
     assert refused.value.argument == "max_len"
     assert "the prefill of slot 1's prompt (a context of 40 positions, context bucket 256)" in message
     assert "1000 bytes" in message
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))  # not donated: nothing ran
     free(PLENTY)
-    state, output = engine.prefill(state, {0: PROMPTS[0], 1: PROMPTS[1]}, 3)
+    with count_compiles() as compiles:
+        state, output = engine.prefill(state, {0: PROMPTS[0], 1: PROMPTS[1]}, 3)
+    assert not compiles  # the check compiled the dispatch's program: jit's own compilation, reused
     assert output.counts.tolist() == [[1, 1]]
     free(1000)
     with pytest.raises(ArgumentError, match=r"^max_len: decode\(context=100\) \(a context of 100 positions"):
         engine.decode(state, context=100)
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
     free(PLENTY)
-    _, output = engine.decode(state, context=100)
+    with count_compiles() as compiles:
+        _, output = engine.decode(state, context=100)
+    assert not compiles
     assert output.counts[0].tolist() == [1, 1]
 
 
