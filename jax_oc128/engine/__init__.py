@@ -14,7 +14,8 @@ buffer while the next one runs, and admits waiting requests between dispatches.
 
 Modules: :mod:`~jax_oc128.engine.steps` (the device steps: prefill, the plain and the speculative step, the
 stop rule, the loop), :mod:`~jax_oc128.engine.placement` (one device or a mesh, and the jitted functions),
-:mod:`~jax_oc128.engine.arguments` (the host-side checks of every argument),
+:mod:`~jax_oc128.engine.arguments` (the host-side checks of every argument), :mod:`~jax_oc128.engine.memory`
+(the decode state and each dispatch's program checked against the devices' free memory),
 :mod:`~jax_oc128.engine.state` (the decode state and the outputs), :mod:`~jax_oc128.engine.requests`
 (:class:`RequestScheduler`: requests added and aborted at any time, continuous batching),
 :mod:`~jax_oc128.engine.scheduler` (:class:`Engine`, the host scheduler; ``generate`` a loop over a
