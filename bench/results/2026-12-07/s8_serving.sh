@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The eighth session's serving call (issue 41): (1) the released V4-Flash slice on a shared 3840-token prefix with
 # the prefix cache off and on (its TTFT ratio, the >= 3x target); (2) the shipped text model served on the online
-# and the offline C128 state at a saturating rate (offline_c128_over_online); (3) the engine's memory checks on a GPU. Logs to
-# $OUT.
+# and the offline C128 state at a saturating rate (offline_c128_over_online); (3) the engine's memory
+# checks on a GPU. Logs to $OUT.
 source "$(dirname "$0")/../2026-12-06/s5_build.sh"
 export JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache
 start=$SECONDS
@@ -15,6 +15,6 @@ timeout "${BACKEND_TIMEOUT:-90}" python3 bench/bench_serving.py --sweep-backend 
   --rates inf --num-prompts 128 --input-len 128 --output-len 64 >"$out/backend.log" 2>&1
 echo "== backends: exit $?, $((SECONDS - start)) s"; tail -4 "$out/backend.log"
 start=$SECONDS
-(cd tests && timeout "${TEST_TIMEOUT:-60}" python3 -m pytest -n 0 -q -p no:cacheprovider test_engine_memory.py \
-  >"../$out/test_engine_memory.log" 2>&1)
+timeout "${TEST_TIMEOUT:-60}" python3 -m pytest -n 0 -q -p no:cacheprovider tests/test_engine_memory.py \
+  >"$out/test_engine_memory.log" 2>&1
 echo "== test_engine_memory: exit $?, $((SECONDS - start)) s"; tail -3 "$out/test_engine_memory.log"
