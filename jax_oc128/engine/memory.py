@@ -23,9 +23,12 @@ def free_bytes(device) -> int | None:
 
 
 def least_free(mesh: Mesh | None) -> int | None:
-    """The least :func:`free_bytes` of the engine's devices (the mesh's, else JAX's default device), None if
-    one reports none."""
-    devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
+    """The least :func:`free_bytes` of the engine's devices in this process (the mesh's addressable ones, else
+    JAX's default device; another process checks its own), None if one reports none."""
+    if mesh is None:
+        devices = [jax.devices()[0]]
+    else:
+        devices = [device for device in mesh.devices.flat if device.process_index == jax.process_index()]
     free = [free_bytes(device) for device in devices]
     return None if None in free else min(free)
 
@@ -69,12 +72,13 @@ def program_bytes(compiled: jax.stages.Compiled) -> int | None:
     return stats.temp_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
 
 
-def check_program(lower, mesh: Mesh | None, what: str, others: str) -> bool:
+def check_program(lower, mesh: Mesh | None, describe, others: str) -> bool:
     """:class:`~jax_oc128.checks.ArgumentError` naming ``max_len`` if the program ``lower()`` gives (a
     ``jax.stages.Lowered`` of the jitted function with the arguments of the coming dispatch: its compilation
     is jit's own, reused by the dispatch) allocates more than :func:`least_free` (:func:`program_bytes`).
-    ``what`` names the dispatch: its request, context and bucket; ``others``, what else to lower. Returns
-    whether it checked (False where the devices report no memory: nothing lowered or compiled)."""
+    ``describe()`` names the dispatch: its request, context and bucket (called only to raise); ``others``,
+    what else to lower. Returns whether it checked (False where the devices report no memory: nothing
+    lowered or compiled)."""
     free = least_free(mesh)
     if free is None:
         return False
@@ -82,7 +86,8 @@ def check_program(lower, mesh: Mesh | None, what: str, others: str) -> bool:
     if need is not None and need > free:
         raise ArgumentError(
             "max_len",
-            f"{what} needs {_gib(need)} per device beyond the parameters and the decode state, {_gib(free)} "
-            f"free: lower max_len (a request's context, and so its bucket, is at most max_len), or {others}",
+            f"{describe()} needs {_gib(need)} per device beyond the parameters and the decode state, "
+            f"{_gib(free)} free: lower max_len (a request's context, and so its bucket, is at most "
+            f"max_len), or {others}",
         )
     return True

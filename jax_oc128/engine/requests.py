@@ -274,7 +274,10 @@ class RequestScheduler:
         if self.owner:
             slot = int(np.argmax(self._written))
             reach = int(self._written[slot])
-            what = f"the decode dispatch of {self._name(slot)} ({engine._context_words(reach, reach)})"
+
+            def describe():
+                return f"the decode dispatch of {self._name(slot)} ({engine._context_words(reach, reach)})"
+
             self.state, output = engine._dispatch_decode(
                 self.state,
                 stops,
@@ -282,7 +285,7 @@ class RequestScheduler:
                 engine.steps_per_dispatch,
                 self.tree,
                 engine.bound(reach),
-                what,
+                describe,
             )
             self.dispatches += 1
             for leaf in jax.tree.leaves(output):

@@ -200,10 +200,11 @@ class Engine:
             memory.check_state(self._state_bytes, self.mesh, what, "pages", "lower pages or slots")
         return self._init_state(seed)
 
-    def _check_fits(self, key: tuple, lower, what: str, others: str) -> None:
+    def _check_fits(self, key: tuple, lower, describe, others: str) -> None:
         """:func:`~jax_oc128.engine.memory.check_program` of a dispatch's jitted function, once per ``key``
-        (its static arguments and shapes: one compilation) found to fit."""
-        if key not in self._fitted and memory.check_program(lower, self.mesh, what, others):
+        (its static arguments and shapes: one compilation) found to fit; ``describe()`` names the dispatch
+        (called only to raise: a dispatch formats nothing)."""
+        if key not in self._fitted and memory.check_program(lower, self.mesh, describe, others):
             self._fitted.add(key)
 
     def set_page_table(self, state: DecodeState, page_table) -> DecodeState:
@@ -280,15 +281,18 @@ class Engine:
         arguments, ``names`` too), ``lower`` giving its program of the rows ``(tokens, chunk, start_bound)``
         (:meth:`_prompt_rows`'); ``kind`` names it: its error names the slot that reaches furthest."""
         tokens, chunk, start_bound = rows
-        ends = {
-            slot: len(prompt) + (0 if starts is None else starts.get(slot, 0))
-            for slot, prompt in prompts.items()
-        }
-        slot = max(ends, key=ends.get)
-        name = f"slot {slot}'s prompt" if names is None else names[slot]
-        what = f"the {kind} of {name} ({self._context_words(ends[slot], start_bound + tokens.shape[1])})"
+
+        def describe():
+            ends = {
+                slot: len(prompt) + (0 if starts is None else starts.get(slot, 0))
+                for slot, prompt in prompts.items()
+            }
+            slot = max(ends, key=ends.get)
+            name = f"slot {slot}'s prompt" if names is None else names[slot]
+            return f"the {kind} of {name} ({self._context_words(ends[slot], start_bound + tokens.shape[1])})"
+
         key = (kind, tokens.shape, chunk, start_bound)
-        self._check_fits(key, lower, what, "prefill_chunk, slots or the prompt")
+        self._check_fits(key, lower, describe, "prefill_chunk, slots or the prompt")
 
     def _context_words(self, longest: int, reach: int) -> str:
         """How an error names a dispatch's context: ``longest`` positions, and the bucket of ``reach`` (what
@@ -296,12 +300,12 @@ class Engine:
         bucket = self.bound(reach) or self.model.max_len
         return f"a context of {longest} positions, context bucket {bucket}"
 
-    def _dispatch_decode(self, state, stops, waiting, steps: int, tree, context, what: str):
+    def _dispatch_decode(self, state, stops, waiting, steps: int, tree, context, describe):
         """The jitted decode loop on ``state`` (donated; the arguments checked), its program first found to
-        fit the devices' memory (:meth:`_check_fits`; ``what`` names the dispatch)."""
+        fit the devices' memory (:meth:`_check_fits`; ``describe()`` names the dispatch)."""
         args = (self.params, state, stops, waiting, steps, tree, context)
         key = ("decode", steps, tree, context)
-        self._check_fits(key, lambda: self._decode.lower(*args), what, "slots or the draft tree")
+        self._check_fits(key, lambda: self._decode.lower(*args), describe, "slots or the draft tree")
         return self._decode(*args)
 
     def _prefill_args(self, prompts: dict, params: dict, stops, starts=None) -> tuple:
@@ -383,8 +387,11 @@ class Engine:
         waiting = arguments.check_waiting(waiting)
         context = arguments.check_context(context, self.model)
         given = self.model.max_len if context is None else context
-        what = f"decode(context={context}) ({self._context_words(given, given)})"
-        return self._dispatch_decode(state, stops, waiting, steps, tree, self.bound(given), what)
+
+        def describe():
+            return f"decode(context={context}) ({self._context_words(given, given)})"
+
+        return self._dispatch_decode(state, stops, waiting, steps, tree, self.bound(given), describe)
 
     def bound(self, longest: int) -> int | None:
         """The context bound of a dispatch whose rows reach at most ``longest`` positions (``context_floor``,
