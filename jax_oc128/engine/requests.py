@@ -272,10 +272,10 @@ class RequestScheduler:
         if admitted:
             self._prefill(admitted, stops, out)
         if self.owner:
-            slot = int(np.argmax(self._written))
-            reach = int(self._written[slot])
+            reach = int(self._written.max())
 
             def describe():
+                slot = int(np.argmax(self._written))
                 return f"the decode dispatch of {self._name(slot)} ({engine._context_words(reach, reach)})"
 
             self.state, output = engine._dispatch_decode(
