@@ -49,8 +49,8 @@ from jax_oc128.nn import (
     RuntimeConfig,
     SpeculativeModel,
 )
-from jax_oc128.nn import kv_cache as kv
 from jax_oc128.nn.sharding import path_names
+from jax_oc128.state import nbytes
 
 #: one H200's memory (NVIDIA's 141 GB)
 H200_BYTES = 141e9
@@ -135,7 +135,7 @@ def per_slot_bytes(model: SpeculativeModel) -> int:
     draft head's hidden input, flags, budget, sampling parameters)."""
     state = jax.eval_shape(lambda: init_state(model, 1, 0, 0))
     vectors = (state.token, state.position, state.hidden, state.active, state.remaining, state.sampling)
-    return kv.nbytes(vectors)
+    return nbytes(vectors)
 
 
 def slot_bytes(config: ModelConfig, runtime: RuntimeConfig, backend, per_slot: int) -> dict[str, int]:
@@ -151,14 +151,14 @@ def slot_bytes(config: ModelConfig, runtime: RuntimeConfig, backend, per_slot: i
         types.append(SLIDING)
     kinds = dict.fromkeys(KINDS, 0)
     for layer, layer_type in zip(layers, types, strict=True):
-        kinds["window"] += kv.nbytes((layer.window, layer.window_positions))
+        kinds["window"] += nbytes((layer.window, layer.window_positions))
         if layer_type in (CSA, HCA):
-            kinds[f"{'CSA' if layer_type == CSA else 'HCA'} entries"] += kv.nbytes(
+            kinds[f"{'CSA' if layer_type == CSA else 'HCA'} entries"] += nbytes(
                 (layer.entries, layer.tree_entries)
             )
-        kinds["indexer keys"] += kv.nbytes((layer.index_keys, layer.tree_index_keys))
-        kinds["CSA raw rows"] += kv.nbytes(layer.rows)
-    kinds["C128 state"] = kv.nbytes(cache.compressed)
+        kinds["indexer keys"] += nbytes((layer.index_keys, layer.tree_index_keys))
+        kinds["CSA raw rows"] += nbytes(layer.rows)
+    kinds["C128 state"] = nbytes(cache.compressed)
     kinds["per slot"] = per_slot
     return kinds
 

@@ -69,6 +69,7 @@ from jax_oc128.engine import Engine
 from jax_oc128.engine.state import init_state
 from jax_oc128.nn import ModelConfig, RuntimeConfig, SpeculativeModel
 from jax_oc128.nn import kv_cache as kv
+from jax_oc128.state import nbytes
 
 #: the ballast's smallest array (bytes): the allocator places a small array in the smallest free block that
 #: holds it, so that the last arrays fill the holes left by the model's construction before the free tail
@@ -105,7 +106,7 @@ def state_bytes(model: SpeculativeModel, slots: int, pages: int | None = None) -
     """Bytes of the decode state that ``Engine(model, slots, pages=pages).init_state()`` allocates (pages of
     :data:`PAGE_SIZE` tokens; the PRNG key left out)."""
     layout = jax.eval_shape(lambda: init_state(model, slots, 0, 0, pages, PAGE_SIZE))
-    return kv.nbytes(dataclasses.replace(layout, key=None))
+    return nbytes(dataclasses.replace(layout, key=None))
 
 
 def request_tokens(count: int, max_len: int) -> list[int]:
@@ -191,7 +192,7 @@ def allocation(engine: Engine) -> dict:
         del error
         gc.collect()  # the failed call's partial buffers, held by its traceback's frames
         return dict(outcome="out of memory", error=message)
-    size = kv.nbytes(dataclasses.replace(state, key=None))
+    size = nbytes(dataclasses.replace(state, key=None))
     del state
     gc.collect()
     return dict(outcome="fits", bytes=size)

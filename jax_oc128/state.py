@@ -78,7 +78,7 @@ class CompressState:
 
     def state_bytes(self) -> int:
         """Device bytes of this state, all slots (also for a ``jax.eval_shape`` of it)."""
-        return sum(_nbytes(leaf) for leaf in jax.tree.leaves(self))
+        return nbytes(self)
 
     def replace(self, **fields) -> CompressState:
         return dataclasses.replace(self, **fields)
@@ -130,7 +130,7 @@ class OfflineState:
 
     def state_bytes(self) -> int:
         """Device bytes of this state, all slots (also for a ``jax.eval_shape`` of it)."""
-        return sum(_nbytes(leaf) for leaf in jax.tree.leaves(self))
+        return nbytes(self)
 
     def replace(self, **fields) -> OfflineState:
         return dataclasses.replace(self, **fields)
@@ -201,5 +201,7 @@ def bytes_per_slot(state_type, layers: int, head_dim: int, max_draft: int, dtype
     return state_type.state_bytes(shapes)
 
 
-def _nbytes(x) -> int:
-    return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+def nbytes(tree) -> int:
+    """Device bytes of the arrays of ``tree`` (also of a ``jax.eval_shape`` of it; any dtype, PRNG keys'
+    included)."""
+    return sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))

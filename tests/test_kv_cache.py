@@ -32,6 +32,7 @@ from jax_oc128.nn import (
     kv_cache,
     quant,
 )
+from jax_oc128.state import nbytes
 
 CONFIG = ModelConfig.tiny(layer_types=(SLIDING, HCA, CSA))
 RUNTIME = RuntimeConfig(max_len=1024, max_draft=4)
@@ -47,7 +48,7 @@ def cache_shapes(config, **runtime):
 
 
 def field_bytes(cache, name):
-    return sum(kv_cache.nbytes(getattr(layer, name)) for layer in cache.layers)
+    return sum(nbytes(getattr(layer, name)) for layer in cache.layers)
 
 
 def test_caches_are_stored_in_the_model_dtype():
@@ -77,11 +78,11 @@ def test_fp8_caches_store_entries_as_deepseek_does():
         assert entries.nope.dtype == jnp.float8_e4m3fn and entries.nope.shape[-1] == d - r
         assert entries.rope.dtype == jnp.bfloat16 and entries.rope.shape[-1] == r
         assert entries.scale.dtype == jnp.float32
-        assert kv_cache.nbytes(entries) == plain.entries.shape[1] * 2 * (d - r + 2 * r + 4)
+        assert nbytes(entries) == plain.entries.shape[1] * 2 * (d - r + 2 * r + 4)
         assert layer.window.dtype == layer.rows.dtype == jnp.bfloat16
     keys = cache.layers[2].index_keys
     assert keys.nope.shape[-1] == di and keys.rope.shape[-1] == 0
-    assert kv_cache.nbytes(keys) == bf16.layers[2].index_keys.shape[1] * 2 * (di + 4)
+    assert nbytes(keys) == bf16.layers[2].index_keys.shape[1] * 2 * (di + 4)
 
 
 def test_fp4_index_keys_take_half_a_byte_a_channel():
@@ -98,8 +99,8 @@ def test_fp4_index_keys_take_half_a_byte_a_channel():
             keys = getattr(layer, name)
             assert isinstance(keys, kv_cache.FP4Keys) and keys.shape == getattr(eight, name).shape, name
             assert keys.codes.dtype == keys.exponents.dtype == jnp.uint8
-            assert kv_cache.nbytes(keys) == math.prod(keys.shape[:-1]) * (di // 2 + di // 32), name
-    assert kv_cache.nbytes(cache.layers[2].index_keys) > 0
+            assert nbytes(keys) == math.prod(keys.shape[:-1]) * (di // 2 + di // 32), name
+    assert nbytes(cache.layers[2].index_keys) > 0
 
 
 def test_kv_cache_dtype_is_checked():
@@ -316,6 +317,6 @@ def test_serve_capacity_counts_are_the_engines_allocations():
     }
     for name, engine in sizes.items():
         state = engine.init_state()
-        assert kv_cache.nbytes(dataclasses.replace(state, key=None)) == count[name], name
+        assert nbytes(dataclasses.replace(state, key=None)) == count[name], name
     assert count["paged_state_bytes"] <= budget and count["dense_state_bytes"] <= budget
     assert count["dense_at_paged_slots_bytes"] > budget

@@ -5,12 +5,11 @@ the CPU reports none, and nothing is checked there)."""
 
 from __future__ import annotations
 
-import math
-
 import jax
 from jax.sharding import Mesh, NamedSharding
 
 from jax_oc128.checks import ArgumentError
+from jax_oc128.state import nbytes
 
 
 def free_bytes(device) -> int | None:
@@ -36,15 +35,14 @@ def least_free(mesh: Mesh | None) -> int | None:
 def per_device_bytes(layout, specs, mesh: Mesh | None) -> int:
     """The bytes on each device of the arrays ``layout`` (a pytree of ``jax.ShapeDtypeStruct``) split over
     ``mesh`` by ``specs`` (a pytree of PartitionSpecs, ``layout``'s tree; ignored without a mesh)."""
-    leaves, treedef = jax.tree.flatten(layout)
     if mesh is None:
-        shapes = [leaf.shape for leaf in leaves]
-    else:
-        shapes = [
-            NamedSharding(mesh, spec).shard_shape(leaf.shape)
-            for leaf, spec in zip(leaves, treedef.flatten_up_to(specs), strict=True)
-        ]
-    return sum(math.prod(shape) * leaf.dtype.itemsize for leaf, shape in zip(leaves, shapes, strict=True))
+        return nbytes(layout)
+    leaves, treedef = jax.tree.flatten(layout)
+    shards = [
+        jax.ShapeDtypeStruct(NamedSharding(mesh, spec).shard_shape(leaf.shape), leaf.dtype)
+        for leaf, spec in zip(leaves, treedef.flatten_up_to(specs), strict=True)
+    ]
+    return nbytes(shards)
 
 
 def _gib(size: int) -> str:

@@ -34,7 +34,6 @@ so whatever it held before does not leak.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -336,8 +335,3 @@ def locate(stored, page_table, rows, index):
 def concatenate(stored, more, axis: int):
     """Two stored caches of one format joined along a leading ``axis``."""
     return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=axis), stored, more)
-
-
-def nbytes(tree) -> int:
-    """Device bytes of the arrays of ``tree`` (also of a ``jax.eval_shape`` of it)."""
-    return sum(math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
