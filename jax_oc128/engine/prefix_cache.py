@@ -217,17 +217,14 @@ class PrefixCache:
         first found to fit the device's memory (an error naming the request of ``names`` {slot: name} that
         reaches furthest; :mod:`~jax_oc128.engine.memory`)."""
         engine = self.engine
-        tokens, row_starts, lengths, chunk, start_bound = engine._prompt_rows(rows, starts)
-        args = (engine.params, state, tokens, row_starts, lengths)
-        static = dict(chunk=chunk, start_bound=start_bound)
-        engine._check_feed_fits(
-            "prefix feed",
-            lambda: self._feed.lower(*args, **static),
-            rows,
-            starts,
-            names,
-            (tokens, chunk, start_bound),
-        )
+        fed = engine._prompt_rows(rows, starts)
+        args = (engine.params, state, fed.tokens, fed.starts, fed.lengths)
+        static = dict(chunk=fed.chunk, start_bound=fed.start_bound)
+
+        def lower():
+            return self._feed.lower(*args, **static)
+
+        engine._check_feed_fits("prefix feed", lower, rows, starts, names, fed)
         return self._feed(*args, **static)
 
     def insert(self, state, slot: int, prompt, pages: int, held: list[Node]) -> None:

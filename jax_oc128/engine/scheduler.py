@@ -10,6 +10,7 @@ import itertools
 import os
 import time
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -61,6 +62,27 @@ def loop_compiler_options(mesh: Mesh | None) -> dict | None:
     if on_gpu(mesh) and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
         return GPU_LOOP_OPTIONS
     return None
+
+
+class PromptRows(NamedTuple):
+    """A feed's host rows and static shape (:meth:`Engine._prompt_rows`).
+
+    Attributes:
+      tokens: ``[slots, width]`` int32, each slot's prompt from column 0 (width a multiple of
+        ``prompt_bucket``, zeros past the prompt and in slots without one).
+      starts: ``[slots]`` int32, the position each slot's tokens start at (0 where new).
+      lengths: ``[slots]`` int32, each slot's tokens (0: none).
+      chunk: ``prefill_chunk`` with the width a multiple of it, or None: one forward, for a width of at most
+        one chunk.
+      start_bound: a context bucket at least every row's start, 0 when none continues (so the chunks' bounds
+        stay few).
+    """
+
+    tokens: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+    chunk: int | None
+    start_bound: int
 
 
 class Engine:
@@ -269,18 +291,18 @@ class Engine:
         ``[MAX_STOP_TOKENS]`` int32 (``arguments.stop_array``); ``starts`` None, or {slot: the position its
         prompt's tokens start at, the slot holding the ones before (:func:`~jax_oc128.engine.steps.feed`)};
         ``names`` None, or {slot: its request as an error names it} (default "slot S's prompt")."""
-        args = self._prefill_args(prompts, params, stops, starts)
-        rows = (args[0], *args[-2:])  # the tokens, the chunk, the start bound
+        rows = self._prompt_rows(prompts, starts)
+        args = self._prefill_args(rows, prompts, params, stops)
         self._check_feed_fits(
             "prefill", lambda: self._prefill.lower(self.params, state, *args), prompts, starts, names, rows
         )
         return self._prefill(self.params, state, *args)
 
-    def _check_feed_fits(self, kind: str, lower, prompts: dict, starts, names, rows: tuple) -> None:
+    def _check_feed_fits(self, kind: str, lower, prompts: dict, starts, names, rows: PromptRows) -> None:
         """:meth:`_check_fits` of a dispatch feeding ``prompts`` from ``starts`` (:meth:`_prefill_rows`'
-        arguments, ``names`` too), ``lower`` giving its program of the rows ``(tokens, chunk, start_bound)``
-        (:meth:`_prompt_rows`'); ``kind`` names it: its error names the slot that reaches furthest."""
-        tokens, chunk, start_bound = rows
+        arguments, ``names`` too), ``lower`` giving its program of ``rows`` (:meth:`_prompt_rows`'); ``kind``
+        names it: its error names the slot that reaches furthest."""
+        tokens, start_bound = rows.tokens, rows.start_bound
 
         def describe():
             ends = {
@@ -291,7 +313,7 @@ class Engine:
             name = f"slot {slot}'s prompt" if names is None else names[slot]
             return f"the {kind} of {name} ({self._context_words(ends[slot], start_bound + tokens.shape[1])})"
 
-        key = (kind, tokens.shape, chunk, start_bound)
+        key = (kind, tokens.shape, rows.chunk, start_bound)
         self._check_fits(key, lower, describe, "prefill_chunk, slots or the prompt")
 
     def _context_words(self, longest: int, reach: int) -> str:
@@ -308,16 +330,15 @@ class Engine:
         self._check_fits(key, lambda: self._decode.lower(*args), describe, "slots or the draft tree")
         return self._decode(*args)
 
-    def _prefill_args(self, prompts: dict, params: dict, stops, starts=None) -> tuple:
+    def _prefill_args(self, rows: PromptRows, prompts: dict, params: dict, stops) -> tuple:
         """The jitted prefill's arguments after the parameters and the state (:meth:`_prefill_rows`'): the
-        host rows, ``stops``, the chunk and the start bound."""
-        tokens, row_starts, lengths, chunk, start_bound = self._prompt_rows(prompts, starts)
+        host rows of ``rows`` and of ``params``, ``stops``, the chunk and the start bound."""
         rows_budget = np.zeros(self.slots, np.int32)
         for slot in prompts:
             rows_budget[slot] = params[slot].max_new_tokens
         sampling = arguments.sampling_rows(self.slots, params)
-        rows = jax.tree.map(self._placement.host_rows, (tokens, row_starts, lengths, rows_budget, sampling))
-        return (*rows, stops, chunk, start_bound)
+        host = (rows.tokens, rows.starts, rows.lengths, rows_budget, sampling)
+        return (*jax.tree.map(self._placement.host_rows, host), stops, rows.chunk, rows.start_bound)
 
     def lower_prefill(self, prompt_len: int) -> jax.stages.Lowered:
         """The prefill that :meth:`prefill` dispatches for new prompts (from position 0), the longest of
@@ -327,15 +348,12 @@ class Engine:
         prompt_len = check_int("prompt_len", prompt_len, 1, self.model.max_len - 2, " = max_len - 2")
         prompts = {0: np.zeros(prompt_len, np.int32)}
         params = {0: SamplingParams(1, top_p=1.0, top_k=0)}  # the values do not reach the lowering
-        args = self._prefill_args(prompts, params, arguments.stop_array(()))
+        args = self._prefill_args(self._prompt_rows(prompts), prompts, params, arguments.stop_array(()))
         return self._prefill.lower(self.params, self._state_layout, *args)
 
-    def _prompt_rows(self, prompts: dict, starts=None):
-        """``(tokens [slots, width], starts [slots], lengths [slots])`` int32 host rows of ``prompts`` {slot:
-        ``[length]`` int32} from ``starts`` {slot: position} (None: 0), the width a multiple of
-        ``prompt_bucket``, the prefill's chunk (``prefill_chunk`` with the width a multiple of it, or None:
-        one forward, for a width of at most one chunk) and its start bound (a bucket at least every row's
-        start, 0 when none continues: so the chunks' bounds stay few)."""
+    def _prompt_rows(self, prompts: dict, starts=None) -> PromptRows:
+        """The :class:`PromptRows` of ``prompts`` {slot: ``[length]`` int32} from ``starts`` {slot: position}
+        (None: 0)."""
         longest = max(map(len, prompts.values()))
         width = -(-longest // self.prompt_bucket) * self.prompt_bucket
         chunk = self.prefill_chunk
@@ -350,7 +368,7 @@ class Engine:
             tokens[slot, : len(prompt)], lengths[slot] = prompt, len(prompt)
             row_starts[slot] = 0 if starts is None else starts.get(slot, 0)
         start_bound = (self.bound(int(row_starts.max())) or 0) if row_starts.any() else 0
-        return tokens, row_starts, lengths, chunk, start_bound
+        return PromptRows(tokens, row_starts, lengths, chunk, start_bound)
 
     def _take_state(self, seed: np.uint32) -> DecodeState:
         """The decode state :meth:`generate` keeps between calls (taken: the next taker gets a new one), its
