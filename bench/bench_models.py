@@ -51,10 +51,10 @@ from flax import nnx
 from jax_oc128 import checkpoint, pretrained
 from jax_oc128.controller import BACKENDS
 from jax_oc128.nn import ModelConfig, RuntimeConfig, SpeculativeModel
-from jax_oc128.nn import kv_cache as kv
 from jax_oc128.nn.attention import HCA, SLIDING
 from jax_oc128.nn.functional import build_abstract, variable_at
 from jax_oc128.nn.quant import E8M0_BIAS, FP4, FP8, GROUP, QuantizedArray
+from jax_oc128.state import nbytes
 
 CONFIGS = ("shipped", "v4flash-attn", "v4flash-slice")
 #: the runtime of the DeepSeek-V4-Flash configs: 4096 tokens, verifies of up to 4
@@ -135,7 +135,7 @@ def released_model(config: ModelConfig, backend: str, seed: int = 0) -> Speculat
         variable = variable_at(model, paths[name])
         want = pretrained.quantized_leaves(variable.get_value(), fmt, "F8_E8M0", config.dtype)
         value = random_quantized(jax.random.fold_in(key, i), fmt=fmt, shape=want.shape, dtype=config.dtype)
-        if kv.nbytes(value) != kv.nbytes(want) or jax.tree.structure(value) != jax.tree.structure(want):
+        if nbytes(value) != nbytes(want) or jax.tree.structure(value) != jax.tree.structure(want):
             raise AssertionError(f"{name}: the random {fmt} weight is not in the loader's layout")
         variable.set_value(value)
     return model

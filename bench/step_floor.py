@@ -12,10 +12,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_oc128.nn import SpeculativeModel
-from jax_oc128.nn import kv_cache as kv
 from jax_oc128.nn.functional import build_abstract
 from jax_oc128.nn.quant import QuantizedArray
 from jax_oc128.nn.sharding import path_names
+from jax_oc128.state import nbytes
 from jax_oc128.tree import Tree
 
 #: the routed experts' parameters, by their attribute names (one expert per index of the leading axis)
@@ -52,7 +52,7 @@ def weight_reads(model) -> WeightReads:
         nnx.state(model), is_leaf=lambda x: isinstance(x, QuantizedArray)
     )
     for path, leaf in leaves:
-        names, size = path_names(path), kv.nbytes(leaf)
+        names, size = path_names(path), nbytes(leaf)
         matrix = isinstance(leaf, QuantizedArray) or (
             jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.ndim > 1
         )
