@@ -79,7 +79,7 @@ def test_v4_flash_projection_equals_float64():
 @pytest.fixture(params=[True, False], ids=["op", "no op"])
 def cuda_op(request, monkeypatch):
     """Whether the CUDA module has the quantized grouped matmul op (a build with it, or one without), as
-    ops.native_targets tells the layer."""
+    ops.native_targets tells the layer (jax's caches cleared around it: a trace does not key on it)."""
     real, has = ops.native_targets, request.param
 
     def native_targets(platform):
@@ -87,7 +87,9 @@ def cuda_op(request, monkeypatch):
         return others + ((quant_gmm.TARGET,) if has and platform == "cuda" else ())
 
     monkeypatch.setattr(ops, "native_targets", native_targets)
-    return has
+    jax.clear_caches()  # traces of the layer made under the other answer
+    yield has
+    jax.clear_caches()
 
 
 def kernels_for_cuda(x_shape, weight, groups=None, model_devices=1, name=None) -> tuple[int, int]:

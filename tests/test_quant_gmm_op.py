@@ -362,16 +362,11 @@ def test_splits_fill_the_gpu_at_v4_flash_linear_shapes():
     part."""
 
     def splits(out, width, tiles=1, gated=False, fmt=FP8):
-        weights = QuantizedArray(
-            jax.ShapeDtypeStruct((1, out, width // (2 if fmt == FP4 else 1)), jnp.uint8),
-            jax.ShapeDtypeStruct((1, out, -(-width // quant.GROUP[fmt])), jnp.uint8),
-            fmt,
-            "bfloat16",
-        )
-        return quant_gmm.splits(weights, tiles, gated)
+        return quant_gmm.splits(fmt, out, width, tiles, gated)
 
     assert splits(32768, 1024) == 1 and splits(1024, 4096, tiles=8) == 1  # q_b, o_a
-    assert splits(4096, 2048, tiles=51, gated=True, fmt=FP4) == splits(2048, 4096, tiles=51, fmt=FP4) == 1
+    # the MoE's experts at 8 tokens: gate/up (4096 x 4096) and down (4096 x 2048) on 51 tiles
+    assert splits(4096, 4096, tiles=51, gated=True, fmt=FP4) == splits(4096, 2048, tiles=51, fmt=FP4) == 1
     assert splits(1024, 4096) == 8 and splits(512, 4096) == 8  # q_a, kv: 64 chunks of 64 bytes, 8 a part
     assert splits(2048, 4096) == 4 and splits(4096, 2048) == 2  # the shared expert's gate (up) and down
     assert splits(4096, 8192) == 2  # o_b
@@ -483,7 +478,7 @@ def test_cuda_kernel_at_v4_flash_linear_shapes(rows):
         got = assert_op_equals_twin_and_float64(x, weights, layout, False, f"cuda, {name}", call)
         np.testing.assert_array_equal(np.asarray(call(x, weights)), np.asarray(got))  # deterministic
     x, weights, layout = linear_case(rng, 512, 4096, None, rows, block_rows=rows + 16)
-    assert quant_gmm.splits(weights, 1, True) > 1
+    assert quant_gmm.splits(FP8, 512, 4096, 1, True) > 1
     for gated in (False, True):
         call = jax.jit(lambda x, w, g=gated: quant_gmm.quant_gmm(x, w, layout, gated=g, limit=LIMIT))
         assert_op_equals_twin_and_float64(*on_gpu(x, weights), layout, gated, "cuda, kv padded", call)

@@ -77,14 +77,13 @@ def kernel_takes(dtype, weights) -> bool:
     )
 
 
-def splits(weights, tiles: int, gated: bool) -> int:
-    """How many parts the CUDA kernel splits K into for ``tiles`` tiles by ``weights`` ``[experts, N, K]``:
-    enough that its blocks, one per (tile, :data:`BLOCK_COLUMNS` outputs, part), come to at most
+def splits(fmt: str, n: int, k: int, tiles: int, gated: bool) -> int:
+    """How many parts the CUDA kernel splits K into for ``tiles`` tiles by ``[experts, N, K]`` weights in
+    ``fmt``: enough that its blocks, one per (tile, :data:`BLOCK_COLUMNS` outputs, part), come to at most
     :data:`SPLIT_BLOCKS`, with a chunk of K for each of a block's warps a part, at most :data:`MAX_SPLITS`; 1
     (no split) where the blocks fill the GPU without one (the MoE's experts at decode sizes)."""
-    _, n, k = weights.shape
     blocks = tiles * -(-(n // (1 + gated)) // (BLOCK_COLUMNS // (1 + gated)))
-    chunks = -(-k // (CHUNK_BYTES * (2 if weights.fmt == FP4 else 1)))
+    chunks = -(-k // (CHUNK_BYTES * (2 if fmt == FP4 else 1)))
     return max(1, min(MAX_SPLITS, SPLIT_BLOCKS // max(blocks, 1), chunks // BLOCK_WARPS))
 
 
@@ -152,7 +151,7 @@ def quant_gmm(x, weights: QuantizedArray, groups: Groups, *, gated: bool = False
             x, weights_here, groups._replace(tile_expert=tile_expert), rows, gated, limit
         )
 
-    parts = {"cpu": 1, "cuda": splits(weights, groups.tile_expert.shape[0], gated)}  # the CPU handler: 1
+    parts = {"cpu": 1, "cuda": splits(weights.fmt, *weights.shape[1:], groups.tile_expert.shape[0], gated)}
     branches = {
         p: functools.partial(native, parts=parts[p]) if has else reference for p, has in has_native.items()
     }
