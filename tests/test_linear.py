@@ -108,23 +108,29 @@ def kernels_for_cuda(x_shape, weight, groups=None, model_devices=1, name=None) -
 
 
 def test_layer_sends_quantized_weights_at_decode_sizes_to_a_kernel(cuda_op):
-    """For CUDA, at up to LINEAR_KERNEL_ROWS rows per group: a bfloat16 model's FP8 or FP4 weight with e8m0
-    scales runs the op where the CUDA module has it, whatever its size; else, and for a float32 model's or
+    """For CUDA: a bfloat16 model's FP8 or FP4 weight with e8m0 scales runs the op where the CUDA module has
+    it, at up to LINEAR_OP_ROWS rows per group, if the op splits its K (quant_gmm.splits: its outputs alone
+    leave blocks idle), whatever its size; else, up to LINEAR_KERNEL_ROWS rows, and for a float32 model's or
     float32 scales, a weight of at least LINEAR_KERNEL_PARAMS parameters runs the Pallas kernel. More rows, a
-    smaller weight without the op or a float one run neither. Under a mesh that splits the weights over
-    "model" a weight named by its parameter path runs the kernel on each device's part (tensor_parallel:
-    outputs, grouped outputs or inputs split); an unnamed one does not (XLA partitions its dequantized
-    matmul: the kernel is not partitioned)."""
+    smaller weight off the op or a float one run neither. Under a mesh that splits the weights over "model" a
+    weight named by its parameter path runs the kernel on each device's part (tensor_parallel: outputs,
+    grouped outputs or inputs split); an unnamed one does not (XLA partitions its dequantized matmul: the
+    kernel is not partitioned)."""
     large, small = (4096, 4096), (512, 4096)
     assert linear.LINEAR_KERNEL_PARAMS <= 4096 * 4096 // 2 and 512 * 4096 < linear.LINEAR_KERNEL_PARAMS
-    rows, op, pallas, neither = linear.LINEAR_KERNEL_ROWS, (0, 1), (1, 0), (0, 0)
+    rows, op_rows = linear.LINEAR_KERNEL_ROWS, linear.LINEAR_OP_ROWS
+    op, pallas, neither = (0, 1), (1, 0), (0, 0)
     kernel = op if cuda_op else pallas
     for fmt in (FP8, FP4):
         weight = abstract_quantized(fmt, large, "bfloat16")
-        assert kernels_for_cuda((2, rows // 2, 4096), weight) == kernel
+        assert quant_gmm.splits(fmt, *large, 1, False) > 1
+        assert kernels_for_cuda((2, op_rows // 2, 4096), weight) == kernel
+        assert kernels_for_cuda((op_rows + 1, 4096), weight) == pallas
+        assert kernels_for_cuda((2, rows // 2, 4096), weight) == pallas
         assert kernels_for_cuda((rows + 1, 4096), weight) == neither
         small_weight = abstract_quantized(fmt, small, "bfloat16")
         assert kernels_for_cuda((8, 4096), small_weight) == (op if cuda_op else neither)
+        assert kernels_for_cuda((op_rows + 1, 4096), small_weight) == neither
         assert kernels_for_cuda((8, 4096), weight, model_devices=2) == neither
         for name in (("attn", "q_b_proj"), ("attn", "o_b_proj"), ("moe", "shared_down")):
             assert kernels_for_cuda((8, 4096), weight, model_devices=2, name=name) == kernel, name
@@ -136,9 +142,13 @@ def test_layer_sends_quantized_weights_at_decode_sizes_to_a_kernel(cuda_op):
     )
     assert kernels_for_cuda((8, 4096), float_scales) == pallas
     assert kernels_for_cuda((8, 4096), jax.ShapeDtypeStruct(large, jnp.bfloat16)) == neither
-    grouped = abstract_quantized(FP8, (8192, 4096), "bfloat16")  # the o_a projection: rows per group count
-    assert kernels_for_cuda((rows, 8, 4096), grouped, groups=8) == kernel
+    # the o_a projection: 8 groups fill the blocks without a split of K, so the Pallas kernel; rows per group
+    grouped = abstract_quantized(FP8, (8192, 4096), "bfloat16")
+    assert quant_gmm.splits(FP8, 1024, 4096, 8, False) == 1
+    assert kernels_for_cuda((8, 8, 4096), grouped, groups=8) == pallas
     assert kernels_for_cuda((rows + 1, 8, 4096), grouped, groups=8) == neither
+    # on two devices, four groups each: the op splits K again
+    assert quant_gmm.splits(FP8, 1024, 4096, 4, False) > 1
     named = kernels_for_cuda((8, 8, 4096), grouped, groups=8, model_devices=2, name=("attn", "o_a_proj"))
     assert named == kernel
 

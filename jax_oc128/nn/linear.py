@@ -36,11 +36,14 @@ from jax_oc128.nn.grouped_matmul import (
 from jax_oc128.nn.quant import QuantizedArray
 
 #: when :func:`linear` runs a quantized weight through a kernel on CUDA: at most this many rows per group
-#: (decode sizes, where reading the weight is the cost), through :func:`linear_op` where the op takes it,
-#: else through :func:`linear_pallas` for a weight of at least this many parameters (a smaller one's Pallas
-#: kernel, one program per 32 outputs looping over all of K, waits on its loads and is slower than XLA's:
-#: bench/RESULTS.md section 11); otherwise the weight dequantized whole and XLA's matmul
-LINEAR_KERNEL_ROWS, LINEAR_KERNEL_PARAMS = 64, 1 << 23
+#: (decode sizes, where reading the weight is the cost), through :func:`linear_op` where the op takes it at
+#: up to ``LINEAR_OP_ROWS`` rows and splits K over several blocks (the weights whose outputs alone leave the
+#: GPU's blocks idle), else through :func:`linear_pallas` for a weight of at least ``LINEAR_KERNEL_PARAMS``
+#: parameters (a smaller one's Pallas kernel, one program per 32 outputs looping over all of K, waits on its
+#: loads and is slower than XLA's: bench/RESULTS.md section 11); otherwise the weight dequantized whole and
+#: XLA's matmul. The op's rows: one pass of its kernel; at 64 rows (four passes, the weights decoded in each)
+#: and on weights it does not split, the Pallas kernel measured faster (section 37).
+LINEAR_KERNEL_ROWS, LINEAR_OP_ROWS, LINEAR_KERNEL_PARAMS = 64, 16, 1 << 23
 #: :func:`linear_pallas`'s tiling: the fastest of a sweep at 8 and 64 rows over V4-Flash's FP8 linears (the
 #: expert tilings of :data:`DEFAULT_BLOCKS`, 128 columns a program, leave most SMs idle on 4096 outputs)
 LINEAR_BLOCKS = Blocks(32, 256, 4, 3)
@@ -115,13 +118,18 @@ def linear(x, weight, *, groups: int | None = None, name: tuple[str, ...] | None
 
 def _linear_on_device(x, weight, *, groups: int | None = None):
     """:func:`linear` of one device's weight: on CUDA for a quantized weight at decode sizes
-    :func:`linear_op` where the op takes it, else :func:`linear_pallas` for a large one;
-    :func:`~jax_oc128.nn.functional.linear_jnp` otherwise."""
+    :func:`linear_op` where the op takes it and splits its K, else :func:`linear_pallas` for a large one
+    (:data:`LINEAR_KERNEL_ROWS`); :func:`~jax_oc128.nn.functional.linear_jnp` otherwise."""
     rows = math.prod(x.shape[:-1]) // (groups or 1)
     if not isinstance(weight, QuantizedArray) or not 0 < rows <= LINEAR_KERNEL_ROWS:
         return linear_jnp(x, weight, groups=groups)
     weights = _grouped_weights(weight, groups)
-    if quant_gmm.TARGET in ops.native_targets("cuda") and quant_gmm.kernel_takes(weight.dtype, weights):
+    if (
+        rows <= LINEAR_OP_ROWS
+        and quant_gmm.TARGET in ops.native_targets("cuda")
+        and quant_gmm.kernel_takes(weight.dtype, weights)
+        and quant_gmm.splits(weights.fmt, *weights.shape[1:], weights.shape[0], False) > 1
+    ):
         return per_platform(linear_op, linear_jnp, x, weight, groups=groups)
     if math.prod(weight.shape) >= LINEAR_KERNEL_PARAMS and pallas_fits(x, weights):
         return per_platform(linear_pallas, linear_jnp, x, weight, groups=groups)
