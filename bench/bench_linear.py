@@ -1,19 +1,20 @@
 """The FP8 linear layers of DeepSeek-V4-Flash as released, one layer's worth: the model's layer
-(``linear.linear``: on CUDA the grouped matmul's kernel for the large weights at decode sizes)
-against XLA's matmul of the weight dequantized whole (``functional.linear_jnp``), by the kernels' time on
-the device.
+(``linear.linear``: on CUDA at decode sizes the quantized grouped matmul op, or the Pallas kernel for the
+large weights where the CUDA module has no op) against the op for every weight (``linear.linear_op``), the
+Pallas kernel for every weight (``linear.linear_pallas``) and XLA's matmul of the weight dequantized whole
+(``functional.linear_jnp``), by the kernels' time on the device.
 
 The layers (``ModelConfig.deepseek_v4_flash``): the attention's q_a (1024 x 4096), q_b (32768 x 1024), kv
 (512 x 4096), o_a (8 groups of 1024 x 4096) and o_b (4096 x 8192); the CSA indexer's q_b (8192 x 1024); the
 shared expert's gate, up (2048 x 4096) and down (4096 x 2048); each an FP8 weight (e4m3 codes, e8m0 128 x 128
 block scales kept per row, :func:`bench_models.random_quantized`) in a bfloat16 model, on ``tokens`` rows.
 
-Per (tokens, layer), each way (:data:`WAYS`: the model's layer, the kernel for every weight, the weight
-dequantized whole), the summed duration of its kernels per call (jax's profiler,
-``bench_ops.device_kernels``, over ``--calls`` calls), against the floor: the weight's codes and scales over
-the device's copy bandwidth (``bench_ops.copy_bandwidth``); and the sum over the layers (a CSA layer's
-projections). ``--sweep`` also times the kernel at each tiling of :data:`SWEEP` and gives the fastest
-(``linear.LINEAR_BLOCKS`` is chosen so).
+Per (tokens, layer), each way (:data:`WAYS`), the summed duration of its kernels per call (jax's profiler,
+``bench_ops.device_kernels``, over ``--calls`` calls; the op's split of K counts its combine kernel), against
+the floor: the weight's codes and scales over the device's copy bandwidth (``bench_ops.copy_bandwidth``); the
+op's parts of K (``quant_gmm.splits``); and the sum over the layers (a CSA layer's projections). ``--sweep``
+also times the Pallas kernel at each tiling of :data:`SWEEP` and gives the fastest (``linear.LINEAR_BLOCKS``
+is chosen so). Off GPUs the op is its CPU handler and the Pallas kernel runs in interpret mode.
 
 Usage: ``python bench/bench_linear.py [--tokens 8 64 256] [--sweep] [--out bench/results/bench_linear.json]``
 CPU smoke test: ``python bench/bench_linear.py --tokens 2 --copy-mib 64 --calls 1 --out /tmp/bl.json``
@@ -36,7 +37,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_models import random_quantized
 from bench_ops import copy_bandwidth, device_kernels
 
-from jax_oc128.nn import ModelConfig, grouped_matmul, linear
+from jax_oc128.nn import ModelConfig, grouped_matmul, linear, quant_gmm
 from jax_oc128.nn.functional import linear_jnp
 from jax_oc128.nn.quant import FP8
 
@@ -68,14 +69,15 @@ def kernels_us(fn, args, calls: int) -> float:
         return device_kernels(trace_dir, calls)[1]
 
 
-#: the ways each layer is timed: the model's layer, the kernel whatever the weight's size (off GPUs in
-#: interpret mode), the weight dequantized whole by XLA
+#: the ways each layer is timed: the model's layer, the op and the Pallas kernel whatever the weight's size
+#: (off GPUs: the op's CPU handler, the kernel in interpret mode), the weight dequantized whole by XLA
 WAYS = {
     "layer_us": linear.linear,
-    "kernel_us": linear.linear_pallas,
+    "op_us": linear.linear_op,
+    "pallas_us": linear.linear_pallas,
     "dequantized_us": linear_jnp,
 }
-#: ``--sweep``'s tilings of the kernel: columns per program, reduction step, the operands' order
+#: ``--sweep``'s tilings of the Pallas kernel: columns per program, reduction step, the operands' order
 SWEEP = [
     grouped_matmul.Blocks(n, k, 4, 3, swap)
     for n, k, swap in itertools.product((16, 32, 64, 128), (128, 256), (False, True))
@@ -83,8 +85,9 @@ SWEEP = [
 
 
 def print_row(row: dict) -> None:
-    """A row of the table: the floor, then each way's time and its ratio to the floor; the sweep's best."""
-    cells = [str(row["tokens"]), row["name"], f"{row['floor_us']:.1f}"]
+    """A row of the table: the floor and the op's parts of K, then each way's time and its ratio to the floor;
+    the sweep's best."""
+    cells = [str(row["tokens"]), row["name"], f"{row['floor_us']:.1f}", str(row.get("splits", ""))]
     for way in WAYS:
         cells += [f"{row[way]:.1f}", f"{row[way] / row['floor_us']:.2f}"]
     if "sweep" in row:
@@ -104,13 +107,13 @@ def main():
     bandwidth = copy_bandwidth(10, args.copy_mib)
     device = jax.devices()[0].device_kind
     print(f"device: {device}, jax {jax.__version__}, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    header = ["tokens", "layer", "floor us"]
+    header = ["tokens", "layer", "floor us", "op parts of K"]
     for way in WAYS:
         header += [way.removesuffix("_us").replace("_", " ") + " us", "x floor"]
     header += ["the sweep's fastest (us n,k,warps,stages,swap)"] if args.sweep else []
     print(f"| {' | '.join(header)} |\n" + "|---" * len(header) + "|")
     ways = dict(
-        WAYS, kernel_us=functools.partial(WAYS["kernel_us"], interpret=jax.default_backend() != "gpu")
+        WAYS, pallas_us=functools.partial(WAYS["pallas_us"], interpret=jax.default_backend() != "gpu")
     )
     rows, key = [], jax.random.key(0)
     for tokens in args.tokens:
@@ -118,12 +121,13 @@ def main():
         for name, (out, width, groups) in v4_flash_layers(ModelConfig.deepseek_v4_flash()).items():
             weight = random_quantized(key, fmt=FP8, shape=(out, width), dtype="bfloat16")
             x = jax.random.normal(key, (tokens, *([groups] if groups else []), width), jnp.float32)
-            row = dict(tokens=tokens, name=name)
+            splits = quant_gmm.splits(FP8, out // (groups or 1), width, groups or 1, False)
+            row = dict(tokens=tokens, name=name, splits=splits)
             row["floor_us"] = (weight.codes.nbytes + weight.scales.nbytes) / bandwidth * 1e6
             for way, fn in ways.items():
                 row[way] = kernels_us(jax.jit(functools.partial(fn, groups=groups)), (x, weight), args.calls)
             if args.sweep:
-                kernel = functools.partial(ways["kernel_us"], groups=groups)
+                kernel = functools.partial(ways["pallas_us"], groups=groups)
                 tiled = [(jax.jit(functools.partial(kernel, blocks=b)), b) for b in SWEEP]
                 row["sweep"] = sorted((kernels_us(fn, (x, weight), args.calls), b) for fn, b in tiled)
             rows.append(row)

@@ -6,8 +6,8 @@ bfloat16; :data:`V4_FLASH_MOE`, from :meth:`ModelConfig.deepseek_v4_flash`) on r
 activations, for each ``--tokens`` and each dispatch (``--dispatches``, names of
 :data:`jax_oc128.nn.moe.DISPATCHES`): ``dense`` (every expert on every token), ``grouped_jnp`` (the grouped
 layout, a jnp loop over tiles), ``grouped_pallas`` (the Pallas kernel), ``grouped_ragged_dot`` (XLA's ragged
-dot on the same layout), ``grouped_fp4_op`` (FP4 experts: the native op, its CUDA kernel on GPUs). ``grouped``
-(the default dispatch) is ``grouped_pallas`` on CUDA (FP4 experts at decode sizes: the FP4 op),
+dot on the same layout), ``grouped_quant_op`` (quantized experts: the native op, its CUDA kernel on GPUs).
+``grouped`` (the default dispatch) is ``grouped_pallas`` on CUDA (FP4 experts at decode sizes: the op),
 ``grouped_jnp`` elsewhere. ``dense`` and ``grouped_ragged_dot`` (which XLA lowers on GPUs as a dense masked
 matmul) hold O(tokens x experts) intermediates: they are skipped above ``--dense-max-tokens``.
 

@@ -63,10 +63,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(oc128_commit_cpu, oc128::on_cpu<oc128::Commit>,
                               oc128::bind<oc128::Commit>(xla::ffi::Ffi::Bind()));
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(oc128_attention_cpu);       // attention_cpu.cc
-XLA_FFI_DECLARE_HANDLER_SYMBOL(oc128_fp4_gmm_cpu);         // fp4_gmm_cpu.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(oc128_quant_gmm_cpu);       // quant_gmm_cpu.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(oc128_indexer_scores_cpu);  // indexer_cpu.cc
 
 NB_MODULE(cpu, m) {
   oc128::define_module(m, oc128_compress_cpu, oc128_verify_cpu, oc128_commit_cpu, oc128_attention_cpu,
-                       oc128_fp4_gmm_cpu, oc128_indexer_scores_cpu);
+                       oc128_quant_gmm_cpu, oc128_indexer_scores_cpu);
 }

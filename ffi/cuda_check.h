@@ -1,4 +1,4 @@
-// The check every CUDA handler makes after its launches (cuda_kernels.cu, attention_cuda.cu, fp4_gmm_cuda.cu,
+// The check every CUDA handler makes after its launches (cuda_kernels.cu, attention_cuda.cu, quant_gmm_cuda.cu,
 // indexer_cuda.cu): the last CUDA error, as the handler's result.
 #pragma once
 

@@ -6,10 +6,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(oc128_compress_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(oc128_verify_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(oc128_commit_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(oc128_attention_cuda);       // attention_cuda.cu
-XLA_FFI_DECLARE_HANDLER_SYMBOL(oc128_fp4_gmm_cuda);         // fp4_gmm_cuda.cu
+XLA_FFI_DECLARE_HANDLER_SYMBOL(oc128_quant_gmm_cuda);       // quant_gmm_cuda.cu
 XLA_FFI_DECLARE_HANDLER_SYMBOL(oc128_indexer_scores_cuda);  // indexer_cuda.cu
 
 NB_MODULE(cuda, m) {
   oc128::define_module(m, oc128_compress_cuda, oc128_verify_cuda, oc128_commit_cuda, oc128_attention_cuda,
-                       oc128_fp4_gmm_cuda, oc128_indexer_scores_cuda);
+                       oc128_quant_gmm_cuda, oc128_indexer_scores_cuda);
 }

@@ -1,4 +1,4 @@
-// Warp-level tensor-core and shared-memory helpers of the CUDA kernels (attention_cuda.cu, fp4_gmm_cuda.cu):
+// Warp-level tensor-core and shared-memory helpers of the CUDA kernels (attention_cuda.cu, quant_gmm_cuda.cu):
 // mma.sync m16n8k16 (bfloat16 in, float32 accumulate), ldmatrix and 16-byte cp.async. sm_80 and later.
 #pragma once
 

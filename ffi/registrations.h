@@ -4,10 +4,10 @@
 #pragma once
 
 #include "attention_ffi.h"
-#include "fp4_gmm_ffi.h"
 #include "indexer_ffi.h"
 #include "nanobind/nanobind.h"
 #include "oc128_ffi.h"
+#include "quant_gmm_ffi.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace oc128 {
@@ -21,7 +21,7 @@ nanobind::dict operand_names() {
 }
 
 inline void define_module(nanobind::module_& m, XLA_FFI_Handler* compress, XLA_FFI_Handler* verify,
-                          XLA_FFI_Handler* commit, XLA_FFI_Handler* attention, XLA_FFI_Handler* fp4_gmm,
+                          XLA_FFI_Handler* commit, XLA_FFI_Handler* attention, XLA_FFI_Handler* quant_gmm,
                           XLA_FFI_Handler* indexer_scores) {
   m.def("registrations", [=]() {
     nanobind::dict targets;
@@ -29,7 +29,7 @@ inline void define_module(nanobind::module_& m, XLA_FFI_Handler* compress, XLA_F
     targets[Verify::kTarget] = nanobind::capsule(reinterpret_cast<void*>(verify));
     targets[Commit::kTarget] = nanobind::capsule(reinterpret_cast<void*>(commit));
     targets[Attention::kTarget] = nanobind::capsule(reinterpret_cast<void*>(attention));
-    targets[Fp4Gmm::kTarget] = nanobind::capsule(reinterpret_cast<void*>(fp4_gmm));
+    targets[QuantGmm::kTarget] = nanobind::capsule(reinterpret_cast<void*>(quant_gmm));
     targets[IndexerScores::kTarget] = nanobind::capsule(reinterpret_cast<void*>(indexer_scores));
     return targets;
   });
@@ -39,7 +39,7 @@ inline void define_module(nanobind::module_& m, XLA_FFI_Handler* compress, XLA_F
     targets[Verify::kTarget] = operand_names<Verify>();
     targets[Commit::kTarget] = operand_names<Commit>();
     targets[Attention::kTarget] = operand_names<Attention>();
-    targets[Fp4Gmm::kTarget] = operand_names<Fp4Gmm>();
+    targets[QuantGmm::kTarget] = operand_names<QuantGmm>();
     targets[IndexerScores::kTarget] = operand_names<IndexerScores>();
     return targets;
   });

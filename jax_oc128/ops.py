@@ -70,9 +70,9 @@ OPERANDS = {
         rets=("out", "workspace"),
         attrs=("scale",),
     ),
-    "oc128_fp4_gmm": _native.Operands(  # jax_oc128.nn.fp4_gmm
+    "oc128_quant_gmm": _native.Operands(  # jax_oc128.nn.quant_gmm
         args=("x", "codes", "scales", "tile_expert", "tile_rows"),
-        rets=("out",),
+        rets=("out", "workspace"),
         attrs=("gated", "limit"),
     ),
     "oc128_indexer_scores": _native.Operands(  # jax_oc128.indexer_op

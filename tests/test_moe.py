@@ -103,8 +103,9 @@ def test_grouped_equals_dense_and_float64(case, dtype):
 @pytest.mark.parametrize("fmt", [None, FP8, FP4])
 @pytest.mark.parametrize("case", ["random", "skewed"])
 def test_default_dispatch_runs_the_triton_kernel_on_gpu(case, fmt):
-    """On a GPU the default dispatch is the Triton kernel (these cases have more pairs than the FP4 op takes,
-    fp4_gmm.takes), and it equals the float64 computation (on the dequantized experts for quantized ones)."""
+    """On a GPU the default dispatch is the Triton kernel (quant_gmm.takes: these cases have more pairs than
+    the op takes FP4 experts at, and it takes no others), and it equals the float64 computation (on the
+    dequantized experts for quantized ones)."""
     rng = np.random.default_rng(11)
     x, ids, weights = routing(rng, case)
     if fmt is None:
@@ -268,9 +269,9 @@ def test_pallas_kernel_on_256_row_tiles(gated, interpret):
 @pytest.mark.parametrize("fmt, scales", WEIGHT_FORMATS[1:], ids=lambda v: str(v))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_grouped_on_quantized_experts_equals_dense(fmt, scales, dtype):
-    """Quantized experts: each grouped dispatch (the Pallas kernel in interpret mode; FP4 with e8m0 scales:
-    the FP4 op too) gives the dense dispatch's result on the same experts and the float64 computation on
-    their dequantized values."""
+    """Quantized experts: each grouped dispatch (the Pallas kernel in interpret mode; the quantized grouped
+    matmul op too, which takes every format but FP4 with float32 scales) gives the dense dispatch's result
+    on the same experts and the float64 computation on their dequantized values."""
     rng = np.random.default_rng(abs(hash((fmt, scales, dtype))) % 2**32)
     x, ids, weights = routing(rng, "random")
     gate_up, down = (quantized(w, fmt, scales, dtype) for w in experts(rng, "float32"))
@@ -278,7 +279,7 @@ def test_grouped_on_quantized_experts_equals_dense(fmt, scales, dtype):
     scale = np.abs(oracle).max()
     dense = np.asarray(run("dense", x, ids, weights, gate_up, down))
     assert np.abs(dense - oracle).max() < TOL[dtype] * scale
-    for dispatch in GROUPED + (("grouped_fp4_op",) if (fmt, scales) == (FP4, "e8m0") else ()):
+    for dispatch in GROUPED + (("grouped_quant_op",) if (fmt, scales) != (FP4, "float32") else ()):
         out = np.asarray(run(dispatch, x, ids, weights, gate_up, down))
         assert np.abs(out - oracle).max() < TOL[dtype] * scale, dispatch
         assert np.abs(out - dense).max() < TOL[dtype] * scale, dispatch

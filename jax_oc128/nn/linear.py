@@ -1,10 +1,13 @@
 """The model's linear layers: every matmul of the model by a weight, float or quantized, and its
 tensor-parallel split.
 
-A float weight runs as XLA's matmul; a large quantized weight (:class:`~jax_oc128.nn.quant.QuantizedArray`)
-at decode sizes on CUDA runs through the grouped matmul's kernel (:func:`~.grouped_matmul.gmm_pallas`)
-as one group per weight group (:func:`linear_layout`), its codes and scales read and dequantized in registers,
-never whole (:func:`linear_pallas`). The rule and the twin is :func:`~jax_oc128.nn.functional.linear_jnp`.
+A float weight runs as XLA's matmul. A quantized weight (:class:`~jax_oc128.nn.quant.QuantizedArray`) at
+decode sizes on CUDA runs as a grouped matmul of one group per weight group (:func:`linear_layout`), its codes
+and scales read and dequantized in registers, never whole: through the quantized grouped matmul op
+(:func:`linear_op`, :mod:`~jax_oc128.nn.quant_gmm`) for every weight it takes (a bfloat16 model's, e8m0
+scales), else, for a large one, through the Pallas kernel (:func:`linear_pallas`,
+:func:`~.grouped_matmul.gmm_pallas`: a float32 model's, float32 scales). The rule and the twin is
+:func:`~jax_oc128.nn.functional.linear_jnp`.
 Under a mesh that splits the weights over ``"model"``, a named quantized weight runs its rule's split in a
 ``shard_map`` (:func:`tensor_parallel`).
 """
@@ -18,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jax_oc128.nn import sharding
+from jax_oc128 import ops
+from jax_oc128.nn import quant_gmm, sharding
 from jax_oc128.nn.functional import linear_jnp, swiglu_gate
 from jax_oc128.nn.grouped_matmul import (
     Blocks,
@@ -31,22 +35,26 @@ from jax_oc128.nn.grouped_matmul import (
 )
 from jax_oc128.nn.quant import QuantizedArray
 
-#: when :func:`linear` runs a quantized weight through :func:`linear_pallas` on CUDA: at most this many rows
-#: per group (decode sizes, where reading the weight is the cost) and a weight of at least this many
-#: parameters (a smaller one's kernel, one program per 32 outputs looping over all of K, waits on its
+#: when :func:`linear` runs a quantized weight through a kernel on CUDA: at most this many rows per group
+#: (decode sizes, where reading the weight is the cost), through :func:`linear_op` where the op takes it at
+#: up to ``LINEAR_OP_ROWS`` rows and splits K over several blocks (the weights whose outputs alone leave the
+#: GPU's blocks idle), else through :func:`linear_pallas` for a weight of at least ``LINEAR_KERNEL_PARAMS``
+#: parameters (a smaller one's Pallas kernel, one program per 32 outputs looping over all of K, waits on its
 #: loads and is slower than XLA's: bench/RESULTS.md section 11); otherwise the weight dequantized whole and
-#: XLA's matmul
-LINEAR_KERNEL_ROWS, LINEAR_KERNEL_PARAMS = 64, 1 << 23
+#: XLA's matmul. The op's rows: one pass of its kernel; at 64 rows (four passes, the weights decoded in each)
+#: and on weights it does not split, the Pallas kernel measured faster (section 37).
+LINEAR_KERNEL_ROWS, LINEAR_OP_ROWS, LINEAR_KERNEL_PARAMS = 64, 16, 1 << 23
 #: :func:`linear_pallas`'s tiling: the fastest of a sweep at 8 and 64 rows over V4-Flash's FP8 linears (the
 #: expert tilings of :data:`DEFAULT_BLOCKS`, 128 columns a program, leave most SMs idle on 4096 outputs)
 LINEAR_BLOCKS = Blocks(32, 256, 4, 3)
 
 
-def linear_layout(groups: int, rows: int) -> Groups:
+def linear_layout(groups: int, rows: int, block_rows: int | None = None) -> Groups:
     """The layout of a linear layer's ``rows`` x ``groups`` pairs (pair ``r * groups + g``: row r's group g,
-    :func:`linear`'s ``x`` flattened): group g's rows in tiles of its own, ``tile_expert`` g. Static: built by
-    numpy from the shapes."""
-    block_rows = block_rows_for(rows, 1)
+    :func:`linear`'s ``x`` flattened): group g's rows in tiles of its own of ``block_rows`` rows (default
+    :func:`~.grouped_matmul.block_rows_for`, the Pallas kernel's), ``tile_expert`` g. Static: built by numpy
+    from the shapes."""
+    block_rows = block_rows or block_rows_for(rows, 1)
     tiles = -(-rows // block_rows)
     pair_rows = (np.arange(groups) * tiles * block_rows + np.arange(rows)[:, None]).reshape(-1)
     row_pairs = np.full(groups * tiles * block_rows, groups * rows)
@@ -73,13 +81,29 @@ def linear_pallas(x, weight, *, groups: int | None = None, blocks: Blocks | None
     return rows[layout.rows].reshape(*x.shape[:-1], -1)
 
 
+def linear_op(x, weight, *, groups: int | None = None):
+    """:func:`~jax_oc128.nn.functional.linear_jnp` (shapes and ``groups`` the same) by the quantized grouped
+    matmul op (:func:`~jax_oc128.nn.quant_gmm.quant_gmm`): each group's weight one expert, its rows one tile
+    (:func:`linear_layout`, no padding row), the codes and scales read and dequantized in registers, never
+    whole."""
+    weights = _grouped_weights(weight, groups)
+    count, width = weights.shape[0], x.shape[-1]
+    rows = math.prod(x.shape[:-1]) // count
+    by_group = x.reshape(rows, count, width).swapaxes(0, 1).reshape(count * rows, width)  # group g's rows
+    layout = linear_layout(count, rows, block_rows=rows)
+    out = quant_gmm.quant_gmm(by_group.astype(weights.dtype), weights, layout)
+    return out.reshape(count, rows, -1).swapaxes(0, 1).reshape(*x.shape[:-1], -1)
+
+
 def linear(x, weight, *, groups: int | None = None, name: tuple[str, ...] | None = None):
     """The model's linear layer, :func:`~jax_oc128.nn.functional.linear_jnp` (``x`` ``[..., in]`` by an
     ``[out, in]`` weight -> float32 ``[..., out]``; ``groups``: per group): a float weight by XLA's matmul; a
     quantized one (:class:`~jax_oc128.nn.quant.QuantizedArray`) on CUDA at up to
-    :data:`LINEAR_KERNEL_ROWS` rows per group, of at least ``LINEAR_KERNEL_PARAMS`` parameters, by
-    :func:`linear_pallas` (the codes read once, 1 byte per FP8 parameter; XLA dequantizes the weight whole
-    first, writing and reading 2 bytes per parameter more), otherwise dequantized whole.
+    :data:`LINEAR_KERNEL_ROWS` rows per group by :func:`linear_op` where the CUDA module has the op and it
+    takes the weight (:func:`~jax_oc128.nn.quant_gmm.kernel_takes`: a bfloat16 model's, e8m0 scales), else
+    one of at least ``LINEAR_KERNEL_PARAMS`` parameters by :func:`linear_pallas` (either reads the codes once,
+    1 byte per FP8 parameter; XLA dequantizes the weight whole first, writing and reading 2 bytes per
+    parameter more), otherwise dequantized whole.
 
     ``name``: the weight's parameter path, as :data:`~jax_oc128.nn.sharding.PARAM_RULES` names it (e.g.
     ``("attn", "q_b_proj")``). In a trace whose mesh splits the weights over ``"model"`` (tensor parallel) a
@@ -93,18 +117,23 @@ def linear(x, weight, *, groups: int | None = None, name: tuple[str, ...] | None
 
 
 def _linear_on_device(x, weight, *, groups: int | None = None):
-    """:func:`linear` of one device's weight: :func:`linear_pallas` on CUDA for a large quantized weight at
-    decode sizes, :func:`~jax_oc128.nn.functional.linear_jnp` otherwise."""
+    """:func:`linear` of one device's weight: on CUDA for a quantized weight at decode sizes
+    :func:`linear_op` where the op takes it and splits its K, else :func:`linear_pallas` for a large one
+    (:data:`LINEAR_KERNEL_ROWS`); :func:`~jax_oc128.nn.functional.linear_jnp` otherwise."""
     rows = math.prod(x.shape[:-1]) // (groups or 1)
-    kernel = (
-        isinstance(weight, QuantizedArray)
-        and rows <= LINEAR_KERNEL_ROWS
-        and math.prod(weight.shape) >= LINEAR_KERNEL_PARAMS
-        and pallas_fits(x, _grouped_weights(weight, groups))
-    )
-    if not kernel:
+    if not isinstance(weight, QuantizedArray) or not 0 < rows <= LINEAR_KERNEL_ROWS:
         return linear_jnp(x, weight, groups=groups)
-    return per_platform(linear_pallas, linear_jnp, x, weight, groups=groups)
+    weights = _grouped_weights(weight, groups)
+    if (
+        rows <= LINEAR_OP_ROWS
+        and quant_gmm.TARGET in ops.native_targets("cuda")
+        and quant_gmm.kernel_takes(weight.dtype, weights)
+        and quant_gmm.splits(weights.fmt, *weights.shape[1:], weights.shape[0], False) > 1
+    ):
+        return per_platform(linear_op, linear_jnp, x, weight, groups=groups)
+    if math.prod(weight.shape) >= LINEAR_KERNEL_PARAMS and pallas_fits(x, weights):
+        return per_platform(linear_pallas, linear_jnp, x, weight, groups=groups)
+    return linear_jnp(x, weight, groups=groups)
 
 
 def tensor_parallel(local, x, weight, groups: int | None, name: tuple[str, ...]):

@@ -12,10 +12,10 @@ chosen by :attr:`MoEConfig.dispatch` (:data:`DISPATCHES`), computes the weighted
 ``dense`` runs every expert on every token and weights the unpicked ones 0 (the exact oracle, memory O(tokens
 x experts)); ``grouped`` sorts the (token, expert) pairs by expert and runs each picked expert once on its
 rows (:mod:`~jax_oc128.nn.grouped_matmul`: the Pallas kernel on CUDA, a jnp loop elsewhere; FP4 experts at
-decode sizes on CUDA: the FP4 op, :mod:`~jax_oc128.nn.fp4_gmm`), then scatters the outputs back
-weighted. ``grouped_jnp``, ``grouped_pallas``, ``grouped_ragged_dot`` and ``grouped_fp4_op`` force one grouped
-matmul on every platform (the Pallas kernel in interpret mode off GPUs; XLA's ragged dot; the FP4 op, FP4
-experts with e8m0 scales only).
+decode sizes on CUDA: the quantized grouped matmul op, :mod:`~jax_oc128.nn.quant_gmm`), then scatters the
+outputs back weighted. ``grouped_jnp``, ``grouped_pallas``, ``grouped_ragged_dot`` and ``grouped_quant_op``
+force one grouped matmul on every platform (the Pallas kernel in interpret mode off GPUs; XLA's ragged dot;
+the op, quantized experts only: FP4 with e8m0 scales, FP8 with e8m0 or float32 ones).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jax_oc128.nn import fp4_gmm, grouped_matmul
+from jax_oc128.nn import grouped_matmul, quant_gmm
 from jax_oc128.nn.functional import FULL, linear_jnp, normal_param, param, zeros_param
 from jax_oc128.nn.linear import linear, swiglu
 from jax_oc128.nn.sharding import MODEL, traced_model_devices
@@ -196,11 +196,11 @@ def _grouped_by(matmul):
 #: the dispatch functions by name (:attr:`MoEConfig.dispatch`)
 DISPATCHES = {
     "dense": dense,
-    "grouped": _grouped_by(fp4_gmm.gmm),
+    "grouped": _grouped_by(quant_gmm.gmm),
     "grouped_jnp": _grouped_by(grouped_matmul.gmm_jnp),
     "grouped_pallas": _grouped_by(grouped_matmul.gmm_pallas_anywhere),
     "grouped_ragged_dot": _grouped_by(grouped_matmul.gmm_ragged_dot),
-    "grouped_fp4_op": _grouped_by(fp4_gmm.fp4_gmm),
+    "grouped_quant_op": _grouped_by(quant_gmm.quant_gmm),
 }
 
 
