@@ -1,6 +1,6 @@
 """The FP8 linear layers of DeepSeek-V4-Flash as released, one layer's worth: the model's layer
-(``linear.linear``: on CUDA at decode sizes the quantized grouped matmul op, or the Pallas kernel for the
-large weights where the CUDA module has no op) against the op for every weight (``linear.linear_op``), the
+(``linear.linear``: on CUDA at decode sizes the quantized grouped matmul op or the Pallas kernel, as
+``linear.LINEAR_KERNEL_ROWS``'s rule picks) against the op for every weight (``linear.linear_op``), the
 Pallas kernel for every weight (``linear.linear_pallas``) and XLA's matmul of the weight dequantized whole
 (``functional.linear_jnp``), by the kernels' time on the device.
 

@@ -4,9 +4,9 @@ tensor-parallel split.
 A float weight runs as XLA's matmul. A quantized weight (:class:`~jax_oc128.nn.quant.QuantizedArray`) at
 decode sizes on CUDA runs as a grouped matmul of one group per weight group (:func:`linear_layout`), its codes
 and scales read and dequantized in registers, never whole: through the quantized grouped matmul op
-(:func:`linear_op`, :mod:`~jax_oc128.nn.quant_gmm`) for every weight it takes (a bfloat16 model's, e8m0
-scales), else, for a large one, through the Pallas kernel (:func:`linear_pallas`,
-:func:`~.grouped_matmul.gmm_pallas`: a float32 model's, float32 scales). The rule and the twin is
+(:func:`linear_op`, :mod:`~jax_oc128.nn.quant_gmm`) at the fewest rows on the weights it takes and splits K
+for, else, for a large one, through the Pallas kernel (:func:`linear_pallas`,
+:func:`~.grouped_matmul.gmm_pallas`); the rule: :data:`LINEAR_KERNEL_ROWS`. The rule and the twin is
 :func:`~jax_oc128.nn.functional.linear_jnp`.
 Under a mesh that splits the weights over ``"model"``, a named quantized weight runs its rule's split in a
 ``shard_map`` (:func:`tensor_parallel`).
@@ -99,11 +99,12 @@ def linear(x, weight, *, groups: int | None = None, name: tuple[str, ...] | None
     """The model's linear layer, :func:`~jax_oc128.nn.functional.linear_jnp` (``x`` ``[..., in]`` by an
     ``[out, in]`` weight -> float32 ``[..., out]``; ``groups``: per group): a float weight by XLA's matmul; a
     quantized one (:class:`~jax_oc128.nn.quant.QuantizedArray`) on CUDA at up to
-    :data:`LINEAR_KERNEL_ROWS` rows per group by :func:`linear_op` where the CUDA module has the op and it
-    takes the weight (:func:`~jax_oc128.nn.quant_gmm.kernel_takes`: a bfloat16 model's, e8m0 scales), else
-    one of at least ``LINEAR_KERNEL_PARAMS`` parameters by :func:`linear_pallas` (either reads the codes once,
-    1 byte per FP8 parameter; XLA dequantizes the weight whole first, writing and reading 2 bytes per
-    parameter more), otherwise dequantized whole.
+    :data:`LINEAR_KERNEL_ROWS` rows per group by :func:`linear_op` at up to ``LINEAR_OP_ROWS`` rows where
+    the CUDA module has the op, it takes the weight (:func:`~jax_oc128.nn.quant_gmm.kernel_takes`: a bfloat16
+    model's, e8m0 scales) and splits its K (:func:`~jax_oc128.nn.quant_gmm.splits`), else one of at least
+    ``LINEAR_KERNEL_PARAMS`` parameters by :func:`linear_pallas` (either reads the codes once, 1 byte per FP8
+    parameter; XLA dequantizes the weight whole first, writing and reading 2 bytes per parameter more),
+    otherwise dequantized whole.
 
     ``name``: the weight's parameter path, as :data:`~jax_oc128.nn.sharding.PARAM_RULES` names it (e.g.
     ``("attn", "q_b_proj")``). In a trace whose mesh splits the weights over ``"model"`` (tensor parallel) a
