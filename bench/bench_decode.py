@@ -61,6 +61,9 @@ online C128 state never slower per step than the offline one at the V4-Flash con
 printed after the table, the first on the same-work ratio (a decode loop cannot make the prefill's compute
 go away; the per-step ratio is printed beside it).
 
+``--device-only`` skips the e2e part and the second prefill (a row at a long context then pays one prefill,
+its compile included; the e2e columns are NaN); ``--prefill-chunk`` sets the engine's prefill chunk.
+
 ``--sweep-k 1 4 16 64`` instead measures e2e tokens/s for each K (one engine per K) at the first config and
 backend, for the given modes and slots, to choose the engine's default K by measurement.
 
@@ -127,6 +130,9 @@ COLUMNS = (*ROW_KEYS, "slots", "context", "device us/step", "floor us", "x floor
 COLUMNS += ("e2e / device, same work", "tokens/s", "mean accepted")
 
 
+#: what a row gives of :func:`e2e` (NaN with ``--device-only``)
+E2E_KEYS = ("e2e_us", "tokens_per_s", "mean_accepted", "ratio", "ratio_same_work")
+
 #: dispatches of :func:`device_time` besides the timed ones: two warm-up dispatches and a profiled one
 UNTIMED_DISPATCHES = 3
 
@@ -172,6 +178,7 @@ def device_time(
     device_steps: int,
     phase: Phases,
     profile: pathlib.Path | None = None,
+    prefills: int = 2,
 ) -> dict:
     """Device-only time per step of ``engine.decode`` (see the module doc), the prefill's time and the
     first calls' (compile) times, and ``context``: the bucket every dispatch reads (None: ``max_len``), each
@@ -179,7 +186,8 @@ def device_time(
     pool in equal parts, in order.
     ``profile``: a directory where one more dispatch, after the timed ones, is traced by jax's profiler;
     the row then gives its kernels per step (:func:`bench_ops.device_kernels`: ``span_us``, ``kernels_us``
-    and the 40 largest of ``by_kernel``). ``phase``: told as each phase ends."""
+    and the 40 largest of ``by_kernel``). ``phase``: told as each phase ends. ``prefills``: 2 (the first
+    compiles, the second is ``prefill_ms``) or 1 (no ``prefill_ms``: None)."""
     n, max_len = mode_width(mode), engine.model.max_len
     dispatches, budget = timed_dispatches(max_len, len(prompts[0]), n, steps, device_steps)
     decode = functools.partial(
@@ -195,12 +203,12 @@ def device_time(
         table = np.full((engine.slots, max_len // engine.page_size), -1, np.int32)
         table[:, :each] = np.arange(engine.slots)[:, None] * each + np.arange(each)
         state = engine.set_page_table(state, table)
-    for _ in range(2):  # the first compiles; the second is the prefill's time
+    for _ in range(prefills):  # the first compiles; the second is the prefill's time
         start = time.perf_counter()
         state, _ = engine.prefill(state, assignments, budget, **mode)
         jax.block_until_ready(state)
         prefill.append(time.perf_counter() - start)
-        phase(f"prefill {len(prefill)} of 2 (the first compiles)")
+        phase(f"prefill {len(prefill)} of {prefills} (the first compiles)")
     warm_up = []
     for _ in range(2):  # the first compiles, the first run on these buffers records the CUDA graph
         start = time.perf_counter()
@@ -228,7 +236,7 @@ def device_time(
         device_us=elapsed / (dispatches * steps) * 1e6,
         dispatches=dispatches,
         context=engine.bound(decode.keywords["context"]),
-        prefill_ms=prefill[1] * 1e3,
+        prefill_ms=prefill[1] * 1e3 if prefills > 1 else None,
         compile_s=prefill[0] + warm_up[0],
         **kernels,
     )
@@ -352,22 +360,23 @@ def measure_model(args, model, bandwidth: float, reads: WeightReads, keys: dict,
             pages=pages,
             page_size=PAGE_SIZE,
             context_floor=args.context_floor,
+            **({} if args.prefill_chunk is None else dict(prefill_chunk=args.prefill_chunk)),
         )
         prompts = make_prompts(model.config, slots, args.prompt_len)
         for mode in args.modes:
             row = dict(keys, mode=mode_name(mode), slots=slots, pages=pages, page_size=PAGE_SIZE)
             profile = None if args.profile is None else pathlib.Path(args.profile) / row_name(row)
             phase = Phases(row_name(row))
-            row.update(device_time(engine, prompts, mode, steps, args.device_steps, phase, profile))
-            row.update(e2e(engine, prompts, mode, args.tokens, phase))
-            floor_s = row["prefill_ms"] / 1e3 + row["steps"] * row["device_us"] / 1e6
+            prefills = 1 if args.device_only else 2
+            row.update(device_time(engine, prompts, mode, steps, args.device_steps, phase, profile, prefills))
             read = step_read_bytes(reads, mode, slots, model.config.num_experts_per_tok)
-            row.update(
-                ratio=row["e2e_us"] / row["device_us"],
-                ratio_same_work=row["seconds"] / floor_s,
-                read_bytes=read,
-                floor_us=read / bandwidth * 1e6,
-            )
+            row.update(read_bytes=read, floor_us=read / bandwidth * 1e6)
+            if args.device_only:
+                row.update(dict.fromkeys(E2E_KEYS, math.nan))
+            else:
+                row.update(e2e(engine, prompts, mode, args.tokens, phase))
+                floor_s = row["prefill_ms"] / 1e3 + row["steps"] * row["device_us"] / 1e6
+                row.update(ratio=row["e2e_us"] / row["device_us"], ratio_same_work=row["seconds"] / floor_s)
             row["x_floor"] = row["device_us"] / row["floor_us"]
             rows.append(row)
             numbers = (row["device_us"], row["floor_us"], row["x_floor"], row["e2e_us"], row["ratio"])
@@ -403,7 +412,7 @@ def check_targets(rows) -> list[str]:
     """The issue's targets, as lines of text."""
     lines = []
     for row in rows:
-        if row["slots"] == 8 and row["mode"] in ("plain", "N=4"):
+        if row["slots"] == 8 and row["mode"] in ("plain", "N=4") and not math.isnan(row["ratio"]):
             ok = row["ratio_same_work"] <= 1.1
             what = " ".join(str(row[key]) for key in ROW_KEYS)
             lines.append(
@@ -542,6 +551,17 @@ def main():
         help="Engine(context_floor=): the smallest context bucket, or 'none' (every forward reads max_len)",
     )
     parser.add_argument("--tokens", type=int, default=256, help="new tokens per request (e2e)")
+    parser.add_argument(
+        "--device-only",
+        action="store_true",
+        help="the device-only time alone: one prefill (compiling), no e2e (long prompts: each prefill counts)",
+    )
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="Engine(prefill_chunk=): positions per prefill forward (default: the engine's own)",
+    )
     parser.add_argument("--prompt-len", type=int, default=200, help="prompt tokens per slot")
     parser.add_argument("--device-steps", type=int, default=128, help="steps timed on the device, at least")
     parser.add_argument("--copy-mib", type=int, default=2048, help="the copy bandwidth's array (MiB)")
