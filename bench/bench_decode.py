@@ -554,7 +554,7 @@ def main():
     parser.add_argument(
         "--device-only",
         action="store_true",
-        help="the device-only time alone: one prefill (compiling), no e2e (long prompts: each prefill counts)",
+        help="the device-only time alone: one prefill (it compiles), no e2e (long prompts: fewer prefills)",
     )
     parser.add_argument(
         "--prefill-chunk",

@@ -28,6 +28,12 @@ Timing as in bench_ops.py: each (tokens, dispatch) executable compiled once, the
 the dispatches interleaved, each round the median of ``--iters`` calls; the table gives the median over
 rounds, the JSON every round's.
 
+``--loop R`` also times each (tokens, dispatch) as a decode loop runs a layer: R calls inside one
+``lax.fori_loop`` (one CUDA graph on a GPU, no host between the calls), each call's input the previous
+one's plus 1e-6 times its output (so no call can be hoisted out of the loop; the routing stays that of the
+first), per call the slope between the loops of R and of 1 calls (``loop`` columns of the JSON, a line
+per tokens).
+
 ``--profile DIR`` also traces ``--profile-calls`` calls of each (tokens, dispatch) with jax's profiler (the
 traces under DIR) and reports the device's side of a call: the span from its first kernel's start to its
 last kernel's end, the kernels' summed time and each kernel's (:func:`device_kernels`), so that what a call
@@ -45,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import pathlib
 import sys
@@ -94,6 +101,13 @@ def floor_seconds(
     return max(read / bandwidth, flops / flops_per_s), read, flops
 
 
+def in_loop(graphdef, state, x, ids, *, calls: int):
+    """``calls`` calls of the layer in one ``fori_loop``, each on the previous input plus 1e-6 times its
+    output (a dependence, so that XLA runs every call; the routing stays the first input's)."""
+    layer = nnx.merge(graphdef, state)
+    return jax.lax.fori_loop(0, calls, lambda _, x: x + 1e-6 * layer(x, ids), x)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 2048, 8192])
@@ -123,6 +137,9 @@ def main():
         metavar="ROWS:TILING",
         help="the Pallas kernel's tilings (n,k,warps,stages[,swap]) of the experts' format for tiles of at "
         "least ROWS rows, each replacing grouped_matmul.DEFAULT_BLOCKS' entry of ROWS for this run",
+    )
+    parser.add_argument(
+        "--loop", type=int, default=0, help="R: also time R calls in one fori_loop (the slope from 1)"
     )
     parser.add_argument(
         "--profile", help="a directory: trace each (tokens, dispatch) there and report its kernels"
@@ -182,13 +199,20 @@ def main():
                 notes[dispatch] = f"failed: {type(error).__name__}: {str(error)[:300]}"
                 continue
             runs[dispatch] = lambda _, consts, compiled=compiled: compiled(*consts)
+            for calls in (1, args.loop) if args.loop > 1 else ():
+                looped = jax.jit(functools.partial(in_loop, graphdef, calls=calls))
+                compiled = looped.lower(state, x, token_ids).compile()
+                runs[dispatch, calls] = lambda _, consts, compiled=compiled: compiled(*consts)
         seconds = {dispatch: [] for dispatch in runs}
         for _ in range(args.rounds):
             for dispatch, fn in runs.items():
                 seconds[dispatch].append(timed(fn, None, (state, x, token_ids), args.iters)[0])
         ms = {dispatch: float(np.median(s)) * 1e3 for dispatch, s in seconds.items()}
+        loop_ms = {
+            d: (ms.pop((d, args.loop)) - ms.pop((d, 1))) / (args.loop - 1) for d in list(ms) if (d, 1) in ms
+        }
         profiles = {}
-        for dispatch, fn in runs.items() if args.profile else ():
+        for dispatch, fn in [(d, fn) for d, fn in runs.items() if isinstance(d, str)] if args.profile else ():
             trace_dir = pathlib.Path(args.profile) / f"{tokens}_{dispatch}"
             with jax.profiler.trace(str(trace_dir)):
                 jax.block_until_ready([fn(None, (state, x, token_ids)) for _ in range(args.profile_calls)])
@@ -202,7 +226,9 @@ def main():
         row.update(
             {f"{d}_ms": v for d, v in ms.items()}, **{f"{d}_x_floor": v / floor_ms for d, v in ms.items()}
         )
-        row.update(round_ms={d: [t * 1e3 for t in s] for d, s in seconds.items()}, notes=notes)
+        row.update({f"{d}_loop_ms": v for d, v in loop_ms.items()})
+        row.update({f"{d}_loop_x_floor": v / floor_ms for d, v in loop_ms.items()})
+        row.update(round_ms={str(d): [t * 1e3 for t in s] for d, s in seconds.items()}, notes=notes)
         row.update(profiles=profiles)
         results["rows"].append(row)
         out.write_text(json.dumps(results, indent=1) + "\n")  # after every row: a later failure keeps these
@@ -211,6 +237,9 @@ def main():
             for d in args.dispatches
         )
         print(f"{tokens:6d} {distinct:7d} | {cells} | {floor_ms:8.3f}", flush=True)
+        if loop_ms:
+            cells = " | ".join(f"{loop_ms[d]:9.3f} ({loop_ms[d] / floor_ms:6.2f}x)" for d in loop_ms)
+            print(f"{'in a loop of ' + str(args.loop):>14s} | {cells} |", flush=True)
         for dispatch, note in notes.items():
             print(f"{'':15s}{dispatch}: {note}")
         for dispatch, p in profiles.items():
