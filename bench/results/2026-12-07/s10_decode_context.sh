@@ -13,3 +13,7 @@ for ctx in 4096:3072 36864:32768; do
   echo "== decode, prompts of $prompt: exit $?, $((SECONDS - start)) s"; grep -E "^\|" "$out/decode_$prompt.log" | tail -1
   grep -E "s$" "$out/decode_$prompt.log" | grep -v "^|" | tail -8
 done
+# issue 42's FP4 MoE layer at 8 and 64 tokens as the decode loop runs it (the slope of 8 calls in one fori_loop)
+timeout "${MOE_TIMEOUT:-120}" python3 bench/bench_moe.py --experts-format fp4 --tokens 8 64 --dispatches grouped \
+  --loop 8 --rounds 2 --out "$out/moe_loop.json" >"$out/moe_loop.log" 2>&1
+echo "== moe loop: exit $?"; tail -6 "$out/moe_loop.log"
