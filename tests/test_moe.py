@@ -418,12 +418,15 @@ def test_model_layer_dispatches_agree(hash_routed):
 @pytest.mark.parametrize("experts_format", ["float", FP4])
 def test_bench_moe_runs_tiny(tmp_path, experts_format):
     """bench/bench_moe.py end to end at toy shapes on this platform: a JSON row per token count; FP4 experts
-    (of hidden and intermediate 32) floored by their codes' and scales' bytes."""
+    (of hidden and intermediate 32) floored by their codes' and scales' bytes; float experts also timed in a
+    loop (``--loop``): a per-call time for each dispatch that ran."""
     out = tmp_path / "bench_moe.json"
     bench = pathlib.Path(__file__).resolve().parent.parent / "bench" / "bench_moe.py"
     tiny = "--experts 8 --hidden 32 --intermediate 16 --top-k 2 --iters 1 --rounds 1 --bandwidth-iters 1"
     command = [sys.executable, str(bench), *tiny.split(), "--tokens", "1", "5", "--copy-mib", "1"]
     command += ["--dispatches", "dense", "grouped", "--dense-max-tokens", "1", "--out", str(out)]
+    if experts_format != FP4:
+        command += ["--loop", "3"]
     if experts_format == FP4:
         command += [
             "--experts-format",
@@ -444,6 +447,9 @@ def test_bench_moe_runs_tiny(tmp_path, experts_format):
     fp4_bytes = 3 * 32 * 32 // 2 + 3 * 32 * 32 // 32  # half a byte a parameter, a scale byte per 32
     assert results["expert_bytes"] == (fp4_bytes if experts_format == FP4 else float_bytes)
     assert results["blocks"] == (["16:32,16,4,3,swap", "64:64,32,4,3"] if experts_format == FP4 else None)
+    looped = {key for row in rows for key in row if key.endswith("_loop_ms")}
+    assert looped == (set() if experts_format == FP4 else {"dense_loop_ms", "grouped_loop_ms"})
+    assert all(np.isfinite(row[key]) for row in rows for key in looped & row.keys())
 
 
 def test_sweep_gmm_runs_tiny(tmp_path):
