@@ -1,5 +1,4 @@
 import gc
-import importlib.metadata
 import os
 import shutil
 import tempfile
@@ -11,24 +10,11 @@ import tempfile
 #   module never meets executables compiled against the previous one. A cache the caller set is used as is.
 # - on a GPU: no GEMM autotuning (it runs candidate kernels for every GEMM shape of every compilation, and the
 #   tests check values, not speed), and no preallocation (the xdist workers share one GPU).
-# - on a host without jax's CUDA plugin (CI's 2-core CPU machine): XLA's quick CPU compilation (LLVM at -O0
-#   without its expensive passes, the elemental emitters instead of the MLIR fusion emitters). Most of the
-#   suite's time is XLA compiling small programs that run briefly: this halves the engine tests' compilations.
-#   The same operations are computed (no fast math either way); tests/multidevice compiled so already.
 OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if OWN_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_oc128_tests_cache_")
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_autotune_level=0"
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-CPU_HOST = not any(
-    (dist.metadata["Name"] or "").lower().replace("_", "-").startswith("jax-cuda")
-    for dist in importlib.metadata.distributions()
-)
-if CPU_HOST:
-    os.environ["XLA_FLAGS"] += (
-        " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-        " --xla_cpu_use_fusion_emitters=false"
-    )
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
