@@ -36,13 +36,14 @@ def test_info_names_versions_and_targets(capsys):
     assert "jax " in out and "flax" in out and "native targets:" in out and "oc128_verify" in out
 
 
-#: the demo tests' prompts and flags (one set of shapes: processes get their executables from the run's cache)
+#: the demo tests' prompts and flags (one set of shapes: the tree of 8 sets the model's draft banks, so the
+#: processes of the other demo tests get their executables from the run's cache)
 PROMPTS = ["Return the ", "Open the file and"]
 DEMO = ["demo", "--tokens", "24", "--draft", "2", "--batch", "2"] + [
     f"--prompt={prompt}" for prompt in PROMPTS
 ]
-#: the demo in a process of its own: plain and N = 2 only
-SHORT_DEMO = [*DEMO, "--tree"]
+#: the demo's modes: plain greedy, a chain of N = 2, the online state's default tree of 8
+MODES = ("plain", "speculative N=2", "tree N=8")
 
 
 def test_demo_prints_the_text_of_the_shipped_text_model(capsys, monkeypatch):
@@ -68,7 +69,7 @@ def test_demo_prints_the_text_of_the_shipped_text_model(capsys, monkeypatch):
     for prompt, tokens in zip(PROMPTS, plain, strict=True):
         assert f"{prompt} >>> {tokenizer.decode(tokens)}\n" in out
         assert any(c.isalpha() for c in tokenizer.decode(tokens))  # words, not noise
-    for mode in ("speculative N=2", "tree N=8"):  # the tree: the default mode of the online state
+    for mode in MODES[1:]:  # the tree: the default mode of the online state
         line = next(row for row in out.splitlines() if row.startswith(mode))
         assert line.endswith("yes")
         assert float(line.split()[-2]) > 1.2, line  # mean accepted length: the draft head was trained
@@ -79,20 +80,18 @@ def test_demo_prints_the_text_of_the_shipped_text_model(capsys, monkeypatch):
 def test_progress_into_a_pipe_has_no_carriage_returns():
     """stderr piped: no live updates (before, a carriage return per update), each mode's bar once at the
     end, full (the tokens generated: EOS may stop a request early), and a line as each phase starts and
-    ends, in order (a cold run compiles for minutes: a log shows where it is). The demo test's shapes: its
+    ends, in order (a cold run compiles for minutes: a log shows where it is). The demo test's flags: its
     executables come from the run's compilation cache."""
-    result = run_cli(*SHORT_DEMO)
+    result = run_cli(*DEMO)
     assert result.returncode == 0, result.stderr
     assert "\r" not in result.stderr
     lines = result.stderr.splitlines()
-    for mode in ("plain", "speculative N=2"):
+    for mode in MODES:
         [line] = [row for row in lines if row.startswith(mode)]
         assert re.search(r" (\d+)/\1 tokens", line), line
     phases = [row for row in lines if row.startswith("demo, ")]
-    assert len(phases) == 6, phases
-    for mode, (start, first, timed) in zip(
-        ("plain", "speculative N=2"), (phases[:3], phases[3:]), strict=True
-    ):
+    assert len(phases) == 3 * len(MODES), phases
+    for mode, (start, first, timed) in zip(MODES, (phases[:3], phases[3:6], phases[6:]), strict=True):
         assert start == f"demo, {mode}: compiling and a first run"
         assert re.fullmatch(rf"demo, {mode}: first run in [\d.]+ s, timing the second", first), first
         assert re.fullmatch(rf"demo, {mode}: \d+ tokens in [\d.]+ s", timed), timed
@@ -180,7 +179,7 @@ def test_bad_demo_flags_from_the_shell(checkpoints, flag, args):
 
 @pytest.mark.parametrize(
     "args",
-    [["info"], SHORT_DEMO],
+    [["info"], DEMO],
     ids=["info", "demo"],
 )
 def test_output_into_a_closed_pipe_is_quiet(args):
