@@ -108,6 +108,11 @@ def in_loop(graphdef, state, x, ids, *, calls: int):
     return jax.lax.fori_loop(0, calls, lambda _, x: x + 1e-6 * layer(x, ids), x)
 
 
+def loop_name(dispatch: str, calls: int) -> str:
+    """The name of ``dispatch``'s loop of ``calls`` calls (:func:`in_loop`) in a row's ``round_ms``."""
+    return f"{dispatch} in a loop of {calls}"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 2048, 8192])
@@ -184,7 +189,7 @@ def main():
         x = jax.random.normal(key, (1, tokens, config.hidden_size), jnp.float32)
         token_ids = jax.random.randint(key, (1, tokens), 0, config.vocab_size)
         distinct = len(np.unique(np.asarray(layer.route(x, token_ids)[0])))
-        runs, notes = {}, {}
+        runs, loops, notes = {}, {}, {}  # loops: per dispatch, the loops of 1 and --loop calls
         for dispatch in args.dispatches:
             if dispatch in ("dense", "grouped_ragged_dot") and tokens > args.dense_max_tokens:
                 notes[dispatch] = f"skipped: O(tokens x experts) above {args.dense_max_tokens} tokens"
@@ -202,17 +207,20 @@ def main():
             for calls in (1, args.loop) if args.loop > 1 else ():
                 looped = jax.jit(functools.partial(in_loop, graphdef, calls=calls))
                 compiled = looped.lower(state, x, token_ids).compile()
-                runs[dispatch, calls] = lambda _, consts, compiled=compiled: compiled(*consts)
-        seconds = {dispatch: [] for dispatch in runs}
+                loops[loop_name(dispatch, calls)] = lambda _, consts, compiled=compiled: compiled(*consts)
+        seconds = {name: [] for name in {**runs, **loops}}
         for _ in range(args.rounds):
-            for dispatch, fn in runs.items():
-                seconds[dispatch].append(timed(fn, None, (state, x, token_ids), args.iters)[0])
-        ms = {dispatch: float(np.median(s)) * 1e3 for dispatch, s in seconds.items()}
+            for name, fn in {**runs, **loops}.items():
+                seconds[name].append(timed(fn, None, (state, x, token_ids), args.iters)[0])
+        all_ms = {name: float(np.median(s)) * 1e3 for name, s in seconds.items()}
+        ms = {dispatch: all_ms[dispatch] for dispatch in runs}
         loop_ms = {
-            d: (ms.pop((d, args.loop)) - ms.pop((d, 1))) / (args.loop - 1) for d in list(ms) if (d, 1) in ms
+            d: (all_ms[loop_name(d, args.loop)] - all_ms[loop_name(d, 1)]) / (args.loop - 1)
+            for d in runs
+            if loop_name(d, 1) in loops
         }
         profiles = {}
-        for dispatch, fn in [(d, fn) for d, fn in runs.items() if isinstance(d, str)] if args.profile else ():
+        for dispatch, fn in runs.items() if args.profile else ():
             trace_dir = pathlib.Path(args.profile) / f"{tokens}_{dispatch}"
             with jax.profiler.trace(str(trace_dir)):
                 jax.block_until_ready([fn(None, (state, x, token_ids)) for _ in range(args.profile_calls)])
@@ -228,7 +236,7 @@ def main():
         )
         row.update({f"{d}_loop_ms": v for d, v in loop_ms.items()})
         row.update({f"{d}_loop_x_floor": v / floor_ms for d, v in loop_ms.items()})
-        row.update(round_ms={str(d): [t * 1e3 for t in s] for d, s in seconds.items()}, notes=notes)
+        row.update(round_ms={name: [t * 1e3 for t in s] for name, s in seconds.items()}, notes=notes)
         row.update(profiles=profiles)
         results["rows"].append(row)
         out.write_text(json.dumps(results, indent=1) + "\n")  # after every row: a later failure keeps these
