@@ -9,7 +9,7 @@
 source "$(dirname "$0")/../2026-12-06/s5_build.sh"
 rm -rf /tmp/prof /tmp/hlo
 export XLA_PYTHON_CLIENT_MEM_FRACTION=.95
-slots=${SLOTS:-8}; chunk=$((slots > 8 ? 512 : 2048))
+slots=${SLOTS:-8}; chunk=$((slots > 8 ? 128 : 2048))
 XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_decode" \
   timeout "${PROFILE_TIMEOUT:-480}" python3 bench/bench_decode.py --configs v4flash-slice --layers 6 --experts 256 \
   --weights released --backends online --modes plain --slots "$slots" --steps-per-dispatch 16 --prompt-len 32768 \
