@@ -208,9 +208,10 @@ def main():
                 looped = jax.jit(functools.partial(in_loop, graphdef, calls=calls))
                 compiled = looped.lower(state, x, token_ids).compile()
                 loops[loop_name(dispatch, calls)] = lambda _, consts, compiled=compiled: compiled(*consts)
-        seconds = {name: [] for name in {**runs, **loops}}
+        timed_runs = {**runs, **loops}
+        seconds = {name: [] for name in timed_runs}
         for _ in range(args.rounds):
-            for name, fn in {**runs, **loops}.items():
+            for name, fn in timed_runs.items():
                 seconds[name].append(timed(fn, None, (state, x, token_ids), args.iters)[0])
         all_ms = {name: float(np.median(s)) * 1e3 for name, s in seconds.items()}
         ms = {dispatch: all_ms[dispatch] for dispatch in runs}

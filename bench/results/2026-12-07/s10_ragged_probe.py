@@ -1,6 +1,6 @@
 """Probe (issue 42: the bf16 MoE at 8192 tokens <= 1.3x; the FP4 experts at prefill sizes at the tensor
 cores' rate): jax's own Mosaic GPU ragged dot (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`, wgmma +
-TMA) against the project's Pallas (Triton) grouped matmul bf16, at V4-Flash's expert
+TMA) against the project's Pallas (Triton) grouped matmul, bf16, at V4-Flash's expert
 shapes: the (token, expert) rows of random top-6 routing over 256 experts, the gate/up projection (N 4096, K
 4096) and the down projection (N 4096, K 2048). Kernel us by CUPTI (jax's mosaic profiler), TFLOP/s against
 a dense bf16 matmul measured in the same run. A probe: its tilings are a small sweep, nothing here is the
