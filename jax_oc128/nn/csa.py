@@ -69,15 +69,22 @@ def bf16_keys(keys):
 
 
 def split_bf16(q):
-    """``q`` ``[..., d]`` float32 as three bfloat16 parts side by side, ``[hi | mid | lo]`` ``[..., 3 d]``,
-    each the rounded remainder of the ones before: ``hi + mid + lo == q`` exactly for ``|q| >= 2^-110`` (24
-    significant bits in three parts of 8; each remainder is exact in float32) and zero. Below, a part falls
-    under bfloat16's subnormals (or is flushed where a platform flushes subnormals): ``q`` loses bits under
-    ``2^-133``."""
-    hi = q.astype(jnp.bfloat16)
-    mid = (q - hi.astype(jnp.float32)).astype(jnp.bfloat16)
-    lo = (q - hi.astype(jnp.float32) - mid.astype(jnp.float32)).astype(jnp.bfloat16)
-    return jnp.concatenate([hi, mid, lo], axis=-1)
+    """``q`` ``[..., d]`` float32 as three bfloat16 parts side by side, ``[hi | mid | lo]`` ``[..., 3 d]``:
+    ``hi`` is ``q``'s leading 8 significant bits (its encoding's low 16 bits cleared), ``mid`` the same of
+    the remainder, ``lo`` what is left, so ``hi + mid + lo == q`` exactly for ``|q| >= 2^-110`` (24
+    significant bits in three parts of 8; each remainder is exact in float32) and zero. Below, ``lo`` falls
+    under bfloat16's subnormals: ``q`` loses bits under ``2^-133``. The parts are cut by bits, not by a
+    float32 -> bfloat16 -> float32 round trip, which XLA's GPU compiler may drop as excess precision (every
+    remainder then zero)."""
+
+    def lead(x):
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000)
+        return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+    hi = lead(q)
+    mid = lead(q - hi)
+    lo = q - hi - mid
+    return jnp.concatenate([hi, mid, lo], axis=-1).astype(jnp.bfloat16)
 
 
 def key_products(q, keys):
