@@ -94,6 +94,7 @@ def test_streamed_picks_equal_whole(stored, nodes, monkeypatch):
     compressor = layer.compressor
     inputs = indexer_inputs(5, 12, stored, nodes)
     monkeypatch.setattr(csa, "KEY_CHUNK", SMALL_CHUNK)
+    monkeypatch.setattr(csa, "SCORE_BYTES", 0)  # KEY_CHUNK keys a chunk
     picks = jax.jit(compressor.select)(*inputs)
     want, top = jax.jit(whole_select, static_argnums=0)(compressor, *inputs)
     np.testing.assert_array_equal(picks, want)
@@ -118,6 +119,7 @@ def test_kernel_path_picks_equal_jnp_path(stored, nodes, monkeypatch):
     q_res, positions, queries, keys = inputs
     head_weights, limit, node_mask = queries
     monkeypatch.setattr(csa, "KEY_CHUNK", SMALL_CHUNK)
+    monkeypatch.setattr(csa, "SCORE_BYTES", 0)  # KEY_CHUNK keys a chunk
     monkeypatch.setattr(csa, "KERNEL_KEY_CHUNK", SMALL_CHUNK)
     with jax.default_device(CPU):
         want = np.asarray(jax.jit(compressor.select)(*inputs))
@@ -158,6 +160,7 @@ def test_layer_in_the_loop_equals_at_once(monkeypatch):
     caches = (dataclasses.replace(cache, entries=nan[0], index_keys=nan[1]), None)
     monkeypatch.setattr(attend, "LOOP_QUERIES", 256)
     monkeypatch.setattr(csa, "KEY_CHUNK", SMALL_CHUNK)
+    monkeypatch.setattr(csa, "SCORE_BYTES", 0)  # KEY_CHUNK keys a chunk
     looped, looped_caches = run_layer_chunks(layer, (300, 40), caches)
     monkeypatch.setattr(attend, "LOOP_QUERIES", 1 << 30)
     monkeypatch.setattr(csa, "KEY_CHUNK", 1 << 30)
@@ -173,3 +176,85 @@ def test_indexer_memory_at_128k_context():
     context needs under 2 GiB of temporaries (the issue's bound; 128 GiB with the indexer's scores over every
     entry for the whole chunk at once)."""
     assert 0 < window_memory.temp_bytes(8192, "csa") < 2 * 2**30
+
+
+# V4-Flash's indexer: 64 heads of 128 channels
+V4_HEADS, V4_DIM = 64, 128
+
+
+def v4_keys(seed, fmt):
+    """Random V4-shaped queries ``[2, 3, 64, 128]`` float32 (rotated queries' scale, a few far smaller) and
+    stored keys ``[2, 256, 128]`` of ``fmt`` (every value a bfloat16)."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((2, 3, V4_HEADS, V4_DIM)) * np.exp2(rng.integers(-20, 4, (2, 3, V4_HEADS, 1)))
+    keys = jnp.asarray(rng.standard_normal((2, 256, V4_DIM)), jnp.float32)
+    return jnp.asarray(q, jnp.float32), kv_cache.encode(keys, kv_cache.zeros(keys.shape, fmt))
+
+
+def test_split_bf16_is_exact():
+    """hi + mid + lo (float64) equals q for float32 of every exponent from 2^-110 up, and zero."""
+    rng = np.random.default_rng(3)
+    q = (rng.standard_normal(4096) * np.exp2(rng.integers(-100, 100, 4096))).astype(np.float32)
+    q[:8] = [0.0, -0.0, 2.0**-110, -(2.0**-110) * 1.75, 1.0 + 2.0**-23, -(2.0**100), 3.0, 1 / 3]
+    parts = np.asarray(csa.split_bf16(jnp.asarray(q)).astype(jnp.float32), np.float64).reshape(3, -1)
+    np.testing.assert_array_equal(parts.sum(0), q.astype(np.float64))
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "fp4", "fp8"])
+def test_key_products_are_float32_exact(fmt):
+    """V4's shapes, bfloat16 / FP4 / FP8 keys: the keys' values are bfloat16s (bf16_keys), and the three-part
+    tensor-core product equals the float64 q·k within float32's accumulation bound, ``g_n Σ|q_i k_i|``
+    (``n = 3 * 128`` exact products summed, ``g_n = n u / (1 - n u)``, ``u = 2^-24``); q rounded to bfloat16
+    once (one part) breaks that bound."""
+    q, stored = v4_keys(11, fmt)
+    keys64 = np.asarray(kv_cache.decode(stored), np.float64)
+    np.testing.assert_array_equal(np.asarray(csa.bf16_keys(stored), np.float64), keys64)
+    q64 = np.asarray(q, np.float64)
+    exact = np.einsum("bthi,bei->bthe", q64, keys64)
+    n, u = 3 * V4_DIM, 2.0**-24
+    bound = n * u / (1 - n * u) * np.einsum("bthi,bei->bthe", np.abs(q64), np.abs(keys64))
+    got = np.asarray(jax.jit(csa.key_products)(q, stored), np.float64)
+    assert (np.abs(got - exact) <= bound).all(), np.max(np.abs(got - exact) / bound)
+    one_part = np.einsum("bthi,bei->bthe", np.asarray(q.astype(jnp.bfloat16), np.float64), keys64)
+    assert (np.abs(one_part - exact) > bound).any()
+
+
+def test_float32_keys_keep_the_float32_product():
+    """float32 keys (not bfloat16 values) take the float32 product: equal to it bit for bit."""
+    q, _ = v4_keys(12, "bfloat16")
+    keys = jnp.asarray(np.random.default_rng(12).standard_normal((2, 256, V4_DIM)), jnp.float32)
+    assert csa.bf16_keys(keys) is None
+    want = jnp.einsum("bthi,bei->bthe", q, keys, precision=FULL)
+    np.testing.assert_array_equal(jax.jit(csa.key_products)(q, keys), want)
+
+
+def test_bf16_keys_pick_as_float32():
+    """The streamed picks over bfloat16 keys (three-part products, chunks of k keys) equal the whole float32
+    computation's over the same values (ties and all)."""
+    layer = DeepseekV4Attention(LAYER_CONFIG, max_draft=MODEL_RUNTIME.max_draft, rngs=nnx.Rngs(1))
+    *inputs, keys = indexer_inputs(5, 12, 61, 0)
+    keys = keys.astype(jnp.bfloat16)
+    picks = jax.jit(layer.compressor.select)(*inputs, keys)
+    want, _ = jax.jit(whole_select, static_argnums=0)(layer.compressor, *inputs, keys)
+    np.testing.assert_array_equal(picks, want)
+
+
+@pytest.mark.parametrize(
+    "batch, tokens, count, want",
+    [
+        (64, 1, 8192, 8192),
+        (64, 2, 8192, 8192),
+        (64, 5, 8192, 2731),
+        (1, 512, 32768, 2048),
+        (64, 128, 8192, 1024),
+    ],
+    ids=["decode", "mtp", "verify", "prefill", "prefill-64"],
+)
+def test_key_chunk_by_bytes(batch, tokens, count, want):
+    """V4's 64 index heads: a decode at a 32k context (8192 keys) scores every key at once; more queries split
+    the keys into equal chunks whose scores fit SCORE_BYTES; at least KEY_CHUNK keys a chunk."""
+    chunk = csa.key_chunk(batch, tokens, V4_HEADS, count, csa.KEY_CHUNK)
+    assert chunk == want
+    assert (
+        chunk == count or 4 * batch * tokens * V4_HEADS * chunk <= csa.SCORE_BYTES or chunk == csa.KEY_CHUNK
+    )

@@ -38,10 +38,66 @@ from jax_oc128.reference import pool
 RATE = 4
 #: raw rows an entry reads before the window it closes: the previous window's A halves and its own
 LOOKBACK = 2 * RATE
-#: indexer keys scored at once per query (:meth:`CSACompressor.select`; at least ``index_topk``)
+#: the fewest indexer keys scored at once per query (:meth:`CSACompressor.select`; at least ``index_topk``)
 KEY_CHUNK = 1024
+#: bytes of the indexer's per-head scores of a chunk of keys, ``[batch, L, index_heads, chunk]`` float32, that
+#: :func:`key_chunk` sizes the chunk to (more keys where fewer queries: a decode's every key in one chunk)
+SCORE_BYTES = 256 * 2**20
 #: the same where the scores come from the indexer op (``attention_impl`` "kernel"): fewer top-k merges
 KERNEL_KEY_CHUNK = 8192
+
+
+def key_chunk(batch: int, tokens: int, heads: int, count: int, least: int) -> int:
+    """The indexer keys scored at once (static) by ``tokens`` queries of ``batch`` rows with ``heads`` index
+    heads over ``count`` keys: the fewest equal chunks whose per-head scores (``[batch, tokens, heads,
+    chunk]`` float32) fit :data:`SCORE_BYTES`, each at least ``least`` keys (and at most ``count``)."""
+    fits = max(least, SCORE_BYTES // (4 * batch * tokens * heads))
+    chunks = -(-count // fits)
+    return min(count, max(least, -(-count // chunks)))
+
+
+def bf16_keys(keys):
+    """The stored indexer keys ``[batch, E, dim]`` as bfloat16 where every value they hold is a bfloat16
+    (static, by format), else None: bfloat16 arrays; :class:`~jax_oc128.nn.kv_cache.FP4Keys` (e2m1, 2
+    significant bits, times ``2^e`` with ``e >= -125``: zero or normal); :class:`~jax_oc128.nn.kv_cache.
+    FP8Entries` (e4m3, 4 significant bits, times a power of two, and bfloat16 RoPE channels; only a key whose
+    scale is the floor ``2^-125``, ``max |key| < 2^-117``, may hold e4m3 subnormals ``j 2^-134`` below
+    bfloat16's subnormals, float32 subnormals that round here). float32 arrays: None."""
+    if isinstance(keys, kv_cache.FP4Keys | kv_cache.FP8Entries):
+        return kv_cache.decode(keys).astype(jnp.bfloat16)
+    return keys if keys.dtype == jnp.bfloat16 else None
+
+
+def split_bf16(q):
+    """``q`` ``[..., d]`` float32 as three bfloat16 parts side by side, ``[hi | mid | lo]`` ``[..., 3 d]``:
+    ``hi`` is ``q``'s leading 8 significant bits (its encoding's low 16 bits cleared), ``mid`` the same of
+    the remainder, ``lo`` what is left, so ``hi + mid + lo == q`` exactly for ``|q| >= 2^-110`` (24
+    significant bits in three parts of 8; each remainder is exact in float32) and zero. Below, ``lo`` falls
+    under bfloat16's subnormals: ``q`` loses bits under ``2^-133``. The parts are cut by bits, not by a
+    float32 -> bfloat16 -> float32 round trip, which XLA's GPU compiler may drop as excess precision (every
+    remainder then zero)."""
+
+    def lead(x):
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000)
+        return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+    hi = lead(q)
+    mid = lead(q - hi)
+    lo = q - hi - mid
+    return jnp.concatenate([hi, mid, lo], axis=-1).astype(jnp.bfloat16)
+
+
+def key_products(q, keys):
+    """``q · k`` per head, ``[batch, L, heads, E]`` float32, of the queries ``q`` ``[batch, L, heads, dim]``
+    float32 and the stored keys ``keys`` ``[batch, E, dim]``. Keys of bfloat16 values (:func:`bf16_keys`):
+    one bfloat16 contraction of ``3 dim`` channels on the tensor cores, :func:`split_bf16`'s parts against
+    the keys thrice, every product ``part * k`` exact in float32 (8 by 8 significant bits) and summed in
+    float32, as float32 products are; only the order of the sum differs. float32 keys: a float32 product."""
+    k = bf16_keys(keys)
+    if k is None:
+        return jnp.einsum("bthi,bei->bthe", q, kv_cache.decode(keys), precision=FULL)
+    k3 = jnp.concatenate([k, k, k], axis=-1)
+    return jnp.einsum("bthc,bec->bthe", split_bf16(q), k3, preferred_element_type=jnp.float32)
 
 
 def ring_rows(max_draft: int) -> int:
@@ -235,9 +291,11 @@ class CSACompressor(nnx.Module):
     def select(self, q_res, positions, queries: IndexerQueries, keys, *, impl: str = "jnp"):
         """The indexer's picks for L queries: ``[batch, L, k]`` int32 indices of the entries, the top ``k =
         min(index_topk, E)`` of those each query sees by its score (ties: the lower index first, as
-        ``lax.top_k``), -1 past the visible ones where fewer than k are visible. The scores are made
-        :data:`KEY_CHUNK` keys at a time, each chunk's merged into a running top k, so that no ``[L,
-        index_heads, E]`` tensor exists.
+        ``lax.top_k``), -1 past the visible ones where fewer than k are visible. The scores are made a
+        chunk of keys at a time (:func:`key_chunk`: a decode's every key at once, a long chain's query group
+        about :data:`KEY_CHUNK`), each chunk's merged into a running top k, so that no ``[L, index_heads,
+        E]`` tensor past :data:`SCORE_BYTES` exists. The products are :func:`key_products`', then
+        ``Σ_h w_h ReLU(q_h · k) dI^-½`` a float32 multiply and sum over the heads.
 
         Args:
           q_res: ``[batch, L, q_lora_rank]`` float32: the queries' normed LoRA residual.
@@ -257,7 +315,10 @@ class CSACompressor(nnx.Module):
         k = min(c.topk, count)
         stored = count - (0 if nodes is None else nodes.shape[2])
         kernel = attend.resolve(impl) == "kernel"
-        chunk = min(count, max(KERNEL_KEY_CHUNK if kernel else KEY_CHUNK, k))
+        if kernel:
+            chunk = min(count, max(KERNEL_KEY_CHUNK, k))
+        else:
+            chunk = key_chunk(batch, tokens, c.num_heads, count, max(KEY_CHUNK, k))
         q_op = q.astype(jnp.bfloat16) if kernel else None
 
         def scores(i):
@@ -265,22 +326,19 @@ class CSACompressor(nnx.Module):
             chunk ends at the last key: those of its keys an earlier chunk scored are unseen here."""
             start = jnp.minimum(i * chunk, count - chunk)
             index = start + jnp.arange(chunk)
-            part = kv_cache.decode(
-                jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, chunk, axis=1), keys)
-            )
+            part = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, chunk, axis=1), keys)
             if kernel:  # the op's limit: the chain's, or every key (a tree's nodes are masked below)
                 below = jnp.minimum(limit, stored) - start if nodes is None else chunk
                 score = indexer_op.indexer_scores(
                     q_op,
-                    part.astype(jnp.bfloat16),
+                    kv_cache.decode(part).astype(jnp.bfloat16),
                     queries.head_weights,
                     jnp.broadcast_to(below, limit.shape).astype(jnp.int32),
                     scale=c.head_dim**-0.5,
                 )
             else:
-                relu = jnp.einsum("bthi,bei->bthe", q, part, precision=FULL)
-                relu = jax.nn.relu(relu) * c.head_dim**-0.5
-                score = jnp.einsum("bth,bthe->bte", queries.head_weights, relu, precision=FULL)
+                relu = jax.nn.relu(key_products(q, part)) * c.head_dim**-0.5
+                score = jnp.sum(queries.head_weights[..., None] * relu, axis=2)
             seen = index < jnp.minimum(limit, stored)[..., None]
             if nodes is not None:
                 node = index - stored
