@@ -152,11 +152,12 @@ def temp_bytes(max_len: int, pages, context) -> int:
 @pytest.mark.parametrize("pages", [None, POOL], ids=["dense", "paged"])
 def test_bounded_reads_follow_the_context(pages):
     """A prefill chunk's compiled program bounded to 256 positions needs the same temporary bytes at max_len
-    16384 as at 1024 (its shapes follow the context), and fewer than half of the unbounded one's at 16384
-    (the indexer's keys of every entry, dense and paged; 3.1x and 15x measured)."""
-    bounded = temp_bytes(16384, pages, CONTEXT)
+    65536 as at 1024 (its shapes follow the context), and fewer than half of the unbounded one's at 65536
+    (the indexer's keys of every entry, dense and paged; 6.8x and 34x measured). At 16384 the unbounded
+    program's every-entry buffers are still near the bounded one's other temporaries (1.8x dense)."""
+    bounded = temp_bytes(65536, pages, CONTEXT)
     assert bounded == temp_bytes(1024, pages, CONTEXT)
-    assert bounded < temp_bytes(16384, pages, None) // 2
+    assert bounded < temp_bytes(65536, pages, None) // 2
 
 
 def test_context_bucket():
@@ -220,19 +221,20 @@ def test_slot_entries_are_read_where_stored():
 
 def test_bench_context_runs(capsys):
     """bench/bench_context.py at tiny sizes: a table row per max_len, forward and bound, the bounded prefill
-    chunk's temporaries below the unbounded one's at the larger max_len."""
+    chunk's temporaries below the unbounded one's at the larger max_len (65536: at 2048 the unbounded
+    chunk's every-entry buffers fit under its other temporaries)."""
     bench_context.main(
-        ["--max-lens", "512", "2048", "--prompt", "20", "--chunk", "8", "--floor", "256", "--reps", "1"]
+        ["--max-lens", "512", "65536", "--prompt", "20", "--chunk", "8", "--floor", "256", "--reps", "1"]
     )
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
     assert [(r[0], r[1], r[2]) for r in rows] == [
         (f"| {n}", forward, bound)
-        for n in ("512", "2048")
+        for n in ("512", "65536")
         for forward in ("prefill chunk", "decode")
         for bound in ("256", "None")
     ]
     temp = {(r[0], r[1], r[2]): float(r[4]) for r in rows}
-    assert temp["| 2048", "prefill chunk", "256"] < temp["| 2048", "prefill chunk", "None"]
+    assert temp["| 65536", "prefill chunk", "256"] < temp["| 65536", "prefill chunk", "None"]
 
 
 # the engine's runs: 3 requests over 2 slots (one waits), crossing the buckets of 128 and 256 positions in
@@ -290,12 +292,13 @@ def test_engine_tokens_are_the_unbounded_ones(
 
 
 def test_engine_decode_cost_follows_the_bucket(monkeypatch):
-    """The engine's compiled decode dispatch (plain, K = 1) at max_len 16384 bounded to the bucket of 256
+    """The engine's compiled decode dispatch (plain, K = 1) at max_len 65536 bounded to the bucket of 256
     positions: fewer temporary bytes and a third of the FLOPs of the same unbounded (the indexer's scores
-    over every CSA entry), the same argument bytes (the decode state). The indexer scores its keys in one
+    over every CSA entry; at 16384 they fit under the step's other temporaries), the same argument bytes
+    (the decode state). The indexer scores its keys in one
     chunk: XLA's cost analysis counts a loop's body once, not once per chunk."""
     monkeypatch.setattr(csa, "KEY_CHUNK", 1 << 30)
-    model = SpeculativeModel(CONFIG, dataclasses.replace(RUNTIME, max_len=16384), rngs=nnx.Rngs(3))
+    model = SpeculativeModel(CONFIG, dataclasses.replace(RUNTIME, max_len=65536), rngs=nnx.Rngs(3))
     bounded = Engine(model, 2, steps_per_dispatch=1)
     state, stops = bounded.init_state(), arguments.stop_array(())
 
