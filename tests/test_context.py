@@ -295,8 +295,8 @@ def test_engine_decode_cost_follows_the_bucket(monkeypatch):
     """The engine's compiled decode dispatch (plain, K = 1) at max_len 65536 bounded to the bucket of 256
     positions: fewer temporary bytes and a third of the FLOPs of the same unbounded (the indexer's scores
     over every CSA entry; at 16384 they fit under the step's other temporaries), the same argument bytes
-    (the decode state). The indexer scores its keys in one
-    chunk: XLA's cost analysis counts a loop's body once, not once per chunk."""
+    (the decode state). The indexer scores its keys in one chunk: XLA's cost analysis counts a loop's body
+    once, not once per chunk."""
     monkeypatch.setattr(csa, "KEY_CHUNK", 1 << 30)
     model = SpeculativeModel(CONFIG, dataclasses.replace(RUNTIME, max_len=65536), rngs=nnx.Rngs(3))
     bounded = Engine(model, 2, steps_per_dispatch=1)

@@ -294,8 +294,8 @@ class CSACompressor(nnx.Module):
         ``lax.top_k``), -1 past the visible ones where fewer than k are visible. The scores are made a
         chunk of keys at a time (:func:`key_chunk`: a decode's every key at once, a long chain's query group
         about :data:`KEY_CHUNK`), each chunk's merged into a running top k, so that no ``[L, index_heads,
-        E]`` tensor past :data:`SCORE_BYTES` exists. The products are :func:`key_products`', then
-        ``Σ_h w_h ReLU(q_h · k) dI^-½`` a float32 multiply and sum over the heads.
+        E]`` tensor past :data:`SCORE_BYTES` exists. The products come from :func:`key_products`; the
+        score ``Σ_h w_h ReLU(q_h · k) dI^-½`` is a float32 multiply and sum over the heads.
 
         Args:
           q_res: ``[batch, L, q_lora_rank]`` float32: the queries' normed LoRA residual.
