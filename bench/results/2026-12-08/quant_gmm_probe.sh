@@ -7,6 +7,7 @@
 #   g4w4   kGroups 4, kWarps 4, kMinBlocks 2
 #   mb2    kMinBlocks 2
 #   mb4    kMinBlocks 4
+#   g1mb4  kGroups 1 (16 weight rows a block), kMinBlocks 4
 # Run from the repository root; logs to $OUT. ~1 minute on an H100.
 set -u
 out=${OUT:-gpu_out}; mkdir -p "$out"
@@ -17,6 +18,7 @@ declare -A sed_of=(
   [base]="" [g4]="s/kGroups = 2;/kGroups = 4;/; s/kMinBlocks = 3;/kMinBlocks = 2;/" [w4]="s/kWarps = 8;/kWarps = 4;/"
   [g4w4]="s/kGroups = 2;/kGroups = 4;/; s/kWarps = 8;/kWarps = 4;/; s/kMinBlocks = 3;/kMinBlocks = 2;/"
   [mb2]="s/kMinBlocks = 3;/kMinBlocks = 2;/" [mb4]="s/kMinBlocks = 3;/kMinBlocks = 4;/"
+  [g1mb4]="s/kGroups = 2;/kGroups = 1;/; s/kMinBlocks = 3;/kMinBlocks = 4;/"
 )
 variants=${VARIANTS:-base g4 w4 g4w4 mb2 mb4}
 for v in $variants; do
