@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The thirteenth session's second GPU call (an H200): issue 42's rows on the H200. The MoE layer, bf16 and FP4
-# experts, 8-8192 tokens (each against this run's copy rate), then the released slice's plain decode step at a
-# 4k context, 8 slots, device-only. Logs to $OUT.
+# The thirteenth session's second GPU call (an H200): issue 42's rows on the H200. The MoE layer, FP4 experts,
+# 8-8192 tokens (against this run's copy rate), then the released slice's plain decode step at a 4k context, 8
+# slots, device-only. Logs to $OUT. Its bf16 row exited at once: bench_moe.py names bf16 experts "float" (with
+# the model's bfloat16 dtype); s13_call3.sh ran it.
 source "$(dirname "$0")/../2026-12-06/s5_build.sh"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=.95
 for fmt in fp4 bf16; do
