@@ -11,12 +11,13 @@
 // t = lane % 4) of a chunk owns its load 4 chunk + t: 16 bytes of weight rows g and g + 8 (a warp reads 64
 // contiguous bytes of 8 rows) and the same columns of x rows g (and 8 + g), read a 4-byte word of codes' worth
 // (the B operand of its MMAs) just before their MMAs. Each code is decoded in registers to bfloat16 times its
-// e8m0 scale, exactly for the scales the loader accepts (Decoder): FP4 as gmm_pallas does (nn/grouped_matmul.py,
-// FP4_BF16_PTX), the k order of A and B permuted alike; FP8 in column order. The registers are bounded for
-// kMinBlocks blocks a multiprocessor. The warps' float32 products are summed in shared memory in a fixed order;
-// with a split of K (the workspace given) each part's sums go to the workspace and a second kernel adds the parts
-// in their order: deterministic run to run. bfloat16 rows and e8m0 scales only. The handler only launches on
-// XLA's stream.
+// e8m0 scale, exactly for the scales the loader accepts (Decoder): FP4 codes j and j + 4 of a word as one pair
+// by shifts and masks (x's columns paired alike), FP8 in column order; one multiply a pair by the scale where the
+// scale times the decoding's offset is a bfloat16 number, else two (chosen per warp and chunk by a vote). The
+// registers are bounded for kMinBlocks blocks a multiprocessor. The warps' float32 products are summed in shared memory
+// in a fixed order; with a split of K (the workspace given) each part's sums go to the workspace and a second kernel
+// adds the parts in their order: deterministic run to run. bfloat16 rows and e8m0 scales only. The handler only
+// launches on XLA's stream.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -36,80 +37,93 @@ constexpr int kXRows = 8;      // x rows of an MMA (its N); a pass takes up to t
 constexpr int kHalvesMax = 2;
 constexpr int kCombineThreads = 256;
 
-// The bfloat16 pairs of one nibble of bytes 0, 1 (d[0]) and 2, 3 (d[1]) of `w`, low nibbles (kHigh false) or
-// high ones, times the scale pair s: gmm_pallas's FP4_BF16_PTX.
-template <bool kHigh>
-__device__ __forceinline__ void decode_e2m1(uint32_t w, uint32_t s, uint32_t& d0, uint32_t& d1) {
-  uint32_t q0, q1, t0, t1;
-  asm("prmt.b32 %0, %2, 0, 0x1404;\n prmt.b32 %1, %2, 0, 0x3424;" : "=r"(q0), "=r"(q1) : "r"(w));
-  if (!kHigh) {
-    q0 <<= 4;
-    q1 <<= 4;
-  }
-  t0 = (q0 >> 6) & 0x01C001C0u;
-  t1 = (q1 >> 6) & 0x01C001C0u;
-  asm("lop3.b32 %0, %0, 0x80008000, %1, 0xEA;" : "+r"(q0) : "r"(t0));
-  asm("lop3.b32 %0, %0, 0x80008000, %1, 0xEA;" : "+r"(q1) : "r"(t1));
-  asm("mul.rn.bf16x2 %0, %0, %3;\n mul.rn.bf16x2 %0, %0, %2;\n mul.rn.bf16x2 %1, %1, %3;\n mul.rn.bf16x2 %1, %1, %2;"
-      : "+r"(q0), "+r"(q1)
-      : "r"(s), "r"(0x7E807E80u));  // 2^126 in both halves
-  d0 = q0;
-  d1 = q1;
+// a * b on bfloat16 pairs.
+__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
 }
 
-// The bfloat16 pairs of the e4m3 codes of bytes 0, 1 (d0) and 2, 3 (d1) of `w`, times the scale pair s. Each
-// byte goes to bits 8-15 of its half (prmt) and its magnitude to bits 4-10: the code's sign, exponent and
-// mantissa as bfloat16's sign, exponent bits 3-0 and first mantissa bits, its value times 2^-120 (the subnormal
-// codes too, as bfloat16 subnormals), which a multiply by 2^120 makes the value and one by the scale the weight,
-// both exact (powers of two; the loader keeps every weight normal). A NaN code (magnitude 0x7F, whose byte of n
-// has its top bit set) has its half set to all ones by prmt's sign replication: a bfloat16 NaN, NaN after the
-// multiplies.
-__device__ __forceinline__ void decode_e4m3(uint32_t w, uint32_t s, uint32_t& d0, uint32_t& d1) {
+// 2^(e - 127) in both halves of a bfloat16 pair, for the exponent field e in [1, 254].
+__device__ __forceinline__ uint32_t pow2_pair(uint32_t e) { return (e << 7) | (e << 23); }
+
+// A decoded pair (the codes' values times 2^-kShift, exact) times the scale pair s: kWide, by 2^kShift and then
+// by s = 2^(e - 127); else by s = 2^(e - 127 + kShift) at once, a bfloat16 number where e <= 254 - kShift.
+// Powers of two: both exact where the weight is a normal bfloat16 number (the exponents the loader accepts).
+template <bool kWide, uint32_t kShift>
+__device__ __forceinline__ uint32_t scaled(uint32_t pair, uint32_t s) {
+  return mul_bf16x2(kWide ? mul_bf16x2(pair, pow2_pair(127 + kShift)) : pair, s);
+}
+
+// The bfloat16 pair of codes j (low half) and j + 4 (high half) of a word of FP4 codes (code c at bits 4c to
+// 4c + 3), each the code's value times 2^-126: its sign to bit 15 of its half, its exponent and mantissa to bits
+// 6-8 (bfloat16's two lowest exponent bits and first mantissa bit; exponent 0 makes the subnormal 0.5 m).
+template <int J>
+__device__ __forceinline__ uint32_t e2m1_pair(uint32_t w) {
+  constexpr int kSign = 12 - 4 * J, kBits = 6 - 4 * J;
+  uint32_t bits;
+  if constexpr (kBits >= 0)
+    bits = w << kBits;
+  else
+    bits = w >> -kBits;
+  return ((w << kSign) & 0x80008000u) | (bits & 0x01C001C0u);
+}
+
+// The bfloat16 pairs of the e4m3 codes of bytes 0, 1 (d0) and 2, 3 (d1) of `w`, each the code's value times
+// 2^-120. Each byte goes to bits 8-15 of its half (prmt) and its magnitude to bits 4-10: the code's sign,
+// exponent and mantissa as bfloat16's sign, exponent bits 3-0 and first mantissa bits (the subnormal codes as
+// bfloat16 subnormals). A NaN code (magnitude 0x7F, whose byte of n has its top bit set) has its half set to all
+// ones by prmt's sign replication: a bfloat16 NaN, NaN after the multiplies.
+__device__ __forceinline__ void e4m3_pairs(uint32_t w, uint32_t& d0, uint32_t& d1) {
   const uint32_t n = (w & 0x7F7F7F7Fu) + 0x01010101u;
   uint32_t q0, q1, nan0, nan1;
   asm("prmt.b32 %0, %2, 0, 0x1404;\n prmt.b32 %1, %2, 0, 0x3424;" : "=r"(q0), "=r"(q1) : "r"(w));
   asm("prmt.b32 %0, %2, 0, 0x9988;\n prmt.b32 %1, %2, 0, 0xBBAA;" : "=r"(nan0), "=r"(nan1) : "r"(n));
-  q0 = (q0 & 0x80008000u) | ((q0 >> 4) & 0x07F007F0u) | nan0;
-  q1 = (q1 & 0x80008000u) | ((q1 >> 4) & 0x07F007F0u) | nan1;
-  asm("mul.rn.bf16x2 %0, %0, %3;\n mul.rn.bf16x2 %0, %0, %2;\n mul.rn.bf16x2 %1, %1, %3;\n mul.rn.bf16x2 %1, %1, %2;"
-      : "+r"(q0), "+r"(q1)
-      : "r"(s), "r"(0x7B807B80u));  // 2^120 in both halves
-  d0 = q0;
-  d1 = q1;
+  d0 = (q0 & 0x80008000u) | ((q0 >> 4) & 0x07F007F0u) | nan0;
+  d1 = (q1 & 0x80008000u) | ((q1 >> 4) & 0x07F007F0u) | nan1;
 }
 
 // Per format: the MMAs one 4-byte word of a weight row feeds (kMmas, each 4 of its columns a lane), its
-// decoded A operand's pairs (weights: 2 kMmas pairs, those of MMA j at 2j and 2j + 1) and x's same columns as
-// the B operand's pairs in the same k order (x: from x's first column of the word).
+// decoded A operand's pairs (weights: 2 kMmas pairs, those of MMA j at 2j and 2j + 1, times the scale pair) and
+// x's same columns as the B operand's pairs in the same k order (x: from x's first column of the word); a
+// decoded code is its value times 2^-kShift before the scale.
 template <Format F>
 struct Decoder;
 
 template <>
 struct Decoder<Format::kFp4> {
   static constexpr int kMmas = 2;
+  static constexpr uint32_t kShift = 126;
 
-  // k pairs (8m, 8m + 2), (8m + 1, 8m + 3), (8m + 4, 8m + 6), (8m + 5, 8m + 7) of word m's 8 columns
+  // k pairs (8m, 8m + 4), (8m + 1, 8m + 5), (8m + 2, 8m + 6), (8m + 3, 8m + 7) of word m's 8 columns
+  template <bool kWide>
   __device__ __forceinline__ static void weights(uint32_t w, uint32_t s, uint32_t (&d)[4]) {
-    decode_e2m1<false>(w, s, d[0], d[2]);
-    decode_e2m1<true>(w, s, d[1], d[3]);
+    d[0] = scaled<kWide, kShift>(e2m1_pair<0>(w), s);
+    d[1] = scaled<kWide, kShift>(e2m1_pair<1>(w), s);
+    d[2] = scaled<kWide, kShift>(e2m1_pair<2>(w), s);
+    d[3] = scaled<kWide, kShift>(e2m1_pair<3>(w), s);
   }
 
   __device__ __forceinline__ static void x(const Bf16* x, uint32_t (&b)[4]) {
     const uint4 q = *reinterpret_cast<const uint4*>(x);
-    b[0] = (q.x & 0xFFFFu) | (q.y << 16);
-    b[1] = (q.x >> 16) | (q.y & 0xFFFF0000u);
-    b[2] = (q.z & 0xFFFFu) | (q.w << 16);
-    b[3] = (q.z >> 16) | (q.w & 0xFFFF0000u);
+    b[0] = __byte_perm(q.x, q.z, 0x5410);
+    b[1] = __byte_perm(q.x, q.z, 0x7632);
+    b[2] = __byte_perm(q.y, q.w, 0x5410);
+    b[3] = __byte_perm(q.y, q.w, 0x7632);
   }
 };
 
 template <>
 struct Decoder<Format::kFp8> {
   static constexpr int kMmas = 1;
+  static constexpr uint32_t kShift = 120;
 
   // k pairs (4m, 4m + 1), (4m + 2, 4m + 3) of word m's 4 columns
+  template <bool kWide>
   __device__ __forceinline__ static void weights(uint32_t w, uint32_t s, uint32_t (&d)[2]) {
-    decode_e4m3(w, s, d[0], d[1]);
+    e4m3_pairs(w, d[0], d[1]);
+    d[0] = scaled<kWide, kShift>(d[0], s);
+    d[1] = scaled<kWide, kShift>(d[1], s);
   }
 
   __device__ __forceinline__ static void x(const Bf16* x, uint32_t (&b)[2]) {
@@ -119,9 +133,6 @@ struct Decoder<Format::kFp8> {
   }
 };
 
-// The e8m0 exponent e as a pair of bfloat16 scales.
-__device__ __forceinline__ uint32_t scale_pair(uint8_t e) { return (uint32_t(e) << 7) | (uint32_t(e) << 23); }
-
 // Word m of a 16-byte load.
 __device__ __forceinline__ uint32_t word(const uint4& q, int m) {
   return m == 0 ? q.x : m == 1 ? q.y : m == 2 ? q.z : q.w;
@@ -129,67 +140,108 @@ __device__ __forceinline__ uint32_t word(const uint4& q, int m) {
 
 using Partial = float[kWarps][kGroups][kHalvesMax][32][4];
 
+// One chunk of a lane's pass: its loads of weight rows g and g + 8 of each group (`words`, their scales'
+// exponents `e`) by the same columns of its x rows (`x`; zeros where !in_k), into c. kWide: a lane of the warp
+// has a scale past the one-multiply range.
+template <Format F, int kHalves, bool kWide>
+__device__ __forceinline__ void chunk(const uint4 (&words)[kGroups][2], const uint32_t (&e)[kGroups][2],
+                                      const Bf16* const (&x)[kHalves], bool in_k, float (&c)[kGroups][kHalves][4]) {
+  using Dec = Decoder<F>;
+  constexpr int kWordCols = 4 * CodeFormat<F>::kPerByte, kPairs = 2 * Dec::kMmas;
+  uint32_t s[kGroups][2];
+#pragma unroll
+  for (int i = 0; i < kGroups; ++i)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) s[i][half] = pow2_pair(kWide ? e[i][half] : e[i][half] + Dec::kShift);
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    uint32_t b[kHalves][kPairs];
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) {
+      if (in_k) {
+        Dec::x(x[h] + kWordCols * m, b[h]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kPairs; ++j) b[h][j] = 0;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kGroups; ++i) {
+      uint32_t low[kPairs], high[kPairs];  // weight rows g and g + 8
+      Dec::template weights<kWide>(word(words[i][0], m), s[i][0], low);
+      Dec::template weights<kWide>(word(words[i][1], m), s[i][1], high);
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) {
+#pragma unroll
+        for (int j = 0; j < Dec::kMmas; ++j) {
+          const uint32_t fragment[4] = {low[2 * j], high[2 * j], low[2 * j + 1], high[2 * j + 1]};
+          mma(c[i][h], fragment, b[h][2 * j], b[h][2 * j + 1]);
+        }
+      }
+    }
+  }
+}
+
 // One pass over the weight rows of a block, its part of K, for kHalves x 8 of its tile's rows from layout row
-// row0 (`here` of them real): the warp's products into partial[warp].
+// row0 (`here` of them real): the warp's products into partial[warp]. A lane's x row past the real ones reads
+// row row0 instead (its products go to outputs no store takes).
 template <Format F, int kHalves>
 __device__ __forceinline__ void pass(const QuantGmmArgs<Bf16>& a, const uint4* codes, const uint8_t* scales, int64_t c0,
                                      int64_t row0, int64_t here, Partial& partial) {
   using Codes = CodeFormat<F>;
-  using Dec = Decoder<F>;
-  constexpr int kLoadCols = 16 * Codes::kPerByte, kWordCols = kLoadCols / 4, kPairs = 2 * Dec::kMmas;
-  constexpr bool kOneGroup = kLoadCols == Codes::kGroup;
+  constexpr int kLoadCols = 16 * Codes::kPerByte, kLoadsPerScale = Codes::kGroup / kLoadCols;
+  constexpr bool kOneGroup = kLoadsPerScale == 1;
+  constexpr uint32_t kNarrow = 254 - Decoder<F>::kShift;  // the largest exponent of one multiply
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
   const int64_t loads = a.k / kLoadCols, groups = (a.k + Codes::kGroup - 1) / Codes::kGroup, chunks = (loads + 3) / 4;
   const int group_cols = a.gated ? 8 : 16;
   float c[kGroups][kHalves][4] = {};
-  // the block's part of K: chunks [q0, q1) (every chunk without a split)
+  // the block's part of K: chunks [q0, q1) (every chunk without a split); the lane's first load
   const int64_t q0 = chunks * blockIdx.z / a.splits, q1 = chunks * (blockIdx.z + 1) / a.splits;
+  const int64_t first = 4 * (q0 + warp) + tg;
+  // the lane's loads of its weight rows (row g and g + 8 of each group) and of their scales, as offsets into the
+  // expert's codes and scales (FP4: a load is a scale group, the same offset), and its x rows
+  uint32_t at[kGroups][2], scale_at[kGroups][2];
+  bool real[kGroups][2];
+#pragma unroll
+  for (int i = 0; i < kGroups; ++i) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t column = c0 + i * group_cols + (a.gated ? g : g + 8 * half);  // the lane's output column
+      const int64_t row = a.gated && half ? a.out_cols + column : column;
+      real[i][half] = column < a.out_cols;
+      at[i][half] = uint32_t(row * loads + first);
+      scale_at[i][half] = kOneGroup ? at[i][half] : uint32_t(row * groups + first / kLoadsPerScale);
+    }
+  }
+  const Bf16* x[kHalves];
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h) {
+    const int n = kXRows * h + g;
+    x[h] = a.x + (row0 + (n < here ? n : 0)) * a.k + first * kLoadCols;
+  }
   for (int64_t q = q0 + warp; q < q1; q += kWarps) {
-    const int64_t load = 4 * q + tg;
-    const bool in_k = load < loads;
+    const bool in_k = 4 * q + tg < loads;
     uint4 words[kGroups][2];
-    uint32_t s[kGroups][2];
+    uint32_t e[kGroups][2], top = 0;
 #pragma unroll
     for (int i = 0; i < kGroups; ++i) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        // the lane's output column and weight row of group i: row g (and g + 8)
-        const int64_t column = c0 + i * group_cols + (a.gated ? g : g + 8 * half);
-        const int64_t row = a.gated && half ? a.out_cols + column : column;
-        const bool read = in_k && column < a.out_cols;
-        const int64_t at = row * loads + load;  // FP4: also its scale's index (a load is a scale group)
-        words[i][half] = read ? codes[at] : make_uint4(0, 0, 0, 0);
-        const int64_t scale = kOneGroup ? at : row * groups + load * kLoadCols / Codes::kGroup;
-        s[i][half] = scale_pair(read ? scales[scale] : uint8_t(127));
+        const bool read = in_k && real[i][half];
+        words[i][half] = read ? codes[at[i][half]] : make_uint4(0, 0, 0, 0);
+        e[i][half] = read ? scales[kOneGroup ? at[i][half] : scale_at[i][half]] : 127u;
+        top = e[i][half] > top ? e[i][half] : top;
+        at[i][half] += 4 * kWarps;
+        if (!kOneGroup) scale_at[i][half] += 4 * kWarps / kLoadsPerScale;
       }
     }
+    if (__any_sync(0xFFFFFFFFu, top > kNarrow))
+      chunk<F, kHalves, true>(words, e, x, in_k, c);
+    else
+      chunk<F, kHalves, false>(words, e, x, in_k, c);
 #pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      uint32_t b[kHalves][kPairs];
-#pragma unroll
-      for (int h = 0; h < kHalves; ++h) {
-        if (in_k && kXRows * h + g < here) {
-          Dec::x(a.x + (row0 + kXRows * h + g) * a.k + load * kLoadCols + kWordCols * m, b[h]);
-        } else {
-#pragma unroll
-          for (int j = 0; j < kPairs; ++j) b[h][j] = 0;
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < kGroups; ++i) {
-        uint32_t low[kPairs], high[kPairs];  // weight rows g and g + 8
-        Dec::weights(word(words[i][0], m), s[i][0], low);
-        Dec::weights(word(words[i][1], m), s[i][1], high);
-#pragma unroll
-        for (int h = 0; h < kHalves; ++h) {
-#pragma unroll
-          for (int j = 0; j < Dec::kMmas; ++j) {
-            const uint32_t fragment[4] = {low[2 * j], high[2 * j], low[2 * j + 1], high[2 * j + 1]};
-            mma(c[i][h], fragment, b[h][2 * j], b[h][2 * j + 1]);
-          }
-        }
-      }
-    }
+    for (int h = 0; h < kHalves; ++h) x[h] += 4 * kWarps * kLoadCols;
   }
 #pragma unroll
   for (int i = 0; i < kGroups; ++i)
@@ -294,6 +346,9 @@ struct QuantGmmCuda {
       if (args.float_scales) return invalid("scales: the CUDA kernel takes e8m0 (uint8) scales, got float32");
       if (args.tiles > 65535)
         return invalid("tile_expert: at most 65535 tiles on the GPU, got " + std::to_string(args.tiles));
+      if (args.n * (args.k / (args.format == Format::kFp4 ? 32 : 16)) > int64_t(UINT32_MAX))
+        return invalid("codes: the CUDA kernel takes at most 2^32 16-byte loads of codes an expert, got N " +
+                       std::to_string(args.n) + ", K " + std::to_string(args.k));
       if (args.splits > 65535)
         return invalid("workspace: at most 65535 splits on the GPU, got " + std::to_string(args.splits));
       return args.format == Format::kFp4 ? launch<Format::kFp4>(args) : launch<Format::kFp8>(args);

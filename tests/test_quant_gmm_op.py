@@ -26,6 +26,9 @@ E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 #: the e4m3 codes that are not NaN (magnitude 0x7F is)
 E4M3_NUMBERS = np.setdiff1d(np.arange(256), [0x7F, 0xFF]).astype(np.uint8)
 WINDOW = 8  # e8m0 exponents per expert: experts cover [low, high] in windows
+#: the CUDA kernel's largest e8m0 exponent scaled by one multiply a pair of weights (above it, two; a warp
+#: takes two where one of its lanes needs them)
+ONE_MULTIPLY = {FP4: 128, FP8: 134}
 
 
 def e4m3_f64(codes):
@@ -203,8 +206,17 @@ def test_e4m3_decoding_is_ml_dtypes():
     np.testing.assert_array_equal(jnp_values, want)
 
 
+def assert_experts_on_both_scalings(weights):
+    """Experts whose exponents are all within :data:`ONE_MULTIPLY`, all above it, and both."""
+    exponents = np.asarray(weights.scales).reshape(weights.scales.shape[0], -1).astype(np.int64)
+    one = ONE_MULTIPLY[weights.fmt]
+    low, high = exponents.min(axis=1), exponents.max(axis=1)
+    assert (high <= one).any() and (low > one).any() and ((low <= one) & (high > one)).any()
+
+
 def test_cases_hold_every_code_and_exponent(cases, fp8_cases):
     _, weights, groups = cases["bfloat16", True]
+    assert_experts_on_both_scalings(weights)
     codes = np.asarray(weights.codes)
     assert set(np.concatenate([codes & 15, codes >> 4]).ravel()) == set(range(16))
     low, high = quant.EXPONENTS[FP4]
@@ -218,6 +230,7 @@ def test_cases_hold_every_code_and_exponent(cases, fp8_cases):
         low, high = quant.EXPONENTS[FP8]
         if scales == "e8m0":
             assert set(np.asarray(weights.scales).ravel()) == set(range(low, high + 1))
+            assert_experts_on_both_scalings(weights)
         quant.check_scales(np.asarray(weights.scales), FP8, "scales")  # what the loader accepts
 
 
@@ -385,6 +398,14 @@ def test_gmm_takes_the_op_on_cuda_at_decode_sizes_only(cases, fp8_cases):
     _, fp8_weights, _ = fp8_cases["bfloat16", True, "e8m0"]
     assert not quant_gmm.takes(jnp.zeros((few.num_rows, 272), jnp.bfloat16), fp8_weights, few)  # unmeasured
     assert quant_gmm.kernel_takes(jnp.bfloat16, fp8_weights)
+    k = 2**19  # FP8: 2^15 16-byte loads a row; 2^17 rows make 2^32, past the kernel's 32-bit offsets
+
+    def expert(n):
+        codes = jax.ShapeDtypeStruct((1, n, k), jnp.float8_e4m3fn)
+        return QuantizedArray(codes, jax.ShapeDtypeStruct((1, n, k // 128), jnp.uint8), FP8, "bfloat16")
+
+    assert quant_gmm.kernel_takes(jnp.bfloat16, expert(2**17 - 1))
+    assert not quant_gmm.kernel_takes(jnp.bfloat16, expert(2**17))
     most = grouped_matmul.group_pairs(jnp.arange(48, dtype=jnp.int32) % 32, 32)  # 48 pairs: 1.5 an expert
     assert quant_gmm.takes(jnp.zeros((most.num_rows, 128), jnp.bfloat16), weights, most)
     many = grouped_matmul.group_pairs(jnp.arange(49, dtype=jnp.int32) % 32, 32)  # 49: past 1.5 an expert

@@ -52,6 +52,9 @@ PAIRS_PER_EXPERT = 1.5
 #: the CUDA kernel's blocks (ffi/quant_gmm_cuda.cu): output columns a block (gated: half as many), its warps,
 #: each a chunk of a row's codes at a time (64 bytes: FP4 128 columns, FP8 64)
 BLOCK_COLUMNS, BLOCK_WARPS, CHUNK_BYTES = 32, 8, 64
+#: the most 16-byte loads of codes an expert the CUDA kernel addresses (32-bit offsets; a load holds
+#: :data:`K_MULTIPLE` columns of a row)
+MAX_EXPERT_LOADS = 2**32 - 1
 #: the blocks a split of K aims at: two per multiprocessor of an H100 or an H200 (132)
 SPLIT_BLOCKS = 264
 MAX_SPLITS = 16
@@ -67,13 +70,15 @@ def tile_rows(groups: Groups) -> jax.Array:
 def kernel_takes(dtype, weights) -> bool:
     """Whether the CUDA kernel takes rows of ``dtype`` by ``weights`` (``[experts, N, K]``): bfloat16 rows, a
     :class:`~jax_oc128.nn.quant.QuantizedArray` (FP4 or FP8) with e8m0 (uint8) scales, K a multiple of
-    :data:`K_MULTIPLE`."""
+    :data:`K_MULTIPLE`, an expert of at most :data:`MAX_EXPERT_LOADS` loads."""
+    if not (isinstance(weights, QuantizedArray) and weights.fmt in K_MULTIPLE):
+        return False
+    n, k = weights.shape[-2:]
     return (
         jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
-        and isinstance(weights, QuantizedArray)
-        and weights.fmt in K_MULTIPLE
         and weights.scales.dtype == jnp.uint8
-        and weights.shape[-1] % K_MULTIPLE[weights.fmt] == 0
+        and k % K_MULTIPLE[weights.fmt] == 0
+        and n * (k // K_MULTIPLE[weights.fmt]) <= MAX_EXPERT_LOADS
     )
 
 

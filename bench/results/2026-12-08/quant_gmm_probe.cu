@@ -5,8 +5,8 @@
 // down projection (N 4096, K 2048). Prints us per call (median of 5 rounds of 20 back-to-back launches, CUDA
 // events), the used experts' codes + scales read per second, and the call against the floor of reading them
 // once at a device-to-device copy's rate (reads + writes, as bench_ops.copy_bandwidth counts). Random codes,
-// e8m0 scales in [120, 134], rows in [-1, 1). quant_gmm_probe.sh builds it per variant of the kernel's
-// constants. Not the project's code path.
+// e8m0 scales in [112, 127] (a released checkpoint's range: weights below 6), rows in [-1, 1).
+// quant_gmm_probe.sh builds it per variant of the kernel's constants. Not the project's code path.
 #include <algorithm>
 #include <cstdio>
 #include <vector>
@@ -78,7 +78,7 @@ void run(const char* name, int tokens, int used, int tiles, int64_t n, int64_t k
   CHECK(cudaMalloc(&tile_expert, tiles * 4));
   CHECK(cudaMalloc(&tile_rows, tiles * 4));
   fill<<<1024, 256>>>(codes, code_bytes, 1u, 0, 0);
-  fill<<<1024, 256>>>(scales, scale_bytes, 2u, 120, 15);
+  fill<<<1024, 256>>>(scales, scale_bytes, 2u, 112, 16);
   fill_rows<<<1024, 256>>>(x, rows * k);
   // tiles 0 .. used - 1: experts spread over the 256, pairs dealt round robin; the rest unused (-1)
   std::vector<int32_t> expert(tiles, -1), count(tiles, 0);
