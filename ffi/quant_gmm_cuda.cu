@@ -45,7 +45,7 @@ __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
 }
 
 // 2^(e - 127) in both halves of a bfloat16 pair, for the exponent field e in [1, 254].
-__device__ __forceinline__ uint32_t pow2_pair(uint32_t e) { return (e << 7) | (e << 23); }
+__device__ __forceinline__ uint32_t pow2_pair(uint32_t e) { return e * 0x00800080u; }
 
 // A decoded pair (the codes' values times 2^-kShift, exact) times the scale pair s: kWide, by 2^kShift and then
 // by s = 2^(e - 127); else by s = 2^(e - 127 + kShift) at once, a bfloat16 number where e <= 254 - kShift.
@@ -199,19 +199,22 @@ __device__ __forceinline__ void pass(const QuantGmmArgs<Bf16>& a, const uint4* c
   // the block's part of K: chunks [q0, q1) (every chunk without a split); the lane's first load
   const int64_t q0 = chunks * blockIdx.z / a.splits, q1 = chunks * (blockIdx.z + 1) / a.splits;
   const int64_t first = 4 * (q0 + warp) + tg;
-  // the lane's loads of its weight rows (row g and g + 8 of each group) and of their scales, as offsets into the
-  // expert's codes and scales (FP4: a load is a scale group, the same offset), and its x rows
+  // the lane's weight rows (row g and g + 8 of each group) as offsets into the expert's codes and scales, from
+  // its load's codes and scale (FP4: a load is a scale group, the same offset), which advance a chunk at a time
+  const uint4* lane_codes = codes + first;
+  const uint8_t* lane_scales = scales + first / kLoadsPerScale;
   uint32_t at[kGroups][2], scale_at[kGroups][2];
   bool real[kGroups][2];
 #pragma unroll
   for (int i = 0; i < kGroups; ++i) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int64_t column = c0 + i * group_cols + (a.gated ? g : g + 8 * half);  // the lane's output column
-      const int64_t row = a.gated && half ? a.out_cols + column : column;
-      real[i][half] = column < a.out_cols;
-      at[i][half] = uint32_t(row * loads + first);
-      scale_at[i][half] = kOneGroup ? at[i][half] : uint32_t(row * groups + first / kLoadsPerScale);
+      // the lane's output column and weight row (32-bit: the offsets are, N * loads < 2^32)
+      const uint32_t column = uint32_t(c0) + i * group_cols + (a.gated ? g : g + 8 * half);
+      const uint32_t row = a.gated && half ? uint32_t(a.out_cols) + column : column;
+      real[i][half] = column < uint32_t(a.out_cols);
+      at[i][half] = row * uint32_t(loads);
+      scale_at[i][half] = kOneGroup ? at[i][half] : row * uint32_t(groups);
     }
   }
   const Bf16* x[kHalves];
@@ -229,13 +232,13 @@ __device__ __forceinline__ void pass(const QuantGmmArgs<Bf16>& a, const uint4* c
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const bool read = in_k && real[i][half];
-        words[i][half] = read ? codes[at[i][half]] : make_uint4(0, 0, 0, 0);
-        e[i][half] = read ? scales[kOneGroup ? at[i][half] : scale_at[i][half]] : 127u;
+        words[i][half] = read ? lane_codes[at[i][half]] : make_uint4(0, 0, 0, 0);
+        e[i][half] = read ? lane_scales[scale_at[i][half]] : 127u;
         top = e[i][half] > top ? e[i][half] : top;
-        at[i][half] += 4 * kWarps;
-        if (!kOneGroup) scale_at[i][half] += 4 * kWarps / kLoadsPerScale;
       }
     }
+    lane_codes += 4 * kWarps;
+    lane_scales += 4 * kWarps / kLoadsPerScale;
     if (__any_sync(0xFFFFFFFFu, top > kNarrow))
       chunk<F, kHalves, true>(words, e, x, in_k, c);
     else
