@@ -1,23 +1,23 @@
 // CUDA handler of the quantized grouped matmul op (quant_gmm_ffi.h): a memory-bound kernel for decode sizes
 // (W4A16 and W8A16), where a tile holds few real rows, on the tensor cores (mma.sync m16n8k16, bfloat16 in,
 // float32 accumulate), one template over the code format.
-// One block of kWarps warps per (tile, kGroups x 16 weight rows, part of K): it skips a tile of no expert and its
-// padding rows (only zeros are written there) and streams those weight rows of its expert once per pass of up to
-// 16 of the tile's rows (two MMAs of 8 rows per decoded fragment). A group of 16 weight rows is the MMA's M:
-// gated, 8 gate rows and the 8 up rows of the same outputs (a lane then holds both products of an output); plain,
-// 16 outputs. The MMA's N is 8 rows of x, its K 16 columns.
-// A row's codes are read in 16-byte loads (FP4 32 columns, one scale group; FP8 16 columns, an eighth of one),
-// four to a chunk of a row. Warp w owns the chunks w, w + kWarps, ... of its part of K; lane (g = lane / 4,
-// t = lane % 4) of a chunk owns its load 4 chunk + t: 16 bytes of weight rows g and g + 8 (a warp reads 64
-// contiguous bytes of 8 rows) and the same columns of x rows g (and 8 + g), read a 4-byte word of codes' worth
-// (the B operand of its MMAs) just before their MMAs. Each code is decoded in registers to bfloat16 times its
-// e8m0 scale, exactly for the scales the loader accepts (Decoder): FP4 codes j and j + 4 of a word as one pair
-// by shifts and masks (x's columns paired alike), FP8 in column order; one multiply a pair by the scale where the
-// scale times the decoding's offset is a bfloat16 number, else two (chosen per warp and chunk by a vote). The
-// registers are bounded for kMinBlocks blocks a multiprocessor. The warps' float32 products are summed in shared memory
-// in a fixed order; with a split of K (the workspace given) each part's sums go to the workspace and a second kernel
-// adds the parts in their order: deterministic run to run. bfloat16 rows and e8m0 scales only. The handler only
-// launches on XLA's stream.
+// One block of kWarps warps per (tile, kGroups x 16 weight rows, part of K): it skips a tile of no expert and
+// its padding rows (only zeros are written there) and streams those weight rows of its expert once per pass of
+// up to 16 of the tile's rows (two MMAs of 8 rows per decoded fragment). A group of 16 weight rows is the MMA's
+// M: gated, 8 gate rows and the 8 up rows of the same outputs (a lane then holds both products of an output);
+// plain, 16 outputs. The MMA's N is 8 rows of x, its K 16 columns. A row's codes are read in 16-byte loads (FP4
+// 32 columns, one scale group; FP8 16 columns, an eighth of one), four to a chunk of a row. Warp w owns the
+// chunks w, w + kWarps, ... of its part of K; lane (g = lane / 4, t = lane % 4) of a chunk owns its load 4 chunk
+// + t: 16 bytes of weight rows g and g + 8 (a warp reads 64 contiguous bytes of 8 rows) and the same columns of
+// x rows g (and 8 + g), read a 4-byte word of codes' worth (the B operand of its MMAs) just before their MMAs.
+// Each code is decoded in registers to bfloat16 times its e8m0 scale, exactly for the scales the loader accepts
+// (Decoder): FP4 codes j and j + 4 of a word as one pair by a mask, a multiply and a mask (x's columns paired
+// alike), FP8 in column order; one multiply a pair by the scale where the scale times the decoding's offset is a
+// bfloat16 number, else two (chosen per warp and chunk by a vote). The registers are bounded for kMinBlocks
+// blocks a multiprocessor. The warps' float32 products are summed in shared memory in a fixed order; with a
+// split of K (the workspace given) each part's sums go to the workspace and a second kernel adds the parts in
+// their order: deterministic run to run. bfloat16 rows and e8m0 scales only. The handler only launches on XLA's
+// stream.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -56,17 +56,14 @@ __device__ __forceinline__ uint32_t scaled(uint32_t pair, uint32_t s) {
 }
 
 // The bfloat16 pair of codes j (low half) and j + 4 (high half) of a word of FP4 codes (code c at bits 4c to
-// 4c + 3), each the code's value times 2^-126: its sign to bit 15 of its half, its exponent and mantissa to bits
-// 6-8 (bfloat16's two lowest exponent bits and first mantissa bit; exponent 0 makes the subnormal 0.5 m).
+// 4c + 3), j = 0 or 1, each the code's value times 2^-126: its sign to bit 15 of its half, its exponent and
+// mantissa to bits 6-8 (bfloat16's two lowest exponent bits and first mantissa bit; exponent 0 makes the
+// subnormal 0.5 m). The two codes' nibbles, masked, are shifted both ways at once by one multiply (the two
+// shifted copies do not overlap: no carries), then masked to the bits that are kept.
 template <int J>
 __device__ __forceinline__ uint32_t e2m1_pair(uint32_t w) {
-  constexpr int kSign = 12 - 4 * J, kBits = 6 - 4 * J;
-  uint32_t bits;
-  if constexpr (kBits >= 0)
-    bits = w << kBits;
-  else
-    bits = w >> -kBits;
-  return ((w << kSign) & 0x80008000u) | (bits & 0x01C001C0u);
+  constexpr uint32_t kShifts = (1u << (12 - 4 * J)) + (1u << (6 - 4 * J));
+  return ((w & (0x000F000Fu << 4 * J)) * kShifts) & 0x81C081C0u;
 }
 
 // The bfloat16 pairs of the e4m3 codes of bytes 0, 1 (d0) and 2, 3 (d1) of `w`, each the code's value times
@@ -95,13 +92,14 @@ struct Decoder<Format::kFp4> {
   static constexpr int kMmas = 2;
   static constexpr uint32_t kShift = 126;
 
-  // k pairs (8m, 8m + 4), (8m + 1, 8m + 5), (8m + 2, 8m + 6), (8m + 3, 8m + 7) of word m's 8 columns
+  // k pairs (8m, 8m + 4), (8m + 1, 8m + 5), (8m + 2, 8m + 6), (8m + 3, 8m + 7) of word m's 8 columns (the
+  // last two: the first two of the word shifted by a byte)
   template <bool kWide>
   __device__ __forceinline__ static void weights(uint32_t w, uint32_t s, uint32_t (&d)[4]) {
     d[0] = scaled<kWide, kShift>(e2m1_pair<0>(w), s);
     d[1] = scaled<kWide, kShift>(e2m1_pair<1>(w), s);
-    d[2] = scaled<kWide, kShift>(e2m1_pair<2>(w), s);
-    d[3] = scaled<kWide, kShift>(e2m1_pair<3>(w), s);
+    d[2] = scaled<kWide, kShift>(e2m1_pair<0>(w >> 8), s);
+    d[3] = scaled<kWide, kShift>(e2m1_pair<1>(w >> 8), s);
   }
 
   __device__ __forceinline__ static void x(const Bf16* x, uint32_t (&b)[4]) {
