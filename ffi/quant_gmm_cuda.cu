@@ -32,7 +32,7 @@ namespace {
 
 constexpr int kGroups = 2;     // groups of 16 weight rows per block
 constexpr int kWarps = 8;      // warps per block: chunks of K
-constexpr int kMinBlocks = 3;  // blocks a multiprocessor holds at once: the registers' bound
+constexpr int kMinBlocks = 4;  // blocks a multiprocessor holds at once: the registers' bound
 constexpr int kXRows = 8;      // x rows of an MMA (its N); a pass takes up to two of them
 constexpr int kHalvesMax = 2;
 constexpr int kCombineThreads = 256;

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The fifteenth session's first GPU call: the FP4/FP8 decode kernel with FP4 codes decoded in pairs and one
-# multiply a pair (ffi/quant_gmm_cuda.cu) alone against main's (MAIN_CU: main's file, kept out of the repository)
+# multiply a pair (ffi/quant_gmm_cuda.cu) alone against main's (MAIN_CU: `git show 3d12249:ffi/quant_gmm_cuda.cu`)
 # and at 4 blocks a multiprocessor (quant_gmm_probe.sh); the op's and the MoE's GPU tests; the FP4 MoE layer as
-# issue 42's rows measure it (a loop of 8 at 8 and 64 tokens; one call at 512-8192). Logs to $OUT.
+# issue 42's rows measure it (a loop of 8 at 8 and 64 tokens; one call at 512-8192). Logs to $OUT. It ran on
+# the kernel at 3 blocks a multiprocessor (0eb5ebc), when the probe's mb4 was 4: today VARIANTS="mb3 base".
 set -u
 out=${OUT:-gpu_out}; mkdir -p "$out"
 here=$(cd "$(dirname "$0")" && pwd)
