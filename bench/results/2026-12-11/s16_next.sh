@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Issue 42's rows not measured with the FP4 kernel of RESULTS section 43, for the next GPU session; PART picks:
+#   a (~350 s on an H100): the kernel alone, at 4 and 3 blocks a multiprocessor (quant_gmm_probe.sh); the op's
+#     GPU tests; the FP4 MoE layer in a loop of 8 at 8 and 64 tokens; the released slice's plain decode step at a
+#     4k context, 8 slots, device-only (on an H200 these are issue 42's H200 rows);
+#   b (~400 s): the same step at 64 slots (prefill chunks of 128: a 3072-token prompt in each of 64 rows at once
+#     needs ~83 GiB of temporaries) and N = 4 at 8 slots, online and offline.
+# Logs to $OUT.
+set -u
+out=${OUT:-gpu_out}; mkdir -p "$out"
+here=$(cd "$(dirname "$0")" && pwd)
+slice="--configs v4flash-slice --layers 6 --experts 256 --weights released --steps-per-dispatch 16 --prompt-len 3072
+  --device-only --device-steps 64 --max-len 4096"
+step() {  # $1: a name for the logs, the rest: bench_decode's arguments
+  name=$1; shift; start=$SECONDS
+  # shellcheck disable=SC2086
+  timeout "${ROW_TIMEOUT:-300}" python3 bench/bench_decode.py $slice "$@" --out "$out/decode_$name.json" \
+    >"$out/decode_$name.log" 2>&1
+  echo "== decode $name: exit $?, $((SECONDS - start)) s"; grep -E "^\| v4" "$out/decode_$name.log" | tail -4
+}
+if [ "${PART:-a}" = a ]; then
+  OUT=$out/probe VARIANTS="base mb3" timeout 120 bash "$here/../2026-12-08/quant_gmm_probe.sh" 2>&1 | grep -vE "^\s*$"
+  source "$here/../2026-12-06/s5_build.sh"
+  export JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache XLA_PYTHON_CLIENT_MEM_FRACTION=.95
+  start=$SECONDS
+  (cd tests && JAX_OC128_REQUIRE_GPU=1 timeout 100 python3 -m pytest -n 4 -q -p no:cacheprovider test_quant_gmm_op.py \
+    >"$out/tests.log" 2>&1)
+  echo "== tests: exit $?, $((SECONDS - start)) s"; tail -1 "$out/tests.log"
+  start=$SECONDS
+  timeout 100 python3 bench/bench_moe.py --experts-format fp4 --tokens 8 64 --loop 8 --dispatches grouped --rounds 3 \
+    --out "$out/moe_loop.json" >"$out/moe_loop.log" 2>&1
+  echo "== moe loop: exit $?, $((SECONDS - start)) s"; sed -n '/^device:/p;/^ms per MoE/,$p' "$out/moe_loop.log" | head -9
+  step plain8 --backends online --modes plain --slots 8
+else
+  source "$here/../2026-12-06/s5_build.sh"
+  export JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache XLA_PYTHON_CLIENT_MEM_FRACTION=.95
+  step plain64 --backends online --modes plain --slots 64 --prefill-chunk 128
+  step n4 --backends online offline --modes 4 --slots 8
+fi
