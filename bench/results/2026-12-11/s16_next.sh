@@ -3,7 +3,8 @@
 #   a (~350 s on an H100): the kernel alone, at 4 and 3 blocks a multiprocessor (quant_gmm_probe.sh); the op's
 #     GPU tests; the FP4 MoE layer in a loop of 8 at 8 and 64 tokens; the released slice's plain decode step at a
 #     4k context, 8 slots, device-only (on an H200 these are issue 42's H200 rows); the FP4 layer at 128-512
-#     tokens by the Pallas kernel and by the op (whether the op should take more than 1.5 pairs an expert);
+#     tokens by the Pallas kernel and by the op (whether the op should take more than 1.5 pairs an expert); the
+#     FP8 linears at 8 and 64 tokens each way (bench_linear.py);
 #   b (~400 s): the same step at 64 slots (prefill chunks of 128: a 3072-token prompt in each of 64 rows at once
 #     needs ~83 GiB of temporaries) and N = 4 at 8 slots, online and offline.
 # Logs to $OUT.
@@ -38,6 +39,11 @@ if [ "${PART:-a}" = a ]; then
   timeout 150 python3 bench/bench_moe.py --experts-format fp4 --tokens 128 256 512 --dispatches grouped_pallas \
     grouped_quant_op --rounds 3 --out "$out/moe_op_range.json" >"$out/moe_op_range.log" 2>&1
   echo "== moe op range: exit $?, $((SECONDS - start)) s"; sed -n '/^device:/p;/^ms per MoE/,$p' "$out/moe_op_range.log" | head -9
+  # the FP8 linears (the same kernel's FP8 path): the op against the Pallas kernel per projection, which the
+  # model's rule (linear.linear) should pick now
+  start=$SECONDS
+  timeout 120 python3 bench/bench_linear.py --tokens 8 64 --out "$out/linear.json" >"$out/linear.log" 2>&1
+  echo "== linear: exit $?, $((SECONDS - start)) s"; tail -30 "$out/linear.log"
 else
   source "$here/../2026-12-06/s5_build.sh"
   export JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache XLA_PYTHON_CLIENT_MEM_FRACTION=.95
