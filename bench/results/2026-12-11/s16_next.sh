@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 42's rows not measured with the FP4 kernel of RESULTS section 43, for the next GPU session; PART picks:
-#   a (~350 s on an H100): the kernel alone, at 4 and 3 blocks a multiprocessor (quant_gmm_probe.sh); the op's
+#   a (~550 s on an H100): the kernel alone, at 4 and 3 blocks a multiprocessor (quant_gmm_probe.sh); the op's
 #     GPU tests; the FP4 MoE layer in a loop of 8 at 8 and 64 tokens; the released slice's plain decode step at a
 #     4k context, 8 slots, device-only (on an H200 these are issue 42's H200 rows); the FP4 layer at 128-512
 #     tokens by the Pallas kernel and by the op (whether the op should take more than 1.5 pairs an expert); the
@@ -32,7 +32,6 @@ if [ "${PART:-a}" = a ]; then
   timeout 100 python3 bench/bench_moe.py --experts-format fp4 --tokens 8 64 --loop 8 --dispatches grouped --rounds 3 \
     --out "$out/moe_loop.json" >"$out/moe_loop.log" 2>&1
   echo "== moe loop: exit $?, $((SECONDS - start)) s"; sed -n '/^device:/p;/^ms per MoE/,$p' "$out/moe_loop.log" | head -9
-  step plain8 --backends online --modes plain --slots 8
   # where the op could take over from the Pallas kernel (quant_gmm.PAIRS_PER_EXPERT, 1.5: 64 tokens): tiles of 16
   # rows up to 512 tokens (12 pairs an expert), one pass of the op's kernel a tile
   start=$SECONDS
@@ -44,6 +43,7 @@ if [ "${PART:-a}" = a ]; then
   start=$SECONDS
   timeout 120 python3 bench/bench_linear.py --tokens 8 64 --out "$out/linear.json" >"$out/linear.log" 2>&1
   echo "== linear: exit $?, $((SECONDS - start)) s"; tail -30 "$out/linear.log"
+  step plain8 --backends online --modes plain --slots 8  # last: its first compile took 130-250 s on an H100
 else
   source "$here/../2026-12-06/s5_build.sh"
   export JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache XLA_PYTHON_CLIENT_MEM_FRACTION=.95
