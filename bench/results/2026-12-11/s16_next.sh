@@ -2,7 +2,7 @@
 # Issue 42's rows not measured with the FP4 kernel of RESULTS section 43, for the next GPU session; PART picks:
 #   a (~550 s on an H100): the kernel alone, at 4 and 3 blocks a multiprocessor (quant_gmm_probe.sh); the op's
 #     GPU tests; the FP4 MoE layer in a loop of 8 at 8 and 64 tokens; the released slice's plain decode step at a
-#     4k context, 8 slots, device-only (on an H200 these are issue 42's H200 rows); the FP4 layer at 128-512
+#     4k context, 8 slots, device-only (on an H200 these are issue 42's H200 rows); the FP4 layer at 128-1024
 #     tokens by the Pallas kernel and by the op (whether the op should take more than 1.5 pairs an expert); the
 #     FP8 linears at 8 and 64 tokens each way (bench_linear.py);
 #   b (~400 s): the same step at 64 slots (prefill chunks of 128: a 3072-token prompt in each of 64 rows at once
@@ -33,9 +33,9 @@ if [ "${PART:-a}" = a ]; then
     --out "$out/moe_loop.json" >"$out/moe_loop.log" 2>&1
   echo "== moe loop: exit $?, $((SECONDS - start)) s"; sed -n '/^device:/p;/^ms per MoE/,$p' "$out/moe_loop.log" | head -9
   # where the op could take over from the Pallas kernel (quant_gmm.PAIRS_PER_EXPERT, 1.5: 64 tokens): tiles of 16
-  # rows up to 512 tokens (12 pairs an expert), one pass of the op's kernel a tile
+  # rows up to 512 tokens (12 pairs an expert), one pass of the op's kernel a tile; 1024: 32, two passes
   start=$SECONDS
-  timeout 150 python3 bench/bench_moe.py --experts-format fp4 --tokens 128 256 512 --dispatches grouped_pallas \
+  timeout 150 python3 bench/bench_moe.py --experts-format fp4 --tokens 128 256 512 1024 --dispatches grouped_pallas \
     grouped_quant_op --rounds 3 --out "$out/moe_op_range.json" >"$out/moe_op_range.log" 2>&1
   echo "== moe op range: exit $?, $((SECONDS - start)) s"; sed -n '/^device:/p;/^ms per MoE/,$p' "$out/moe_op_range.log" | head -9
   # the FP8 linears (the same kernel's FP8 path): the op against the Pallas kernel per projection, which the
