@@ -117,14 +117,20 @@ def test_prefill_computes_the_logits_of_each_rows_last_token_only():
 
 
 def test_the_engine_chooses_the_chunk(monkeypatch):
-    """``prefill_chunk="auto"`` (the default): 2048 on a GPU, None on a CPU; padded prompts of at most the
-    chunk are one forward (chunk None dispatched), longer ones whole chunks."""
-    assert arguments.check_prefill_chunk("auto", on_gpu=True) == arguments.GPU_PREFILL_CHUNK == 2048
-    assert arguments.check_prefill_chunk("auto", on_gpu=False) is None
+    """``prefill_chunk="auto"`` (the default): on a GPU 2048, less where a device's slots times it would pass
+    16384 positions (the largest power of two within them); None on a CPU. Padded prompts of at most the chunk
+    are one forward (chunk None dispatched), longer ones whole chunks."""
+    assert arguments.GPU_PREFILL_CHUNK == 2048 and arguments.GPU_PREFILL_POSITIONS == 16384
+    chunks = {1: 2048, 8: 2048, 9: 1024, 24: 512, 64: 256, 16384: 1, 20000: 1}  # by a device's slots
+    for device_slots, chunk in chunks.items():
+        assert arguments.check_prefill_chunk("auto", True, device_slots) == chunk, device_slots
+    assert arguments.check_prefill_chunk("auto", False, 64) is None
+    assert arguments.check_prefill_chunk(4096, True, 64) == 4096  # a given chunk is kept
     with pytest.raises(TypeError, match="prefill_chunk: must be an int"):
-        arguments.check_prefill_chunk("always", on_gpu=True)
+        arguments.check_prefill_chunk("always", True, 8)
     model = make_model(ONLINE, config=CONFIG)
-    assert Engine(model, slots=SLOTS).prefill_chunk == (arguments.GPU_PREFILL_CHUNK if on_gpu(None) else None)
+    auto = arguments.check_prefill_chunk("auto", on_gpu(None), SLOTS)
+    assert Engine(model, slots=SLOTS).prefill_chunk == auto
     engine = Engine(model, slots=SLOTS, prompt_bucket=32, prefill_chunk=CHUNK)
     calls = []
     monkeypatch.setattr(engine, "_prefill", lambda *args: calls.append(args))

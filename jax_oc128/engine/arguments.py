@@ -89,16 +89,24 @@ def check_slots(slots, mesh) -> int:
 #: the prefill's chunk on a GPU by default (``Engine(..., prefill_chunk="auto")``): its temporaries are one
 #: chunk's (the window attention's banded logits, the activations, ``[slots, chunk, vocab]`` logits)
 GPU_PREFILL_CHUNK = 2048
+#: the most positions one forward of that default feeds a device (its slots x the chunk): where a device's
+#: slots would pass it at :data:`GPU_PREFILL_CHUNK`, the chunk is the largest power of two that keeps within
+#: it, so that the prefill's temporaries follow this many positions, not the slots (8 slots: 2048; 64: 256)
+GPU_PREFILL_POSITIONS = 16384
 
 
-def check_prefill_chunk(prefill_chunk, on_gpu: bool) -> int | None:
-    """The prefill's chunk: ``"auto"`` (:data:`GPU_PREFILL_CHUNK` ``on_gpu``, else None), None (one forward
-    of the whole prompt bucket) or a count (:func:`check_count`). Any size is right: a forward in EXTEND
-    mode continues the caches at any position (the sliding windows, the CSA windows of 4 and the C128 blocks
-    are cut anywhere, tests/test_v4_parity.py::test_chunked_prefill_matches_transformers), so nothing is
+def check_prefill_chunk(prefill_chunk, on_gpu: bool, device_slots: int) -> int | None:
+    """The prefill's chunk: ``"auto"`` (on a GPU :data:`GPU_PREFILL_CHUNK`, less for a device of more than
+    :data:`GPU_PREFILL_POSITIONS` / that chunk slots, ``device_slots``; else None), None (one forward of the
+    whole prompt bucket) or a count (:func:`check_count`). Any size is right: a forward in EXTEND mode
+    continues the caches at any position (the sliding windows, the CSA windows of 4 and the C128 blocks are
+    cut anywhere, tests/test_v4_parity.py::test_chunked_prefill_matches_transformers), so nothing is
     aligned."""
     if isinstance(prefill_chunk, str) and prefill_chunk == "auto":
-        return GPU_PREFILL_CHUNK if on_gpu else None
+        if not on_gpu:
+            return None
+        fits = max(1, GPU_PREFILL_POSITIONS // device_slots)
+        return min(GPU_PREFILL_CHUNK, 1 << (fits.bit_length() - 1))
     return None if prefill_chunk is None else check_count("prefill_chunk", prefill_chunk)
 
 

@@ -108,7 +108,8 @@ class Engine:
       slots: requests decoded together, an int >= 1.
       prompt_bucket: prompts are padded to a multiple of this (fewer prefill shapes, fewer compilations),
         an int >= 1.
-      prefill_chunk: ``"auto"`` (the default: :data:`GPU_PREFILL_CHUNK` on a GPU, None elsewhere), None (the
+      prefill_chunk: ``"auto"`` (the default: on a GPU :data:`GPU_PREFILL_CHUNK`, less where a device's
+        slots times it would pass :data:`GPU_PREFILL_POSITIONS`; None elsewhere), None (the
         prefill is one forward of the padded prompts), or an int >= 1: a prefill of padded prompts longer
         than ``prefill_chunk`` feeds them ``prefill_chunk`` positions at a time, one chunk after the other
         in a ``lax.scan`` (one compilation), so that its activations and logits are those of one chunk
@@ -170,7 +171,8 @@ class Engine:
         self.mesh = None if mesh is None else sharding.check_mesh(mesh)
         self.slots = arguments.check_slots(slots, self.mesh)
         self.prompt_bucket = arguments.check_count("prompt_bucket", prompt_bucket)
-        self.prefill_chunk = arguments.check_prefill_chunk(prefill_chunk, on_gpu=on_gpu(self.mesh))
+        device_slots = self.slots // (1 if self.mesh is None else self.mesh.shape[sharding.DATA])
+        self.prefill_chunk = arguments.check_prefill_chunk(prefill_chunk, on_gpu(self.mesh), device_slots)
         self.steps_per_dispatch = arguments.check_count("steps_per_dispatch", steps_per_dispatch)
         self.pages, self.page_size = arguments.check_pages(pages, page_size, model, self.mesh)
         self.context_floor = arguments.check_context_floor(context_floor, self.pages, self.page_size)
