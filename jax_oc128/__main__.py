@@ -161,6 +161,16 @@ def demo(args, model, tokenizer, prompts) -> str:
     return "\n".join(lines)
 
 
+def _prefill_chunk(text: str) -> int | str:
+    """An argparse type: ``auto`` or an int >= 1."""
+    if text == "auto":
+        return text
+    try:
+        return int_argument(1)(text)
+    except argparse.ArgumentTypeError as error:
+        raise argparse.ArgumentTypeError(f"auto or {error}") from None
+
+
 def _temperature(text: str) -> float:
     """An argparse type: a finite float >= 0."""
     try:
@@ -425,11 +435,11 @@ def _command(argv) -> int:
     )
     text.add_argument(
         "--prefill-chunk",
-        type=int_argument(1),
-        default=None,
+        type=_prefill_chunk,
+        default="auto",
         metavar="C",
-        help="prefill the prompt C tokens at a time (default: in one forward; a long prompt's activations "
-        "grow with its length)",
+        help="prefill the prompt C tokens at a time (auto: the engine's choice, at most 2048 on a GPU, one "
+        "forward on a CPU, where a long prompt's activations grow with its length)",
     )
     text.add_argument(
         "--steps-per-dispatch",

@@ -10,7 +10,8 @@ import io
 import json
 
 from jax_oc128 import __main__ as cli
-from jax_oc128.engine import Engine
+from jax_oc128.engine import Engine, arguments
+from jax_oc128.engine.scheduler import on_gpu
 from jax_oc128.loading.hf_config import read_config
 from jax_oc128.nn import CSA, HCA, SLIDING
 from jax_oc128.nn.moe import HASH_MOE, MOE
@@ -65,6 +66,8 @@ def test_generate_with_no_path_prints_the_text_of_its_tokens(monkeypatch):
     def recording(engine, prompts, *args, **kwargs):
         result = original(engine, prompts, *args, **kwargs)
         generated.append((prompts, result.tokens[0], engine.model.config))
+        # --prefill-chunk's default: the engine's own choice
+        assert engine.prefill_chunk == arguments.check_prefill_chunk("auto", on_gpu(None), engine.slots)
         return result
 
     monkeypatch.setattr(Engine, "generate", recording)
