@@ -167,8 +167,8 @@ def _prefill_chunk(text: str) -> int | str:
         return text
     try:
         return int_argument(1)(text)
-    except argparse.ArgumentTypeError as error:
-        raise argparse.ArgumentTypeError(f"auto or {error}") from None
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be auto or an int >= 1, got {text!r}") from None
 
 
 def _temperature(text: str) -> float:
