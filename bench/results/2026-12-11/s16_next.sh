@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Issue 42's rows not measured with the FP4 kernel of RESULTS section 43, for the next GPU session; PART picks:
-#   a (~550 s on an H100): the kernel alone, at 4 and 3 blocks a multiprocessor (quant_gmm_probe.sh); the op's
-#     GPU tests; the FP4 MoE layer in a loop of 8 at 8 and 64 tokens; the released slice's plain decode step at a
-#     4k context, 8 slots, device-only (on an H200 these are issue 42's H200 rows); the FP4 layer at 128-1024
-#     tokens by the Pallas kernel and by the op (whether the op should take more than 1.5 pairs an expert); the
-#     FP8 linears at 8 and 64 tokens each way (bench_linear.py);
-#   b (~400 s): the same step at 64 slots (prefill chunks of 128: a 3072-token prompt in each of 64 rows at once
-#     needs ~83 GiB of temporaries) and N = 4 at 8 slots, online and offline.
-# Logs to $OUT.
+#   a (~350 s on an H100): the kernel alone and its constants' variants (quant_gmm_probe.sh: with fewer
+#     registers than section 41's kernel, larger blocks or fewer warps may now win); the op's GPU tests; the FP4
+#     MoE layer in a loop of 8 at 8 and 64 tokens; the FP4 layer at 128-1024 tokens by the Pallas kernel and by
+#     the op (whether the op should take more than 1.5 pairs an expert); the FP8 linears at 8 and 64 tokens each
+#     way (bench_linear.py);
+#   b (~500 s): the released slice's plain decode step at a 4k context, device-only, 8 slots and 64 (the
+#     engine's default chunk at 64 slots is now 256: a 3072-token prompt in each of 64 rows at 2048 a forward
+#     needed ~83 GiB of temporaries);
+#   c (~300 s): N = 4 at 8 slots, online and offline.
+# On an H200, a and b are issue 42's H200 rows. Logs to $OUT.
 set -u
 out=${OUT:-gpu_out}; mkdir -p "$out"
 here=$(cd "$(dirname "$0")" && pwd)
@@ -21,7 +23,7 @@ step() {  # $1: a name for the logs, the rest: bench_decode's arguments
   echo "== decode $name: exit $?, $((SECONDS - start)) s"; grep -E "^\| v4" "$out/decode_$name.log" | tail -4
 }
 if [ "${PART:-a}" = a ]; then
-  OUT=$out/probe VARIANTS="base mb3" timeout 120 bash "$here/../2026-12-08/quant_gmm_probe.sh" 2>&1 | grep -vE "^\s*$"
+  OUT=$out/probe timeout 150 bash "$here/../2026-12-08/quant_gmm_probe.sh" 2>&1 | grep -vE "^\s*$"
   source "$here/../2026-12-06/s5_build.sh"
   export JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache XLA_PYTHON_CLIENT_MEM_FRACTION=.95
   start=$SECONDS
@@ -43,10 +45,13 @@ if [ "${PART:-a}" = a ]; then
   start=$SECONDS
   timeout 120 python3 bench/bench_linear.py --tokens 8 64 --out "$out/linear.json" >"$out/linear.log" 2>&1
   echo "== linear: exit $?, $((SECONDS - start)) s"; tail -30 "$out/linear.log"
-  step plain8 --backends online --modes plain --slots 8  # last: its first compile took 130-250 s on an H100
 else
   source "$here/../2026-12-06/s5_build.sh"
   export JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache XLA_PYTHON_CLIENT_MEM_FRACTION=.95
-  step plain64 --backends online --modes plain --slots 64 --prefill-chunk 128
-  step n4 --backends online offline --modes 4 --slots 8
+  if [ "$PART" = b ]; then
+    step plain8 --backends online --modes plain --slots 8  # its first compile took 130-250 s on an H100
+    step plain64 --backends online --modes plain --slots 64
+  else
+    step n4 --backends online offline --modes 4 --slots 8
+  fi
 fi
