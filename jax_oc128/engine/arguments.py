@@ -79,10 +79,9 @@ def check_slots(slots, mesh) -> int:
     """The slot count (:func:`check_count`), a multiple of the data axis of ``mesh`` (a checked mesh or
     None)."""
     slots = check_count("slots", slots)
-    if mesh is not None and slots % mesh.shape[sharding.DATA]:
-        raise ArgumentError(
-            "slots", f"must be a multiple of the mesh's data axis ({mesh.shape[sharding.DATA]}), got {slots}"
-        )
+    devices = sharding.data_devices(mesh)
+    if slots % devices:
+        raise ArgumentError("slots", f"must be a multiple of the mesh's data axis ({devices}), got {slots}")
     return slots
 
 
@@ -350,7 +349,7 @@ def check_pages(pages, page_size, model, mesh) -> tuple[int | None, int]:
     if pages is None:
         return None, page_size
     pages = check_count("pages", pages)
-    devices = 1 if mesh is None else mesh.shape[sharding.DATA]
+    devices = sharding.data_devices(mesh)
     if pages % devices:
         raise ArgumentError("pages", f"must be a multiple of the mesh's data axis ({devices}), got {pages}")
     if page_size % BLOCK or model.max_len % page_size:
@@ -371,7 +370,7 @@ def check_page_table(page_table, shape: tuple[int, int], pages, mesh) -> np.ndar
         raise ArgumentError(
             "page_table", f"must be integers of shape {shape}, got {table.dtype} {table.shape}"
         )
-    devices = 1 if mesh is None else mesh.shape[sharding.DATA]
+    devices = sharding.data_devices(mesh)
     per_device = pages // devices
     if np.any((table < -1) | (table >= per_device)):
         raise ArgumentError(

@@ -175,7 +175,7 @@ class RequestScheduler:
         self.tree = arguments.check_speculation(num_tokens, tree, engine.model)
         self.page_pool = None
         if engine.pages is not None:
-            shards = 1 if engine.mesh is None else engine.mesh.shape[sharding.DATA]
+            shards = sharding.data_devices(engine.mesh)
             pages, size = engine.pages, engine.page_size
             self.page_pool = PagePool(pages, size, engine.slots, engine.model.max_len // size, shards)
         model, pool = engine.model, self.page_pool

@@ -171,7 +171,7 @@ class Engine:
         self.mesh = None if mesh is None else sharding.check_mesh(mesh)
         self.slots = arguments.check_slots(slots, self.mesh)
         self.prompt_bucket = arguments.check_count("prompt_bucket", prompt_bucket)
-        device_slots = self.slots // (1 if self.mesh is None else self.mesh.shape[sharding.DATA])
+        device_slots = self.slots // sharding.data_devices(self.mesh)
         self.prefill_chunk = arguments.check_prefill_chunk(prefill_chunk, on_gpu(self.mesh), device_slots)
         self.steps_per_dispatch = arguments.check_count("steps_per_dispatch", steps_per_dispatch)
         self.pages, self.page_size = arguments.check_pages(pages, page_size, model, self.mesh)

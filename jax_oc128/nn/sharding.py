@@ -50,6 +50,11 @@ PARAM_RULES = tuple(
 SLOT_AXES = {CompressState: {"banks": 2}, OfflineState: {"rows": 1}}
 
 
+def data_devices(mesh: Mesh | None) -> int:
+    """The devices of ``mesh``'s ``"data"`` axis, over which the slots are split (1 without a mesh)."""
+    return 1 if mesh is None else mesh.shape[DATA]
+
+
 def traced_model_devices() -> int:
     """The devices of the ``"model"`` axis in the mesh of the trace (the engine's; 1 without one)."""
     mesh = jax.sharding.get_abstract_mesh()
